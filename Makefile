@@ -1,0 +1,33 @@
+# `make demo` and `make test` do all set-up on a fresh machine: they create .venv when it is missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.murmur-installed
+
+.PHONY: demo test test-fast venv clean-venv
+
+venv: $(STAMP)
+
+# torch first, pinned, so pip takes the CPU wheel on local disk instead of a multi-GB CUDA build;
+# libp2p compiles fastecdsa, which needs gcc and libgmp's headers.
+$(STAMP): pyproject.toml
+	@command -v gcc >/dev/null && [ -e /usr/include/gmp.h ] || { \
+	  echo "installing build prerequisites (gcc, libgmp-dev)"; \
+	  apt-get update -q && apt-get install -y -q gcc libgmp-dev; }
+	[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/murmur demo
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+# The fast tier: in-process unit and property tests, seconds in all.
+test-fast: $(STAMP)
+	$(PY) -m pytest -m unit
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,19 @@
+"""Communication topologies for gossip: graph families, mixing weights and their spectral analysis (numpy only)."""
+
+from topology.catalog import TOPOLOGY_NAMES, Topology, TopologySpec, build_topology
+from topology.graphs import Graph
+from topology.view import MembershipView, PeerRound, peer_round
+from topology.weights import WEIGHT_SCHEMES, RowWeights
+
+__all__ = [
+    "TOPOLOGY_NAMES",
+    "WEIGHT_SCHEMES",
+    "Graph",
+    "MembershipView",
+    "PeerRound",
+    "RowWeights",
+    "Topology",
+    "TopologySpec",
+    "build_topology",
+    "peer_round",
+]
