@@ -17,6 +17,10 @@ class StreamClosed(ConnectionError):
     """The other end closed the stream (or died) before the bytes asked for arrived."""
 
 
+class PeerUnreachable(ConnectionError):
+    """No stream to the peer could be opened (unknown, dead, or not serving the protocol) in time."""
+
+
 class Stream(Protocol):
     """A reliable, ordered, bidirectional byte stream to one remote peer."""
 

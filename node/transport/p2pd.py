@@ -19,7 +19,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure, raise_if_fail
 from hivemind.proto import p2pd_pb2
 from hivemind.utils.multiaddr import Multiaddr
 
-from gossip.transport import StreamClosed, StreamHandler
+from gossip.transport import PeerUnreachable, StreamClosed, StreamHandler
 from node.proc import asyncio_children_die_with_us
 
 logger = logging.getLogger(__name__)
@@ -31,10 +31,6 @@ LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
 _WRITE_CHUNK = 1 << 20
 # Read buffer for streams we open; asyncio's 64 KiB default costs a pause/resume cycle per 128 KiB.
 _READ_LIMIT = 1 << 22
-
-
-class PeerUnreachable(ConnectionError):
-    """No stream to the peer could be opened (unknown, dead, or not serving the protocol) in time."""
 
 
 @dataclass(frozen=True)
