@@ -88,6 +88,7 @@ class GossipConfig:
     round_interval_s: float = 1.0  # time between the starts of two gossip rounds
     exchange_timeout_s: float = 5.0  # one exchange with one neighbour, after which it counts as missing
     max_staleness_rounds: int = 2  # a neighbour's parameters at most this many rounds old are mixed
+    min_peers: int = 1  # gossip starts once this many peers (this one included) are in the view
     mixing: MixingRule = MixingRule()
 
 
@@ -495,6 +496,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("gossip.exchange_timeout_s", Number(0.0, lo_open=True, metavar="S"), "MURMUR_EXCHANGE_TIMEOUT",
             "--exchange-timeout", "seconds one exchange with one neighbour may take before it counts "
             "as missing", NODE),
+    Setting("gossip.min_peers", Integer(1, noun="peer count"), "MURMUR_MIN_PEERS", "--min-peers",
+            "gossip starts once this many peers (this one included) are in the view; all peers that see "
+            "the same quorum start in the same round", NODE),
     Setting("gossip.max_staleness_rounds", _NONNEG, "MURMUR_MAX_STALENESS", "--max-staleness",
             "mix a neighbour's parameters only if they are at most this many rounds old", NODE),
     Setting("gossip.topology.name", Choice("topology", TOPOLOGY_NAMES, metavar="TOPOLOGY"), "MURMUR_TOPOLOGY",

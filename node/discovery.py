@@ -93,6 +93,7 @@ class PeerRecord:
     capacity: int  # how many experts this peer can own
     version: str  # murmur software version
     heartbeat: float  # DHT (unix) time when the record was published
+    gossip_from: int = 0  # first round this peer gossips in; 0 while it waits for a quorum (see node.rounds)
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,7 @@ def decode_peer_entry(raw: bytes) -> PeerRecord | Withdrawal:
         capacity=_count(fields, "capacity"),
         version=version,
         heartbeat=float(heartbeat),
+        gossip_from=_count(fields, "gossip_from") if "gossip_from" in fields else 0,
     )
 
 
@@ -405,9 +407,12 @@ class Discovery:
         round: int | None = None,
         experts: Sequence[int] | None = None,
         capacity: int | None = None,
+        gossip_from: int | None = None,
     ) -> None:
         """Change what the next heartbeat publishes about this peer. Call from the event loop's thread."""
         changes: dict[str, Any] = {}
+        if gossip_from is not None:
+            changes["gossip_from"] = gossip_from
         if step is not None:
             changes["step"] = step
         if round is not None:

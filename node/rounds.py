@@ -1,0 +1,57 @@
+"""When a node gossips: the swarm's round clock, the quorum start, and who takes part in a round.
+
+Rounds are numbered by wall-clock time from the swarm's epoch (in its config), so nodes agree on
+the round without messages and a node that was frozen or slow simply continues at the current one.
+A peer announces `gossip_from`, the first round it will take part in, in its DHT record; round r's
+participants are the peers in the view with 0 < gossip_from <= r. Peers that see the same records
+therefore build the same graph, which is what keeps the mixing doubly stochastic.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from topology import MembershipView
+
+
+@dataclass(frozen=True)
+class RoundClock:
+    epoch: float  # unix time at which round 0 starts
+    interval_s: float
+
+    def round_at(self, unix_time: float) -> int:
+        return max(0, math.floor((unix_time - self.epoch) / self.interval_s))
+
+    def start_of(self, round_index: int) -> float:
+        return self.epoch + round_index * self.interval_s
+
+
+@dataclass(frozen=True)
+class PeerTiming:
+    peer_id: str
+    gossip_from: int  # 0: not announced yet
+
+
+def announce_round(clock: RoundClock, now: float, lead_s: float) -> int:
+    """The round a node that just reached its quorum announces: far enough ahead for its record to
+    reach every peer (`lead_s`: a few heartbeats) before that round starts."""
+    return clock.round_at(now + lead_s) + 1
+
+
+def start_round(peers: Iterable[PeerTiming], own_announced: int) -> int | None:
+    """The round this node starts gossiping in: the latest one announced by the peers it sees.
+
+    None while a peer in view has not announced yet: starting before it would let two peers
+    that see different announcements start in different rounds.
+    """
+    announced = [p.gossip_from for p in peers]
+    if any(r == 0 for r in announced):
+        return None
+    return max([own_announced, *announced])
+
+
+def participants(peers: Iterable[PeerTiming], round_index: int) -> MembershipView:
+    """The peers that gossip in `round_index`: those that announced a start at or before it."""
+    return MembershipView.of(p.peer_id for p in peers if 0 < p.gossip_from <= round_index)
