@@ -1,0 +1,1 @@
+"""Reproducible benchmarks; each module runs with `python -m bench.<name>` and prints ratios against a baseline measured in the same run."""
