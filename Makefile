@@ -11,7 +11,7 @@ venv: $(STAMP)
 # torch first, pinned, so pip takes the CPU wheel on local disk instead of a multi-GB CUDA build;
 # libp2p compiles fastecdsa, which needs gcc and libgmp's headers.
 $(STAMP): pyproject.toml
-	@command -v gcc >/dev/null && [ -e /usr/include/gmp.h ] || { \
+	@printf '#include <gmp.h>\n' | gcc -E - >/dev/null 2>&1 || { \
 	  echo "installing build prerequisites (gcc, libgmp-dev)"; \
 	  apt-get update -q && apt-get install -y -q gcc libgmp-dev; }
 	[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
