@@ -8,7 +8,8 @@ Who opens a stream in round r (every peer computes this from its own view):
   pair averages symmetrically over one stream. The larger id waits for that request.
 - j is an in-neighbour of i only (directed graphs: static and one-peer exponential): i sends a
   `pull` request (no tensors) and j replies with its tensors.
-A peer answers every valid request, whatever its own view says, with a snapshot of its tensors.
+A peer answers every valid request, whatever its own view says, with a snapshot of its tensors; a
+pull gets the snapshot the asker's round mixes (see `GossipPeer._reply_for`).
 An exchange request from a peer it does not expect is answered and its tensors are kept (latest per
 sender) in case that peer becomes its partner within the staleness bound.
 
@@ -108,6 +109,10 @@ class GossipPeer:
         # exchange requests from peers we were not waiting for: sender -> latest, for a later round
         self._mailbox: dict[str, _Received] = {}
         self._arrived = asyncio.Condition()
+        # round -> our tensors as that round began, for the last max_staleness + 1 rounds (see _reply_for);
+        # they are the values the rounds replaced, so this holds up to that many extra copies
+        self._round_inputs: dict[int, dict[str, np.ndarray]] = {}
+        self._round_began = asyncio.Condition()
 
     @property
     def peer_id(self) -> str:
@@ -133,8 +138,13 @@ class GossipPeer:
     async def run_round(self, round_index: int, plan: PeerRound) -> RoundOutcome:
         """Exchange with this round's neighbours, mix what arrived in time, install the result."""
         started = time.monotonic()
-        self.round = round_index
         own_snapshot = self._tensors
+        oldest_kept = round_index - self._settings.max_staleness
+        async with self._round_began:
+            self.round = round_index
+            self._round_inputs = {r: t for r, t in self._round_inputs.items() if oldest_kept <= r < round_index}
+            self._round_inputs[round_index] = own_snapshot
+            self._round_began.notify_all()
         received: dict[str, _Received] = {}
         skipped: dict[str, str] = {}
 
@@ -196,7 +206,7 @@ class GossipPeer:
     async def _request(self, peer: str, kind: str, own: Tensors) -> _Received:
         stream = await self._transport.open_stream(peer, GOSSIP_PROTOCOL)
         try:
-            await self._send(stream, own if kind == EXCHANGE else {}, kind)
+            await self._send(stream, own if kind == EXCHANGE else {}, None, kind)
             reply = await self._read(stream, self._reply_expectation_for_any_kind())
             if reply.header.kind == REJECT:
                 raise PeerRejected(str(reply.header.meta.get("error", "unspecified")))
@@ -227,11 +237,12 @@ class GossipPeer:
                     _check_manifest(request, self._specs)
                 elif request.header.manifest:
                     raise BadSchema("a pull request carries no tensors")
-                await self._send(stream, self._tensors, REPLY)
+                await self._send(stream, *await self._reply_for(kind, request.header.round), REPLY)
                 self.stats.exchanges_ok += 1
         except WireError as exc:
             self._count_error(exc, peer)
             await self._try_reject(stream, exc)
+            await self._linger(stream)
             return
         except (TimeoutError, ConnectionError) as exc:
             self.stats.errors["timeout" if isinstance(exc, TimeoutError) else "disconnected"] += 1
@@ -245,20 +256,53 @@ class GossipPeer:
                     del self._mailbox[oldest]
                 self._mailbox[peer] = _Received(request.header.round, request.header.step, request.tensors)
                 self._arrived.notify_all()
+        await self._linger(stream)
+
+    async def _linger(self, stream: Stream) -> None:
+        """Keep our end open until the asker hangs up (it does once it has read our answer).
+
+        p2pd resets a stream whose answering end closes first, and the reset can overtake the
+        answer: the asker would then read nothing and count the exchange as truncated while we mixed.
+        """
+        try:
+            async with asyncio.timeout(self._settings.exchange_timeout_s):
+                await stream.read_exactly(1)
+        except (TimeoutError, ConnectionError):
+            pass  # hung up (or never will): either way we are done
+
+    async def _reply_for(self, kind: str, round_index: int) -> tuple[Tensors, int]:
+        """The tensors (and their round) that answer a `kind` request of round `round_index`.
+
+        Mixing stays doubly stochastic only if a puller gets our input to *its* round: a pull of a
+        round we began gets our tensors as that round began, even if we have moved on, and a pull of
+        a round we will begin within the staleness bound waits for it (within the request's
+        deadline). An exchange is answered at once with our current tensors: those are what its
+        sender's tensors are mixed with here, in the round that takes them from the mailbox, and
+        waiting could stall that very round.
+        """
+        if kind != PULL:
+            return self._tensors, self.round
+        if self.round < round_index <= self.round + self._settings.max_staleness:
+            async with self._round_began:
+                await self._round_began.wait_for(lambda: self.round >= round_index)
+        began = self._round_inputs.get(round_index)
+        return (began, round_index) if began is not None else (self._tensors, self.round)
 
     async def _try_reject(self, stream: Stream, exc: WireError) -> None:
         try:
             async with asyncio.timeout(min(1.0, self._settings.exchange_timeout_s)):
-                await self._send(stream, {}, REJECT, meta={"error": exc.kind})
+                await self._send(stream, {}, None, REJECT, meta={"error": exc.kind})
         except (TimeoutError, ConnectionError, WireError):
             pass  # the peer is gone or broken; the error is already counted
 
     # ---- framing ---------------------------------------------------------------------------------
 
-    async def _send(self, stream: Stream, tensors: Tensors, kind: str, meta: Mapping[str, str] | None = None) -> None:
+    async def _send(self, stream: Stream, tensors: Tensors, round_index: int | None, kind: str,
+                    meta: Mapping[str, str] | None = None) -> None:
         frames = encode_message(
             tensors, self._settings.codec, swarm=self._settings.swarm, config_hash=self._settings.config_hash,
-            sender=self.peer_id, round=self.round, step=self.step, kind=kind, meta=meta, limits=self._settings.limits,
+            sender=self.peer_id, round=self.round if round_index is None else round_index, step=self.step, kind=kind,
+            meta=meta, limits=self._settings.limits,
         )
         for frame in frames:
             await stream.write(frame)

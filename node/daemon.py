@@ -140,25 +140,10 @@ async def _bounded_cleanup(what: str, timeout_s: float = STOP_TIMEOUT_S) -> Asyn
 
 async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, runtime: NodeRuntime) -> None:
     from node.discovery import BootstrapFailed, Discovery, DiscoverySettings
-    from node.identity import IdentityError, claim_identity
-    from node.transport.p2pd import P2PDTransport, P2PSettings, start_p2pd
+    from node.transport.p2pd import P2PDTransport
 
-    config.data_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        claimed = claim_identity(config.identity_path)
-    except IdentityError as exc:
-        raise StartupError(str(exc)) from None
     async with contextlib.AsyncExitStack() as stack:
-        stack.callback(claimed.release)
-        try:
-            p2p = await start_p2pd(P2PSettings(
-                identity_path=config.identity_path, host_maddrs=config.network.listen,
-                announce_maddrs=config.network.announce, initial_peers=config.network.initial_peers,
-                nat_port_map=config.network.nat_port_map,
-            ))
-        except Exception as exc:  # p2pd reports a busy port or a bad address only as its own failure
-            raise StartupError(f"p2pd could not start on {', '.join(config.network.listen)}: {exc}") from None
-        stack.push_async_callback(_shutdown_p2p, p2p)
+        claimed, p2p = await _identity_and_daemon(config, stack)
         transport = P2PDTransport(p2p)
         runtime.transport = transport
         stack.push_async_callback(_close, transport, "transport")
@@ -196,6 +181,29 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
         print(f"murmur: peer {transport.peer_id} in swarm {config.swarm!r} ready; monitor {api.url}; "
               f"maddrs {' '.join(runtime.maddrs)}", flush=True)
         await _gossip_until(stop, runtime, settings, ckpt_path)
+
+
+async def _identity_and_daemon(config: NodeConfig, stack: contextlib.AsyncExitStack):
+    """Claim the node's identity and start its p2pd; both are released when `stack` closes."""
+    from node.identity import IdentityError, claim_identity
+    from node.transport.p2pd import P2PSettings, start_p2pd
+
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        claimed = claim_identity(config.identity_path)
+    except IdentityError as exc:
+        raise StartupError(str(exc)) from None
+    stack.callback(claimed.release)
+    try:
+        p2p = await start_p2pd(P2PSettings(
+            identity_path=config.identity_path, host_maddrs=config.network.listen,
+            announce_maddrs=config.network.announce, initial_peers=config.network.initial_peers,
+            nat_port_map=config.network.nat_port_map,
+        ))
+    except Exception as exc:  # p2pd reports a busy port or a bad address only as its own failure
+        raise StartupError(f"p2pd could not start on {', '.join(config.network.listen)}: {exc}") from None
+    stack.push_async_callback(_shutdown_p2p, p2p)
+    return claimed, p2p
 
 
 async def _swarm_config(discovery, config: NodeConfig, founding: bool, checkpoint):
@@ -245,13 +253,15 @@ async def _gossip_until(stop: asyncio.Event, runtime: NodeRuntime, settings: Swa
     announced, start, waiting_since = 0, None, time.monotonic()
     topologies: dict[int, Topology] = {}
     connected: set[str] = set()
+    last_round = -1
     while not stop.is_set():
-        next_round = clock.round_at(time.time()) + 1
+        next_round = clock.next_round(time.time(), last_round, settings.max_staleness)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(max(0.0, clock.start_of(next_round) - time.time())):
                 await stop.wait()
         if stop.is_set():
             return
+        last_round = next_round
         view = discovery.view()
         timings = [PeerTiming(p.peer_id, p.gossip_from) for p in view if p.peer_id != me]
         if not announced and len(view) >= config.gossip.min_peers:
@@ -266,9 +276,12 @@ async def _gossip_until(stop: asyncio.Event, runtime: NodeRuntime, settings: Swa
                 start = start_round([t for t in timings if t.gossip_from], announced)
             if start is not None:
                 logger.info("gossip starts at round %d (now %d)", start, next_round)
+                # our tensors are our input to that round: label replies so, not as `stale`
+                peer.round = max(peer.round, start - 1)
+        # dial before the first gossip round, so that round is not late for the dialling
+        await _connect_new(runtime.transport, view, me, connected)
         if start is None or next_round < start:
             continue
-        await _connect_new(runtime.transport, view, me, connected)
         members = participants([*timings, PeerTiming(me, announced)], next_round)
         if me not in members.peer_ids:
             continue
@@ -369,26 +382,10 @@ def run_bootstrap(config: NodeConfig) -> int:
     async def main() -> int:
         from hivemind.dht.node import DHTNode
 
-        from node.identity import IdentityError, claim_identity
-        from node.transport.p2pd import P2PSettings, start_p2pd
-
         stop = asyncio.Event()
         _install_stop_signals(stop)
-        config.data_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            claimed = claim_identity(config.identity_path)
-        except IdentityError as exc:
-            raise StartupError(str(exc)) from None
         async with contextlib.AsyncExitStack() as stack:
-            stack.callback(claimed.release)
-            try:
-                p2p = await start_p2pd(P2PSettings(identity_path=config.identity_path, host_maddrs=config.network.listen,
-                                                   announce_maddrs=config.network.announce,
-                                                   initial_peers=config.network.initial_peers,
-                                                   nat_port_map=config.network.nat_port_map))
-            except Exception as exc:
-                raise StartupError(f"p2pd could not start on {', '.join(config.network.listen)}: {exc}") from None
-            stack.push_async_callback(_shutdown_p2p, p2p)
+            _, p2p = await _identity_and_daemon(config, stack)
             async with asyncio.timeout(30):
                 dht = await DHTNode.create(p2p=p2p, initial_peers=list(config.network.initial_peers) or None)
             stack.push_async_callback(_close_dht, dht)

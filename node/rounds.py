@@ -27,6 +27,19 @@ class RoundClock:
     def start_of(self, round_index: int) -> float:
         return self.epoch + round_index * self.interval_s
 
+    def next_round(self, now: float, last: int, max_lag: int) -> int:
+        """The round to take after round `last`: the one right after it while that leaves the node
+        at most `max_lag` rounds behind the clock, else the next round to start.
+
+        A node whose round overran its slot thus catches up instead of skipping rounds: a skipped
+        round breaks mixing on directed graphs (the peer that pulls from it still counts it, so the
+        swarm's average moves). A node further behind (frozen, or far too slow) jumps to the present.
+        """
+        current = self.round_at(now)
+        if last < current <= last + max_lag:
+            return last + 1
+        return current + 1
+
 
 @dataclass(frozen=True)
 class PeerTiming:

@@ -1,0 +1,96 @@
+"""A hostile peer on its own p2pd sends bad `/murmur/gossip/1` requests to a real node process: each is
+refused with its specific error counted in the node's status, and the honest nodes' vectors are
+exactly what honest gossip alone makes of them."""
+
+import asyncio
+
+import numpy as np
+import pytest
+from swarm_harness import Node, Swarm, initial_vector, mean_vector, wait_for
+
+from gossip.codecs import get_codec
+from gossip.errors import WIRE_ERROR_KINDS
+from gossip.transport import GOSSIP_PROTOCOL
+from gossip.wire import encode_message
+
+pytestmark = pytest.mark.multiprocess
+
+DIM = 64
+# (what the attacker sends, the error kind the victim must count for it)
+ATTACKS = [
+    ("garbage", "too_large"),  # 0xff... read as a frame length of 2^64 - 1
+    ("reply_as_request", "bad_schema"),
+    ("wrong_manifest", "manifest_mismatch"),
+    ("nan", "non_finite"),
+    ("other_swarm_config", "wrong_swarm"),
+    ("half_then_hang_up", "truncated"),
+]
+
+
+def bad_frames(case: str, *, swarm: str, config_hash: str, sender: str) -> list[bytes]:
+    huge = {"params": np.full(DIM, 1e3, np.float32)}  # would show in the victim's vector if it got through
+    common = dict(swarm=swarm, config_hash=config_hash, sender=sender, round=1, step=0)
+    fp32 = get_codec("fp32")
+    if case == "garbage":
+        return [b"\xff" * 64]
+    if case == "reply_as_request":
+        return encode_message(huge, fp32, **common, kind="reply")
+    if case == "wrong_manifest":
+        return encode_message({"params": np.ones(DIM + 1, np.float32)}, fp32, **common, kind="exchange")
+    if case == "nan":
+        body = bytearray(b"".join(bytes(f) for f in encode_message(huge, fp32, **common, kind="exchange")))
+        body[-4:] = np.array([np.nan], np.float32).tobytes()
+        return [bytes(body)]
+    if case == "other_swarm_config":
+        return encode_message(huge, fp32, **{**common, "config_hash": "0" * 64}, kind="exchange")
+    whole = b"".join(bytes(f) for f in encode_message(huge, fp32, **common, kind="exchange"))
+    return [whole[: len(whole) // 2]]
+
+
+def wire_errors(node: Node) -> dict[str, int]:
+    errors = node.status()["errors"]
+    return {kind: errors[kind] for kind in WIRE_ERROR_KINDS if kind in errors}
+
+
+async def attack(victim: Node, identity_path, swarm_name: str, config_hash: str) -> None:
+    # hivemind is imported here, not at collection, so `pytest -m unit` does not pay for it
+    from node.transport.p2pd import P2PDTransport, P2PSettings, start_p2pd
+
+    p2p = await start_p2pd(P2PSettings(identity_path=identity_path, nat_port_map=False))
+    transport = P2PDTransport(p2p)
+    try:
+        await transport.connect(victim.peer_id, victim.maddrs)
+        expected: dict[str, int] = {}
+        for case, kind in ATTACKS:
+            frames = bad_frames(case, swarm=swarm_name, config_hash=config_hash, sender=transport.peer_id)
+            stream = await transport.open_stream(victim.peer_id, GOSSIP_PROTOCOL)
+            async with asyncio.timeout(10):
+                for frame in frames:
+                    await stream.write(frame)
+                await stream.close()  # end of stream: the half message stays half
+            expected[kind] = expected.get(kind, 0) + 1
+            got = await asyncio.to_thread(
+                wait_for, lambda: (e := wire_errors(victim)) == expected and e, 10, f"{case} counted as {kind}")
+            assert got == expected, case
+    finally:
+        await transport.close()
+        await p2p.shutdown()
+
+
+def test_bad_requests_are_refused_by_kind_and_honest_vectors_stay_exact(tmp_path):
+    with Swarm(tmp_path, dim=DIM, round_interval=0.4, heartbeat=2) as swarm:
+        victim, honest = swarm.start(2, min_peers=2)
+        swarm.wait_rounds([victim, honest], 2, timeout_s=60)
+        status = victim.status()
+        asyncio.run(attack(victim, tmp_path / "attacker.key", status["swarm"], status["config_hash"]))
+
+        assert wire_errors(honest) == {}
+        ran = victim.status()["rounds_run"]
+        wait_for(lambda: victim.status()["rounds_run"] >= ran + 2, 30, "the victim to keep gossiping")
+        assert swarm.stop_all([victim, honest]) == [0, 0], swarm.logs()
+
+    # two honest nodes pull each other's vectors: each round both hold exactly the mean of the two
+    a, b = victim.checkpoint()[0], honest.checkpoint()[0]
+    np.testing.assert_array_equal(a, b)
+    expected = mean_vector([initial_vector(victim.seed, DIM), initial_vector(honest.seed, DIM)])
+    np.testing.assert_allclose(a, expected, rtol=0, atol=1e-6)

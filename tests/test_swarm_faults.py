@@ -1,0 +1,202 @@
+"""Real `murmur` node processes on loopback under faults: a node SIGKILLed mid-exchange, a node
+frozen by SIGSTOP, a clean SIGTERM and restart, children that die with a killed node, and an
+identity that two nodes cannot share."""
+
+import signal
+import time
+
+import psutil
+import pytest
+from swarm_harness import Node, Swarm, consensus_distance, initial_vector, wait_for
+
+pytestmark = pytest.mark.multiprocess
+
+HEARTBEAT_S = 1.0
+RECORD_TTL_HEARTBEATS = 3  # node.discovery.DiscoverySettings.ttl_heartbeats
+VIEW_REFRESH_S = HEARTBEAT_S / 2  # discovery re-reads the view every half heartbeat
+# Polling several busy processes on a loaded 2-core machine adds its own delay to what we measure.
+POLL_SLACK_S = 1.5
+
+
+@pytest.fixture
+def swarm(tmp_path):
+    with Swarm(tmp_path, heartbeat=HEARTBEAT_S) as s:
+        yield s
+
+
+def in_view(node: Node, of: Node) -> bool:
+    return any(p["peer_id"] == of.peer_id for p in node.status()["peers"])
+
+
+def kill_mid_transfer(node: Node, timeout_s: float = 30.0) -> None:
+    """SIGKILL `node` (its pid only) the moment its byte counters move: a tensor transfer is under way."""
+    def moved() -> int:
+        s = node.status()
+        return s["bytes_sent"] + s["bytes_received"]
+
+    deadline = time.monotonic() + timeout_s
+    last = moved()
+    while time.monotonic() < deadline:
+        now = moved()
+        if now - last >= 1 << 20:  # a megabyte since the last poll, a few ms ago: mid-message
+            node.process.kill()
+            return
+        last = now
+        time.sleep(0.005)
+    raise AssertionError(f"{node.name} moved no tensors in {timeout_s:g} s")
+
+
+def children_left(children: list[psutil.Process]) -> list[str]:
+    left = []
+    for child in children:
+        try:
+            if child.is_running() and child.status() != psutil.STATUS_ZOMBIE:
+                left.append(f"{child.pid} {child.name()}")
+        except psutil.NoSuchProcess:
+            pass
+    return left
+
+
+def test_sigkill_mid_exchange_hangs_no_one_and_a_newcomer_converges(swarm):
+    # 2M floats (8 MB) per message: exchanges take a good part of each 0.6 s round
+    flags = dict(dim=2_000_000, round_interval=0.6, exchange_timeout=3, min_peers=6)
+    nodes = swarm.start(6, **flags)
+    victim, survivors = nodes[3], [n for n in nodes if n is not nodes[3]]
+    swarm.wait_rounds(nodes, 3, timeout_s=60)
+    before = {n.name: n.status() for n in survivors}
+    children = psutil.Process(victim.pid).children(recursive=True)
+    assert any(c.name() == "p2pd" for c in children), [c.name() for c in children]
+
+    kill_mid_transfer(victim)
+    killed_at = time.monotonic()
+
+    # its neighbours notice within the exchange deadline: a cut stream, not a hang
+    def exchange_broke() -> dict:
+        broke = {}
+        for n in survivors:
+            s = n.status()
+            for kind in ("truncated", "disconnected"):
+                if s["errors"].get(kind, 0) > before[n.name]["errors"].get(kind, 0):
+                    broke[n.name] = kind
+        return broke
+
+    wait_for(exchange_broke, 10, "a survivor to see an exchange with the killed node cut off")
+
+    time.sleep(max(0.0, killed_at + 2.0 - time.monotonic()))
+    assert children_left(children) == [], "the killed node's children outlived it by 2 s"
+
+    wait_for(lambda: not any(in_view(n, victim) for n in survivors), 30, "the survivors to drop the killed node")
+    dropped_after = time.monotonic() - killed_at
+    limit = 3 * HEARTBEAT_S + VIEW_REFRESH_S + POLL_SLACK_S
+    assert dropped_after < limit, f"dropped after {dropped_after:.1f} s, more than {limit:.1f} s\n{swarm.logs()}"
+    newcomer = swarm.spawn("n6", seed=6, join=nodes[0], **flags)  # its start-up overlaps the next checks
+
+    # nobody hangs: every survivor keeps running rounds, in step with the others
+    ran = [s["rounds_run"] for s in swarm.statuses(survivors)]
+
+    def ran_three_more() -> list[dict] | None:
+        statuses = swarm.statuses(survivors)
+        return statuses if all(s["rounds_run"] >= r + 3 for s, r in zip(statuses, ran)) else None
+
+    rounds = [s["round"] for s in wait_for(ran_three_more, 30, "every survivor to run 3 more rounds")]
+    assert max(rounds) - min(rounds) <= 2, rounds
+
+    swarm.wait_ready([newcomer])
+    swarm.wait_views([*survivors, newcomer], [*survivors, newcomer], timeout_s=30)
+    wait_for(lambda: newcomer.status()["rounds_run"] >= 12, 60, "the newcomer to run 12 rounds")
+
+    alive = [*survivors, newcomer]
+    assert swarm.stop_all(alive) == [0] * len(alive), swarm.logs()
+    start = consensus_distance(initial_vector(n.seed, n.dim) for n in nodes)
+    end = consensus_distance(n.checkpoint()[0] for n in alive)
+    assert end < 1e-2 * start, f"consensus distance {end:.3g} from {start:.3g}\n{swarm.logs()}"
+
+
+def test_a_frozen_node_is_skipped_and_catches_up_after_it_thaws(swarm):
+    nodes = swarm.start(3, min_peers=3, dim=64, round_interval=0.4, exchange_timeout=2)
+    frozen, others = nodes[2], nodes[:2]
+    swarm.wait_rounds(nodes, 3)
+    before = {n.name: n.status() for n in others}
+
+    frozen.signal(signal.SIGSTOP)
+    try:
+        time.sleep(20)
+        during = {n.name: n.status() for n in others}
+    finally:
+        frozen.signal(signal.SIGCONT)
+    thawed_at_round = max(s["round"] for s in during.values())
+
+    for n in others:
+        # 50 rounds fit in 20 s; some are lost to the frozen peer's deadline, most are not
+        assert during[n.name]["rounds_run"] - before[n.name]["rounds_run"] >= 20, (during[n.name], swarm.logs())
+        assert frozen.peer_id not in [p["peer_id"] for p in during[n.name]["peers"]], "a frozen peer stays in view"
+    skipped = sum(during[n.name]["skipped"].get("timeout", 0) - before[n.name]["skipped"].get("timeout", 0)
+                  for n in others)
+    assert skipped >= 1, "no one waited for the frozen peer until its deadline"
+
+    wait_for(lambda: frozen.status()["round"] >= thawed_at_round, 20, "the thawed node to reach the swarm's round")
+    swarm.wait_views(nodes, nodes, timeout_s=20)
+    ran = frozen.status()["rounds_run"]
+    wait_for(lambda: frozen.status()["rounds_run"] >= ran + 12, 30, "the thawed node to run 12 rounds")
+    rounds = [s["round"] for s in swarm.statuses(nodes)]
+    assert max(rounds) - min(rounds) <= 2, rounds
+
+    assert swarm.stop_all(nodes) == [0, 0, 0], swarm.logs()
+    start = consensus_distance(initial_vector(n.seed, n.dim) for n in nodes)
+    end = consensus_distance(n.checkpoint()[0] for n in nodes)
+    assert end < 1e-3 * start, f"consensus distance {end:.3g} from {start:.3g}\n{swarm.logs()}"
+
+
+def test_sigterm_checkpoints_withdraws_and_a_restart_resumes(tmp_path):
+    # a 2 s heartbeat: a withdrawn record vanishes within a view refresh, an expired one only after 4-6 s
+    heartbeat = 2.0
+    with Swarm(tmp_path, heartbeat=heartbeat) as swarm:
+        nodes = swarm.start(3, dim=64, round_interval=0.4)
+        leaving, others = nodes[2], nodes[:2]
+        swarm.wait_rounds(nodes, 3, timeout_s=60)
+
+        # its latest record, as it last published it: that record expires TTL after this heartbeat
+        [own] = [p for p in leaving.status()["peers"] if p["peer_id"] == leaving.peer_id]
+        expires_at = own["last_seen"] + RECORD_TTL_HEARTBEATS * heartbeat
+        rc, took = leaving.stop()
+        assert rc == 0 and took < 5.0, (rc, took, leaving.log_tail())
+        vector, round_ = leaving.checkpoint()
+        assert round_ >= 1
+        fresh = initial_vector(leaving.seed, leaving.dim)
+        assert not (vector == fresh).all(), "the checkpoint holds the fresh vector: no gossip was saved"
+
+        wait_for(lambda: not any(in_view(n, leaving) for n in others), 10, "the others to drop the stopped node")
+        early = expires_at - time.time()
+        assert early > 0, f"dropped {-early:.1f} s after its record expired: it was not withdrawn"
+
+        back = swarm.spawn(leaving.name, seed=leaving.seed, join=nodes[0], data_dir=leaving.data_dir,
+                           dim=64, round_interval=0.4)
+        swarm.wait_ready([back])
+        assert back.peer_id == leaving.peer_id
+        status = back.status()
+        # the node announces its start a few heartbeats ahead, so it has not mixed anything yet
+        assert status["rounds_run"] == 0 and status["round"] >= round_
+        assert status["payload"]["norm"] == pytest.approx(float((vector.astype("float64") ** 2).sum() ** 0.5), rel=1e-6)
+        assert status["payload"]["mean"] == pytest.approx(float(vector.astype("float64").mean()), rel=1e-5, abs=1e-7)
+        swarm.wait_views(nodes[:2] + [back], nodes[:2] + [back], timeout_s=20)
+
+
+def test_a_killed_nodes_children_die_with_it(swarm):
+    node = swarm.found(dim=64)
+    children = psutil.Process(node.pid).children(recursive=True)
+    assert any(c.name() == "p2pd" for c in children), [c.name() for c in children]
+    node.process.kill()  # the node's pid only: its children must follow on their own
+    killed_at = time.monotonic()
+    node.process.wait(10)
+    time.sleep(max(0.0, killed_at + 2.0 - time.monotonic()))
+    assert children_left(children) == []
+
+
+def test_an_identity_in_use_is_refused_with_status_2_and_one_line(swarm):
+    owner = swarm.found(dim=64)
+    intruder = swarm.spawn("intruder", seed=1, join=None, extra_args=["--identity", str(owner.data_dir / "identity.key")])
+    assert intruder.process.wait(120) == 2
+    err = intruder.stderr().strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("murmur: error: identity ") and "in use" in err[0], err
+    assert intruder.stdout() == ""
+    assert owner.alive() and owner.status()["peer_id"] == owner.peer_id
