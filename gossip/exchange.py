@@ -101,7 +101,9 @@ class GossipPeer:
         self._settings = settings
         self._tensors: dict[str, np.ndarray] = dict(tensors)
         self._specs = tensor_specs(self._tensors)
-        self._expect_reply = Expectation(settings.swarm, settings.config_hash, self._specs)
+        # Requests and replies are read before their kind is known (a pull or a reject carries no
+        # tensors), so the manifest is checked after reading, within limits sized to our own tensors.
+        self._expect_peer = Expectation(settings.swarm, settings.config_hash)
         self._request_limits = _limits_for(self._tensors, settings.limits)
         self.round = 0
         self.step = step
@@ -207,7 +209,7 @@ class GossipPeer:
         stream = await self._transport.open_stream(peer, GOSSIP_PROTOCOL)
         try:
             await self._send(stream, own if kind == EXCHANGE else {}, None, kind)
-            reply = await self._read(stream, self._reply_expectation_for_any_kind())
+            reply = await self._read(stream, self._expect_peer)
             if reply.header.kind == REJECT:
                 raise PeerRejected(str(reply.header.meta.get("error", "unspecified")))
             if reply.header.kind != REPLY:
@@ -218,18 +220,13 @@ class GossipPeer:
         finally:
             await stream.close()
 
-    def _reply_expectation_for_any_kind(self) -> Expectation:
-        # a reply carries our manifest, a reject none: check the manifest after reading the kind,
-        # within limits sized to our own tensors
-        return replace(self._expect_reply, manifest=None)
-
     # ---- serving ---------------------------------------------------------------------------------
 
     async def _serve(self, stream: Stream) -> None:
         peer = stream.remote_peer
         try:
             async with asyncio.timeout(self._settings.exchange_timeout_s):
-                request = await self._read(stream, replace(self._expect_reply, manifest=None))
+                request = await self._read(stream, self._expect_peer)
                 kind = request.header.kind
                 if kind not in (PULL, EXCHANGE):
                     raise BadSchema(f"expected a pull or exchange request, got a {kind!r} message")

@@ -24,6 +24,7 @@ from node.config import (
     Boolean,
     Choice,
     ConfigError,
+    EdgeList,
     Multiaddrs,
     NodeConfig,
     ResolvedConfig,
@@ -79,14 +80,14 @@ non_negative_float = _number(float, lo=0.0)
 
 
 def _edge_list(text: str) -> tuple[tuple[int, int], ...]:
-    """'0-1,1-2,2-0' -> ((0, 1), (1, 2), (2, 0))."""
+    """'0-1,1-2,2-0' -> ((0, 1), (1, 2), (2, 0)), parsed as the config file and environment parse it."""
     try:
-        edges = tuple(tuple(int(r) for r in pair.split("-")) for pair in text.split(",") if pair.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an edge list like 0-1,1-2,2-0") from None
-    if not edges or any(len(e) != 2 for e in edges):
+        edges = EdgeList().from_text(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not edges:
         raise argparse.ArgumentTypeError(f"{text!r} is not an edge list like 0-1,1-2,2-0")
-    return edges  # type: ignore[return-value]
+    return edges
 
 
 def _add_topology_options(p: argparse.ArgumentParser) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import signal
 import sys
@@ -211,8 +212,6 @@ async def _swarm_config(discovery, config: NodeConfig, founding: bool, checkpoin
 
     if founding:
         if checkpoint is not None and "swarm_config" in checkpoint.meta:
-            import json
-
             doc = json.loads(str(checkpoint.meta["swarm_config"]))
             if doc.get("payload", {}).get("dim") == config.dim:
                 return await discovery.publish_config(doc)  # a restarted founder keeps its swarm's epoch
@@ -315,8 +314,6 @@ async def _connect_new(transport, view, me: str, connected: set[str]) -> None:
 
 
 async def _checkpoint(runtime: NodeRuntime, path) -> None:
-    import json
-
     peer = runtime.peer
     meta = {"round": peer.round, "step": peer.step, "config_hash": runtime.config_hash, "swarm": runtime.config.swarm,
             "swarm_config": json.dumps(runtime.swarm_doc)}
