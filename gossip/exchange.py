@@ -4,14 +4,15 @@ the neighbours a topology names, the request/reply on one stream, validation, an
 Who opens a stream in round r (every peer computes this from its own view):
 - j is an in-neighbour of i and i is an in-neighbour of j (a symmetric edge: ring, torus, hypercube
   pairs...): the peer with the smaller id opens one stream and sends an `exchange` request carrying
-  its tensors; the other answers with a `reply` carrying its own, and both mix what they got, so a
-  pair averages symmetrically over one stream. The larger id waits for that request.
+  its input to round r; the other answers with a `reply` carrying its own input to round r, the
+  asker confirms with an `ack`, and both mix what they got, so a pair averages symmetrically over
+  one stream. The larger id waits for that request (`GossipPeer._await_partner`); a request that
+  arrives before the larger id has begun round r waits for it (see `GossipPeer._claim_partner_slot`).
 - j is an in-neighbour of i only (directed graphs: static and one-peer exponential): i sends a
-  `pull` request (no tensors) and j replies with its tensors.
-A peer answers every valid request, whatever its own view says, with a snapshot of its tensors; a
-pull gets the snapshot the asker's round mixes (see `GossipPeer._reply_for`).
-An exchange request from a peer it does not expect is answered and its tensors are kept (latest per
-sender) in case that peer becomes its partner within the staleness bound.
+  `pull` request (no tensors) and j replies with its input to round r.
+A peer answers every valid pull, whatever its own view says. An exchange is answered with a reply
+only when the answering peer is waiting for that asker in that round; otherwise (the round is over,
+the asker is not its partner, the round is too far ahead) it answers `reject`, and neither side mixes.
 
 Every exchange has a deadline; a neighbour that is dead, frozen, slow, rejects us or is more than
 `max_staleness` rounds away is skipped and its weight goes back to the local tensors (see
@@ -24,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from gossip.codecs import Codec
-from gossip.errors import BadSchema, ManifestMismatch, WireError
+from gossip.errors import BadSchema, ManifestMismatch, Truncated, WireError
 from gossip.mixing import MixingRule, mix
 from gossip.transport import GOSSIP_PROTOCOL, Stream, Transport
 from gossip.wire import DEFAULT_LIMITS, Expectation, Message, WireLimits, encode_message, read_message, tensor_specs
@@ -40,8 +40,15 @@ from topology import PeerRound
 
 logger = logging.getLogger(__name__)
 
-PULL, EXCHANGE, REPLY, REJECT = "pull", "exchange", "reply", "reject"
-MAILBOX_SENDERS = 16  # unexpected exchange requests kept at once; each holds one copy of the tensors
+PULL, EXCHANGE, REPLY, REJECT, ACK = "pull", "exchange", "reply", "reject", "ack"
+# exchange requests held at once until their round begins; each holds one copy of the tensors
+MAX_WAITING_REQUESTS = 16
+
+# Why an exchange request was refused for its timing (the `error` of the `reject`; ExchangeStats.refused):
+LATE = "late"  # the round is over here, our wait for this asker ended, or the asker sent a later round since
+NOT_PARTNER = "not_partner"  # our plan for that round does not wait for this asker's exchange
+STALE = "stale"  # more than max_staleness rounds away from ours (the asker skips us as `stale`)
+BUSY = "busy"  # MAX_WAITING_REQUESTS requests already wait for their rounds
 
 Tensors = Mapping[str, np.ndarray]
 
@@ -68,6 +75,8 @@ class ExchangeStats:
     last_round_s: float = 0.0
     errors: collections.Counter[str] = field(default_factory=collections.Counter)  # rejected input, by kind
     skipped: collections.Counter[str] = field(default_factory=collections.Counter)  # neighbours skipped, by reason
+    # valid exchange requests answered with a `reject` because of their round (LATE, NOT_PARTNER, ...)
+    refused: collections.Counter[str] = field(default_factory=collections.Counter)
 
 
 @dataclass(frozen=True)
@@ -89,6 +98,42 @@ class PeerRejected(Exception):
     """The neighbour answered with a `reject` message."""
 
 
+class PartnerMissed(Exception):
+    """A symmetric partner's exchange of this round did not complete; `reason` is the skip reason."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class _ReadProgress:
+    bytes: int = 0  # of the message being read
+
+
+class _PartnerSlot:
+    """Where a round waits for one symmetric partner's exchange request, and where the handler that
+    answers the request leaves the outcome.
+
+    OPEN -> CLAIMED (a handler is replying) -> DONE | FAILED, or OPEN -> CLOSED (the round stopped
+    waiting first; a request arriving later is refused as LATE). Every change sets `changed`.
+    """
+
+    OPEN, CLAIMED, DONE, FAILED, CLOSED = "open", "claimed", "done", "failed", "closed"
+    __slots__ = ("state", "received", "failure", "changed")
+
+    def __init__(self) -> None:
+        self.state = self.OPEN
+        self.received: _Received | None = None
+        self.failure = ""
+        self.changed = asyncio.Event()
+
+    def settle(self, received: _Received | None, failure: str = "") -> None:
+        self.state = self.DONE if received is not None else self.FAILED
+        self.received, self.failure = received, failure
+        self.changed.set()
+
+
 class GossipPeer:
     """One peer's side of the protocol: serves requests and runs rounds over a transport.
 
@@ -96,8 +141,11 @@ class GossipPeer:
     without copying while a round or the trainer produces the next values.
     """
 
-    def __init__(self, transport: Transport, settings: ExchangeSettings, tensors: Tensors, *, step: int = 0) -> None:
+    def __init__(self, transport: Transport, settings: ExchangeSettings, tensors: Tensors, *, step: int = 0,
+                 protocol: str = GOSSIP_PROTOCOL) -> None:
         self._transport = transport
+        # one protocol per tensor group: SPES runs a peer for the shared weights and one per owned expert
+        self._protocol = protocol
         self._settings = settings
         self._tensors: dict[str, np.ndarray] = dict(tensors)
         self._specs = tensor_specs(self._tensors)
@@ -105,15 +153,21 @@ class GossipPeer:
         # tensors), so the manifest is checked after reading, within limits sized to our own tensors.
         self._expect_peer = Expectation(settings.swarm, settings.config_hash)
         self._request_limits = _limits_for(self._tensors, settings.limits)
-        self.round = 0
+        self.round = 0  # the round in progress or last run; set by the daemon to place a fresh or resumed peer
         self.step = step
         self.stats = ExchangeStats()
-        # exchange requests from peers we were not waiting for: sender -> latest, for a later round
-        self._mailbox: dict[str, _Received] = {}
-        self._arrived = asyncio.Condition()
-        # round -> our tensors as that round began, for the last max_staleness + 1 rounds (see _reply_for);
+        self._parked = False  # see park()
+        self._begun = -1  # the latest round whose run_round has begun
+        # round -> our tensors as that round began, for the last max_staleness + 1 rounds (see _pull_answer);
         # they are the values the rounds replaced, so this holds up to that many extra copies
         self._round_inputs: dict[int, dict[str, np.ndarray]] = {}
+        # (partner, round) -> where the round in progress waits for that partner's exchange request
+        self._partner_slots: dict[tuple[str, int], _PartnerSlot] = {}
+        # sender -> the latest round of its exchange requests: a peer asks for round r only after it
+        # is done with earlier rounds, so our waits for its earlier requests can end at once
+        self._latest_request: dict[str, int] = {}
+        self._waiting_requests = 0
+        # notified when a round begins or a sender's latest request round grows
         self._round_began = asyncio.Condition()
 
     @property
@@ -133,7 +187,7 @@ class GossipPeer:
             self.step = step
 
     async def start(self) -> None:
-        await self._transport.serve(GOSSIP_PROTOCOL, self._serve)
+        await self._transport.serve(self._protocol, self._serve)
 
     # ---- one round -------------------------------------------------------------------------------
 
@@ -142,25 +196,32 @@ class GossipPeer:
         started = time.monotonic()
         own_snapshot = self._tensors
         oldest_kept = round_index - self._settings.max_staleness
+        awaited = {peer for peer in plan.in_weights if peer in plan.out_peers and self.peer_id > peer}
         async with self._round_began:
             self.round = round_index
+            self._begun = round_index
             self._round_inputs = {r: t for r, t in self._round_inputs.items() if oldest_kept <= r < round_index}
             self._round_inputs[round_index] = own_snapshot
+            self._partner_slots = {(peer, round_index): _PartnerSlot() for peer in awaited}
+            self._latest_request = {p: r for p, r in self._latest_request.items() if r > round_index}
             self._round_began.notify_all()
         received: dict[str, _Received] = {}
         skipped: dict[str, str] = {}
 
         async def one(peer: str) -> None:
+            deadline = asyncio.get_running_loop().time() + self._settings.exchange_timeout_s
             try:
-                async with asyncio.timeout(self._settings.exchange_timeout_s):
-                    if peer in plan.out_peers and self.peer_id > peer:
-                        got = await self._await_partner(peer)
-                    else:
-                        got = await self._request(peer, EXCHANGE if peer in plan.out_peers else PULL, own_snapshot)
+                if peer in awaited:
+                    got = await self._await_partner(peer, round_index, deadline)
+                else:
+                    kind = EXCHANGE if peer in plan.out_peers else PULL
+                    got = await self._request(peer, kind, own_snapshot, round_index, deadline)
             except TimeoutError:
                 skipped[peer] = "timeout"
+            except PartnerMissed as exc:
+                skipped[peer] = exc.reason
             except PeerRejected as exc:
-                skipped[peer] = f"rejected: {exc}"
+                skipped[peer] = STALE if str(exc) == STALE else f"rejected: {exc}"
             except WireError as exc:
                 self._count_error(exc, peer)
                 skipped[peer] = exc.kind
@@ -195,71 +256,206 @@ class GossipPeer:
             for name, x in own.items()
         }
 
-    async def _await_partner(self, peer: str) -> _Received:
-        """Wait for `peer`'s exchange request of a round within the staleness bound."""
-        async with self._arrived:
-            while True:
-                got = self._mailbox.get(peer)
-                if got is not None and abs(got.round - self.round) <= self._settings.max_staleness:
-                    del self._mailbox[peer]
-                    return got
-                await self._arrived.wait()
+    async def _await_partner(self, peer: str, round_index: int, deadline: float) -> _Received:
+        """Wait for `peer`'s exchange request of this round and the outcome of answering it.
 
-    async def _request(self, peer: str, kind: str, own: Tensors) -> _Received:
-        stream = await self._transport.open_stream(peer, GOSSIP_PROTOCOL)
+        Until `deadline` the request may claim the slot; a claimed slot is settled by its handler
+        within that handler's reply deadline, so both peers of the pair mix, or neither does. The
+        wait ends early once `peer` has asked for a later round: it is done with this one.
+        """
+        slot = self._partner_slots[(peer, round_index)]
+        while slot.state == _PartnerSlot.OPEN:
+            if self._latest_request.get(peer, -1) > round_index:
+                slot.state = _PartnerSlot.CLOSED
+                raise PartnerMissed("moved_on")
+            slot.changed.clear()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await slot.changed.wait()
+            except TimeoutError:
+                if slot.state == _PartnerSlot.OPEN:  # else a request claimed it just as time ran out
+                    slot.state = _PartnerSlot.CLOSED
+                    raise
+        # Claimed: the handler settles the slot within its own reply deadline. This bound only
+        # guards against a handler that never does (a bug), so it is generous.
+        async with asyncio.timeout(2 * self._settings.exchange_timeout_s + 1.0):
+            while slot.state == _PartnerSlot.CLAIMED:
+                slot.changed.clear()
+                await slot.changed.wait()
+        if slot.received is None:
+            raise PartnerMissed(slot.failure)
+        return slot.received
+
+    async def fetch(self, peer: str) -> tuple[dict[str, np.ndarray], int, int]:
+        """`peer`'s current tensors, round and step: a pull outside any round (a joiner's download).
+        Validated like every reply; raises WireError, PeerRejected, ConnectionError or TimeoutError."""
+        deadline = asyncio.get_running_loop().time() + 4 * self._settings.exchange_timeout_s
+        got = await self._request(peer, PULL, {}, 0, deadline)
+        return got.tensors, got.round, got.step
+
+    def park(self) -> None:
+        """This peer runs no more rounds (its training is done): answer pulls at once with the
+        current tensors instead of waiting for rounds that will never begin."""
+        self._parked = True
+
+    async def _request(self, peer: str, kind: str, own: Tensors, round_index: int, deadline: float) -> _Received:
+        async with asyncio.timeout_at(deadline):
+            stream = await self._transport.open_stream(peer, self._protocol)
         try:
-            await self._send(stream, own if kind == EXCHANGE else {}, None, kind)
-            reply = await self._read(stream, self._expect_peer)
-            if reply.header.kind == REJECT:
-                raise PeerRejected(str(reply.header.meta.get("error", "unspecified")))
-            if reply.header.kind != REPLY:
-                raise BadSchema(f"expected a reply, got a {reply.header.kind!r} message")
-            _check_manifest(reply, self._specs)
+            async with asyncio.timeout_at(deadline):
+                await self._send(stream, own if kind == EXCHANGE else {}, round_index, kind)
+                reply = await self._read_reply(stream)
+                if reply.header.kind == REJECT:
+                    raise PeerRejected(str(reply.header.meta.get("error", "unspecified")))
+                if reply.header.kind != REPLY:
+                    raise BadSchema(f"expected a reply, got a {reply.header.kind!r} message")
+                _check_manifest(reply, self._specs)
+            if kind == EXCHANGE:
+                # The ack commits both sides to mixing: the answering peer mixes our tensors only if
+                # it reads the ack, so it is sent only once the reply is known to be good and in time.
+                async with asyncio.timeout(self._settings.exchange_timeout_s):
+                    await self._send(stream, {}, round_index, ACK)
+                # Closing first could make p2pd reset the stream before the ack has left.
+                await self._linger(stream)
             self.stats.exchanges_ok += 1
             return _Received(reply.header.round, reply.header.step, reply.tensors)
         finally:
             await stream.close()
 
+    async def _read_reply(self, stream: Stream) -> Message:
+        """The answer to our request; a peer that hangs up before sending a byte of it is not a
+        truncated message (nothing was cut) but a peer that did not answer: ConnectionError."""
+        progress = _ReadProgress()
+        try:
+            return await self._read(stream, self._expect_peer, progress)
+        except Truncated:
+            if progress.bytes == 0:
+                raise ConnectionError(f"{stream.remote_peer} hung up without answering") from None
+            raise
+
     # ---- serving ---------------------------------------------------------------------------------
 
     async def _serve(self, stream: Stream) -> None:
         peer = stream.remote_peer
+        deadline = asyncio.get_running_loop().time() + self._settings.exchange_timeout_s
         try:
-            async with asyncio.timeout(self._settings.exchange_timeout_s):
+            async with asyncio.timeout_at(deadline):
                 request = await self._read(stream, self._expect_peer)
-                kind = request.header.kind
-                if kind not in (PULL, EXCHANGE):
-                    raise BadSchema(f"expected a pull or exchange request, got a {kind!r} message")
-                if kind == EXCHANGE:
-                    _check_manifest(request, self._specs)
-                elif request.header.manifest:
+            kind = request.header.kind
+            if kind == EXCHANGE:
+                _check_manifest(request, self._specs)
+                refused = await self._answer_exchange(stream, request, deadline)
+                if refused is None:
+                    return  # the asker hangs up only after we do (see _request)
+            elif kind == PULL:
+                if request.header.manifest:
                     raise BadSchema("a pull request carries no tensors")
-                await self._send(stream, *await self._reply_for(kind, request.header.round), REPLY)
+                async with asyncio.timeout_at(deadline):
+                    answer = await self._pull_answer(request.header.round)
+                # The reply gets its own deadline: one shared with the wait above could cut the reply
+                # halfway, and the asker, still within its deadline, would read a truncated message.
+                async with asyncio.timeout(self._settings.exchange_timeout_s):
+                    await self._send(stream, *answer, REPLY)
                 self.stats.exchanges_ok += 1
+            else:
+                raise BadSchema(f"expected a pull or exchange request, got a {kind!r} message")
         except WireError as exc:
             self._count_error(exc, peer)
-            await self._try_reject(stream, exc)
+            await self._try_reject(stream, exc.kind)
             await self._linger(stream)
             return
         except (TimeoutError, ConnectionError) as exc:
             self.stats.errors["timeout" if isinstance(exc, TimeoutError) else "disconnected"] += 1
             logger.info("gossip request from %s abandoned: %s", peer, exc or type(exc).__name__)
             return
-        if kind == EXCHANGE:
-            async with self._arrived:
-                self._mailbox.pop(peer, None)
-                if len(self._mailbox) >= MAILBOX_SENDERS:
-                    oldest = min(self._mailbox, key=lambda p: self._mailbox[p].round)
-                    del self._mailbox[oldest]
-                self._mailbox[peer] = _Received(request.header.round, request.header.step, request.tensors)
-                self._arrived.notify_all()
         await self._linger(stream)
 
-    async def _linger(self, stream: Stream) -> None:
-        """Keep our end open until the asker hangs up (it does once it has read our answer).
+    async def _answer_exchange(self, stream: Stream, request: Message, deadline: float) -> str | None:
+        """Answer an exchange request: a reply with our input to its round and, once the asker's ack
+        arrives, its tensors handed to that round; or a `reject` saying why not (returned)."""
+        peer, round_index = stream.remote_peer, request.header.round
+        claimed = await self._claim_partner_slot(peer, round_index, deadline)
+        if isinstance(claimed, str):
+            self.stats.refused[claimed] += 1
+            logger.debug("exchange request of round %d from %s refused: %s", round_index, peer, claimed)
+            await self._try_reject(stream, claimed)
+            return claimed
+        slot, inputs = claimed
+        received = None
+        failure = "timeout"
+        try:
+            async with asyncio.timeout(self._settings.exchange_timeout_s):
+                await self._send(stream, inputs, round_index, REPLY)
+                ack = await self._read(stream, self._expect_peer)
+            if ack.header.kind != ACK or ack.header.round != round_index or ack.header.manifest:
+                raise BadSchema(f"expected the ack of round {round_index}, got a {ack.header.kind!r} message "
+                                f"of round {ack.header.round}")
+            received = _Received(round_index, request.header.step, request.tensors)
+            self.stats.exchanges_ok += 1
+        except WireError as exc:
+            failure = exc.kind
+            raise
+        except ConnectionError:
+            failure = "unreachable"  # the asker hung up without an ack: it does not mix ours either
+            raise
+        finally:
+            slot.settle(received, failure)
+        return None
 
-        p2pd resets a stream whose answering end closes first, and the reset can overtake the
-        answer: the asker would then read nothing and count the exchange as truncated while we mixed.
+    async def _claim_partner_slot(self, peer: str, round_index: int,
+                                  deadline: float) -> tuple[_PartnerSlot, Tensors] | str:
+        """The slot where our round `round_index` waits for `peer`, and our input to that round; or
+        why the request is refused.
+
+        A request for a round we will begin within the staleness bound waits (until `deadline`) for
+        that round to begin. This cannot deadlock: beginning a round waits for no request, and the
+        round's own wait for this request (_await_partner) is what the claim ends.
+        """
+        async with self._round_began:
+            bound = max(1, self._settings.max_staleness)
+            stale = not self.round - bound <= round_index <= self.round + bound
+            if not stale and round_index > self._latest_request.get(peer, -1):
+                self._latest_request[peer] = round_index
+                self._round_began.notify_all()
+                for (partner, r), slot in self._partner_slots.items():
+                    if partner == peer and r < round_index:
+                        slot.changed.set()
+            if stale:
+                return STALE
+            if self._begun < round_index:
+                if not self._will_begin(round_index):
+                    return LATE  # a round this peer skipped
+                if self._waiting_requests >= MAX_WAITING_REQUESTS:
+                    return BUSY
+                self._waiting_requests += 1
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        await self._round_began.wait_for(
+                            lambda: self._begun >= round_index or self._latest_request.get(peer, -1) > round_index)
+                finally:
+                    self._waiting_requests -= 1
+            slot = self._partner_slots.get((peer, round_index))
+            if self._latest_request.get(peer, -1) > round_index or (slot is not None and slot.state != slot.OPEN):
+                return LATE
+            if slot is None:
+                return LATE if self._begun > round_index else NOT_PARTNER
+            slot.state = slot.CLAIMED
+            slot.changed.set()
+            return slot, self._round_inputs[round_index]
+
+    def _will_begin(self, round_index: int) -> bool:
+        """Whether `round_index` is a round this peer has not begun but will, within the staleness
+        bound (at least the next round, so a bound of 0 still lets a pair meet)."""
+        if self._parked:
+            return False
+        last = max(self._begun, self.round - 1)
+        return last < round_index <= self.round + max(1, self._settings.max_staleness)
+
+    async def _linger(self, stream: Stream) -> None:
+        """Keep our end open until the other end hangs up (it does once it has read what we sent).
+
+        p2pd resets a stream whose end closes first, and the reset can overtake the last bytes
+        written: the other end would then read a truncated message.
         """
         try:
             async with asyncio.timeout(self._settings.exchange_timeout_s):
@@ -267,28 +463,23 @@ class GossipPeer:
         except (TimeoutError, ConnectionError):
             pass  # hung up (or never will): either way we are done
 
-    async def _reply_for(self, kind: str, round_index: int) -> tuple[Tensors, int]:
-        """The tensors (and their round) that answer a `kind` request of round `round_index`.
+    async def _pull_answer(self, round_index: int) -> tuple[Tensors, int]:
+        """The tensors (and their round) that answer a pull of round `round_index`.
 
         Mixing stays doubly stochastic only if a puller gets our input to *its* round: a pull of a
         round we began gets our tensors as that round began, even if we have moved on, and a pull of
-        a round we will begin within the staleness bound waits for it (within the request's
-        deadline). An exchange is answered at once with our current tensors: those are what its
-        sender's tensors are mixed with here, in the round that takes them from the mailbox, and
-        waiting could stall that very round.
+        a round we will begin within the staleness bound waits for it (within the request's deadline).
         """
-        if kind != PULL:
-            return self._tensors, self.round
-        if self.round < round_index <= self.round + self._settings.max_staleness:
+        if self._begun < round_index and self._will_begin(round_index):
             async with self._round_began:
-                await self._round_began.wait_for(lambda: self.round >= round_index)
+                await self._round_began.wait_for(lambda: self._begun >= round_index)
         began = self._round_inputs.get(round_index)
         return (began, round_index) if began is not None else (self._tensors, self.round)
 
-    async def _try_reject(self, stream: Stream, exc: WireError) -> None:
+    async def _try_reject(self, stream: Stream, reason: str) -> None:
         try:
             async with asyncio.timeout(min(1.0, self._settings.exchange_timeout_s)):
-                await self._send(stream, {}, None, REJECT, meta={"error": exc.kind})
+                await self._send(stream, {}, None, REJECT, meta={"error": reason})
         except (TimeoutError, ConnectionError, WireError):
             pass  # the peer is gone or broken; the error is already counted
 
@@ -305,10 +496,12 @@ class GossipPeer:
             await stream.write(frame)
             self.stats.bytes_sent += len(frame)
 
-    async def _read(self, stream: Stream, expected: Expectation) -> Message:
+    async def _read(self, stream: Stream, expected: Expectation, progress: _ReadProgress | None = None) -> Message:
         async def read_exactly(n: int) -> bytes:
             data = await stream.read_exactly(n)
             self.stats.bytes_received += len(data)
+            if progress is not None:
+                progress.bytes += len(data)
             return data
 
         message = await read_message(read_exactly, self._request_limits, expected)

@@ -163,11 +163,14 @@ def _weighted_sum(own: np.ndarray, self_w: float, weights: Sequence[float], vect
         target = out[start:stop]
         acc = target if acc_buffer is None else acc_buffer[: stop - start]
         term = scratch[: stop - start]
-        np.multiply(own[start:stop], self_w, out=acc)
+        # dtype= makes numpy multiply in the accumulator's precision: with a Python float and a float32
+        # array it would round the weight to float32 first (1/3 -> 0.33333334), and a ring round would
+        # scale every vector by 3 * float32(1/3), drifting the swarm average ~3e-8 a round
+        np.multiply(own[start:stop], self_w, out=acc, dtype=acc.dtype)
         for weight, vector in zip(weights, vectors):
             if weight == 0.0:
                 continue
-            np.multiply(vector[start:stop], weight, out=term)
+            np.multiply(vector[start:stop], weight, out=term, dtype=term.dtype)
             np.add(acc, term, out=acc)
         if acc_buffer is not None:
             np.copyto(target, acc, casting="same_kind")

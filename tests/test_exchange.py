@@ -1,16 +1,17 @@
 """The exchange protocol over the in-memory transport: consensus, symmetric pairs, faults and bad peers."""
 
 import asyncio
+import itertools
 
 import numpy as np
 import pytest
 
 from gossip.codecs import get_codec
 from gossip.exchange import ExchangeSettings, GossipPeer
-from gossip.memory import InMemoryNetwork
+from gossip.memory import InMemoryNetwork, LinkModel
 from gossip.transport import GOSSIP_PROTOCOL
 from gossip.wire import encode_message
-from topology import MembershipView, build_topology, peer_round
+from topology import MembershipView, PeerRound, build_topology, peer_round
 
 pytestmark = pytest.mark.unit
 
@@ -239,12 +240,205 @@ def test_neighbours_beyond_the_staleness_bound_are_skipped():
         for p in peers.values():
             await p.start()
         a, b = (peers[k] for k in sorted(peers))
-        b.round = 10  # b is far ahead; a pulls from it on a directed graph
+        b.round = 10  # b is far ahead; with two peers the edge is symmetric, so a sends an exchange
         view = MembershipView.of(peers)
         plan = peer_round(build_topology("static-exp", 2), view, a.peer_id, 0)
         before = a.tensors["w"].copy()
         outcome = await a.run_round(0, plan)
         assert outcome.skipped == {b.peer_id: "stale"}
         np.testing.assert_array_equal(a.tensors["w"], before)
+
+    asyncio.run(main())
+
+
+# ---- symmetric exchanges whose peers are not in step ---------------------------------------------
+
+
+def _two(net: InMemoryNetwork, a_value: float, b_value: float, a_timeout_s: float = 5.0,
+         b_timeout_s: float = 5.0) -> tuple[GossipPeer, GossipPeer, dict]:
+    a = GossipPeer(net.transport("a"), settings(exchange_timeout_s=a_timeout_s), {"w": np.full(DIM, a_value, "f4")})
+    b = GossipPeer(net.transport("b"), settings(exchange_timeout_s=b_timeout_s), {"w": np.full(DIM, b_value, "f4")})
+    view = MembershipView.of(["a", "b"])
+    topo = build_topology("ring", 2)  # one symmetric edge: a (the smaller id) sends the exchange
+    return a, b, {pid: (lambda r, pid=pid: peer_round(topo, view, pid, r)) for pid in ("a", "b")}
+
+
+async def _until(condition, timeout_s: float = 2.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.005)
+
+
+def test_an_exchange_that_arrives_before_the_partner_begins_the_round_gets_its_input_to_that_round():
+    # A trainer-driven pair a step apart: b takes its training step (new values) only after a's
+    # request of the round has reached it. The pair must average a's and b's inputs to that round.
+    async def main():
+        net = InMemoryNetwork()
+        a, b, plan = _two(net, 0.0, 1.0)
+        await a.start()
+        await b.start()
+        asking = asyncio.create_task(a.run_round(0, plan["a"](0)))
+        await _until(lambda: b.stats.bytes_received >= DIM * 4)  # a's request (with its tensors) is in
+        await asyncio.sleep(0.05)
+        b.set_tensors({"w": np.full(DIM, 3.0, np.float32)}, step=1)  # b's step, then its round
+        outcome_b = await b.run_round(0, plan["b"](0))
+        outcome_a = await asking
+        assert outcome_a.mixed_with == ("b",) and outcome_b.mixed_with == ("a",)
+        # both mixed 0 and 3, so the pair's sum (the swarm's average) is what went into the round
+        np.testing.assert_array_equal(a.tensors["w"], 1.5)
+        np.testing.assert_array_equal(b.tensors["w"], 1.5)
+
+    asyncio.run(main())
+
+
+def test_free_running_peers_a_step_apart_keep_the_average_on_a_ring():
+    # Each peer runs its own loop of (training step, round), as GossipTrainer does, at its own pace
+    # and over links of different latency, so requests often reach a partner still in the previous
+    # round. The average must move by exactly the steps' mean, and no exchange may be lost.
+    n, rounds = 6, 20
+
+    async def main():
+        net = InMemoryNetwork()
+        peers = make_swarm(net, n, seed=3, exchange_timeout_s=5.0)
+        ids = sorted(peers)
+        for i, j in itertools.combinations(range(n), 2):  # one-way latencies of 2 to 10 ms
+            net.set_link(ids[i], ids[j], LinkModel(latency_s=0.002 * (1 + (3 * i + j) % 5)))
+        for p in peers.values():
+            await p.start()
+        view = MembershipView.of(peers)
+        topo = build_topology("ring", n)
+        rng = np.random.default_rng(4)
+        pauses = rng.uniform(0, 0.03, size=(n, rounds))
+        steps = rng.standard_normal((n, rounds)).astype(np.float32)
+        expected = stack(peers).mean(axis=0) + steps.astype(np.float64).sum(axis=1).mean()
+        skipped = []
+
+        async def loop(i: int, peer: GossipPeer) -> None:
+            for r in range(rounds):
+                await asyncio.sleep(pauses[i, r])
+                peer.set_tensors({"w": peer.tensors["w"] + steps[i, r]}, step=r + 1)
+                outcome = await peer.run_round(r, peer_round(topo, view, peer.peer_id, r))
+                skipped.extend(outcome.skipped.values())
+
+        async with asyncio.TaskGroup() as group:
+            for i, p in enumerate(peers.values()):
+                group.create_task(loop(i, p))
+        drift = np.linalg.norm(stack(peers).mean(axis=0) - expected)
+        assert drift < 1e-6 * np.linalg.norm(expected), f"average moved by {drift:.3g}; skipped {skipped}"
+        assert skipped == []
+
+    asyncio.run(main())
+
+
+def test_an_exchange_for_a_round_the_partner_already_gave_up_on_is_refused_and_neither_mixes():
+    async def main():
+        net = InMemoryNetwork()
+        a, b, plan = _two(net, 0.0, 1.0, b_timeout_s=1.0)
+        await a.start()
+        await b.start()
+        outcome_b = await b.run_round(0, plan["b"](0))  # a never comes: b's wait ends at its deadline
+        assert outcome_b.skipped == {"a": "timeout"}
+        outcome_a = await a.run_round(0, plan["a"](0))  # a's late request: b's round 0 is over
+        assert outcome_a.skipped == {"b": "rejected: late"}
+        assert b.stats.refused == {"late": 1}
+        np.testing.assert_array_equal(a.tensors["w"], 0.0)
+        np.testing.assert_array_equal(b.tensors["w"], 1.0)
+        # and the next round, in step again, averages
+        async with asyncio.TaskGroup() as group:
+            group.create_task(a.run_round(1, plan["a"](1)))
+            group.create_task(b.run_round(1, plan["b"](1)))
+        np.testing.assert_array_equal(a.tensors["w"], 0.5)
+        np.testing.assert_array_equal(b.tensors["w"], 0.5)
+
+    asyncio.run(main())
+
+
+def test_a_partner_that_moved_on_ends_the_wait_for_its_request_at_once():
+    async def main():
+        net = InMemoryNetwork()
+        a, b, plan = _two(net, 0.0, 1.0, a_timeout_s=1.0, b_timeout_s=30.0)
+        await a.start()
+        await b.start()
+        # b is busy elsewhere for longer than a's deadline: a gives up on round 0 ...
+        assert (await a.run_round(0, plan["a"](0))).skipped == {"b": "timeout"}
+        # ... and asks for round 1, which tells b that a is done with round 0
+        asking = asyncio.create_task(a.run_round(1, plan["a"](1)))
+        await _until(lambda: b.stats.bytes_received >= 2 * DIM * 4)
+        started = asyncio.get_running_loop().time()
+        outcome_b0 = await b.run_round(0, plan["b"](0))
+        assert outcome_b0.skipped == {"a": "moved_on"}
+        assert asyncio.get_running_loop().time() - started < 10.0  # not its 30 s deadline
+        outcome_b1 = await b.run_round(1, plan["b"](1))
+        outcome_a1 = await asking
+        assert outcome_a1.mixed_with == ("b",) and outcome_b1.mixed_with == ("a",)
+        np.testing.assert_array_equal(a.tensors["w"], 0.5)
+        np.testing.assert_array_equal(b.tensors["w"], 0.5)
+
+    asyncio.run(main())
+
+
+def test_an_exchange_from_a_peer_the_round_does_not_wait_for_is_refused_and_not_mixed():
+    async def main():
+        net = InMemoryNetwork()
+        a, b, plan = _two(net, 0.0, 1.0)
+        await a.start()
+        await b.start()
+        alone = peer_round(build_topology("ring", 1), MembershipView.of(["b"]), "b", 0)  # b's view lacks a
+        async with asyncio.TaskGroup() as group:
+            asking = group.create_task(a.run_round(0, plan["a"](0)))
+            group.create_task(b.run_round(0, alone))
+        assert asking.result().skipped == {"b": "rejected: not_partner"}
+        assert b.stats.refused == {"not_partner": 1}
+        np.testing.assert_array_equal(a.tensors["w"], 0.0)
+        np.testing.assert_array_equal(b.tensors["w"], 1.0)
+
+    asyncio.run(main())
+
+
+# ---- answers cut short -------------------------------------------------------------------------
+
+
+def test_a_pull_reply_sent_late_in_the_deadline_is_not_cut_short():
+    # b answers a pull only once it begins the round, a third of the way into its 3 s deadline; its
+    # reply (8 chunk frames) then takes ~2.6 s, longer than the time left but within a deadline of
+    # its own. The asker, with a longer deadline, must get all of it, not a message cut off halfway.
+    async def main():
+        net = InMemoryNetwork(LinkModel(bandwidth_bytes_per_s=3.2e6))
+        big = 1 << 21  # 8 MiB of float32: 8 chunk frames of ~0.33 s each on this link
+        a = GossipPeer(net.transport("a"), settings(exchange_timeout_s=20.0), {"w": np.zeros(big, np.float32)})
+        b = GossipPeer(net.transport("b"), settings(exchange_timeout_s=3.0), {"w": np.ones(big, np.float32)})
+        await a.start()
+        await b.start()
+        pull_only = PeerRound(0.5, {"b": 0.5}, ())  # a directed edge b -> a
+        asking = asyncio.create_task(a.run_round(1, pull_only))
+        await asyncio.sleep(1.0)
+        await b.run_round(1, PeerRound(1.0, {}, ("a",)))
+        outcome = await asking
+        assert outcome.skipped == {} and a.stats.errors == {}
+        np.testing.assert_array_equal(a.tensors["w"], 0.5)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("sent,skip,counted", [("nothing", "unreachable", {}), ("half", "truncated", {"truncated": 1})])
+def test_a_peer_that_hangs_up_without_answering_is_not_a_truncated_reply(sent, skip, counted):
+    async def main():
+        net = InMemoryNetwork()
+        a = GossipPeer(net.transport("a"), settings(), {"w": np.zeros(DIM, np.float32)})
+        fake = net.transport("b")
+        reply = b"".join(bytes(f) for f in encode_message(
+            {"w": np.ones(DIM, np.float32)}, get_codec("fp32"), swarm=SWARM, config_hash=HASH, sender="b",
+            round=0, step=0, kind="reply"))
+
+        async def hang_up(stream) -> None:
+            await stream.read_exactly(64)  # some of the request, then the answer (if any) and close
+            if sent == "half":
+                await stream.write(reply[: len(reply) // 2])
+
+        await fake.serve(GOSSIP_PROTOCOL, hang_up)
+        outcome = await a.run_round(0, PeerRound(0.5, {"b": 0.5}, ()))
+        assert outcome.skipped == {"b": skip}
+        assert a.stats.errors == counted
+        np.testing.assert_array_equal(a.tensors["w"], 0.0)
 
     asyncio.run(main())
