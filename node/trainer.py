@@ -16,7 +16,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Literal, TypeVar
@@ -141,6 +141,7 @@ class Trainer:
         self.model = model.to(self.device)
         self.model.train()
         self._params = dict(self.model.named_parameters())
+        self._param_dtypes = {name: p.dtype for name, p in self._params.items()}  # restored when unfrozen
         self._train_tokens = train_tokens
         self._val_tokens = val_tokens
         self._amp_dtype = autocast_dtype(config.precision, self.device)
@@ -177,26 +178,66 @@ class Trainer:
         """Memory of the local optimizer state as of the last step (what the status reports)."""
         return self._state_bytes
 
-    async def tensors(self) -> dict[str, np.ndarray]:
-        """A copy of the parameters as flat float32 numpy vectors (the gossip tensors)."""
-        return await self._on_worker(self._tensors_now)
+    @property
+    def trainable_parameter_names(self) -> tuple[str, ...]:
+        """The parameters steps update (requires_grad); the others are frozen: no gradient, no optimizer state."""
+        return tuple(name for name, p in self._params.items() if p.requires_grad)
 
-    async def load_tensors(self, tensors: Tensors) -> None:
-        """Set the parameters from flat vectors with the names and sizes `tensors()` gives."""
-        await self._on_worker(self._load_now, tensors)
+    @property
+    def optimizer_parameter_names(self) -> frozenset[str]:
+        """The parameters the local optimizer holds state for."""
+        return frozenset(key.rpartition("/")[0] for key in self._optimizer.state())
 
-    def _tensors_now(self) -> dict[str, np.ndarray]:
+    async def set_trainable(self, trainable: Callable[[str], bool], frozen_dtype: torch.dtype | None = None) -> None:
+        """Train only the parameters `trainable` names (all are trainable until this is called).
+
+        Frozen parameters get requires_grad=False and lose their optimizer state; with `frozen_dtype`
+        they are stored in that dtype (the model must cope with it; SPES's experts cast in hooks), and
+        a parameter made trainable again returns to its original dtype.
+        """
+        await self._on_worker(self._set_trainable_now, trainable, frozen_dtype)
+
+    def _set_trainable_now(self, trainable: Callable[[str], bool], frozen_dtype: torch.dtype | None) -> None:
+        if self._pending is not None:
+            raise RuntimeError("cannot change the trainable parameters between compute_update and apply_update")
+        with torch.no_grad():
+            for name, p in self._params.items():
+                train = bool(trainable(name))
+                target = self._param_dtypes[name] if train or frozen_dtype is None else frozen_dtype
+                if p.dtype != target:
+                    p.data = p.data.to(target)
+                p.requires_grad_(train)
+        keep = {name for name, p in self._params.items() if p.requires_grad}
+        state = {key: value for key, value in self._optimizer.state().items() if key.rpartition("/")[0] in keep}
+        counts = {name: count for name, count in self._optimizer.state_counts().items() if name in keep}
+        self._optimizer.load_state(state, counts)
+        self._state_bytes = self._optimizer.state_bytes()
+
+    async def tensors(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+        """A copy of the parameters (or of those `names` lists) as flat float32 numpy vectors (the gossip tensors)."""
+        return await self._on_worker(self._tensors_now, names)
+
+    async def load_tensors(self, tensors: Tensors, *, partial: bool = False) -> None:
+        """Set the parameters from flat vectors with the names and sizes `tensors()` gives; with
+        `partial`, only those named (a subset), the others stay as they are."""
+        await self._on_worker(self._load_now, tensors, partial)
+
+    def _tensors_now(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+        chosen = self._params if names is None else {name: self._params[name] for name in names}
         with torch.no_grad():
             return {name: p.detach().to("cpu", torch.float32, copy=True).reshape(-1).numpy()
-                    for name, p in self._params.items()}
+                    for name, p in chosen.items()}
 
-    def _load_now(self, tensors: Tensors) -> None:
-        if tensors.keys() != self._params.keys():
+    def _load_now(self, tensors: Tensors, partial: bool = False) -> None:
+        if partial and not tensors.keys() <= self._params.keys():
+            raise ValueError(f"parameters do not match the model: unknown {sorted(tensors.keys() - self._params.keys())[:3]}")
+        if not partial and tensors.keys() != self._params.keys():
             missing, extra = sorted(self._params.keys() - tensors.keys()), sorted(tensors.keys() - self._params.keys())
             raise ValueError(f"parameters do not match the model: missing {missing[:3]}, unknown {extra[:3]}")
         with torch.no_grad():
             for name, p in self._params.items():
-                p.copy_(_as_torch(tensors[name], name, p))
+                if name in tensors:
+                    p.copy_(_as_torch(tensors[name], name, p))
 
     # ---- steps -----------------------------------------------------------------------------------
 
@@ -327,8 +368,9 @@ class Trainer:
         await self._on_worker(self._restore_now, state)
 
     def _state_now(self) -> dict[str, np.ndarray]:
-        if self._pending is not None:
-            raise RuntimeError("cannot save state between compute_update and apply_update")
+        # Between compute_update and apply_update (a step abandoned at shutdown) the parameters are
+        # still those of step t: they are saved as step t, and the moments, which already hold g_t,
+        # take it in once more on resume - a negligible bias, where refusing would lose the checkpoint.
         out = {_PARAM + name: t for name, t in self._tensors_now().items()}
         out.update({_OPT + key: value.detach().to("cpu", copy=True).numpy() for key, value in self._optimizer.state().items()})
         out.update({_COUNT + name: np.asarray(count, np.int64) for name, count in self._optimizer.state_counts().items()})
