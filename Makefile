@@ -22,12 +22,23 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/murmur demo
 
-test: $(STAMP)
+# The browser tests drive Debian's chromium through playwright (`playwright install` cannot download here).
+CHROMIUM := /usr/bin/chromium
+
+$(CHROMIUM):
+	apt-get update -q && apt-get install -y -q chromium
+
+test: $(STAMP) $(CHROMIUM)
 	$(PY) -m pytest
 
 # The fast tier: in-process unit and property tests, seconds in all.
 test-fast: $(STAMP)
 	$(PY) -m pytest -m unit
+
+# The container tier alone (part of `make test`): it installs podman itself; see docs/deploy.md.
+.PHONY: test-container
+test-container: $(STAMP)
+	$(PY) -m pytest -m container -s
 
 clean-venv:
 	rm -rf $(VENV)

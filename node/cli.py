@@ -138,7 +138,43 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = OneLineErrorParse
     _add_topology_options(sim)
     sim.set_defaults(run=_run_sim)
     _add_node_commands(commands)
+    _add_demo_command(commands)
     return parser
+
+
+def _add_demo_command(commands: argparse._SubParsersAction) -> None:
+    demo = commands.add_parser(
+        "demo", help="train the embedded model with a local swarm of node processes",
+        description="Start N node processes on loopback in one swarm training the embedded model (MoE by "
+        "default), print the first node's monitor URL and the progress, stop them when every node has "
+        "taken --steps steps, and print the validation loss of each node and of the averaged model next "
+        "to that of the untrained model. Node logs and checkpoints live in a temporary directory (--dir "
+        "keeps them).")
+    demo.add_argument("--nodes", type=_number(int, lo=1, hi=32), default=4, help="node processes (default 4)")
+    demo.add_argument("--steps", type=_number(int, lo=1), default=150, help="training steps per node (default 150)")
+    demo.add_argument("--topology", choices=TOPOLOGY_NAMES, default="one-peer-exp",
+                      help="gossip topology (default one-peer-exp)")
+    demo.add_argument("--optimizer", choices=("dsgd", "dadam"), default="dadam", help="optimizer (default dadam)")
+    demo.add_argument("--model", choices=("moe", "dense"), default="moe", help="embedded model (default moe)")
+    demo.add_argument("--lr", type=_number(float, lo=1e-12), help="peak learning rate (default: the node's, 3e-3)")
+    demo.add_argument("--batch-size", type=_number(int, lo=1), default=16,
+                      help="sequences per step on each node (default 16)")
+    demo.add_argument("--spes", action="store_true", help="sparse expert sync for the MoE model (SPES)")
+    demo.add_argument("--dir", type=Path, help="keep node logs and checkpoints in this directory")
+    demo.add_argument("--json", action="store_true",
+                      help="end with one JSON object: initial_val_loss, averaged_val_loss and nodes (peer_id, "
+                      "val_loss, steps, bytes_sent, bytes_received, trainable_params, optimizer_state_bytes)")
+    demo.set_defaults(run=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    if args.spes:
+        raise UsageError("--spes: SPES is not wired into the node daemon yet (see docs/spes.md)")
+    from node.demo import DemoOptions, run_demo
+
+    return run_demo(DemoOptions(nodes=args.nodes, steps=args.steps, topology=args.topology, optimizer=args.optimizer,
+                                model=args.model, lr=args.lr, batch_size=args.batch_size, as_json=args.json,
+                                workdir=args.dir.absolute() if args.dir else None))
 
 
 _PRECEDENCE = (
@@ -148,7 +184,7 @@ _PRECEDENCE = (
 )
 
 # Help sections of the node commands, by the first part of a setting's key.
-_SECTIONS = {"network": "network", "monitor": "monitor page", "gossip": "gossip"}
+_SECTIONS = {"network": "network", "monitor": "monitor page", "gossip": "gossip", "training": "training"}
 
 
 def _add_node_commands(commands: argparse._SubParsersAction) -> None:

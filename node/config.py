@@ -92,6 +92,39 @@ class GossipConfig:
     mixing: MixingRule = MixingRule()
 
 
+EMBEDDED_MODEL_NAMES = ("moe", "dense")
+VECTOR_MODEL = "vector"  # no model: gossip a random vector of `dim` floats (tests, demos of the gossip alone)
+OPTIMIZERS = ("dsgd", "dadam")
+DEVICES_HELP = "auto, cpu, cuda or cuda:N"
+PRECISION_NAMES = ("auto", "fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """What the swarm trains and how (published by the founder; joiners take it from the swarm's config),
+    and how this node runs it (device, precision, threads, evaluation and checkpoint cadence: its own)."""
+
+    model: str = "moe"  # "moe", "dense", "vector" or a user builder "package.module:callable"
+    optimizer: str = "dadam"
+    lr: float = 3e-3
+    warmup_steps: int = 10
+    steps: int = 0  # steps to train; 0: until stopped (the LR schedule then stays flat after warm-up)
+    local_steps: int = 1  # H: steps between gossip rounds
+    micro_batches: int = 1  # k: gradient accumulation
+    batch_size: int = 16  # sequences per micro-batch on each node
+    context: int = 128  # tokens per sequence
+    data: Path | None = None  # a directory of *.txt files; None: the embedded corpus
+    device: str = "auto"
+    precision: str = "auto"
+    threads: int = 0  # torch CPU threads; 0: torch's default
+    eval_every: int = 25  # steps between validation-loss evaluations of the local model
+    checkpoint_every: int = 50  # steps between checkpoints (and one when training stops)
+
+    @property
+    def trains_model(self) -> bool:
+        return self.model != VECTOR_MODEL
+
+
 @dataclass(frozen=True)
 class NodeConfig:
     """Everything a node (or a bootstrap node) needs to run. See `SETTINGS` for each setting's
@@ -107,6 +140,7 @@ class NodeConfig:
     network: NetworkConfig = NetworkConfig()
     monitor: MonitorConfig = MonitorConfig()
     gossip: GossipConfig = GossipConfig()
+    training: TrainingConfig = TrainingConfig()
 
     def __post_init__(self) -> None:
         for setting in SETTINGS:
@@ -411,6 +445,51 @@ class EdgeList:
             raise ValueError(f"must be a tuple of (from, to) pairs of non-negative ranks, got {value!r}")
 
 
+@dataclass(frozen=True)
+class ModelName:
+    """An embedded model, `vector`, or a user builder named by import path (imported when the node starts)."""
+
+    metavar: str = "MODEL"
+    description: str = "moe | dense | vector | package.module:callable"
+
+    def from_text(self, text: str) -> str:
+        value = text.strip()
+        self.check(value)
+        return value
+
+    def from_toml(self, raw: object) -> str:
+        if not isinstance(raw, str):
+            raise ValueError(f"must be a string, got {_toml_type(raw)} ({raw!r})")
+        return self.from_text(raw)
+
+    def check(self, value: object) -> None:
+        if value in (*EMBEDDED_MODEL_NAMES, VECTOR_MODEL):
+            return
+        module, colon, attribute = str(value).partition(":")
+        if not (isinstance(value, str) and colon and re.fullmatch(r"[\w.]+", module) and re.fullmatch(r"[\w.]+", attribute)):
+            raise ValueError(f"unknown model {value!r}; use moe, dense, vector or package.module:callable")
+
+
+@dataclass(frozen=True)
+class DeviceName:
+    metavar: str = "DEVICE"
+    description: str = DEVICES_HELP
+
+    def from_text(self, text: str) -> str:
+        value = text.strip()
+        self.check(value)
+        return value
+
+    def from_toml(self, raw: object) -> str:
+        if not isinstance(raw, str):
+            raise ValueError(f"must be a string, got {_toml_type(raw)} ({raw!r})")
+        return self.from_text(raw)
+
+    def check(self, value: object) -> None:
+        if not (isinstance(value, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", value)):
+            raise ValueError(f"unknown device {value!r}; use {DEVICES_HELP}")
+
+
 # ---- the settings ------------------------------------------------------------------------------
 
 NODE = frozenset({"node", "join"})
@@ -521,6 +600,40 @@ SETTINGS: tuple[Setting, ...] = (
             "coordinate-wise median or trimmed mean", NODE),
     Setting("gossip.mixing.tau", Number(0.0, lo_open=True, metavar="TAU"), "MURMUR_TAU", "--tau",
             "clipping radius of --mixing clipped", NODE, optional=True),
+    Setting("training.model", ModelName(), "MURMUR_MODEL", "--model",
+            "what the swarm trains: the embedded MoE or dense GPT, `vector` (no model: gossip a random vector "
+            "of --dim floats), or a builder by import path; a joiner takes the swarm's", NODE),
+    Setting("training.optimizer", Choice("optimizer", OPTIMIZERS, metavar="OPTIMIZER"), "MURMUR_OPTIMIZER",
+            "--optimizer", "dsgd (adapt-then-combine) or dadam (decentralized Adam, exchange overlapped "
+            "with compute); a joiner takes the swarm's", NODE),
+    Setting("training.lr", Number(0.0, lo_open=True, metavar="LR"), "MURMUR_LR", "--lr",
+            "peak learning rate (the swarm's)", NODE),
+    Setting("training.warmup_steps", _NONNEG, "MURMUR_WARMUP", "--warmup-steps",
+            "linear learning-rate warm-up steps (the swarm's)", NODE),
+    Setting("training.steps", _NONNEG, "MURMUR_STEPS", "--steps",
+            "steps to train, where the cosine schedule ends; 0 trains until stopped. A node that is done "
+            "keeps serving its parameters until stopped (the swarm's)", NODE),
+    Setting("training.local_steps", Integer(1, noun="local steps"), "MURMUR_LOCAL_STEPS", "--local-steps",
+            "H: optimizer steps between gossip rounds (the swarm's)", NODE),
+    Setting("training.micro_batches", Integer(1, noun="micro-batches"), "MURMUR_MICRO_BATCHES",
+            "--micro-batches", "k: micro-batches accumulated per step (the swarm's)", NODE),
+    Setting("training.batch_size", Integer(1, noun="batch size"), "MURMUR_BATCH_SIZE", "--batch-size",
+            "sequences per micro-batch on each node (the swarm's)", NODE),
+    Setting("training.context", Integer(2, noun="context"), "MURMUR_CONTEXT", "--context",
+            "tokens per training sequence, at most the model's context (the swarm's)", NODE),
+    Setting("training.data", PathKind(metavar="DIR"), "MURMUR_DATA", "--data",
+            "a directory of *.txt files to train on (this node's own corpus; every node of a swarm "
+            "should have the same one)", NODE, optional=True, default_text="the embedded corpus"),
+    Setting("training.device", DeviceName(), "MURMUR_DEVICE", "--device", "torch device of this node", NODE),
+    Setting("training.precision", Choice("precision", PRECISION_NAMES, metavar="PRECISION"), "MURMUR_PRECISION",
+            "--precision", "autocast precision; auto: bf16 (else fp16) on CUDA, fp32 on CPU", NODE),
+    Setting("training.threads", _NONNEG, "MURMUR_THREADS", "--threads",
+            "torch CPU threads of this node; 0: torch's default (all cores)", NODE),
+    Setting("training.eval_every", Integer(1, noun="steps"), "MURMUR_EVAL_EVERY", "--eval-every",
+            "steps between validation-loss evaluations of the local model", NODE),
+    Setting("training.checkpoint_every", Integer(1, noun="steps"), "MURMUR_CHECKPOINT_EVERY",
+            "--checkpoint-every", "steps between checkpoints; one is also written when training ends "
+            "and when the node stops", NODE),
     Setting("gossip.mixing.trim", Number(0.0, hi=0.5, hi_open=True, metavar="FRACTION"), "MURMUR_TRIM", "--trim",
             "fraction trimmed per side by --mixing trimmed_mean", NODE),
 )

@@ -1,8 +1,8 @@
-"""The node daemon: p2pd, DHT discovery, the gossip peer and the local API in one asyncio process;
-gossip rounds on the swarm's clock; a clean stop on SIGINT/SIGTERM.
-
-Until a model is trained (see docs/training.md) the payload is one random vector of `dim` floats,
-which makes the gossip itself observable: `murmur status` and the checkpoint show it converge.
+"""The node daemon: p2pd, DHT discovery, the gossip peer and the local API in one asyncio process,
+running one of two payloads until SIGINT/SIGTERM stops it cleanly:
+- a model (the default): training steps with a gossip round after every H of them (node.train_loop);
+- `--model vector`: one random vector of `dim` floats gossiped on the swarm's round clock, which
+  makes the gossip itself observable (`murmur status` and the checkpoint show it converge).
 """
 
 from __future__ import annotations
@@ -15,23 +15,20 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 
-from gossip.codecs import get_codec
 from gossip.exchange import ExchangeSettings, GossipPeer
-from gossip.mixing import MixingRule
-from node.api import ApiServer, start_api
 from node.checkpoint import CheckpointUnreadable, load_checkpoint, save_checkpoint
 from node.config import NodeConfig
-from node.rounds import PeerTiming, RoundClock, announce_round, participants, start_round
-from topology import Topology, TopologySpec, build_topology, peer_round
+from node.monitor import Counters, EventLog, HistoryRecorder, MixingStepEstimate, MonitorServer, round_graph, start_monitor
+from node.recipe import RecipeInvalid, SwarmSettings, same_payload, swarm_document
+from node.rounds import PeerTiming, announce_round, participants, start_round
+from topology import MembershipView, Topology, build_topology, peer_round
 
 logger = logging.getLogger("murmur.node")
 
-SWARM_CONFIG_VERSION = 1
 CHECKPOINT_EVERY_ROUNDS = 10
 STOP_TIMEOUT_S = 4.0  # everything below must be gone within the 5 s a user waits after SIGTERM
 JOIN_CONFIG_TIMEOUT_S = 30.0
@@ -39,44 +36,6 @@ JOIN_CONFIG_TIMEOUT_S = 30.0
 
 class StartupError(Exception):
     """The node cannot start (identity in use, address in use, no swarm config...): one line, exit 2."""
-
-
-def swarm_document(config: NodeConfig, epoch: float) -> dict[str, Any]:
-    """What the founder publishes under `<swarm>.config`; joiners take these settings from it."""
-    topo = config.gossip.topology
-    return {
-        "version": SWARM_CONFIG_VERSION,
-        "epoch": epoch,
-        "payload": {"kind": "vector", "dim": config.dim},
-        "gossip": {
-            "topology": {"name": topo.name, "weights": topo.weights, "degree": topo.degree, "seed": topo.seed,
-                         "rows": topo.rows, "edges": [list(e) for e in topo.edges], "directed": topo.directed},
-            "codec": config.gossip.codec,
-            "round_interval_s": config.gossip.round_interval_s,
-            "max_staleness_rounds": config.gossip.max_staleness_rounds,
-            "mixing": asdict(config.gossip.mixing),
-        },
-    }
-
-
-class SwarmSettings:
-    """The shared settings read back from a swarm document (validated by construction)."""
-
-    def __init__(self, doc: dict[str, Any]) -> None:
-        if doc.get("version") != SWARM_CONFIG_VERSION:
-            raise StartupError(f"the swarm's config has version {doc.get('version')!r}; this murmur reads {SWARM_CONFIG_VERSION}")
-        try:
-            g = doc["gossip"]
-            t = g["topology"]
-            self.topology = TopologySpec(t["name"], weights=t["weights"], degree=t["degree"], seed=t["seed"],
-                                         rows=t["rows"], edges=tuple(tuple(e) for e in t["edges"]), directed=t["directed"])
-            self.codec = get_codec(g["codec"])
-            self.clock = RoundClock(float(doc["epoch"]), float(g["round_interval_s"]))
-            self.max_staleness = int(g["max_staleness_rounds"])
-            self.mixing = MixingRule(**g["mixing"])
-            self.dim = int(doc["payload"]["dim"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise StartupError(f"the swarm's config is invalid: {exc}") from None
 
 
 class NodeRuntime:
@@ -95,9 +54,92 @@ class NodeRuntime:
         self.monitor_url = ""
         self.node_errors: dict[str, int] = {}
         self.gossip_from = 0
+        self.training = None  # node.train_loop.SwarmTraining while a model is trained
+        self.history = HistoryRecorder()  # the monitor's charts; the trainer feeds it through record()
+        self.events = EventLog()  # the monitor's recent events and errors
+        self._mixing_step = MixingStepEstimate()
+        self._topologies: dict[tuple[str, int], Topology] = {}
 
     def count(self, kind: str) -> None:
         self.node_errors[kind] = self.node_errors.get(kind, 0) + 1
+
+    def record(self, *, step: int, loss: float | None = None, val_loss: float | None = None,
+               consensus_distance: float | None = None, tokens: int = 0) -> None:
+        """The trainer's report after each step, for the monitor's charts (see node.monitor.history).
+        A non-finite value is refused, counted as `monitor_bad_record` and logged; training goes on."""
+        try:
+            self.history.record(step=step, loss=loss, val_loss=val_loss,
+                                consensus_distance=consensus_distance, tokens=tokens)
+        except ValueError as exc:
+            self.count("monitor_bad_record")
+            logger.warning("monitor: step %d not recorded: %s", step, exc)
+
+    @property
+    def record_ttl_s(self) -> float:
+        from node.discovery import DiscoverySettings  # already imported by the running daemon
+
+        return DiscoverySettings(self.config.swarm, heartbeat_s=self.config.heartbeat_s).ttl_s
+
+    def _training_figures(self) -> dict[str, float | None]:
+        """loss, val_loss, tokens_per_s and consensus_distance: what the trainer recorded, else what
+        its status says, else (vector mode) only the mixing step as the consensus estimate."""
+        latest, training = self.history.latest, self.training
+        if latest.recorded:
+            samples = self.history.samples(limit=1)
+            return {"loss": latest.loss, "val_loss": latest.val_loss, "consensus_distance": latest.consensus_distance,
+                    "tokens_per_s": latest.tokens_per_s if latest.tokens_per_s is not None
+                    else (samples[0].tokens_per_s if samples else None)}
+        if training is not None:
+            s = training.status
+            return {"loss": s.loss, "val_loss": s.val_loss, "consensus_distance": s.consensus_distance,
+                    "tokens_per_s": s.tokens_per_s if s.step else None}
+        peer = self.peer
+        vector = peer.tensors.get("params") if peer else None
+        distance = self._mixing_step.update(peer.stats.rounds, vector) if vector is not None else None
+        return {"loss": None, "val_loss": None, "tokens_per_s": None, "consensus_distance": distance}
+
+    def counters(self) -> Counters:
+        peer, discovery = self.peer, self.discovery
+        view = discovery.view() if discovery else ()
+        me = self.transport.peer_id if self.transport else ""
+        figures = self._training_figures()
+        return Counters(
+            step=peer.step if peer else 0, round=peer.round if peer else 0,
+            bytes_sent=peer.stats.bytes_sent if peer else 0, bytes_received=peer.stats.bytes_received if peer else 0,
+            peers_alive=len(view),
+            peer_loss={p.peer_id: loss for p in view if p.peer_id != me and (loss := _published_loss(p)) is not None},
+            loss=figures["loss"], val_loss=figures["val_loss"], tokens_per_s=figures["tokens_per_s"],
+            consensus_distance=figures["consensus_distance"],
+        )
+
+    def peers(self) -> list[dict[str, Any]]:
+        """The membership view for the monitor: each peer's last record."""
+        view = self.discovery.view() if self.discovery else ()
+        me = self.transport.peer_id if self.transport else ""
+        now = time.time()
+        return [{"peer_id": p.peer_id, "self": p.peer_id == me, "address": _address(p.maddrs), "maddrs": list(p.maddrs),
+                 "step": p.step, "round": p.round, "loss": _published_loss(p), "experts": list(p.experts),
+                 "capacity": p.capacity, "version": p.version, "last_seen": p.heartbeat, "age_s": now - p.heartbeat,
+                 "gossip_from": p.gossip_from} for p in view]
+
+    def topology(self) -> dict[str, Any]:
+        """The current round's graph as this node computes it from its view (see node.monitor.topology_view)."""
+        view = self.discovery.view() if self.discovery else ()
+        me = self.transport.peer_id if self.transport else ""
+        round_index = self.peer.round if self.peer else 0
+        if self.training is not None:  # a trained swarm's rounds mix over everyone in view (SwarmTraining.plan_for)
+            members = MembershipView.of(p.peer_id for p in view)
+        else:
+            timings = [PeerTiming(p.peer_id, p.gossip_from) for p in view if p.peer_id != me]
+            members = participants([*timings, PeerTiming(me, self.gossip_from)], round_index)
+        topo = None
+        if members.n and self.swarm_doc:
+            key = (self.config_hash, members.n)
+            if key not in self._topologies:
+                spec = SwarmSettings.from_doc(self.swarm_doc).topology
+                self._topologies[key] = build_topology(spec, members.n)
+            topo = self._topologies[key]
+        return round_graph((p.peer_id for p in view), members, topo, me, round_index)
 
     def status(self) -> dict[str, Any]:
         peer, discovery = self.peer, self.discovery
@@ -106,7 +148,7 @@ class NodeRuntime:
         for source in (peer.stats.errors if peer else {}, discovery.errors if discovery else {}):
             for kind, n in source.items():
                 errors[kind] = errors.get(kind, 0) + n
-        vector = peer.tensors["params"] if peer else np.zeros(0, np.float32)
+        vector = peer.tensors.get("params", np.zeros(0, np.float32)) if peer else np.zeros(0, np.float32)
         return {
             "peer_id": self.transport.peer_id if self.transport else "",
             "swarm": self.config.swarm,
@@ -126,8 +168,22 @@ class NodeRuntime:
             "errors": errors,
             "payload": {"dim": int(vector.size), "mean": float(vector.mean()) if vector.size else 0.0,
                         "norm": float(np.linalg.norm(vector))},
+            "training": self.training.status.as_dict() if self.training is not None else None,
+            **self._training_figures(),
+            "version": discovery.local_record.version if discovery else "",
+            "experts": list(discovery.local_record.experts) if discovery else [],
             "uptime_s": time.time() - self.started,
         }
+
+
+def _published_loss(record) -> float | None:
+    """The loss a peer's record carries, once records carry one (node.discovery.PeerRecord)."""
+    loss = getattr(record, "loss", None)
+    return float(loss) if isinstance(loss, (int, float)) and np.isfinite(loss) else None
+
+
+def _address(maddrs) -> str | None:
+    return maddrs[0].split("/p2p/")[0] if maddrs else None
 
 
 @contextlib.asynccontextmanager
@@ -141,22 +197,21 @@ async def _bounded_cleanup(what: str, timeout_s: float = STOP_TIMEOUT_S) -> Asyn
 
 async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, runtime: NodeRuntime) -> None:
     from node.discovery import BootstrapFailed, Discovery, DiscoverySettings
-    from node.transport.p2pd import P2PDTransport
 
     async with contextlib.AsyncExitStack() as stack:
         claimed, p2p = await _identity_and_daemon(config, stack)
-        transport = P2PDTransport(p2p)
+        transport = await _data_plane(config, claimed.identity, p2p, stop, runtime, stack)
         runtime.transport = transport
         stack.push_async_callback(_close, transport, "transport")
         discovery = Discovery(p2p, claimed.identity, DiscoverySettings(config.swarm, heartbeat_s=config.heartbeat_s),
-                              initial_peers=config.network.initial_peers)
+                              initial_peers=config.network.initial_peers, data_maddrs=await transport.maddrs())
         try:
             await discovery.start()
         except BootstrapFailed as exc:
             raise StartupError(str(exc)) from None
         runtime.discovery = discovery
         stack.push_async_callback(_close, discovery, "discovery")
-        runtime.maddrs = discovery.local_record.maddrs
+        runtime.maddrs = discovery.dht_maddrs  # what `murmur join --peers` takes; the record has the data plane's
 
         ckpt_path = config.data_dir / "checkpoint.npz"
         try:
@@ -166,22 +221,119 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
             checkpoint = None
         swarm = await _swarm_config(discovery, config, founding, checkpoint)
         runtime.config_hash, runtime.swarm_doc = swarm.config_hash, swarm.config
-        settings = SwarmSettings(swarm.config)
-        tensors, round_index = _initial_state(config, settings, swarm.config_hash, checkpoint)
-        peer = GossipPeer(transport, ExchangeSettings(
+        try:
+            settings = SwarmSettings.from_doc(swarm.config)
+        except RecipeInvalid as exc:
+            raise StartupError(str(exc)) from None
+        exchange = ExchangeSettings(
             swarm=config.swarm, config_hash=swarm.config_hash, codec=settings.codec,
             exchange_timeout_s=config.gossip.exchange_timeout_s, max_staleness=settings.max_staleness,
-            rule=settings.mixing), tensors)
-        peer.round = round_index
-        runtime.peer = peer
-        await peer.start()
+            rule=settings.mixing)
+        if settings.training is not None:
+            training = await _start_training(runtime, settings, exchange, checkpoint, stack)
+        else:
+            tensors, round_index = _initial_state(config, settings, swarm.config_hash, checkpoint)
+            runtime.peer = GossipPeer(transport, exchange, tensors)
+            runtime.peer.round = round_index
+        await runtime.peer.start()
         api = await _start_api(runtime, config)
         runtime.monitor_url = api.url
         stack.push_async_callback(_close, api, "local API")
         stack.push_async_callback(_final_checkpoint, runtime, ckpt_path)
         print(f"murmur: peer {transport.peer_id} in swarm {config.swarm!r} ready; monitor {api.url}; "
               f"maddrs {' '.join(runtime.maddrs)}", flush=True)
-        await _gossip_until(stop, runtime, settings, ckpt_path)
+        if settings.training is not None:
+            await _train_until(stop, runtime, training, settings, ckpt_path)
+        else:
+            await _gossip_until(stop, runtime, settings, ckpt_path)
+
+
+async def _start_training(runtime: NodeRuntime, settings: SwarmSettings, exchange: ExchangeSettings, checkpoint,
+                          stack: contextlib.AsyncExitStack):
+    """Build the trainer and its gossip peer; restore this node's checkpoint when it is of this swarm."""
+    from node.train_loop import SwarmTraining, TrainingSetupError, build_trainer, checkpoint_matches
+
+    config, me = runtime.config, runtime.transport.peer_id
+    try:
+        trainer = await asyncio.to_thread(build_trainer, config, settings.training, me)
+    except TrainingSetupError as exc:
+        raise StartupError(f"cannot train the swarm's model here: {exc}") from None
+    stack.push_async_callback(_close_trainer, trainer)
+    resumed = checkpoint_matches(checkpoint, runtime.config_hash)
+    if resumed:
+        await trainer.restore(checkpoint.tensors)
+        logger.info("resuming from checkpoint at step %d", trainer.step)
+    elif checkpoint is not None:
+        logger.warning("the checkpoint belongs to another swarm config; starting fresh (it stays as checkpoint.npz.prev)")
+    runtime.peer = GossipPeer(runtime.transport, exchange, await trainer.tensors(), step=trainer.step)
+    runtime.peer.round = max(0, trainer.step // settings.training.optimizer.local_steps - 1)
+    topologies: dict[int, Topology] = {}
+    connected: set[str] = set()
+
+    def topology_for(n: int) -> Topology:
+        if n not in topologies:
+            topologies[n] = build_topology(settings.topology, n)
+        return topologies[n]
+
+    async def connect(view) -> None:
+        await _connect_new(runtime.transport, view, me, connected)
+
+    local_steps = settings.training.optimizer.local_steps
+    # DHT records lag by up to a heartbeat: the window leaves room for that beyond the staleness bound
+    lag_window = max(10, 2 * (settings.max_staleness + 1) * local_steps)
+    training = SwarmTraining(trainer, runtime.peer, runtime.discovery, settings.training, config, topology_for, connect,
+                             lag_window, record=runtime.record)
+    training.status.started_from = "checkpoint" if resumed else "init"
+    runtime.training = training
+    return training
+
+
+async def _train_until(stop: asyncio.Event, runtime: NodeRuntime, training, settings: SwarmSettings, ckpt_path) -> None:
+    """Catch up with the swarm if it is ahead (a joiner, or a node that was down), wait for the quorum of
+    a fresh swarm, train, and keep serving parameters once the step budget is spent."""
+    await training.catch_up(stop, margin=settings.max_staleness * settings.training.optimizer.local_steps,
+                            look=not (runtime.founding and training.trainer.step == 0))
+    if training.trainer.step == 0:
+        await training.wait_for_quorum(stop)
+    await training.run(stop, lambda: _checkpoint(runtime, ckpt_path))
+    await stop.wait()
+
+
+async def _data_plane(config: NodeConfig, identity, p2p, stop: asyncio.Event, runtime: NodeRuntime,
+                      stack: contextlib.AsyncExitStack):
+    """The gossip transport `--transport` selects: p2pd's own streams, or a py-libp2p child process
+    under the node's identity (see docs/architecture.md, "Data-plane backends")."""
+    if config.network.transport == "p2pd":
+        from node.transport.p2pd import P2PDTransport
+
+        return P2PDTransport(p2p)
+    from node.transport.libp2p import ChildFailed, LibP2PSettings, LibP2PTransport, data_listen_maddrs
+
+    def child_died() -> None:
+        runtime.count("data_plane_died")
+        stop.set()
+
+    try:
+        transport = await LibP2PTransport.start(
+            LibP2PSettings(identity.path, identity.peer_id, listen=data_listen_maddrs(config.network.listen)),
+            on_death=child_died)
+    except ChildFailed as exc:
+        raise StartupError(str(exc)) from None
+    stack.push_async_callback(_stopped_by_dead_child, transport)  # runs once the node's parts have stopped
+    return transport
+
+
+async def _stopped_by_dead_child(transport) -> None:
+    if transport.died:
+        raise StartupError(f"{transport.died}; the node stopped (its final checkpoint is written)")
+
+
+def _p2pd_identity_path(config: NodeConfig):
+    if config.network.transport == "p2pd":
+        return config.identity_path
+    from node.transport.libp2p import dht_identity_path
+
+    return dht_identity_path(config.identity_path)
 
 
 async def _identity_and_daemon(config: NodeConfig, stack: contextlib.AsyncExitStack):
@@ -197,7 +349,7 @@ async def _identity_and_daemon(config: NodeConfig, stack: contextlib.AsyncExitSt
     stack.callback(claimed.release)
     try:
         p2p = await start_p2pd(P2PSettings(
-            identity_path=config.identity_path, host_maddrs=config.network.listen,
+            identity_path=_p2pd_identity_path(config), host_maddrs=config.network.listen,
             announce_maddrs=config.network.announce, initial_peers=config.network.initial_peers,
             nat_port_map=config.network.nat_port_map,
         ))
@@ -213,7 +365,7 @@ async def _swarm_config(discovery, config: NodeConfig, founding: bool, checkpoin
     if founding:
         if checkpoint is not None and "swarm_config" in checkpoint.meta:
             doc = json.loads(str(checkpoint.meta["swarm_config"]))
-            if doc.get("payload", {}).get("dim") == config.dim:
+            if same_payload(doc, config):
                 return await discovery.publish_config(doc)  # a restarted founder keeps its swarm's epoch
         return await discovery.publish_config(swarm_document(config, epoch=time.time()))
     deadline = time.monotonic() + JOIN_CONFIG_TIMEOUT_S
@@ -236,9 +388,9 @@ def _initial_state(config: NodeConfig, settings: SwarmSettings, config_hash: str
     return {"params": rng.standard_normal(settings.dim).astype(np.float32)}, 0
 
 
-async def _start_api(runtime: NodeRuntime, config: NodeConfig) -> ApiServer:
+async def _start_api(runtime: NodeRuntime, config: NodeConfig) -> MonitorServer:
     try:
-        return await start_api(runtime.status, config.monitor.host, config.monitor.port)
+        return await start_monitor(runtime, config.monitor.host, config.monitor.port)
     except OSError as exc:
         raise StartupError(f"monitor port {config.monitor.host}:{config.monitor.port} unavailable: {exc.strerror}") from None
 
@@ -314,11 +466,13 @@ async def _connect_new(transport, view, me: str, connected: set[str]) -> None:
 
 
 async def _checkpoint(runtime: NodeRuntime, path) -> None:
-    peer = runtime.peer
-    meta = {"round": peer.round, "step": peer.step, "config_hash": runtime.config_hash, "swarm": runtime.config.swarm,
+    peer, training = runtime.peer, runtime.training
+    tensors = await training.trainer.state() if training is not None else peer.tensors
+    step = training.trainer.step if training is not None else peer.step
+    meta = {"round": peer.round, "step": step, "config_hash": runtime.config_hash, "swarm": runtime.config.swarm,
             "swarm_config": json.dumps(runtime.swarm_doc)}
     try:
-        await asyncio.to_thread(save_checkpoint, path, peer.tensors, meta)
+        await asyncio.to_thread(save_checkpoint, path, tensors, meta)
     except OSError as exc:
         runtime.count("checkpoint_failed")
         logger.error("checkpoint not written (%s); the previous one is kept", exc)
@@ -327,6 +481,11 @@ async def _checkpoint(runtime: NodeRuntime, path) -> None:
 async def _final_checkpoint(runtime: NodeRuntime, path) -> None:
     async with _bounded_cleanup("final checkpoint"):
         await _checkpoint(runtime, path)
+
+
+async def _close_trainer(trainer) -> None:
+    async with _bounded_cleanup("trainer"):
+        await asyncio.to_thread(trainer.close)
 
 
 async def _close(part, what: str) -> None:

@@ -287,9 +287,19 @@ class Discovery:
         initial_peers: Sequence[str] = (),
         capacity: int = 0,
         experts: Sequence[int] = (),
+        data_maddrs: Sequence[str] = (),
     ) -> None:
-        if p2p.peer_id.to_base58() != identity.peer_id:
+        # `data_maddrs`: where peers open gossip streams to this node, if not through this p2pd. The
+        # py-libp2p backend runs its host under the node's identity, and p2pd, which then carries only
+        # the DHT, under a key of its own: two hosts with one peer id would each get the other's
+        # dials (see docs/architecture.md, "Data-plane backends").
+        suffix = f"/p2p/{identity.peer_id}"
+        if any(not addr.endswith(suffix) for addr in data_maddrs) or len(data_maddrs) > _MAX_MADDRS:
+            raise ValueError(f"data-plane maddrs must be at most {_MAX_MADDRS} multiaddrs ending in {suffix}")
+        if not data_maddrs and p2p.peer_id.to_base58() != identity.peer_id:
             raise ValueError("the P2P daemon was not started with this identity")
+        self._data_maddrs = tuple(data_maddrs)
+        self._dht_maddrs: tuple[str, ...] = ()
         self._p2p = p2p
         self._identity = identity
         self._settings = settings
@@ -327,6 +337,11 @@ class Discovery:
         return self._local
 
     @property
+    def dht_maddrs(self) -> tuple[str, ...]:
+        """Where others reach this node's DHT (what `murmur join --peers` takes); set by `start()`."""
+        return self._dht_maddrs
+
+    @property
     def errors(self) -> dict[str, int]:
         """Counts of failed DHT operations and rejected records, by kind."""
         return dict(self._errors)
@@ -358,7 +373,8 @@ class Discovery:
         except RuntimeError as exc:  # DHTNode's "bootstrap failed: none of the initial_peers responded"
             await self._shutdown_dht()
             raise BootstrapFailed(f"{exc} (initial peers: {', '.join(self._initial_peers)})") from None
-        self._local = dataclasses.replace(self._local, maddrs=maddrs)
+        self._dht_maddrs = maddrs
+        self._local = dataclasses.replace(self._local, maddrs=self._data_maddrs or maddrs)
         # Publish and read once before returning, so the caller starts with itself and its peers in view.
         await self._publish_record()
         await self._refresh_view()

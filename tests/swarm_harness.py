@@ -29,6 +29,7 @@ READY_TIMEOUT_S = 120.0
 
 # What every test node gets unless a test says otherwise: small, fast, loopback, chatty enough to debug.
 DEFAULT_FLAGS: Mapping[str, object] = {
+    "model": "vector",
     "dim": 64,
     "round_interval": 0.4,
     "heartbeat": 1,

@@ -140,7 +140,7 @@ def test_two_nodes_exchange_across_a_rate_limited_link(tmp_path: Path, capsys: p
     # way, one after the other, and the round time then measures the link in both legs.
     with veth_link("t", rate_mbit=LINK_MBIT, limited_sides=(0, 1)) as link:
         try:
-            started.append(start_node(link, 0, "node", tmp_path / "founder", "--swarm", swarm, "--dim", str(DIM),
+            started.append(start_node(link, 0, "node", tmp_path / "founder", "--swarm", swarm, "--model", "vector", "--dim", str(DIM),
                                       "--round-interval", str(ROUND_INTERVAL_S)))
             founder = wait_ready(started[0])
             link_maddrs = [m for m in founder.maddrs if m.startswith(f"/ip4/{link.addresses[0]}/")]

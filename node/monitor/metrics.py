@@ -1,0 +1,92 @@
+"""`/metrics`: the node's figures in Prometheus text format, read from the monitor source at each
+scrape (a collector on a registry of the server's own, so nothing is module-level state)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from node.monitor.source import MonitorSource
+
+# Every family name as it appears in the exposition (counters get their `_total` suffix there).
+METRIC_NAMES = (
+    "murmur_node_info",
+    "murmur_uptime_seconds",
+    "murmur_step",
+    "murmur_round",
+    "murmur_rounds_total",
+    "murmur_last_round_seconds",
+    "murmur_bytes_sent_total",
+    "murmur_bytes_received_total",
+    "murmur_peers_alive",
+    "murmur_errors_total",
+    "murmur_skipped_total",
+    "murmur_loss",
+    "murmur_val_loss",
+    "murmur_tokens_per_second",
+    "murmur_consensus_distance",
+    "murmur_experts_owned",
+    "murmur_topology_rho",
+    "murmur_monitor_bad_requests_total",
+)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class NodeCollector(Collector):
+    def __init__(self, source: MonitorSource, bad_requests: Callable[[], int]) -> None:
+        self._source = source
+        self._bad_requests = bad_requests
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._source.status()
+        rho = self._source.topology()["rho"]
+        info = InfoMetricFamily("murmur_node", "this node's identity",
+                                value={"peer_id": s["peer_id"], "swarm": s["swarm"], "version": s["version"]})
+        yield info
+        yield GaugeMetricFamily("murmur_uptime_seconds", "seconds since the node started", value=s["uptime_s"])
+        yield GaugeMetricFamily("murmur_step", "training step (optimizer steps taken)", value=s["step"])
+        yield GaugeMetricFamily("murmur_round", "current gossip round", value=s["round"])
+        yield CounterMetricFamily("murmur_rounds", "gossip rounds run", value=s["rounds_run"])
+        yield GaugeMetricFamily("murmur_last_round_seconds", "duration of the last gossip round", value=s["last_round_s"])
+        yield CounterMetricFamily("murmur_bytes_sent", "gossip bytes sent", value=s["bytes_sent"])
+        yield CounterMetricFamily("murmur_bytes_received", "gossip bytes received", value=s["bytes_received"])
+        yield GaugeMetricFamily("murmur_peers_alive", "peers in the membership view, this one included",
+                                value=len(s["peers"]))
+        yield _labelled(CounterMetricFamily("murmur_errors", "rejected input and failures", labels=["kind"]), s["errors"])
+        yield _labelled(CounterMetricFamily("murmur_skipped", "neighbours left out of a round", labels=["reason"]),
+                        s["skipped"])
+        for name, key, doc in (("murmur_loss", "loss", "last training loss (absent while nothing is trained)"),
+                               ("murmur_val_loss", "val_loss", "last validation loss"),
+                               ("murmur_tokens_per_second", "tokens_per_s", "training throughput"),
+                               ("murmur_consensus_distance", "consensus_distance",
+                                "the node's estimate of its distance to the swarm's average")):
+            yield _optional(GaugeMetricFamily(name, doc, labels=[]), s[key])
+        yield GaugeMetricFamily("murmur_experts_owned", "experts this node owns", value=len(s["experts"]))
+        yield _optional(GaugeMetricFamily("murmur_topology_rho", "rho of the current round's topology", labels=[]), rho)
+        yield CounterMetricFamily("murmur_monitor_bad_requests", "monitor requests refused with 400",
+                                  value=self._bad_requests())
+
+
+def _labelled(family: CounterMetricFamily, counts: dict[str, int]) -> CounterMetricFamily:
+    for label, n in sorted(counts.items()):
+        family.add_metric([label], n)
+    return family
+
+
+def _optional(family: GaugeMetricFamily, value: float | None) -> GaugeMetricFamily:
+    if value is not None:  # an unknown figure is absent, not NaN, as Prometheus expects
+        family.add_metric([], value)
+    return family
+
+
+def metrics_registry(source: MonitorSource, bad_requests: Callable[[], int]) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(NodeCollector(source, bad_requests))
+    return registry
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)

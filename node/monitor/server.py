@@ -1,0 +1,283 @@
+"""The monitor's web server (aiohttp, in the node's event loop): the page, the JSON API, server-sent
+events and `/metrics`, plus the sampler that appends a history sample and pushes an update every
+interval. Bound to 127.0.0.1 unless the node is told otherwise (`--monitor-host`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from aiohttp import web
+
+from node.monitor.eventlog import LogCapture, Snapshot, log_changes
+from node.monitor.metrics import CONTENT_TYPE, exposition, metrics_registry
+from node.monitor.schemas import openapi_document
+from node.monitor.source import MonitorSource
+
+logger = logging.getLogger("murmur.monitor")
+
+SAMPLE_INTERVAL_S = 1.0  # the page updates within 2 s of a change
+SSE_KEEPALIVE_S = 10.0
+SSE_WRITE_TIMEOUT_S = 5.0  # a client that does not read is dropped
+SHUTDOWN_TIMEOUT_S = 1.0
+STATIC_FILES = {"/": ("index.html", "text/html"), "/monitor.js": ("monitor.js", "text/javascript"),
+                "/monitor.css": ("monitor.css", "text/css")}
+# the page loads nothing from elsewhere: users may be offline, and nothing should phone out
+PAGE_POLICY = "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; connect-src 'self'"
+
+
+class BadQuery(ValueError):
+    """A query string the endpoint does not accept (answered with 400)."""
+
+
+def _dumps(obj: object) -> str:
+    return json.dumps(obj, allow_nan=False, separators=(",", ":"))
+
+
+def _json(obj: object, status: int = 200) -> web.Response:
+    return web.json_response(obj, status=status, dumps=_dumps)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return _json({"error": message, "status": status}, status=status)
+
+
+def _parse_query(query: Mapping[str, str], allowed: Mapping[str, Callable[[str], Any]]) -> dict[str, Any]:
+    parsed: dict[str, Any] = {}
+    for key in query:
+        if key not in allowed:
+            accepted = ", ".join(sorted(allowed)) or "none"
+            raise BadQuery(f"unknown query parameter {key!r} (accepted: {accepted})")
+        values = query.getall(key) if hasattr(query, "getall") else [query[key]]
+        if len(values) != 1:
+            raise BadQuery(f"query parameter {key!r} given {len(values)} times")
+        try:
+            parsed[key] = allowed[key](values[0])
+        except ValueError as exc:
+            raise BadQuery(f"query parameter {key}={values[0]!r}: {exc}") from None
+    return parsed
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError("must be an integer >= 1")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError("must be an integer >= 0")
+    return value
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError("must be a finite number")
+    return value
+
+
+class Sampler:
+    """Once per interval: a history sample, the change log, and the update message every SSE client gets."""
+
+    def __init__(self, source: MonitorSource, interval_s: float) -> None:
+        self.source = source
+        self.interval_s = interval_s
+        self.closed = False
+        self.message = ""  # the latest update, as SSE data
+        self.seq = 0
+        self.failures = 0
+        self._failing = 0  # failures in a row
+        self._tick = asyncio.Event()
+        self._snapshot: Snapshot | None = None
+        self._log_seen = 0
+
+    @property
+    def tick(self) -> asyncio.Event:
+        """Set when the next message is out (a fresh event each interval)."""
+        return self._tick
+
+    def sample_once(self, now: float) -> None:
+        source = self.source
+        status = source.status()
+        sample = source.history.tick(source.counters(), now)
+        snapshot = Snapshot(frozenset(p["peer_id"] for p in status["peers"]), dict(status["errors"]),
+                            dict(status["skipped"]), status["gossip_from"])
+        log_changes(source.events, self._snapshot, snapshot, now)
+        self._snapshot = snapshot
+        fresh = source.events.entries(after=self._log_seen)
+        if fresh:
+            self._log_seen = fresh[-1].id
+        self.seq += 1
+        self.message = _dumps({"seq": self.seq, "status": status, "peers": source.peers(), "topology": source.topology(),
+                               "sample": sample.as_json(), "log": [e.as_json() for e in fresh]})
+        self._publish()
+
+    def _publish(self) -> None:
+        done, self._tick = self._tick, asyncio.Event()
+        done.set()
+
+    def sample_safely(self) -> None:
+        """sample_once, but a failure is logged and counted: it must not end the page's updates."""
+        try:
+            self.sample_once(time.time())
+        except Exception:  # noqa: BLE001 - see above
+            self.failures += 1
+            self._failing += 1
+            # the traceback once per outage, not once a second
+            logger.log(logging.ERROR if self._failing == 1 else logging.DEBUG, "monitor sample failed (%d so far)",
+                       self.failures, exc_info=True)
+        else:
+            if self._failing:
+                logger.warning("monitor samples work again after %d failures", self._failing)
+            self._failing = 0
+
+    async def run(self) -> None:
+        while not self.closed:
+            await asyncio.sleep(self.interval_s)
+            self.sample_safely()
+
+    def close(self) -> None:
+        self.closed = True
+        self._publish()  # wakes every SSE handler, which then sees `closed`
+
+
+@dataclass
+class MonitorServer:
+    runner: web.AppRunner
+    url: str
+    sampler: Sampler
+    task: asyncio.Task
+    capture: LogCapture
+
+    async def close(self) -> None:
+        self.sampler.close()
+        self.task.cancel()
+        logging.getLogger().removeHandler(self.capture)
+        async with asyncio.timeout(5):
+            await asyncio.gather(self.task, return_exceptions=True)
+            await self.runner.cleanup()
+
+
+def _static(name: str) -> bytes:
+    return resources.files(__package__).joinpath("static", name).read_bytes()
+
+
+def build_app(source: MonitorSource, sampler: Sampler) -> web.Application:
+    bad_requests = [0]  # one cell per app: the middleware counts, /metrics reads
+    registry = metrics_registry(source, lambda: bad_requests[0])
+    pages = {path: (_static(name), kind) for path, (name, kind) in STATIC_FILES.items()}
+
+    @web.middleware
+    async def json_errors(request: web.Request, handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except BadQuery as exc:
+            bad_requests[0] += 1
+            logger.info("monitor: 400 for %s: %s", request.path_qs, exc)
+            return _error(400, str(exc))
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return _error(exc.status, exc.reason)
+        except Exception:  # noqa: BLE001 - a failing endpoint answers 500; the node goes on
+            logger.exception("monitor: %s failed", request.path_qs)
+            return _error(500, "internal error (see the node's log)")
+
+    async def page(request: web.Request) -> web.Response:
+        _parse_query(request.query, {})
+        body, kind = pages[request.path]
+        return web.Response(body=body, content_type=kind, charset="utf-8",
+                            headers={"Content-Security-Policy": PAGE_POLICY, "Cache-Control": "no-cache"})
+
+    def endpoint(produce: Callable[[dict[str, Any]], object], query: Mapping[str, Callable[[str], Any]]):
+        async def handler(request: web.Request) -> web.Response:
+            return _json(produce(_parse_query(request.query, query)))
+        return handler
+
+    def history(q: dict[str, Any]) -> dict[str, Any]:
+        samples = source.history.samples(since=q.get("since"), limit=q.get("limit"))
+        return {"interval_s": sampler.interval_s, "capacity": source.history.capacity,
+                "samples": [s.as_json() for s in samples]}
+
+    def peers(_: dict[str, Any]) -> dict[str, Any]:
+        view = source.peers()
+        me = next((p["peer_id"] for p in view if p["self"]), source.status()["peer_id"])
+        return {"self": me, "now": time.time(), "record_ttl_s": source.record_ttl_s, "peers": view}
+
+    async def metrics(request: web.Request) -> web.Response:
+        _parse_query(request.query, {})
+        body = await asyncio.to_thread(exposition, registry)  # collect() only reads: safe off the loop
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+    async def events(request: web.Request) -> web.StreamResponse:
+        _parse_query(request.query, {})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "X-Accel-Buffering": "no"})
+        await response.prepare(request)
+        sent = -1
+        try:
+            await _write(response, f"retry: {int(sampler.interval_s * 1000)}\n\n")
+            while not sampler.closed:
+                if sampler.seq != sent and sampler.message:
+                    sent = sampler.seq
+                    await _write(response, f"id: {sent}\nevent: update\ndata: {sampler.message}\n\n")
+                tick = sampler.tick
+                try:
+                    async with asyncio.timeout(SSE_KEEPALIVE_S):
+                        await tick.wait()
+                except TimeoutError:
+                    await _write(response, ": keepalive\n\n")
+        except (ConnectionError, TimeoutError):
+            pass  # the client went away or stopped reading
+        return response
+
+    app = web.Application(middlewares=[json_errors])
+    for path in STATIC_FILES:
+        app.router.add_get(path, page)
+    app.router.add_get("/api/status", endpoint(lambda _: source.status(), {}))
+    app.router.add_get("/api/peers", endpoint(peers, {}))
+    app.router.add_get("/api/topology", endpoint(lambda _: source.topology(), {}))
+    app.router.add_get("/api/history", endpoint(history, {"since": _finite_float, "limit": _positive_int}))
+    app.router.add_get("/api/log", endpoint(
+        lambda q: {"entries": [e.as_json() for e in source.events.entries(q.get("after", 0), q.get("limit"))]},
+        {"after": _non_negative_int, "limit": _positive_int}))
+    app.router.add_get("/api/openapi.json", endpoint(lambda _: openapi_document(), {}))
+    app.router.add_get("/api/events", events)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def _write(response: web.StreamResponse, text: str) -> None:
+    async with asyncio.timeout(SSE_WRITE_TIMEOUT_S):
+        await response.write(text.encode())
+
+
+async def start_monitor(source: MonitorSource, host: str, port: int,
+                        interval_s: float = SAMPLE_INTERVAL_S) -> MonitorServer:
+    """Start serving and sampling; port 0 picks a free port, reported in the returned url."""
+    sampler = Sampler(source, interval_s)
+    sampler.sample_safely()  # the page has something to show from its first request
+    runner = web.AppRunner(build_app(source, sampler), access_log=None, handle_signals=False,
+                           shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port, reuse_address=True)
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    bound_port = site._server.sockets[0].getsockname()[1]  # aiohttp exposes the bound port only here
+    shown = f"[{host}]" if ":" in host else host
+    capture = LogCapture(source.events)
+    logging.getLogger().addHandler(capture)
+    task = asyncio.create_task(sampler.run(), name="monitor sampler")
+    return MonitorServer(runner, f"http://{shown}:{bound_port}", sampler, task, capture)

@@ -1,0 +1,37 @@
+"""What the monitor reads from a node: a small typed protocol the daemon's `NodeRuntime` implements
+(and tests can implement without a swarm)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from node.monitor.eventlog import EventLog
+from node.monitor.history import Counters, HistoryRecorder
+
+
+class MonitorSource(Protocol):
+    """Every method is cheap and called from the event loop's thread; none may block."""
+
+    @property
+    def history(self) -> HistoryRecorder:
+        """The time series the sampler appends to (and the trainer records into)."""
+
+    @property
+    def events(self) -> EventLog:
+        """Recent events and errors."""
+
+    @property
+    def record_ttl_s(self) -> float:
+        """How long a peer's DHT record lives without a heartbeat."""
+
+    def status(self) -> dict[str, Any]:
+        """`/api/status` (see schemas/status.json)."""
+
+    def peers(self) -> list[dict[str, Any]]:
+        """The membership view, one object per peer (the items of schemas/peers.json)."""
+
+    def topology(self) -> dict[str, Any]:
+        """The current round's graph (schemas/topology.json)."""
+
+    def counters(self) -> Counters:
+        """What one history sample takes from the node's counters."""

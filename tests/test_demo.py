@@ -1,0 +1,48 @@
+"""`murmur demo`: a local swarm of real node processes trains the embedded model and reports the
+losses of each node, of the averaged model and of the untrained model; bad flags exit 2."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from node.models import build_named_model
+
+MURMUR = Path(sys.executable).with_name("murmur")
+
+
+@pytest.mark.multiprocess
+def test_demo_trains_and_reports_json(tmp_path):
+    steps = 30
+    out = subprocess.run([str(MURMUR), "demo", "--nodes", "2", "--steps", str(steps), "--model", "dense",
+                          "--batch-size", "4", "--optimizer", "dsgd", "--lr", "0.3", "--dir", str(tmp_path / "run"),
+                          "--json"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "monitor of node0: http://127.0.0.1:" in out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    dense_params = sum(p.numel() for p in build_named_model("dense").parameters())
+    assert len(summary["nodes"]) == 2 and len({n["peer_id"] for n in summary["nodes"]}) == 2
+    for node in summary["nodes"]:
+        assert node["steps"] == steps
+        assert node["trainable_params"] == dense_params
+        assert node["bytes_sent"] > 0 and node["bytes_received"] > 0
+        assert node["optimizer_state_bytes"] >= 0
+        assert node["val_loss"] < summary["initial_val_loss"] - 1.0
+    assert summary["averaged_val_loss"] < summary["initial_val_loss"] - 1.0
+    # the nodes gossiped: their models ended close to each other and to their average
+    losses = [n["val_loss"] for n in summary["nodes"]]
+    assert max(losses) - min(losses) < 0.2 and abs(summary["averaged_val_loss"] - min(losses)) < 0.2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nodes", "0"], "argument --nodes: 0 is below the minimum 1"),
+    (["--optimizer", "sgd"], "argument --optimizer: invalid choice"),
+    (["--spes"], "--spes: SPES is not wired into the node daemon yet"),
+])
+def test_demo_bad_flags_exit_2_with_one_line(args, message):
+    out = subprocess.run([str(MURMUR), "demo", *args], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], out.stderr

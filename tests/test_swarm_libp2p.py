@@ -1,0 +1,136 @@
+"""Real `murmur` node processes with `--transport libp2p` on loopback: a mixed swarm (3 nodes on p2pd,
+3 on py-libp2p) reaches consensus; an all-libp2p swarm reaches the exact average while a hostile peer
+sends it garbage; and a frozen node, a killed backend child and a killed node behave as on p2pd."""
+
+import asyncio
+import dataclasses
+import signal
+import time
+
+import numpy as np
+import psutil
+import pytest
+from swarm_harness import Node, Swarm, consensus_distance, initial_vector, mean_vector, summary, wait_for
+from test_swarm_bad_peers import ATTACKS, attack, wire_errors
+
+pytestmark = pytest.mark.multiprocess
+
+CHILD_MODULE = "node.transport.libp2p_child"
+
+
+def libp2p_child(node: Node) -> psutil.Process:
+    """The node's py-libp2p child process (started by the node, not by the test)."""
+    for child in psutil.Process(node.pid).children(recursive=True):
+        if CHILD_MODULE in " ".join(child.cmdline()):
+            return child
+    raise AssertionError(f"{node.name} has no py-libp2p child")
+
+
+def data_maddrs(node: Node) -> tuple[str, ...]:
+    """What the node's own peer record advertises for gossip (its DHT maddrs are what it printed)."""
+    status = node.status()
+    return tuple(next(p["maddrs"] for p in status["peers"] if p["peer_id"] == status["peer_id"]))
+
+
+def gone(process: psutil.Process) -> bool:
+    try:
+        return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def check_consensus(nodes: list[Node], report: str, logs: str) -> None:
+    initial = [initial_vector(node.seed, node.dim) for node in nodes]
+    final = [node.checkpoint()[0] for node in nodes]
+    start, end = consensus_distance(initial), consensus_distance(final)
+    assert end < 1e-6 * start, f"consensus distance {end:.3g} from {start:.3g}\n{report}\n{logs}"
+    drift = np.linalg.norm(mean_vector(final) - mean_vector(initial))
+    assert drift < 1e-6 * np.linalg.norm(mean_vector(initial)), f"the average moved by {drift:.3g}\n{report}"
+
+
+def test_three_p2pd_and_three_libp2p_nodes_reach_consensus_together(tmp_path):
+    rounds, interval = 25, 0.5  # 0.3 s rounds at load 14 made peers skip each other as stale
+    with Swarm(tmp_path, dim=256, heartbeat=2) as swarm:
+        flags = dict(topology="static-exp", min_peers=6, round_interval=interval, max_staleness=4)
+        founder = swarm.found(**flags)  # on p2pd
+        joiners = [swarm.spawn(f"n{seed}", seed=seed, join=founder, transport="libp2p" if seed % 2 else "p2pd",
+                               **flags) for seed in range(1, 6)]
+        swarm.wait_ready(joiners)
+        nodes = [founder, *joiners]
+        libp2p_nodes = [n for n in nodes if "libp2p" in n.argv]
+        assert len(libp2p_nodes) == 3
+        swarm.wait_views(nodes, nodes)
+        # p2pd nodes learn from the records where the libp2p nodes gossip: their children's hosts,
+        # under the node's own peer id (their p2pd runs under a key of its own, for the DHT only)
+        seen_by_founder = {p["peer_id"]: p["maddrs"] for p in founder.status()["peers"]}
+        for node in libp2p_nodes:
+            assert seen_by_founder[node.peer_id] == list(data_maddrs(node))
+            assert all(addr.endswith(f"/p2p/{node.peer_id}") for addr in seen_by_founder[node.peer_id])
+            assert not any(addr.endswith(f"/p2p/{node.peer_id}") for addr in node.maddrs)
+        swarm.wait_rounds(nodes, rounds, timeout_s=60 + 2 * rounds * interval)
+        report = summary(nodes, swarm.statuses(nodes))
+        assert all(s["bytes_received"] > 0 for s in swarm.statuses(libp2p_nodes)), report
+        assert swarm.stop_all(nodes, timeout_s=30) == [0] * 6, swarm.logs()
+    check_consensus(nodes, report, swarm.logs())
+
+
+def test_a_libp2p_swarm_reaches_the_exact_average_while_a_peer_sends_it_garbage(tmp_path):
+    # one-peer-exp over 4 (a power of two) averages exactly every 2 rounds, whoever is attacked meanwhile
+    with Swarm(tmp_path, dim=64, heartbeat=2, round_interval=0.4) as swarm:
+        nodes = swarm.start(4, topology="one-peer-exp", min_peers=4, transport="libp2p")
+        swarm.wait_views(nodes, nodes)
+        swarm.wait_rounds(nodes, 2, timeout_s=90)
+        victim = nodes[1]
+        status = victim.status()
+        # the attacker runs p2pd and dials the victim's child, where the victim's record says it gossips
+        asyncio.run(attack(dataclasses.replace(victim, maddrs=data_maddrs(victim)), tmp_path / "attacker.key",
+                           status["swarm"], status["config_hash"]))
+        assert sum(wire_errors(victim).values()) == len(ATTACKS)
+        ran = max(s["rounds_run"] for s in swarm.statuses(nodes))
+        swarm.wait_rounds(nodes, ran + 2, timeout_s=60)
+        report = summary(nodes, swarm.statuses(nodes))
+        assert all(wire_errors(n) == {} for n in nodes if n is not victim), report
+        children = [libp2p_child(n) for n in nodes]
+        assert swarm.stop_all(nodes, timeout_s=30) == [0] * 4, swarm.logs()
+        wait_for(lambda: all(gone(c) for c in children), 5, "the children to stop with their nodes (SIGTERM)")
+    check_consensus(nodes, report, swarm.logs())
+
+
+def test_frozen_node_killed_child_and_killed_node_on_libp2p(tmp_path):
+    with Swarm(tmp_path, heartbeat=1, exchange_timeout=2) as swarm:
+        nodes = swarm.start(3, topology="ring", min_peers=3, transport="libp2p")
+        n0, n1, n2 = nodes
+        swarm.wait_views(nodes, nodes)
+        swarm.wait_rounds(nodes, 2, timeout_s=90)
+
+        # frozen: the others skip it and go on; thawed, it gossips again
+        n2.signal(signal.SIGSTOP)
+        try:
+            ran = [s["rounds_run"] for s in swarm.statuses([n0, n1])]
+            wait_for(lambda: all(s["rounds_run"] >= r + 3 for s, r in zip(swarm.statuses([n0, n1]), ran)), 60,
+                     "rounds without the frozen node")
+            assert sum(n0.status()["skipped"].values()) > 0
+        finally:
+            n2.signal(signal.SIGCONT)
+        ran = n2.status()["rounds_run"]
+        wait_for(lambda: n2.status()["rounds_run"] >= ran + 2, 60, "the thawed node to gossip again")
+
+        # its backend child killed: the node says so and stops (status 2), taking its p2pd along
+        child = libp2p_child(n1)
+        others = [c for c in psutil.Process(n1.pid).children(recursive=True) if c.pid != child.pid]
+        child.kill()
+        started = time.monotonic()
+        assert n1.process.wait(20) == 2, n1.log_tail()
+        assert time.monotonic() - started < 10
+        assert "py-libp2p child" in n1.stderr() and "is gone" in n1.stderr()
+        wait_for(lambda: all(gone(p) for p in others), 5, "n1's p2pd to stop with it")
+
+        # the node SIGKILLed: its child dies with it
+        child = libp2p_child(n2)
+        n2.process.kill()
+        n2.process.wait(10)
+        wait_for(lambda: gone(child), 5, "n2's py-libp2p child to die with it")
+
+        ran = n0.status()["rounds_run"]
+        wait_for(lambda: n0.status()["rounds_run"] >= ran + 2, 30, "the survivor to keep running rounds")
+        assert n0.alive()

@@ -1,0 +1,150 @@
+"""Real `murmur` node processes training a model together on loopback: a node killed mid-run, a node
+joining at half time (it downloads the swarm's parameters), a killed node restarted with its identity
+(it resumes from its checkpoint), parity of the swarm-averaged model with single-process training, and
+a corrupted checkpoint that falls back to the previous good one."""
+
+import asyncio
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from swarm_harness import Swarm, wait_for
+from tiny_model import TINY, build
+
+from node.checkpoint import load_checkpoint
+from node.data import load_corpus
+from node.recipe import optimizer_config
+from node.trainer import Trainer, TrainerConfig, average_tensors, train_alone
+from node.train_loop import EVAL_BATCH_SIZE, EVAL_BATCHES
+
+pytestmark = pytest.mark.multiprocess
+
+TESTS = Path(__file__).parent
+STEPS = 400
+BATCH = 16
+LR = 0.5
+WARMUP = 20
+# the swarm's recipe (founder flags) and what every node needs to start together and step quickly
+RECIPE = {"model": "tiny_model:build", "context": TINY.context, "batch_size": BATCH, "optimizer": "dsgd",
+          "lr": LR, "warmup_steps": WARMUP, "steps": STEPS, "topology": "one-peer-exp"}
+NODE = {"threads": 1, "eval_every": 25, "checkpoint_every": 10, "exchange_timeout": 3}
+PARITY = 1.05
+
+
+@pytest.fixture
+def swarm(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    with Swarm(tmp_path, heartbeat=1) as s:
+        yield s
+
+
+def training(node) -> dict:
+    return node.status()["training"]
+
+
+def final_parameters(data_dir: Path) -> dict[str, np.ndarray]:
+    checkpoint = load_checkpoint(data_dir / "checkpoint.npz")
+    assert checkpoint is not None, f"no checkpoint in {data_dir}"
+    return {k[len("param/"):]: v for k, v in checkpoint.tensors.items() if k.startswith("param/")}
+
+
+def single_process_val_loss(nodes: int, data_dir: Path, tensors: dict[str, np.ndarray] | None = None) -> float:
+    """Validation loss of `tensors` (evaluated as the nodes do), or, without them, of the baseline:
+    one process taking STEPS steps of batch nodes*BATCH over the whole corpus with the same schedule."""
+    corpus = load_corpus(None, data_dir)
+    config = TrainerConfig(optimizer=optimizer_config("dsgd", LR, WARMUP, STEPS, 1, 1), batch_size=nodes * BATCH,
+                           context=TINY.context, device="cpu", eval_batch_size=EVAL_BATCH_SIZE, eval_batches=EVAL_BATCHES)
+
+    async def run() -> float:
+        async with Trainer(build(), config, peer_id="baseline", train_tokens=corpus.train, val_tokens=corpus.val) as t:
+            if tensors is not None:
+                return await t.evaluate(tensors)
+            await train_alone(t, STEPS)
+            return await t.evaluate()
+
+    return asyncio.run(run())
+
+
+@pytest.mark.timeout(900)
+def test_kill_join_restart_and_parity(swarm, tmp_path):
+    founder = swarm.found(**RECIPE, **NODE, min_peers=4)
+    nodes = [founder, *(swarm.spawn(f"n{i}", seed=i, join=founder, **NODE, min_peers=4) for i in range(1, 4))]
+    swarm.wait_ready(nodes[1:])
+    survivors, victim = nodes[:3], nodes[3]
+    wait_for(lambda: all(training(n)["step"] >= STEPS // 4 for n in nodes), 180, "a quarter of the steps on every node")
+    victim.process.kill()
+    victim.process.wait(10)
+    checkpointed = int(load_checkpoint(victim.data_dir / "checkpoint.npz").meta["step"])
+
+    # a fifth node joins mid-run (started now, it is ready some way into the run, depending on the
+    # machine's load): it starts from the swarm's parameters, not from scratch, then trains with it
+    joiner = swarm.spawn("n4", seed=4, join=founder, **NODE)
+    swarm.wait_ready([joiner])
+    untrained = single_process_val_loss(1, tmp_path, _initial())
+    joined = wait_for(lambda: (t := training(joiner))["started_from"].startswith("peer") and t["val_step"] is not None and t,
+                      120, "the joiner's download and first evaluation")
+    joined_at = int(joined["started_from"].rsplit(" ", 1)[1])
+    assert STEPS // 4 <= joined_at < STEPS, f"the joiner came at step {joined_at}, not mid-run"
+    source_val = min(training(n)["val_loss"] for n in survivors)
+    assert abs(joined["val_loss"] - source_val) < abs(joined["val_loss"] - untrained), (
+        f"joiner's first val loss {joined['val_loss']:.3f}: swarm {source_val:.3f}, untrained {untrained:.3f}")
+
+    everyone = [*survivors, joiner]
+    wait_for(lambda: all(training(n)["done"] for n in everyone), 300, "every live node to finish")
+    statuses = swarm.statuses(everyone)
+    for s in statuses:
+        assert s["training"]["step"] == STEPS
+    assert statuses[-1]["rounds_run"] > 0 and statuses[-1]["bytes_received"] > 0, "the joiner never gossiped"
+
+    # the killed node comes back with its identity: it restores its checkpoint, then catches up with
+    # the swarm (which is more than the staleness bound ahead) by downloading its parameters
+    restarted = swarm.spawn("n3", seed=3, join=founder, data_dir=victim.data_dir, **NODE)
+    swarm.wait_ready([restarted])
+    assert restarted.peer_id == victim.peer_id
+    wait_for(lambda: training(restarted)["done"], 120, "the restarted node to finish")
+    log = restarted.stderr() + restarted.stdout()
+    resumed = re.search(r"resuming from checkpoint at step (\d+)", log)
+    assert resumed and int(resumed.group(1)) == checkpointed, log[-2000:]
+    assert "downloaded parameters from" in log
+
+    assert swarm.stop_all(everyone + [restarted]) == [0] * 5
+    swarm_loss = single_process_val_loss(1, tmp_path, average_tensors([final_parameters(n.data_dir) for n in survivors]))
+    baseline = single_process_val_loss(3, tmp_path)
+    assert swarm_loss <= PARITY * baseline, f"swarm average {swarm_loss:.4f} vs 3-node baseline {baseline:.4f}"
+    assert swarm_loss < untrained - 1.0
+
+
+def _initial() -> dict[str, np.ndarray]:
+    return {name: p.detach().numpy().reshape(-1).copy() for name, p in build().named_parameters()}
+
+
+def test_restart_resumes_from_checkpoint_and_survives_a_corrupt_one(swarm):
+    flags = {**RECIPE, **NODE, "steps": 200, "checkpoint_every": 10}
+    node = swarm.found(**flags)
+    wait_for(lambda: training(node)["step"] >= 15, 120, "15 steps")
+    assert swarm.stop_all([node]) == [0]
+    final = load_checkpoint(node.data_dir / "checkpoint.npz")
+    stopped_at = int(final.meta["step"])
+    assert stopped_at >= 15 and final.tensors["trainer/step"].item() == stopped_at
+
+    again = swarm.spawn("n0", seed=0, join=None, data_dir=node.data_dir, **flags)
+    swarm.wait_ready([again])
+    assert training(again)["started_from"] == "checkpoint"
+    assert training(again)["step"] >= stopped_at
+    wait_for(lambda: training(again)["step"] >= stopped_at + 5, 120, "5 more steps")
+    assert swarm.stop_all([again]) == [0]
+
+    # a torn write of the newest checkpoint: the node falls back to the previous one and loses nothing else
+    path = node.data_dir / "checkpoint.npz"
+    previous = load_checkpoint(node.data_dir / "checkpoint.npz.prev")
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    third = swarm.spawn("n0", seed=0, join=None, data_dir=node.data_dir, **flags)
+    swarm.wait_ready([third])
+    assert training(third)["started_from"] == "checkpoint"
+    assert training(third)["step"] >= int(previous.meta["step"])
+    log = third.stderr() + third.stdout()
+    assert "is unreadable" in log and "resuming from checkpoint at step " + str(previous.meta["step"]) in log
+    wait_for(lambda: training(third)["done"], 120, "training to finish after the fallback")
+    assert swarm.stop_all([third]) == [0]
