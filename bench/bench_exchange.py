@@ -7,9 +7,11 @@
    namespaces, one process per side (target: goodput at least 0.85 of the link rate; needs root);
 3. rounds: 8 GossipPeers x 10M float32 parameters over 8 p2pd daemons on loopback, one-peer
    exponential topology, fp32 and fp16: median round time, against encoding + decoding the same
-   vector once in-process.
+   vector once in-process;
+3b. nodes: the same rounds with one process per node (each a GossipPeer on its own p2pd), against
+   the in-process rounds of part 3 measured in the same run.
 
-Run from the repository root: .venv/bin/python -m bench.bench_exchange [--only goodput,link,rounds]
+Run from the repository root: .venv/bin/python -m bench.bench_exchange [--only goodput,link,rounds,nodes]
 """
 
 from __future__ import annotations
@@ -77,6 +79,13 @@ def _settings(codec: str) -> ExchangeSettings:
 def _pull_plan(source: str) -> PeerRound:
     """A round in which this peer only pulls `source`'s value (a directed edge) and averages it in."""
     return PeerRound(self_weight=0.5, in_weights={source: 0.5}, out_peers=())
+
+
+async def start_source(peer: GossipPeer) -> None:
+    """Serve, and begin round 0 (with no neighbours): the source runs no rounds of its own, and a pull
+    of a round its peer has not begun waits for it, so the pulls (all of round 0) are answered at once."""
+    await peer.start()
+    await peer.run_round(0, PeerRound(self_weight=1.0, in_weights={}, out_peers=()))
 
 
 # ---- daemons and transports ------------------------------------------------------------------------
@@ -225,7 +234,7 @@ async def loopback_goodput(mib: float, repeats: int, workdir: Path) -> PullResul
         await connect_all([puller_t, source_t])
         source = GossipPeer(source_t, _settings("fp32"), {"params": x})
         puller = GossipPeer(puller_t, _settings("fp32"), {"params": _vector(_numel(mib), seed=2)})
-        await source.start()
+        await start_source(source)
         await puller.start()
         await source_t.serve(RAW_PROTOCOL, raw_server(x))
         return await interleaved_pulls(puller_t, puller, source_t.peer_id, x.nbytes, repeats)
@@ -243,11 +252,9 @@ async def serve_role(spec: dict) -> None:
     workdir = Path(spec["workdir"])
     x = _vector(_numel(spec["mib"]), seed=1)
     async with p2pd_daemons(1, workdir / "source", [spec["listen"]]) as p2ps, transports_on(p2ps) as (transport,):
-        await GossipPeer(transport, _settings("fp32"), {"params": x}).start()
+        await start_source(GossipPeer(transport, _settings("fp32"), {"params": x}))
         await transport.serve(RAW_PROTOCOL, raw_server(x))
-        ready = {"peer_id": transport.peer_id, "maddrs": list(await transport.maddrs())}
-        (workdir / "source.json.tmp").write_text(json.dumps(ready))
-        (workdir / "source.json.tmp").rename(workdir / "source.json")
+        _write_json(workdir / "source.json", {"peer_id": transport.peer_id, "maddrs": list(await transport.maddrs())})
         await stop.wait()
 
 
@@ -300,13 +307,23 @@ def link_goodput(mib: float, repeats: int, workdir: Path) -> PullResult:
     return PullResult(**result)
 
 
-def _wait_for_file(path: Path, timeout_s: float) -> dict:
+def _wait_for_file(path: Path, timeout_s: float, children: Sequence[subprocess.Popen] = ()) -> dict:
+    """The JSON another process writes to `path` (atomically, see `_write_json`), once it is there."""
     deadline = time.monotonic() + timeout_s
     while not path.exists():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the source side was not ready within {timeout_s:g} s")
-        time.sleep(0.1)
+            raise TimeoutError(f"{path.name} did not appear within {timeout_s:g} s")
+        dead = [child.pid for child in children if child.poll() is not None]
+        if dead:
+            raise RuntimeError(f"process(es) {dead} exited while waiting for {path.name}")
+        time.sleep(0.05)
     return json.loads(path.read_text())
+
+
+def _write_json(path: Path, value: object) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value))
+    tmp.rename(path)
 
 
 # ---- 3. round latency, 8 peers ---------------------------------------------------------------------
@@ -363,6 +380,75 @@ async def round_latency(peers: int, dim: int, codecs: Sequence[str], rounds: int
     return results
 
 
+# ---- 3b. round latency, one process per node -------------------------------------------------------
+
+NODE_START_TIMEOUT_S = 180.0  # 8 interpreters importing hivemind and starting p2pd on 2 loaded cores
+ROUND_TIMEOUT_S = 300.0
+ROUND_LEAD_S = 0.5  # a round's start time is announced this far ahead, so every node begins it together
+
+
+async def node_role(spec: dict) -> None:
+    """One node of the multi-process round benchmark: a GossipPeer on its own p2pd, in its own process.
+
+    It runs the rounds the coordinator announces (`go<r>.json`: a wall-clock start time, the same
+    clock for every local process), writes when each ended, and serves until told to stop."""
+    workdir, index = Path(spec["workdir"]), spec["index"]
+    async with p2pd_daemons(1, workdir / f"node{index}") as p2ps, transports_on(p2ps) as (transport,):
+        peer = GossipPeer(transport, _settings(spec["codec"]), {"params": _vector(spec["dim"], seed=index)})
+        await peer.start()
+        _write_json(workdir / f"ready{index}.json", {"peer_id": transport.peer_id,
+                                                     "maddrs": list(await transport.maddrs())})
+        members = await asyncio.to_thread(_wait_for_file, workdir / "members.json", NODE_START_TIMEOUT_S)
+        for other in members:
+            if other["peer_id"] > transport.peer_id:
+                await transport.connect(other["peer_id"], other["maddrs"])
+        view = MembershipView.of(m["peer_id"] for m in members)
+        topology = build_topology("one-peer-exp", len(members))
+        for r in range(spec["rounds"] + 1):
+            go = await asyncio.to_thread(_wait_for_file, workdir / f"go{r}.json", ROUND_TIMEOUT_S)
+            await asyncio.sleep(max(0.0, go["start"] - time.time()))
+            outcome = await peer.run_round(r, peer_round(topology, view, transport.peer_id, r))
+            _write_json(workdir / f"done{r}-{index}.json", {"end": time.time(), "skipped": list(outcome.skipped.values())})
+        await asyncio.to_thread(_wait_for_file, workdir / "stop.json", ROUND_TIMEOUT_S)
+
+
+def multiprocess_rounds(peers: int, dim: int, codec: str, rounds: int, workdir: Path) -> RoundsResult:
+    """Round times of `peers` node processes: from the announced start to the last node's end."""
+    from node.proc import popen
+
+    workdir.mkdir(parents=True)
+    spec = {"workdir": str(workdir), "codec": codec, "dim": dim, "rounds": rounds}
+    children: list[subprocess.Popen] = []
+    try:
+        for i in range(peers):
+            children.append(popen(_role_command("node", {**spec, "index": i}), cwd=REPO, stdin=subprocess.DEVNULL))
+        ready = [_wait_for_file(workdir / f"ready{i}.json", NODE_START_TIMEOUT_S, children) for i in range(peers)]
+        _write_json(workdir / "members.json", ready)
+        times: list[float] = []
+        skipped: list[str] = []
+        for r in range(rounds + 1):  # round 0 warms up and is not counted
+            start = time.time() + ROUND_LEAD_S
+            _write_json(workdir / f"go{r}.json", {"start": start})
+            ends = [_wait_for_file(workdir / f"done{r}-{i}.json", ROUND_TIMEOUT_S, children) for i in range(peers)]
+            if r:
+                times.append(max(e["end"] for e in ends) - start)
+                skipped.extend(reason for e in ends for reason in e["skipped"])
+        _write_json(workdir / "stop.json", {})
+        for child in children:
+            child.wait(timeout=30)
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        for child in children:
+            try:
+                child.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+    return RoundsResult(codec, times, [], skipped)
+
+
 # ---- report ----------------------------------------------------------------------------------------
 
 
@@ -397,7 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m bench.bench_exchange", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="goodput,link,rounds", help="comma-separated parts to run (default: all)")
+    parser.add_argument("--only", default="goodput,link,rounds,nodes",
+                        help="comma-separated parts to run (default: all)")
     parser.add_argument("--mib", type=float, default=100, help="vector size of the loopback pull in MiB (default 100)")
     parser.add_argument("--link-mib", type=float, default=24,
                         help="vector size of the pull across the 100 Mbit/s link in MiB (default 24)")
@@ -405,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", type=int, default=8, help="peers of the round benchmark (default 8)")
     parser.add_argument("--dim", type=int, default=10_000_000, help="parameters per peer in the round benchmark")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per codec, after a warm-up (default 3)")
-    parser.add_argument("--role", choices=("serve", "pull"), help=argparse.SUPPRESS)
+    parser.add_argument("--role", choices=("serve", "pull", "node"), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.role == "serve":
@@ -416,15 +503,20 @@ def main(argv: list[str] | None = None) -> int:
         _show_exchange_logs()
         print(json.dumps(_run_async(lambda: pull_role(json.loads(args.spec)))))
         return 0
+    if args.role == "node":
+        _show_exchange_logs()
+        _run_async(lambda: node_role(json.loads(args.spec)))
+        return 0
     _show_exchange_logs()
     parts = {p.strip() for p in args.only.split(",") if p.strip()}
-    unknown = parts - {"goodput", "link", "rounds"}
+    unknown = parts - {"goodput", "link", "rounds", "nodes"}
     if unknown:
         parser.error(f"--only: unknown part(s) {', '.join(sorted(unknown))}")
 
     print(f"command: .venv/bin/python -m bench.bench_exchange {' '.join(argv)}".rstrip())
     print(f"python {platform.python_version()}, numpy {np.__version__}, {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.1f} at start\n", flush=True)
+    in_process: dict[str, RoundsResult] = {}
     with tempfile.TemporaryDirectory(prefix="murmur-bench-") as tmp:
         workdir = Path(tmp)
         if "goodput" in parts:
@@ -433,8 +525,8 @@ def main(argv: list[str] | None = None) -> int:
                                 f"best of {args.repeats}", result, "raw p2pd stream (baseline)")
             costs = in_process_costs(_vector(_numel(args.mib), seed=1), "fp32")
             lines += [f"exchange / raw stream: {result.ratio:.2f}x ({_verdict(result.ratio, TARGETS['goodput'])})",
-                      f"in-process costs of the same vector: encode {costs['encode']:.3f} s, decode (join + "
-                      f"validate) {costs['decode']:.3f} s, mix {costs['mix']:.3f} s", ""]
+                      f"in-process costs of the same vector: encode {costs['encode']:.3f} s, decode (chunk by "
+                      f"chunk, validated) {costs['decode']:.3f} s, mix {costs['mix']:.3f} s", ""]
             print("\n".join(lines), flush=True)
         if "link" in parts:
             (workdir / "link").mkdir(parents=True)
@@ -461,6 +553,22 @@ def main(argv: list[str] | None = None) -> int:
             for r in results:
                 if r.skipped:
                     lines.append(f"{r.codec}: neighbours skipped in timed rounds: {', '.join(r.skipped)}")
+            print("\n".join(lines), flush=True)
+            in_process = {r.codec: r for r in results}
+        if "nodes" in parts:
+            lines = [f"### 3b. Round latency with one process per node: {args.peers} node processes (a GossipPeer "
+                     f"on its own p2pd each) x {args.dim:,} parameters, one-peer exponential, median of "
+                     f"{args.rounds} rounds; baseline: the in-process rounds of part 3 in this run", "",
+                     "| codec | round s (median) | rounds s | in-process round s (baseline) | processes / in-process |",
+                     "|---|---:|---|---:|---:|"]
+            for codec in ("fp32", "fp16"):
+                r = multiprocess_rounds(args.peers, args.dim, codec, args.rounds, workdir / f"nodes-{codec}")
+                base = in_process.get(codec)
+                ratio = f"{r.median_s / base.median_s:.2f}x" if base else "- (run with rounds)"
+                lines.append(f"| {codec} | {r.median_s:.2f} | {', '.join(f'{t:.2f}' for t in r.round_s)} | "
+                             f"{f'{base.median_s:.2f}' if base else '-'} | {ratio} |")
+                if r.skipped:
+                    lines.append(f"{codec}: neighbours skipped in timed rounds: {', '.join(r.skipped)}")
             print("\n".join(lines), flush=True)
     return 0
 

@@ -28,14 +28,21 @@ Layouts and error bounds (x a source value, x^ its decoded value; "float32 sourc
   Top-k alone drops what it does not send; `ErrorFeedback` keeps that residual on the sender.
 
 fp16/bf16 conversions are written with integer bit operations on cache-sized blocks because
-numpy's own float16 cast is a scalar loop (several times slower than a memory copy).
+numpy's own float16 cast is a scalar loop (several times slower than a memory copy). Arrays of
+millions of elements are converted in contiguous spans on up to 4 threads when cores are idle
+(numpy releases the GIL inside its loops); the bytes are the same as a single-threaded run, and an error names the first
+bad element, as a sequential run would. fp32, fp16 and bf16 are `ElementwiseCodec`s: any run of
+whole elements decodes on its own (`decode_into`), which lets the wire decoder decode a tensor
+chunk by chunk as it arrives.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import sys
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import ClassVar, Protocol
@@ -52,10 +59,16 @@ WIRE_DTYPES: Mapping[str, np.dtype] = MappingProxyType(
     {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "float64": np.dtype(np.float64)}
 )
 
+_WIRE_DTYPE_SET = frozenset(WIRE_DTYPES.values())
+
 Buffer = bytes | bytearray | memoryview
 OptionValue = int | float
 
-_BLOCK = 1 << 17  # elements per cache-sized block in the blockwise conversions
+_BLOCK = 1 << 16  # elements per cache-sized block in the blockwise conversions (256 KiB of float32)
+# Large arrays are converted in spans on parallel threads (numpy releases the GIL inside its loops):
+# at most this many threads, each with at least _PARALLEL_MIN elements, so starting one stays cheap.
+_MAX_THREADS = 4
+_PARALLEL_MIN = 1 << 20
 _FIXUP_SEGMENT = 256  # fp16: granularity at which blocks with float16-subnormal values are re-done
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
@@ -111,6 +124,63 @@ def _blocks(n: int, size: int = _BLOCK) -> Iterator[tuple[int, int]]:
         yield start, min(n, start + size)
 
 
+def _thread_budget() -> int:
+    """Threads worth using now: this one plus the cores the 1-minute load average leaves idle.
+
+    On a machine whose cores are all busy, a second thread only waits for a core (and the join
+    waits for the slowest span), which measured slower than one thread on the shared 2-core box.
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    try:
+        idle = cpus - os.getloadavg()[0]
+    except OSError:  # no load average to be had
+        idle = cpus - 1
+    return max(1, min(cpus, 1 + int(idle)))
+
+
+def _run_spans(n: int, work: Callable[[int, int], None], align: int = 1) -> None:
+    """work(start, stop) over contiguous spans covering [0, n): one span for small n or a busy machine,
+    else one per thread.
+
+    Span boundaries are multiples of `align`. Every span finishes before this returns; then the
+    exception of the first failing span in index order (the one a sequential run would raise) is raised.
+    """
+    parts = min(_MAX_THREADS, n // _PARALLEL_MIN)
+    if parts >= 2:
+        parts = min(parts, _thread_budget())
+    if parts < 2:
+        work(0, n)
+        return
+    step = -(-(-(-n // parts)) // align) * align
+    spans = [(start, min(n, start + step)) for start in range(0, n, step)]
+    errors: list[BaseException | None] = [None] * len(spans)
+
+    def run(i: int) -> None:
+        try:
+            work(*spans[i])
+        except BaseException as exc:  # re-raised below, after every span has finished
+            errors[i] = exc
+
+    threads: list[threading.Thread] = []
+    for i in range(1, len(spans)):
+        thread = threading.Thread(target=run, args=(i,), name=f"murmur-codec-{i}", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # no thread to be had: do that span here
+            run(i)
+        else:
+            threads.append(thread)
+    run(0)
+    for thread in threads:
+        thread.join()
+    for exc in errors:
+        if exc is not None:
+            raise exc
+
+
 def _bad_value_message(values: np.ndarray, offset: int, limit: float, what: str) -> str:
     bad = np.flatnonzero(~(np.abs(values.astype(np.float64)) <= limit))
     i = int(bad[0]) if bad.size else 0
@@ -124,12 +194,14 @@ def _check_finite_f32(block: np.ndarray, offset: int) -> None:
 
 
 class _Scratch:
-    """Per-call work buffers for the blockwise conversions (one block each)."""
+    """Per-call (per-thread) work buffers for the blockwise conversions, one block each."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, n: int, cap: int = _BLOCK) -> None:
+        size = min(cap, max(1, n))
         self.f32 = np.empty(size, np.float32)
         self.u32 = np.empty(size, np.uint32)
         self.u16 = np.empty(size, np.uint16)
+        self.segments = np.arange(0, size, _FIXUP_SEGMENT)  # fp16: segment starts within a block
 
 
 def _check_f16_bits(bits: np.ndarray, scratch: _Scratch, offset: int) -> None:
@@ -155,26 +227,28 @@ def _f16_bits_to_f32(h: np.ndarray, out: np.ndarray, scratch: _Scratch, offset: 
     np.multiply(out, _F16_REBIAS_UP, out)
 
 
-def _f32_to_f16_bits(
-    x: np.ndarray, out: np.ndarray, t: np.ndarray, segments: np.ndarray, offset: int
-) -> np.ndarray | None:
-    """float32 block -> float16 bits in `out`, round to nearest even, for the float16 normal range.
+def _f32_to_f16_block(x: np.ndarray, out: np.ndarray, scratch: _Scratch, offset: int) -> None:
+    """float32 block -> float16 bits in `out`, round to nearest even; NonFiniteValues for NaN, inf, |x| > 65504.
 
-    `t` is a uint32 temporary of the block's size, reused by every step so the block stays in
-    cache; `segments` are the starts of `_FIXUP_SEGMENT`-sized segments of the block. Returns the
-    block-relative indices of values in the float16 subnormal range (|x| < 2^-14), which this
-    integer path gets wrong and the caller redoes, or None. NonFiniteValues for NaN, inf, |x| > 65504.
+    The integer path is exact for the float16 normal range only: values in the subnormal range
+    (|x| < 2^-14) are found per `_FIXUP_SEGMENT`-sized segment (one cheap pass finds the few segments
+    to look into) and redone with numpy's exact but slow cast. `x` holds at most one scratch block.
     """
+    k = x.size
+    if k == 0:
+        return
+    t = scratch.u32[:k]
     u = x.view(np.uint32)
     np.left_shift(u, _U32_1, t)  # drop the sign: compare magnitudes as integers
     if t.max() > _F16_MAX_SHL:
         raise NonFiniteValues(_bad_value_message(x, offset, 65504.0, "outside float16's range of +-65504"))
-    seg_mins = np.minimum.reduceat(t, segments)  # one cheap pass finds the few segments to look into
+    segments = scratch.segments[: -(-k // _FIXUP_SEGMENT)]
+    seg_mins = np.minimum.reduceat(t, segments)
     flagged = None
     if seg_mins.min() < _F16_MIN_NORMAL_SHL:
         starts = segments[seg_mins < _F16_MIN_NORMAL_SHL]
         candidates = (starts[:, None] + np.arange(_FIXUP_SEGMENT)).reshape(-1)
-        candidates = candidates[candidates < t.size]
+        candidates = candidates[candidates < k]
         flagged = candidates[t[candidates] < _F16_MIN_NORMAL_SHL]
     np.right_shift(x.view(np.int32), _I32_13, t.view(np.int32))
     np.bitwise_and(t, _F16_SIGN_AND_ODD, t)  # sign at bits 28 and 31, round-to-even bit at 0
@@ -182,7 +256,8 @@ def _f32_to_f16_bits(
     np.add(t, _F16_ROUND_REBIAS, t)
     np.right_shift(t, _U32_13, t)
     np.copyto(out, t, casting="unsafe")  # keeps the low 16 bits: sign, exponent, mantissa
-    return flagged
+    if flagged is not None and flagged.size:
+        out[flagged] = x[flagged].astype(np.float16).view(np.uint16)
 
 
 def _f32_to_bf16_bits(x: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
@@ -227,7 +302,7 @@ def bfloat16_bits(x: np.ndarray) -> np.ndarray:
     """
     x32 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
     out = np.empty(x32.size, np.uint16)
-    scratch = _Scratch(min(_BLOCK, max(1, x32.size)))
+    scratch = _Scratch(x32.size)
     for start, stop in _blocks(x32.size):
         _f32_to_bf16_bits(x32[start:stop], out[start:stop], scratch)
     nan = np.isnan(x32)
@@ -236,61 +311,62 @@ def bfloat16_bits(x: np.ndarray) -> np.ndarray:
     return out.reshape(np.shape(x))
 
 
-def _convert_span(flat: np.ndarray, start: int, stop: int, scratch: _Scratch) -> np.ndarray:
-    """flat[start:stop] as float32: a view for float32 sources, converted into scratch.f32 otherwise."""
+def _convert_span(flat: np.ndarray, start: int, stop: int, scratch: _Scratch, offset: int = 0) -> np.ndarray:
+    """flat[start:stop] as float32: a view for float32 sources, converted into scratch.f32 otherwise.
+
+    `offset` is flat[0]'s index in its tensor, for error messages."""
     block = flat[start:stop]
     if block.dtype == np.float32:
         return block
     dst = scratch.f32[: stop - start]
     if block.dtype == np.float16:
-        _f16_bits_to_f32(block.view(np.uint16), dst, scratch, start)
+        _f16_bits_to_f32(block.view(np.uint16), dst, scratch, offset + start)
     else:
         with np.errstate(over="ignore"):  # overflow becomes inf, which the codecs refuse
             np.copyto(dst, block, casting="same_kind")
     return dst
 
 
-def _source_blocks(flat: np.ndarray, scratch: _Scratch) -> Iterator[tuple[int, np.ndarray]]:
-    """(offset, float32 block) over a flat source, in blocks of the scratch's size."""
+def _source_blocks(flat: np.ndarray, scratch: _Scratch, offset: int = 0) -> Iterator[tuple[int, np.ndarray]]:
+    """(start, float32 block) over a flat source, in blocks of the scratch's size."""
     for start, stop in _blocks(flat.size, scratch.f32.size):
-        yield start, _convert_span(flat, start, stop, scratch)
+        yield start, _convert_span(flat, start, stop, scratch, offset)
 
 
 def _to_float32(flat: np.ndarray) -> np.ndarray:
     """A finite float32 copy (or the array itself when it is float32) of a flat source."""
     if flat.dtype == np.float32:
-        for start, stop in _blocks(flat.size):
-            _check_finite_f32(flat[start:stop], start)
+
+        def check(lo: int, hi: int) -> None:
+            for start, stop in _blocks(hi - lo):
+                _check_finite_f32(flat[lo + start : lo + stop], lo + start)
+
+        _run_spans(flat.size, check)
         return flat
     out = np.empty(flat.size, np.float32)
-    scratch = _Scratch(min(_BLOCK, max(1, flat.size)))
-    for start, block in _source_blocks(flat, scratch):
-        _check_finite_f32(block, start)
-        out[start : start + block.size] = block
+
+    def convert(lo: int, hi: int) -> None:
+        scratch = _Scratch(hi - lo)
+        for start, block in _source_blocks(flat[lo:hi], scratch, lo):
+            _check_finite_f32(block, lo + start)
+            out[lo + start : lo + start + block.size] = block
+
+    _run_spans(flat.size, convert)
     return out
+
+
+def _f32_to_f16_span(src: np.ndarray, bits: np.ndarray, offset: int) -> None:
+    """A flat float32/float64 span -> float16 bits (uint16) in `bits`; `offset` is src[0]'s index."""
+    scratch = _Scratch(src.size)
+    for start, block in _source_blocks(src, scratch, offset):
+        _f32_to_f16_block(block, bits[start : start + block.size], scratch, offset + start)
 
 
 def _float32_to_f16_array(v: np.ndarray, dtype_out: np.dtype = np.dtype(np.uint16)) -> np.ndarray:
     """A flat float32/float64 source -> float16 bits (uint16), exact RNE, NonFiniteValues out of range."""
-    n = v.size
-    out = np.empty(n, dtype_out)
-    if n == 0:
-        return out
+    out = np.empty(v.size, dtype_out)
     bits = out.view(np.uint16)
-    size = min(_BLOCK, n)
-    scratch = _Scratch(size)
-    segments = np.arange(0, size, _FIXUP_SEGMENT)
-    redo: list[np.ndarray] = []
-    for start, stop in _blocks(n, size):
-        k = stop - start
-        block = _convert_span(v, start, stop, scratch)
-        segs = segments if k == size else segments[: -(-k // _FIXUP_SEGMENT)]
-        flagged = _f32_to_f16_bits(block, bits[start:stop], scratch.u32[:k], segs, start)
-        if flagged is not None:
-            redo.append(flagged + start)
-    if redo:  # float16 subnormals: few values, so numpy's exact (slow) cast is fine for them
-        idx = np.concatenate(redo)
-        bits[idx] = v[idx].astype(np.float32).astype(np.float16).view(np.uint16)
+    _run_spans(v.size, lambda lo, hi: _f32_to_f16_span(v[lo:hi], bits[lo:hi], lo))
     return out
 
 
@@ -349,11 +425,49 @@ class _ExactSize:
         return nbytes == self.encoded_nbytes(numel)
 
 
+class ElementwiseCodec(_ExactSize):
+    """A codec that encodes every element on its own in `element_nbytes` bytes (fp32, fp16, bf16).
+
+    Any run of whole elements then decodes on its own, so a receiver can decode a tensor piece by
+    piece as its bytes arrive, straight into the output array (`decode_into`).
+    """
+
+    name: ClassVar[str]
+    element_nbytes: ClassVar[int]
+
+    def encoded_nbytes(self, numel: int) -> int:
+        return self.element_nbytes * numel
+
+    def decode(self, buf: Buffer, numel: int, dtype: DTypeLike = np.float32) -> np.ndarray:
+        _check_size(self.name, buf, self.encoded_nbytes(numel))
+        out = np.empty(numel, np.dtype(dtype_name(dtype)))
+        self.decode_into(buf, out)
+        return out
+
+    def decode_into(self, buf: Buffer, out: np.ndarray, offset: int = 0) -> None:
+        """Decode the elements in `buf` into `out`, a flat writable array of a wire dtype and of exactly
+        len(buf) / element_nbytes elements; `offset` is out[0]'s index in its tensor (error messages
+        name elements by that index). Raises what `decode` raises, leaving `out` partly written."""
+        if out.ndim != 1 or len(buf) != self.element_nbytes * out.size:
+            raise ValueError(f"{len(buf)} {self.name} bytes do not fill {out.size} elements")
+        if out.dtype not in _WIRE_DTYPE_SET:
+            dtype_name(out.dtype)  # raises TypeError, naming the dtype
+        if out.size == 0:
+            return
+        view = memoryview(buf).cast("B")
+        k = self.element_nbytes
+        _run_spans(out.size, lambda lo, hi: self._decode_span(view[lo * k : hi * k], out[lo:hi], offset + lo))
+
+    def _decode_span(self, buf: memoryview, out: np.ndarray, offset: int) -> None:
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
-class Fp32Codec(_ExactSize):
+class Fp32Codec(ElementwiseCodec):
     """float32 values, exact for float32 sources; encoding a float32 array does not copy it."""
 
     name: ClassVar[str] = "fp32"
+    element_nbytes: ClassVar[int] = 4
 
     @classmethod
     def from_options(cls, options: Mapping[str, object]) -> Fp32Codec:
@@ -363,31 +477,26 @@ class Fp32Codec(_ExactSize):
     def options(self) -> dict[str, OptionValue]:
         return {}
 
-    def encoded_nbytes(self, numel: int) -> int:
-        return 4 * numel
-
     def encode(self, x: np.ndarray) -> memoryview:
         return memoryview(_to_float32(_flat_source(x)).view(np.uint8))
 
-    def decode(self, buf: Buffer, numel: int, dtype: DTypeLike = np.float32) -> np.ndarray:
-        _check_size(self.name, buf, self.encoded_nbytes(numel))
-        src = np.frombuffer(buf, "<f4", count=numel)
-        dt = np.dtype(dtype_name(dtype))
-        if dt == np.float16:
-            return _float32_to_f16_array(src, dt)  # validates range and finiteness blockwise
-        out = np.empty(numel, dt)
-        for start, stop in _blocks(numel):
+    def _decode_span(self, buf: memoryview, out: np.ndarray, offset: int) -> None:
+        src = np.frombuffer(buf, "<f4")
+        if out.dtype == np.float16:
+            _f32_to_f16_span(src, out.view(np.uint16), offset)  # validates range and finiteness
+            return
+        for start, stop in _blocks(src.size):
             block = src[start:stop]
-            _check_finite_f32(block, start)
+            _check_finite_f32(block, offset + start)
             out[start:stop] = block
-        return out
 
 
 @dataclass(frozen=True)
-class Fp16Codec(_ExactSize):
+class Fp16Codec(ElementwiseCodec):
     """IEEE half precision, round to nearest even; refuses values beyond +-65504."""
 
     name: ClassVar[str] = "fp16"
+    element_nbytes: ClassVar[int] = 2
 
     @classmethod
     def from_options(cls, options: Mapping[str, object]) -> Fp16Codec:
@@ -397,40 +506,42 @@ class Fp16Codec(_ExactSize):
     def options(self) -> dict[str, OptionValue]:
         return {}
 
-    def encoded_nbytes(self, numel: int) -> int:
-        return 2 * numel
-
     def encode(self, x: np.ndarray) -> memoryview:
         flat = _flat_source(x)
         if flat.dtype == np.float16:
-            scratch = _Scratch(min(_BLOCK, max(1, flat.size)))
-            for start, stop in _blocks(flat.size):
-                _check_f16_bits(flat[start:stop].view(np.uint16), scratch, start)
+            bits = flat.view(np.uint16)
+
+            def check(lo: int, hi: int) -> None:
+                scratch = _Scratch(hi - lo)
+                for start, stop in _blocks(hi - lo):
+                    _check_f16_bits(bits[lo + start : lo + stop], scratch, lo + start)
+
+            _run_spans(flat.size, check)
             return memoryview(flat.view(np.uint8))
         return memoryview(_float32_to_f16_array(flat).view(np.uint8))
 
-    def decode(self, buf: Buffer, numel: int, dtype: DTypeLike = np.float32) -> np.ndarray:
-        _check_size(self.name, buf, self.encoded_nbytes(numel))
-        bits = np.frombuffer(buf, "<u2", count=numel)
-        dt = np.dtype(dtype_name(dtype))
-        scratch = _Scratch(min(_BLOCK, max(1, numel)))
-        if dt == np.float16:  # the bits are the values: copy them, refusing inf/NaN
-            out16 = np.empty(numel, np.float16)
-            for start, stop in _blocks(numel):
-                _check_f16_bits(bits[start:stop], scratch, start)
-                out16.view(np.uint16)[start:stop] = bits[start:stop]
-            return out16
-        out32 = np.empty(numel, np.float32)
-        for start, stop in _blocks(numel):
-            _f16_bits_to_f32(bits[start:stop], out32[start:stop], scratch, start)
-        return _from_float32(out32, dt)
+    def _decode_span(self, buf: memoryview, out: np.ndarray, offset: int) -> None:
+        bits = np.frombuffer(buf, "<u2")
+        scratch = _Scratch(bits.size)
+        for start, stop in _blocks(bits.size):
+            h = bits[start:stop]
+            if out.dtype == np.float16:  # the bits are the values: copy them, refusing inf/NaN
+                _check_f16_bits(h, scratch, offset + start)
+                out.view(np.uint16)[start:stop] = h
+            elif out.dtype == np.float32:
+                _f16_bits_to_f32(h, out[start:stop], scratch, offset + start)
+            else:
+                dst = scratch.f32[: stop - start]
+                _f16_bits_to_f32(h, dst, scratch, offset + start)
+                out[start:stop] = dst
 
 
 @dataclass(frozen=True)
-class Bf16Codec(_ExactSize):
+class Bf16Codec(ElementwiseCodec):
     """bfloat16: float32's exponent with an 8-bit significand, round to nearest even."""
 
     name: ClassVar[str] = "bf16"
+    element_nbytes: ClassVar[int] = 2
 
     @classmethod
     def from_options(cls, options: Mapping[str, object]) -> Bf16Codec:
@@ -440,28 +551,34 @@ class Bf16Codec(_ExactSize):
     def options(self) -> dict[str, OptionValue]:
         return {}
 
-    def encoded_nbytes(self, numel: int) -> int:
-        return 2 * numel
-
     def encode(self, x: np.ndarray) -> memoryview:
         flat = _flat_source(x)
         out = np.empty(flat.size, np.uint16)
-        scratch = _Scratch(min(_BLOCK, max(1, flat.size)))
         # a float16 tensor decodes back into float16: bfloat16 rounds |x| >= 65408 up to 65536, beyond it
         limit = _BF16_F16_LIMIT if flat.dtype == np.float16 else _BF16_LIMIT
-        for start, block in _source_blocks(flat, scratch):
-            _check_bf16_range(block, start, limit)
-            _f32_to_bf16_bits(block, out[start : start + block.size], scratch)
+
+        def convert(lo: int, hi: int) -> None:
+            scratch = _Scratch(hi - lo)
+            for start, block in _source_blocks(flat[lo:hi], scratch, lo):
+                _check_bf16_range(block, lo + start, limit)
+                _f32_to_bf16_bits(block, out[lo + start : lo + start + block.size], scratch)
+
+        _run_spans(flat.size, convert)
         return memoryview(out.view(np.uint8))
 
-    def decode(self, buf: Buffer, numel: int, dtype: DTypeLike = np.float32) -> np.ndarray:
-        _check_size(self.name, buf, self.encoded_nbytes(numel))
-        bits = np.frombuffer(buf, "<u2", count=numel)
-        scratch = _Scratch(min(_BLOCK, max(1, numel)))
-        out32 = np.empty(numel, np.float32)
-        for start, stop in _blocks(numel):
-            _bf16_bits_to_f32(bits[start:stop], out32[start:stop], scratch, start)
-        return _from_float32(out32, np.dtype(dtype_name(dtype)))
+    def _decode_span(self, buf: memoryview, out: np.ndarray, offset: int) -> None:
+        bits = np.frombuffer(buf, "<u2")
+        scratch = _Scratch(bits.size)
+        for start, stop in _blocks(bits.size):
+            if out.dtype == np.float32:
+                _bf16_bits_to_f32(bits[start:stop], out[start:stop], scratch, offset + start)
+                continue
+            dst = scratch.f32[: stop - start]
+            _bf16_bits_to_f32(bits[start:stop], dst, scratch, offset + start)
+            if out.dtype == np.float16:  # bfloat16 reaches beyond float16's range: checked here
+                _f32_to_f16_block(dst, out.view(np.uint16)[start:stop], scratch, offset + start)
+            else:
+                out[start:stop] = dst
 
 
 def _int_option(name: str, options: Mapping[str, object], key: str, default: int, lo: int, hi: int) -> int:
@@ -506,24 +623,26 @@ class Int8Codec(_ExactSize):
         out = np.empty(4 * nblocks + n, np.uint8)
         scales = out[: 4 * nblocks].view("<f4")
         values = out[4 * nblocks :].view(np.int8)
-        rows_per_pass = max(1, _BLOCK // b)
-        scratch = _Scratch(min(rows_per_pass * b, max(1, n)))
-        work = np.empty(scratch.f32.size, np.float32)
-        full = n // b
-        spans = [(r, min(full, r + rows_per_pass)) for r in range(0, full, rows_per_pass)]
-        if full < nblocks:
-            spans.append((full, nblocks))
-        for r0, r1 in spans:
-            start, stop = r0 * b, min(n, r1 * b)
-            src = _convert_span(flat, start, stop, scratch)
-            width = b if r1 * b <= n else stop - start
-            self._quantize(
-                src.reshape(-1, width),
-                scales[r0:r1],
-                values[start:stop].reshape(-1, width),
-                work[: stop - start].reshape(-1, width),
-                start,
-            )
+        pass_size = max(1, _BLOCK // b) * b  # whole rows (blocks of b) per pass
+
+        def quantize_rows(lo: int, hi: int) -> None:  # lo is a multiple of b
+            scratch = _Scratch(hi - lo, cap=pass_size)
+            work = np.empty(scratch.f32.size, np.float32)
+            for start in range(lo, hi, pass_size):
+                stop = min(hi, start + pass_size)
+                src = _convert_span(flat, start, stop, scratch)
+                full_stop = start + (stop - start) // b * b
+                for r_start, r_stop, width in ((start, full_stop, b), (full_stop, stop, stop - full_stop)):
+                    if r_stop > r_start:  # the full rows, then a last short row
+                        self._quantize(
+                            src[r_start - start : r_stop - start].reshape(-1, width),
+                            scales[r_start // b : -(-r_stop // b)],
+                            values[r_start:r_stop].reshape(-1, width),
+                            work[: r_stop - r_start].reshape(-1, width),
+                            r_start,
+                        )
+
+        _run_spans(n, quantize_rows, align=b)
         return memoryview(out)
 
     @staticmethod
@@ -558,11 +677,17 @@ class Int8Codec(_ExactSize):
                 raise BadSchema(f"int8 block scale {lo!r} is negative")
         q = np.frombuffer(buf, np.int8, count=n, offset=4 * nblocks)
         out = np.empty(n, np.float32)
-        full = n // b
-        if full:
-            np.multiply(q[: full * b].reshape(full, b), scales[:full, None], out=out[: full * b].reshape(full, b))
-        if full < nblocks:
-            np.multiply(q[full * b :], scales[full], out=out[full * b :])
+
+        def dequantize(lo: int, hi: int) -> None:  # lo is a multiple of b
+            full_hi = lo + (hi - lo) // b * b
+            rows = (full_hi - lo) // b
+            if rows:
+                np.multiply(q[lo:full_hi].reshape(rows, b), scales[lo // b : lo // b + rows, None],
+                            out=out[lo:full_hi].reshape(rows, b))
+            if full_hi < hi:
+                np.multiply(q[full_hi:hi], scales[full_hi // b], out=out[full_hi:hi])
+
+        _run_spans(n, dequantize, align=b)
         return _from_float32(out, np.dtype(dtype_name(dtype)))
 
 

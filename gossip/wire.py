@@ -48,7 +48,10 @@ Validation (receiver), in this order, each failure its own `gossip.errors` excep
        (NonFiniteValues). A stream or buffer that ends early raises Truncated; bytes after the
        message (in `decode_message`) are BadSchema.
     The decoder allocates only in proportion to bytes actually received, never from a declared
-    length alone; the one amplification is a decoded tensor (a top-k tensor of n elements arrives
+    length alone: an fp32/fp16/bf16 tensor's output array is allocated once an eighth of its bytes
+    have arrived (so at most 8x the decoded size of what was received) and then filled chunk by
+    chunk as the bytes arrive; int8 and top-k tensors are kept as received and decoded once
+    complete. The one other amplification is a decoded tensor (a top-k tensor of n elements arrives
     in as little as 8 bytes), bounded by `max_decoded_bytes`. A node passes an `Expectation` with
     its model's manifest, which fixes every size before any payload is read.
 """
@@ -67,7 +70,7 @@ from typing import Any, NamedTuple
 import msgpack
 import numpy as np
 
-from gossip.codecs import WIRE_DTYPES, Codec, codec_from_wire, dtype_name
+from gossip.codecs import WIRE_DTYPES, Codec, ElementwiseCodec, codec_from_wire, dtype_name
 from gossip.errors import (
     BadSchema,
     FrameTooLarge,
@@ -89,6 +92,11 @@ HEADER_KEYS = (
 _PREFIX = struct.Struct(">Q")
 _MAX_INT = (1 << 63) - 1
 _ZERO_COPY_MIN = 64 << 10  # chunks at least this large go out as a view of the encoded tensor, not a copy
+# A tensor's output array is allocated once 1/_ALLOCATE_AFTER of its bytes have arrived, never on a
+# declared size alone: the decoder holds at most that many times the decoded size of what it received.
+_ALLOCATE_AFTER = 8
+_DECODE_MIN = 64 << 10  # smaller pieces of a tensor are decoded together, once this much has arrived
+_OFFLOAD_BYTES = 1 << 20  # read_message hands payload to a worker thread in batches of at least this much
 
 MetaValue = None | bool | int | float | str
 
@@ -595,12 +603,157 @@ class _Phase(Enum):
     FAILED = "failed message"
 
 
+class _JoinedEntry:
+    """A tensor whose codec needs all of its bytes at once (int8, top-k): pieces kept, decoded at the end."""
+
+    def __init__(self, codec: Codec, entry: ManifestEntry) -> None:
+        self._codec, self._entry = codec, entry
+        self._pieces: list[bytes | memoryview] = []
+
+    def write(self, piece: memoryview, keep: bool) -> None:
+        self._pieces.append(piece if keep else bytes(piece))
+
+    def finish(self) -> np.ndarray:
+        pieces, self._pieces = self._pieces, []
+        buf = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        return self._codec.decode(buf, self._entry.numel, self._entry.dtype)
+
+
+class _ElementwiseEntry:
+    """A tensor of an elementwise codec (fp32, fp16, bf16), decoded piece by piece into its output array.
+
+    The output is allocated once 1/`_ALLOCATE_AFTER` of the tensor's bytes have arrived; the pieces
+    before that are kept as they came and decoded then, and so are pieces smaller than `_DECODE_MIN`
+    until that much has arrived. A piece may end inside an element: its last few bytes wait for the
+    next piece.
+    """
+
+    def __init__(self, codec: ElementwiseCodec, entry: ManifestEntry) -> None:
+        self._codec, self._entry = codec, entry
+        self._out: np.ndarray | None = None
+        self._staged: list[bytes | memoryview] = []  # pieces received but not decoded yet
+        self._staged_nbytes = 0
+        self._received = 0
+        self._decoded = 0  # elements written to the output
+        self._tail = b""  # the start of an element that the next piece completes
+
+    def write(self, piece: memoryview, keep: bool) -> None:
+        nbytes = self._entry.nbytes
+        self._received += len(piece)
+        # small pieces wait to be decoded together: per call, decoding has a fixed cost of several µs
+        if self._received * _ALLOCATE_AFTER < nbytes or (
+            self._staged_nbytes + len(piece) < _DECODE_MIN and self._received < nbytes
+        ):
+            self._staged.append(piece if keep else bytes(piece))
+            self._staged_nbytes += len(piece)
+            return
+        if self._out is None:
+            self._out = np.empty(self._entry.numel, WIRE_DTYPES[self._entry.dtype])
+        staged, small = self._staged, self._staged_nbytes < _DECODE_MIN
+        self._staged, self._staged_nbytes = [], 0
+        if staged and small:
+            self._decode(b"".join([*staged, piece]))
+            return
+        for earlier in staged:
+            self._decode(earlier)
+        self._decode(piece)
+
+    def _decode(self, data: bytes | memoryview) -> None:
+        k = self._codec.element_nbytes
+        piece = memoryview(data)  # slices of it are views, not copies
+        if self._tail:
+            head = self._tail + bytes(piece[: k - len(self._tail)])
+            piece = piece[k - len(self._tail) :]
+            if len(head) < k:
+                self._tail = head
+                return
+            self._tail = b""
+            self._decode_whole(head)
+        whole = len(piece) - len(piece) % k
+        if whole:
+            self._decode_whole(piece[:whole])
+        if whole < len(piece):
+            self._tail = bytes(piece[whole:])
+
+    def _decode_whole(self, buf: bytes | memoryview) -> None:
+        assert self._out is not None
+        n = len(buf) // self._codec.element_nbytes
+        self._codec.decode_into(buf, self._out[self._decoded : self._decoded + n], self._decoded)
+        self._decoded += n
+
+    def finish(self) -> np.ndarray:
+        if self._out is None:  # a tensor of no elements
+            self._out = np.empty(self._entry.numel, WIRE_DTYPES[self._entry.dtype])
+        return self._out
+
+
+class _PayloadAssembler:
+    """The payload's bytes -> the manifest's tensors, in order (validation step 8)."""
+
+    def __init__(self, header: Header, codec: Codec) -> None:
+        self._codec = codec
+        self._manifest = header.manifest
+        self._index = 0  # the manifest entry whose bytes are arriving
+        self._left = 0  # bytes that entry still needs
+        self._current: _ElementwiseEntry | _JoinedEntry | None = None
+        self.tensors: dict[str, np.ndarray] = {}
+        self._start_entry()
+
+    @property
+    def complete(self) -> bool:
+        return self._index == len(self._manifest)
+
+    def write(self, piece: memoryview, keep: bool) -> None:
+        while len(piece):
+            take = min(self._left, len(piece))
+            self._guarded(lambda: self._current.write(piece[:take], keep))  # type: ignore[union-attr]
+            piece = piece[take:]
+            self._left -= take
+            if self._left == 0:
+                self._finish_entry()
+
+    def _start_entry(self) -> None:
+        """Begin the next entry with bytes, finishing the empty ones on the way."""
+        while self._index < len(self._manifest):
+            entry = self._manifest[self._index]
+            codec = self._codec
+            if isinstance(codec, ElementwiseCodec):
+                self._current = _ElementwiseEntry(codec, entry)
+            else:
+                self._current = _JoinedEntry(codec, entry)
+            self._left = entry.nbytes
+            if entry.nbytes:
+                return
+            self._finish_entry(start_next=False)
+        self._current = None
+
+    def _finish_entry(self, start_next: bool = True) -> None:
+        entry = self._manifest[self._index]
+        flat = self._guarded(lambda: self._current.finish())  # type: ignore[union-attr]
+        self.tensors[entry.name] = flat.reshape(entry.shape)
+        self._index += 1
+        if start_next:
+            self._start_entry()
+
+    def _guarded(self, step: Callable[[], Any]) -> Any:
+        try:
+            return step()
+        except WireError as exc:
+            entry = self._manifest[self._index]
+            raise type(exc)(f"manifest entry {self._index} {entry.name!r}: {exc}") from None
+
+
 class MessageDecoder:
     """Sans-IO decoder of one message: feed it bytes, in pieces of any size, until `done`.
 
     `bytes_needed()` is how many bytes complete the frame part being read, so a stream reader can
     ask for exactly that and never read past the message. `feed` raises a `WireError` as soon as
     something is wrong; after that the decoder is dead and raises it again.
+
+    Tensors of the elementwise codecs (fp32, fp16, bf16) are decoded chunk by chunk into their
+    output arrays as the bytes arrive, never joined. A reader that wants that work off its own
+    thread feeds with `decode=False`, which only frames and queues the payload, and hands batches
+    from `take_queued()` to `decode_queued` (on any one thread at a time, in order).
     """
 
     def __init__(self, limits: WireLimits = DEFAULT_LIMITS, expected: Expectation | None = None) -> None:
@@ -610,19 +763,24 @@ class MessageDecoder:
         self._buf = bytearray()  # the length prefix or header gathered so far
         self._header_len = 0
         self._header: Header | None = None
-        self._codec: Codec | None = None
+        self._assembler: _PayloadAssembler | None = None
         self._chunk_left = 0
         self._payload_left = 0
-        self._entry = 0  # index of the manifest entry whose bytes are arriving
-        self._pieces: list[bytes | memoryview] = []
-        self._pieces_len = 0
-        self._tensors: dict[str, np.ndarray] = {}
+        self._queued: list[tuple[bytes | memoryview, bool]] = []  # payload pieces not yet decoded, and `keep`
+        self._queued_nbytes = 0
         self._error: WireError | None = None
         self.bytes_fed = 0
 
     @property
     def done(self) -> bool:
-        return self._phase is _Phase.DONE
+        """The whole message has been read and decoded: `result()` is ready."""
+        return (
+            self._phase is _Phase.DONE
+            and self._error is None
+            and not self._queued
+            and self._assembler is not None
+            and self._assembler.complete
+        )
 
     @property
     def header(self) -> Header | None:
@@ -633,6 +791,11 @@ class MessageDecoder:
     def reading(self) -> str:
         """What the next bytes are, in words (for error messages)."""
         return self._phase.value
+
+    @property
+    def queued_nbytes(self) -> int:
+        """Payload bytes read with `decode=False` and not yet taken by `take_queued()`."""
+        return self._queued_nbytes
 
     def bytes_needed(self) -> int:
         phase = self._phase
@@ -645,11 +808,12 @@ class MessageDecoder:
         return 0
 
     def result(self) -> Message:
-        if self._phase is not _Phase.DONE or self._header is None:
+        if not self.done or self._header is None or self._assembler is None:
             raise RuntimeError(f"message incomplete: still reading the {self.reading}")
-        return Message(self._header, self._tensors)
+        return Message(self._header, self._assembler.tensors)
 
-    def feed(self, data: bytes | bytearray | memoryview) -> None:
+    def feed(self, data: bytes | bytearray | memoryview, *, decode: bool = True) -> None:
+        """Read `data`; with decode=False its payload is only queued (see `take_queued`)."""
         if self._error is not None:
             raise self._error
         view = memoryview(data).cast("B")
@@ -657,13 +821,42 @@ class MessageDecoder:
         keep = type(data) is bytes
         try:
             self._consume(view, keep)
+            if decode:
+                self.decode_queued(self.take_queued())
+            elif not keep:  # queued views of a buffer the caller may reuse: copy them now
+                self._queued = [(bytes(piece), True) if not kept else (piece, kept) for piece, kept in self._queued]
         except WireError as exc:
-            self._error = exc
-            self._phase = _Phase.FAILED
-            self._pieces = []
+            self._fail(exc)
             raise
         finally:
             self.bytes_fed += len(view)
+
+    def take_queued(self) -> list[tuple[bytes | memoryview, bool]]:
+        """The payload pieces queued so far, in order, for `decode_queued`."""
+        queued, self._queued, self._queued_nbytes = self._queued, [], 0
+        return queued
+
+    def decode_queued(self, pieces: list[tuple[bytes | memoryview, bool]]) -> None:
+        """Decode pieces from `take_queued()` into the tensors; may run on a worker thread while
+        `feed(decode=False)` runs on another. Raises the first WireError, which kills the decoder."""
+        assembler = self._assembler  # the reading thread drops it if framing fails meanwhile
+        if self._error is not None:
+            raise self._error
+        if not pieces:
+            return
+        assert assembler is not None
+        try:
+            for piece, keep in pieces:
+                assembler.write(memoryview(piece), keep)
+        except WireError as exc:
+            self._fail(exc)
+            raise
+
+    def _fail(self, exc: WireError) -> None:
+        self._error = exc
+        self._phase = _Phase.FAILED
+        self._queued, self._queued_nbytes = [], 0
+        self._assembler = None
 
     def _consume(self, view: memoryview, keep: bool) -> None:
         pos, end = 0, len(view)
@@ -673,7 +866,8 @@ class MessageDecoder:
                 raise BadSchema(f"{end - pos} bytes after the end of the message")
             if phase is _Phase.CHUNK:
                 take = min(self._chunk_left, end - pos)
-                self._on_payload(view[pos : pos + take], keep)
+                self._queued.append((view[pos : pos + take], keep))
+                self._queued_nbytes += take
                 pos += take
                 self._chunk_left -= take
                 self._payload_left -= take
@@ -720,45 +914,10 @@ class MessageDecoder:
         header, codec = parse_header(body, self._limits)
         if self._expected is not None:
             check_expectation(header, self._expected)
-        self._header, self._codec = header, codec
+        self._header = header
+        self._assembler = _PayloadAssembler(header, codec)
         self._payload_left = header.payload_nbytes
-        self._finish_empty_entries()
         self._phase = _Phase.CHUNK_PREFIX if self._payload_left else _Phase.DONE
-
-    def _on_payload(self, view: memoryview, keep: bool) -> None:
-        assert self._header is not None
-        manifest = self._header.manifest
-        while len(view):
-            need = manifest[self._entry].nbytes - self._pieces_len
-            take = min(need, len(view))
-            piece, view = view[:take], view[take:]
-            if take == need and not self._pieces:
-                self._finish_entry(piece)  # the whole tensor is in this piece: decode it in place
-                continue
-            self._pieces.append(piece if keep else bytes(piece))
-            self._pieces_len += take
-            if take == need:
-                joined = b"".join(self._pieces)
-                self._pieces, self._pieces_len = [], 0
-                self._finish_entry(joined)
-
-    def _finish_entry(self, buf: bytes | memoryview) -> None:
-        assert self._header is not None and self._codec is not None
-        i = self._entry
-        entry = self._header.manifest[i]
-        try:
-            flat = self._codec.decode(buf, entry.numel, entry.dtype)
-        except WireError as exc:
-            raise type(exc)(f"manifest entry {i} {entry.name!r}: {exc}") from None
-        self._tensors[entry.name] = flat.reshape(entry.shape)
-        self._entry += 1
-        self._finish_empty_entries()
-
-    def _finish_empty_entries(self) -> None:
-        assert self._header is not None
-        manifest = self._header.manifest
-        while self._entry < len(manifest) and manifest[self._entry].nbytes == 0:
-            self._finish_entry(b"")
 
 
 def decode_message(
@@ -787,18 +946,38 @@ async def read_message(
     EOF (EOFError, including asyncio.IncompleteReadError, or ConnectionError, including
     gossip.transport.StreamClosed) or a short read becomes Truncated. `timeout` bounds the whole
     message; None leaves the deadline to the caller (who must then set one).
+
+    Large payloads are decoded on a worker thread, batch by batch while the next bytes are read,
+    so the event loop only frames; at most one batch is being decoded at a time.
     """
     decoder = MessageDecoder(limits, expected)
-    async with asyncio.timeout(timeout):
-        while not decoder.done:
-            needed = decoder.bytes_needed()
-            try:
-                data = await read_exactly(needed)
-            except (EOFError, ConnectionError) as exc:
-                raise Truncated(
-                    f"stream ended after {decoder.bytes_fed} bytes, while reading the {decoder.reading}"
-                ) from exc
-            if len(data) != needed:
-                raise Truncated(f"asked for {needed} bytes of the {decoder.reading}, got {len(data)}")
-            decoder.feed(data)
+    loop = asyncio.get_running_loop()
+    decoding: asyncio.Future[None] | None = None  # the batch a worker thread is decoding
+    try:
+        async with asyncio.timeout(timeout):
+            while needed := decoder.bytes_needed():
+                try:
+                    data = await read_exactly(needed)
+                except (EOFError, ConnectionError) as exc:
+                    raise Truncated(
+                        f"stream ended after {decoder.bytes_fed} bytes, while reading the {decoder.reading}"
+                    ) from exc
+                if len(data) != needed:
+                    raise Truncated(f"asked for {needed} bytes of the {decoder.reading}, got {len(data)}")
+                decoder.feed(data, decode=False)
+                if decoder.queued_nbytes >= _OFFLOAD_BYTES:
+                    if decoding is not None:
+                        await asyncio.shield(decoding)
+                    decoding = loop.run_in_executor(None, decoder.decode_queued, decoder.take_queued())
+            if decoding is not None:
+                await asyncio.shield(decoding)
+            decoder.decode_queued(decoder.take_queued())  # less than one batch: not worth a thread hop
+    finally:
+        if decoding is not None:
+            # failing or cancelled with a batch in flight: the worker finishes with the decoder before it
+            # is dropped, and its outcome is retrieved here (the error that ended the read is the one raised)
+            if not decoding.done():
+                await asyncio.wait([decoding])
+            if not decoding.cancelled():
+                decoding.exception()
     return decoder.result()

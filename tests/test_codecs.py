@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from gossip import codecs
 from gossip.codecs import (
     CODEC_TYPES,
     Bf16Codec,
@@ -370,3 +371,100 @@ def test_error_feedback_keeps_residuals_per_name_and_resets() -> None:
     assert feedback.residual("c") is None
     feedback.reset()
     assert feedback.residual("b") is None
+
+
+# --- large arrays: spans on parallel threads, and decoding piece by piece ------------------------
+
+
+@pytest.fixture
+def small_spans(monkeypatch: pytest.MonkeyPatch) -> int:
+    """Make every array of more than 2 x 4096 elements split into up to 4 threads, whatever the machine."""
+    monkeypatch.setattr(codecs, "_PARALLEL_MIN", 4096)
+    monkeypatch.setattr(codecs, "_thread_budget", lambda: 4)
+    return 4096
+
+
+def sequential(monkeypatch: pytest.MonkeyPatch, fn):
+    with monkeypatch.context() as m:
+        m.setattr(codecs, "_MAX_THREADS", 1)
+        return fn()
+
+
+def spanning_values(n: int, dtype: type = np.float32) -> np.ndarray:
+    """Normal values, float16-subnormal ones, zeros and rounding ties, spread over every span."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(n).astype(np.float32) * np.float32(100)
+    x[::97] = rng.uniform(-6e-5, 6e-5, x[::97].size).astype(np.float32)  # float16 subnormal range
+    x[::101] = 0.0
+    x[5::103] = np.float32(1 + 2**-11)  # a float16 tie: rounds to even
+    return x.astype(dtype)
+
+
+@pytest.mark.parametrize("codec", [Fp32Codec(), Fp16Codec(), Bf16Codec(), Int8Codec(block=100)], ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_threaded_spans_give_the_same_bytes_and_values(codec, dtype, small_spans, monkeypatch) -> None:
+    x = spanning_values(4 * small_spans + 333, dtype)
+    encoded = bytes(codec.encode(x))
+    assert encoded == bytes(sequential(monkeypatch, lambda: codec.encode(x)))
+    for out_dtype in DTYPES:
+        one = sequential(monkeypatch, lambda: codec.decode(encoded, x.size, out_dtype))
+        np.testing.assert_array_equal(codec.decode(encoded, x.size, out_dtype), one)
+
+
+def test_threaded_fp16_matches_numpy_rounding(small_spans) -> None:
+    x = spanning_values(4 * small_spans + 5)
+    bits = np.frombuffer(bytes(Fp16Codec().encode(x)), "<u2")
+    np.testing.assert_array_equal(bits, x.astype(np.float16).view(np.uint16))
+    back = Fp16Codec().decode(bits.tobytes(), x.size)
+    np.testing.assert_array_equal(back, x.astype(np.float16).astype(np.float32))
+
+
+@pytest.mark.parametrize("codec", [Fp32Codec(), Fp16Codec(), Bf16Codec(), Int8Codec()], ids=lambda c: c.name)
+def test_threaded_spans_report_the_first_bad_element(codec, small_spans) -> None:
+    x = spanning_values(4 * small_spans + 7)
+    x[3 * small_spans + 10] = np.inf  # in the last span
+    x[2 * small_spans + 3] = np.nan  # in an earlier one: this is the one named
+    with pytest.raises(NonFiniteValues, match=f"element {2 * small_spans + 3}\\b"):
+        codec.encode(x)
+
+
+def test_threaded_decode_reports_the_first_bad_element(small_spans) -> None:
+    x = spanning_values(4 * small_spans)
+    payload = np.frombuffer(bytes(Fp32Codec().encode(x)), "<f4").copy()
+    payload[[3 * small_spans + 1, small_spans + 2]] = np.nan
+    with pytest.raises(NonFiniteValues, match=f"element {small_spans + 2}\\b"):
+        Fp32Codec().decode(payload.tobytes(), x.size)
+    halves = x.astype(np.float16).view(np.uint16).copy()
+    halves[2 * small_spans + 9] = 0x7C00  # +inf
+    with pytest.raises(NonFiniteValues, match=f"element {2 * small_spans + 9} is a float16 infinity"):
+        Fp16Codec().decode(halves.tobytes(), x.size)
+
+
+@settings(deadline=None, max_examples=40)
+@given(
+    st.sampled_from([Fp32Codec(), Fp16Codec(), Bf16Codec()]),
+    st.sampled_from(DTYPES),
+    st.lists(st.integers(0, 60), min_size=1, max_size=8),
+)
+def test_decode_into_any_split_of_whole_elements_equals_decode(codec, dtype, cuts: list[int]) -> None:
+    x = spanning_values(257, np.float32)
+    encoded = bytes(codec.encode(x))
+    whole = codec.decode(encoded, x.size, dtype)
+    out = np.full(x.size, 7, dtype)
+    bounds = sorted({0, x.size, *(min(c * 5, x.size) for c in cuts)})
+    k = codec.element_nbytes
+    for lo, hi in zip(bounds, bounds[1:]):
+        codec.decode_into(encoded[lo * k : hi * k], out[lo:hi], lo)
+    np.testing.assert_array_equal(out, whole)
+
+
+def test_decode_into_names_elements_by_their_index_in_the_tensor() -> None:
+    payload = np.zeros(10, "<f4")
+    payload[3] = np.inf
+    out = np.empty(10, np.float32)
+    with pytest.raises(NonFiniteValues, match="element 1003 is inf"):
+        Fp32Codec().decode_into(payload.tobytes(), out, offset=1000)
+    with pytest.raises(ValueError, match="do not fill"):
+        Fp32Codec().decode_into(payload.tobytes(), out[:9])
+    with pytest.raises(TypeError, match="int32"):
+        Fp32Codec().decode_into(payload.tobytes(), np.empty(10, np.int32))

@@ -4,6 +4,7 @@ test per refusal path with the specific exception a receiver counts."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import msgpack
 import numpy as np
@@ -474,3 +475,79 @@ def test_message_nbytes_accepts_shape_dtype_pairs_and_default_fields() -> None:
         )
     )
     assert by_pairs == len(real)
+
+
+# --- large payloads: decoded chunk by chunk, off the event loop ------------------------------------
+
+
+def large_model() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(5)
+    return {
+        "a": rng.standard_normal(800_001).astype(np.float32),  # ~3 MiB in fp32, odd length
+        "b": rng.standard_normal((3, 5)).astype(np.float16),
+        "c": rng.standard_normal(700_000).astype(np.float64),
+    }
+
+
+@pytest.mark.parametrize("codec", [Fp32Codec(), Fp16Codec(), Bf16Codec(), Int8Codec()], ids=lambda c: c.name)
+def test_large_message_read_from_a_stream_decodes_exactly(codec, monkeypatch: pytest.MonkeyPatch) -> None:
+    tensors = large_model()
+    # chunks of an odd size end in the middle of elements
+    buf = b"".join(encode_message(tensors, codec, chunk_bytes=(1 << 20) + 3, **FIELDS))
+    batches: list[tuple[int, bool]] = []  # (bytes, decoded on the event loop's thread)
+    original = MessageDecoder.decode_queued
+
+    def spy(self, pieces):
+        batches.append((sum(len(p) for p, _ in pieces), threading.get_ident() == loop_thread))
+        return original(self, pieces)
+
+    monkeypatch.setattr(MessageDecoder, "decode_queued", spy)
+    loop_thread = threading.get_ident()  # asyncio.run runs the loop on this thread
+    msg = asyncio.run(read_message(ByteStream(buf).read_exactly, timeout=30))
+    for name, x in tensors.items():
+        expected = codec.decode(bytes(codec.encode(x)), x.size, x.dtype).reshape(x.shape)
+        assert msg.tensors[name].dtype == x.dtype
+        np.testing.assert_array_equal(msg.tensors[name], expected)
+    # every batch of a megabyte or more was decoded by a worker thread, not the event loop
+    large = [on_loop for nbytes, on_loop in batches if nbytes >= 1 << 20]
+    assert large and not any(large)
+
+
+def test_bad_value_late_in_a_large_stream_is_refused() -> None:
+    x = np.ones(2_000_000, np.float32)
+    x[1_999_990] = np.nan
+    body = x.tobytes()
+    header = header_dict(manifest=[["w", "float32", [x.size], len(body)]])
+    chunks = [body[i : i + (1 << 20)] for i in range(0, len(body), 1 << 20)]
+    with pytest.raises(NonFiniteValues, match="manifest entry 0 'w': element 1999990 is nan"):
+        asyncio.run(read_message(ByteStream(raw_message(header, *chunks)).read_exactly, timeout=30))
+
+
+def test_feed_without_decoding_queues_a_copy_of_mutable_input() -> None:
+    tensors = model()
+    buf = message(tensors, Fp16Codec(), chunk_bytes=50)
+    decoder = MessageDecoder()
+    piece = bytearray(buf)
+    decoder.feed(piece, decode=False)
+    piece[:] = b"\xff" * len(piece)  # the caller reuses its buffer before the payload is decoded
+    assert decoder.bytes_needed() == 0 and not decoder.done
+    decoder.decode_queued(decoder.take_queued())
+    assert decoder.done
+    for name, value in decode_message(buf).tensors.items():
+        np.testing.assert_array_equal(decoder.result().tensors[name], value)
+
+
+def test_timeout_with_a_batch_being_decoded_is_a_timeout() -> None:
+    x = np.ones(3 << 20, np.float32)  # 12 MiB: several batches go to the worker before the stall
+    buf = message({"w": x})
+    stalled_at = len(buf) // 2
+
+    async def read_exactly(n: int) -> bytes:
+        if stream.pos + n > stalled_at:
+            await asyncio.sleep(3600)  # a peer that stops sending halfway
+        return await stream.read_exactly(n)
+
+    stream = ByteStream(buf)
+    with pytest.raises(TimeoutError):
+        asyncio.run(read_message(read_exactly, timeout=1.0))
+    assert stream.pos > 2 << 20

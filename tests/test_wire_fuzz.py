@@ -218,3 +218,19 @@ def test_hostile_streams_are_refused_with_bounded_reads(name: str) -> None:
         asyncio.run(read_message(read_exactly, timeout=10))
     assert tracemalloc.get_traced_memory()[1] - base < PEAK_LIMIT
     assert max(asks) <= 4 << 20  # never more than one chunk (max_chunk_bytes) or header at a time
+
+
+@pytest.mark.parametrize("codec", ["fp32", "fp16"])
+@pytest.mark.parametrize("sent_mib", [1, 3, 12])
+def test_allocation_follows_the_bytes_that_arrived(codec: str, sent_mib: int) -> None:
+    """A peer declaring a 64 MiB tensor and stopping early costs at most 8x what it sent (the output
+    array is allocated once an eighth of the tensor has arrived), however much it declared."""
+    element = 4 if codec == "fp32" else 2
+    numel = (64 << 20) // element
+    header = valid_header([["w", "float32", [numel], numel * element]], codec)
+    sent = sent_mib << 20
+    buf = header + b"".join(frame(bytes(1 << 20)) for _ in range(sent_mib))
+    outcome, peak = decode_measured(buf)
+    assert isinstance(outcome, Truncated), outcome
+    decoded_per_wire_byte = 4 // element  # fp16 decodes into float32: twice its wire size
+    assert peak < 8 * sent * decoded_per_wire_byte + (1 << 20), f"{peak} bytes allocated after {sent} sent"
