@@ -151,7 +151,7 @@ def _add_demo_command(commands: argparse._SubParsersAction) -> None:
         "to that of the untrained model. Node logs and checkpoints live in a temporary directory (--dir "
         "keeps them).")
     demo.add_argument("--nodes", type=_number(int, lo=1, hi=32), default=4, help="node processes (default 4)")
-    demo.add_argument("--steps", type=_number(int, lo=1), default=150, help="training steps per node (default 150)")
+    demo.add_argument("--steps", type=_number(int, lo=1), default=100, help="training steps per node (default 100)")
     demo.add_argument("--topology", choices=TOPOLOGY_NAMES, default="one-peer-exp",
                       help="gossip topology (default one-peer-exp)")
     demo.add_argument("--optimizer", choices=("dsgd", "dadam"), default="dadam", help="optimizer (default dadam)")

@@ -177,9 +177,8 @@ class NodeRuntime:
 
 
 def _published_loss(record) -> float | None:
-    """The loss a peer's record carries, once records carry one (node.discovery.PeerRecord)."""
-    loss = getattr(record, "loss", None)
-    return float(loss) if isinstance(loss, (int, float)) and np.isfinite(loss) else None
+    """The latest training loss a peer's record carries (validated finite by node.discovery)."""
+    return record.loss
 
 
 def _address(maddrs) -> str | None:

@@ -39,7 +39,7 @@ class DemoFailed(Exception):
 @dataclass(frozen=True)
 class DemoOptions:
     nodes: int = 4
-    steps: int = 150
+    steps: int = 100
     topology: str = "one-peer-exp"
     optimizer: str = "dadam"
     model: str = "moe"

@@ -94,6 +94,7 @@ class PeerRecord:
     version: str  # murmur software version
     heartbeat: float  # DHT (unix) time when the record was published
     gossip_from: int = 0  # first round this peer gossips in; 0 while it waits for a quorum (see node.rounds)
+    loss: float | None = None  # the peer's latest training loss, for the monitors of its peers
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,17 @@ def decode_peer_entry(raw: bytes) -> PeerRecord | Withdrawal:
         version=version,
         heartbeat=float(heartbeat),
         gossip_from=_count(fields, "gossip_from") if "gossip_from" in fields else 0,
+        loss=_optional_loss(fields),
     )
+
+
+def _optional_loss(fields: dict) -> float | None:
+    loss = fields.get("loss")
+    if loss is None:
+        return None
+    if not isinstance(loss, (int, float)) or isinstance(loss, bool) or not math.isfinite(loss):
+        raise ValueError("peer record has a loss that is not a finite number")
+    return float(loss)
 
 
 def _list_of(fields: dict, name: str, kind: type, max_len: int) -> list:
@@ -424,9 +435,12 @@ class Discovery:
         experts: Sequence[int] | None = None,
         capacity: int | None = None,
         gossip_from: int | None = None,
+        loss: float | None = None,
     ) -> None:
         """Change what the next heartbeat publishes about this peer. Call from the event loop's thread."""
         changes: dict[str, Any] = {}
+        if loss is not None and math.isfinite(loss):
+            changes["loss"] = float(loss)
         if gossip_from is not None:
             changes["gossip_from"] = gossip_from
         if step is not None:

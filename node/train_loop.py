@@ -265,7 +265,7 @@ class SwarmTraining:
         s.optimizer_state_bytes = self.trainer.optimizer_state_bytes
         if report.round is not None:
             s.consensus_distance = report.round.consensus_distance
-        self.discovery.update(step=self.trainer.step, round=self.peer.round)
+        self.discovery.update(step=self.trainer.step, round=self.peer.round, loss=s.loss)
         if self._record_sample is not None:
             self._record_sample(step=s.step, loss=s.loss, tokens=tokens,
                                 consensus_distance=report.round.consensus_distance if report.round else None)

@@ -63,6 +63,8 @@ def _record(peer_id: str, **changes: object) -> PeerRecord:
 def test_peer_record_round_trips() -> None:
     record = _record("QmPeer")
     assert decode_peer_entry(encode_peer_record(record)) == record
+    with_loss = dataclasses.replace(record, loss=2.5)
+    assert decode_peer_entry(encode_peer_record(with_loss)) == with_loss
     assert decode_peer_entry(encode_withdrawal("QmPeer")) == Withdrawal("QmPeer")
 
 
@@ -86,9 +88,11 @@ def test_newer_fields_are_ignored_but_known_ones_checked() -> None:
         lambda f: f.update(heartbeat=float("nan")),
         lambda f: f.pop("version"),
         lambda f: f.update(peer_id=""),
+        lambda f: f.update(loss=float("inf")),
+        lambda f: f.update(loss="low"),
     ],
     ids=["foreign-maddr", "no-maddrs", "negative-step", "bool-round", "experts-str", "negative-expert",
-         "nan-heartbeat", "no-version", "empty-peer-id"],
+         "nan-heartbeat", "no-version", "empty-peer-id", "inf-loss", "str-loss"],
 )
 def test_malformed_peer_records_are_rejected(mutate: Callable[[dict], object]) -> None:
     fields = msgpack.unpackb(encode_peer_record(_record("QmPeer")))
