@@ -294,7 +294,13 @@ async def _train_until(stop: asyncio.Event, runtime: NodeRuntime, training, sett
                             look=not (runtime.founding and training.trainer.step == 0))
     if training.trainer.step == 0:
         await training.wait_for_quorum(stop)
-    await training.run(stop, lambda: _checkpoint(runtime, ckpt_path))
+    try:
+        await training.run(stop, lambda: _checkpoint(runtime, ckpt_path))
+    except Exception as exc:  # noqa: BLE001 - a failing model (user code) must not take the node down
+        runtime.count("training_failed")
+        logger.error("training stopped at step %d: %s: %s; the node keeps serving its last parameters",
+                     training.trainer.step, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        training.peer.park()
     await stop.wait()
 
 

@@ -148,3 +148,14 @@ def test_restart_resumes_from_checkpoint_and_survives_a_corrupt_one(swarm):
     assert "is unreadable" in log and "resuming from checkpoint at step " + str(previous.meta["step"]) in log
     wait_for(lambda: training(third)["done"], 120, "training to finish after the fallback")
     assert swarm.stop_all([third]) == [0]
+
+
+def test_a_model_that_raises_stops_training_not_the_node(swarm):
+    node = swarm.found(**{**RECIPE, **NODE, "model": "tiny_model:build_failing", "steps": 100})
+    status = wait_for(lambda: (s := node.status())["errors"].get("training_failed") and s, 120, "the failure counted")
+    assert status["training"]["step"] < 100 and not status["training"]["done"]
+    log = node.stderr()
+    assert "training stopped at step" in log and "user model bug" in log and "Traceback" not in log
+    assert node.alive()
+    assert swarm.stop_all([node]) == [0]
+    assert load_checkpoint(node.data_dir / "checkpoint.npz") is not None
