@@ -1,5 +1,6 @@
 """Real `murmur` node processes on loopback reach consensus by gossip alone and keep the swarm's
-average: one-peer exponential with 8 nodes, ring and static exponential with 6 (not a power of two)."""
+average: one-peer exponential with 8 nodes, ring and static exponential with 6 (not a power of two),
+on each data-plane backend (p2pd, and py-libp2p in a child process)."""
 
 import numpy as np
 import pytest
@@ -10,11 +11,11 @@ pytestmark = pytest.mark.multiprocess
 DIM = 256
 
 
-@pytest.fixture
-def swarm(tmp_path):
+@pytest.fixture(params=["p2pd", "libp2p"])
+def swarm(tmp_path, request):
     # the default 2 s heartbeat: on a busy machine a 1 s one lets records lapse now and then, and a
     # node that misses a peer for a round mixes over another graph than the rest
-    with Swarm(tmp_path, dim=DIM, heartbeat=2) as s:
+    with Swarm(tmp_path, dim=DIM, heartbeat=2, transport=request.param) as s:
         yield s
 
 
