@@ -446,34 +446,14 @@ class EdgeList:
 
 
 @dataclass(frozen=True)
-class ModelName:
-    """An embedded model, `vector`, or a user builder named by import path (imported when the node starts)."""
+class Named:
+    """A name that must match `pattern` in full (models, devices); text is stripped of spaces."""
 
-    metavar: str = "MODEL"
-    description: str = "moe | dense | vector | package.module:callable"
-
-    def from_text(self, text: str) -> str:
-        value = text.strip()
-        self.check(value)
-        return value
-
-    def from_toml(self, raw: object) -> str:
-        if not isinstance(raw, str):
-            raise ValueError(f"must be a string, got {_toml_type(raw)} ({raw!r})")
-        return self.from_text(raw)
-
-    def check(self, value: object) -> None:
-        if value in (*EMBEDDED_MODEL_NAMES, VECTOR_MODEL):
-            return
-        module, colon, attribute = str(value).partition(":")
-        if not (isinstance(value, str) and colon and re.fullmatch(r"[\w.]+", module) and re.fullmatch(r"[\w.]+", attribute)):
-            raise ValueError(f"unknown model {value!r}; use moe, dense, vector or package.module:callable")
-
-
-@dataclass(frozen=True)
-class DeviceName:
-    metavar: str = "DEVICE"
-    description: str = DEVICES_HELP
+    noun: str
+    pattern: str
+    hint: str  # what the error suggests instead
+    description: str
+    metavar: str = "NAME"
 
     def from_text(self, text: str) -> str:
         value = text.strip()
@@ -486,8 +466,15 @@ class DeviceName:
         return self.from_text(raw)
 
     def check(self, value: object) -> None:
-        if not (isinstance(value, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", value)):
-            raise ValueError(f"unknown device {value!r}; use {DEVICES_HELP}")
+        if not (isinstance(value, str) and re.fullmatch(self.pattern, value)):
+            raise ValueError(f"unknown {self.noun} {value!r}; use {self.hint}")
+
+
+# An embedded model, `vector`, or a user builder named by import path (imported when the node starts).
+MODEL_NAME = Named("model", "|".join((*EMBEDDED_MODEL_NAMES, VECTOR_MODEL, r"[\w.]+:[\w.]+")),
+                   hint="moe, dense, vector or package.module:callable",
+                   description="moe | dense | vector | package.module:callable", metavar="MODEL")
+DEVICE_NAME = Named("device", r"auto|cpu|cuda(:\d+)?", hint=DEVICES_HELP, description=DEVICES_HELP, metavar="DEVICE")
 
 
 # ---- the settings ------------------------------------------------------------------------------
@@ -600,7 +587,7 @@ SETTINGS: tuple[Setting, ...] = (
             "coordinate-wise median or trimmed mean", NODE),
     Setting("gossip.mixing.tau", Number(0.0, lo_open=True, metavar="TAU"), "MURMUR_TAU", "--tau",
             "clipping radius of --mixing clipped", NODE, optional=True),
-    Setting("training.model", ModelName(), "MURMUR_MODEL", "--model",
+    Setting("training.model", MODEL_NAME, "MURMUR_MODEL", "--model",
             "what the swarm trains: the embedded MoE or dense GPT, `vector` (no model: gossip a random vector "
             "of --dim floats), or a builder by import path; a joiner takes the swarm's", NODE),
     Setting("training.optimizer", Choice("optimizer", OPTIMIZERS, metavar="OPTIMIZER"), "MURMUR_OPTIMIZER",
@@ -624,7 +611,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("training.data", PathKind(metavar="DIR"), "MURMUR_DATA", "--data",
             "a directory of *.txt files to train on (this node's own corpus; every node of a swarm "
             "should have the same one)", NODE, optional=True, default_text="the embedded corpus"),
-    Setting("training.device", DeviceName(), "MURMUR_DEVICE", "--device", "torch device of this node", NODE),
+    Setting("training.device", DEVICE_NAME, "MURMUR_DEVICE", "--device", "torch device of this node", NODE),
     Setting("training.precision", Choice("precision", PRECISION_NAMES, metavar="PRECISION"), "MURMUR_PRECISION",
             "--precision", "autocast precision; auto: bf16 (else fp16) on CUDA, fp32 on CPU", NODE),
     Setting("training.threads", _NONNEG, "MURMUR_THREADS", "--threads",
