@@ -55,6 +55,17 @@ def mean_vector(vectors: Iterable[np.ndarray]) -> np.ndarray:
     return np.stack(list(vectors)).astype(np.float64).mean(axis=0)
 
 
+def check_consensus(nodes: list[Node], report: str, logs: str) -> None:
+    """The nodes' final checkpoints agree to 1e-6 of their initial spread, and their average is their
+    initial vectors' average to 1e-6 relative (mixing was doubly stochastic: only float32 rounding)."""
+    initial = [initial_vector(node.seed, node.dim) for node in nodes]
+    final = [node.checkpoint()[0] for node in nodes]
+    start, end = consensus_distance(initial), consensus_distance(final)
+    assert end < 1e-6 * start, f"consensus distance {end:.3g} from {start:.3g}\n{report}\n{logs}"
+    drift = np.linalg.norm(mean_vector(final) - mean_vector(initial))
+    assert drift < 1e-6 * np.linalg.norm(mean_vector(initial)), f"the average moved by {drift:.3g}\n{report}"
+
+
 def wait_for(check: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.2) -> T:
     """Poll `check` until it returns something truthy; AssertionError naming `what` after `timeout_s`.
 

@@ -5,7 +5,6 @@ re-sent, takeover from the freshest copy when all owners of an expert die, and r
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -28,13 +27,13 @@ from gossip.spes import (
 )
 from gossip.transport import Stream
 from gossip.wire import Expectation, encode_message, message_nbytes, read_message
-from node.data import Corpus, embedded_corpus, peer_shard
+from node.data import Corpus, peer_shard
 from node.models import ModelConfig, build_model
 from node.spes import FETCH_PROTOCOL, InMemoryExpertDirectory, ModelPartition, SpesNode, spes_average, tensor_manifest
 from node.trainer import GossipTrainer, Trainer, TrainerConfig, average_tensors
 from topology import MembershipView, PeerRound, build_topology, peer_round
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
 MOE = ModelConfig(context=32, layers=2, width=32, heads=4, experts=8, top_k=2, expert_hidden=64)
 IDS = [f"peer{i}" for i in range(4)]
@@ -45,17 +44,6 @@ SETTINGS = ExchangeSettings(swarm="spes-test", config_hash="c0ffee", codec=get_c
 TOPOLOGY = "ring"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def corpus() -> Corpus:
-    return embedded_corpus(size_bytes=600_000)
 
 
 def make_trainer(corpus: Corpus, peer_id: str, optimizer: OptimizerConfig = OPTIMIZER) -> Trainer:

@@ -7,10 +7,9 @@ import dataclasses
 import signal
 import time
 
-import numpy as np
 import psutil
 import pytest
-from swarm_harness import Node, Swarm, consensus_distance, initial_vector, mean_vector, summary, wait_for
+from swarm_harness import Node, Swarm, check_consensus, summary, wait_for
 from test_swarm_bad_peers import ATTACKS, attack, wire_errors
 
 pytestmark = pytest.mark.multiprocess
@@ -37,15 +36,6 @@ def gone(process: psutil.Process) -> bool:
         return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
-
-
-def check_consensus(nodes: list[Node], report: str, logs: str) -> None:
-    initial = [initial_vector(node.seed, node.dim) for node in nodes]
-    final = [node.checkpoint()[0] for node in nodes]
-    start, end = consensus_distance(initial), consensus_distance(final)
-    assert end < 1e-6 * start, f"consensus distance {end:.3g} from {start:.3g}\n{report}\n{logs}"
-    drift = np.linalg.norm(mean_vector(final) - mean_vector(initial))
-    assert drift < 1e-6 * np.linalg.norm(mean_vector(initial)), f"the average moved by {drift:.3g}\n{report}"
 
 
 def test_three_p2pd_and_three_libp2p_nodes_reach_consensus_together(tmp_path):

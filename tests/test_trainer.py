@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Iterator
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -28,30 +26,18 @@ from gossip.optimizers import (
     consensus_distance,
     global_norm,
 )
-from node.data import Corpus, embedded_corpus, peer_shard, training_batch
+from node.data import Corpus, peer_shard, training_batch
 from node.models import ModelConfig, build_model
 from node.trainer import GossipTrainer, StepReport, Trainer, TrainerConfig, average_tensors, train_alone
 from topology import MembershipView, PeerRound, build_topology, peer_round
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
 TINY = ModelConfig(context=32, layers=2, width=64, heads=4, experts=0, expert_hidden=128)
 BATCH = 8
 NODES = 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    # several trainers share two cores: more intra-op threads than cores only adds waiting
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def corpus() -> Corpus:
-    return embedded_corpus(size_bytes=600_000)
 
 
 def trainer_config(optimizer: OptimizerConfig, batch_size: int = BATCH, **kw: object) -> TrainerConfig:
