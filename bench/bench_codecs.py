@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+import torch
 
 from gossip.codecs import Bf16Codec, Codec, Fp16Codec, Fp32Codec, Int8Codec, TopKCodec
 
@@ -48,7 +49,8 @@ def report(nbytes: int, copy_time: float, best: dict[str, tuple[float, float]], 
     lines = [
         f"command: {sys.executable} -m bench.bench_codecs {' '.join(argv)}".rstrip(),
         f"input: {nbytes / 2**20:.0f} MiB float32 (standard normal); numpy {np.__version__}, "
-        f"python {platform.python_version()}, {os.cpu_count()} CPUs; times are best of the repeats",
+        f"python {platform.python_version()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch thread(s); "
+        "times are best of the repeats",
         f"baseline: numpy copy of the same {nbytes / 2**20:.0f} MiB: {mb / copy_time:,.0f} MB/s",
         "",
         "| codec | encode MB/s | decode MB/s | encode+decode MB/s | ratio to copy | target |",
@@ -70,9 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mib", type=int, default=64, help="size of the float32 vector in MiB (default 64)")
     parser.add_argument("--repeats", type=int, default=11, help="timing rounds; the best is kept (default 11)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--torch-threads", type=int, default=1,
+        help="torch intra-op threads for the fp16 casts (default 1, like the single-threaded copy)",
+    )
     args = parser.parse_args(argv)
-    if args.mib < 1 or args.repeats < 1:
-        parser.error("--mib and --repeats must be positive")
+    if args.mib < 1 or args.repeats < 1 or args.torch_threads < 1:
+        parser.error("--mib, --repeats and --torch-threads must be positive")
+    torch.set_num_threads(args.torch_threads)
     x = np.random.default_rng(args.seed).standard_normal(args.mib * 2**20 // 4).astype(np.float32)
     codecs: list[Codec] = [Fp32Codec(), Fp16Codec(), Bf16Codec(), Int8Codec(block=256), TopKCodec(ratio=0.01)]
     copy_time, best = measure(x, codecs, args.repeats)

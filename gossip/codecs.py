@@ -27,11 +27,11 @@ Layouts and error bounds (x a source value, x^ its decoded value; "float32 sourc
   a sender may send fewer; it requires indices strictly increasing and < n, and n < 2^32.
   Top-k alone drops what it does not send; `ErrorFeedback` keeps that residual on the sender.
 
-fp16/bf16 conversions are written with integer bit operations on cache-sized blocks because
-numpy's own float16 cast is a scalar loop (several times slower than a memory copy). Arrays of
-millions of elements are converted in contiguous spans on up to 4 threads when cores are idle
-(numpy releases the GIL inside its loops); the bytes are the same as a single-threaded run, and an error names the first
-bad element, as a sequential run would. fp32, fp16 and bf16 are `ElementwiseCodec`s: any run of
+fp16 conversions use torch's vectorised float16 cast (numpy's is a scalar loop, several times slower
+than a memory copy; torch is imported on first use); bf16 conversions are integer bit operations on
+cache-sized blocks. Arrays of millions of elements are converted in contiguous spans on up to 4
+threads when cores are idle (numpy releases the GIL inside its loops); the bytes are the same as a
+single-threaded run, and an error names the first bad element, as a sequential run would. fp32, fp16 and bf16 are `ElementwiseCodec`s: any run of
 whole elements decodes on its own (`decode_into`), which lets the wire decoder decode a tensor
 chunk by chunk as it arrives.
 """
@@ -69,7 +69,7 @@ _BLOCK = 1 << 16  # elements per cache-sized block in the blockwise conversions 
 # at most this many threads, each with at least _PARALLEL_MIN elements, so starting one stays cheap.
 _MAX_THREADS = 4
 _PARALLEL_MIN = 1 << 20
-_FIXUP_SEGMENT = 256  # fp16: granularity at which blocks with float16-subnormal values are re-done
+_F16_BLOCK = 1 << 18  # elements per block in the fp16 casts: torch's per-call cost spreads over more elements
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -81,21 +81,9 @@ def _const(value: float, dtype: DTypeLike) -> np.ndarray:
 
 
 _U32_1 = _const(1, np.uint32)
-_U32_13 = _const(13, np.uint32)
 _U32_16 = _const(16, np.uint32)
-_I32_13 = _const(13, np.int32)
 _U16_ABS = _const(0x7FFF, np.uint16)
-# float32 bit patterns (as uint32), shifted left by one to drop the sign
-_F16_MAX_SHL = np.uint32(0x477FE000 << 1)  # 65504, the largest finite float16
-_F16_MIN_NORMAL_SHL = np.uint32(0x38800000 << 1)  # 2^-14, the smallest normal float16
-# float32 -> float16 rounding: add 0xfff + (bit 13) for round-to-nearest-even, subtract 112 from the
-# exponent (127 - 15) to rebias; modulo 2^32 so it is one unsigned add
-_F16_ROUND_REBIAS = _const((0xFFF - (112 << 23)) % (1 << 32), np.uint32)
-# after an arithmetic shift by 13 the sign fills bits 18..31; keep bit 28 and 31 (moving the sign from
-# bit 31 to bit 28, which lands on bit 15 after the final shift) and bit 0 (the round-to-even bit)
-_F16_SIGN_AND_ODD = _const(0x90000001, np.uint32)
-_F16_SIGN_KEEP = _const(-0x70000001, np.int32)  # 0x8FFFFFFF: clears bits 28..30 of a sign-extended half << 13
-_F16_REBIAS_UP = _const(2.0**112, np.float32)
+_F16_MAX = 65504.0  # the largest finite float16
 _BF16_ROUND = _const(0x7FFF, np.uint32)
 _BF16_LIMIT = float(np.array([0x7F7F8000], np.uint32).view(np.float32)[0])  # rounds to bfloat16 inf
 _BF16_F16_LIMIT = 65408.0  # halfway between bfloat16's 65280 and 65536: ties round to 65536, beyond float16
@@ -201,7 +189,6 @@ class _Scratch:
         self.f32 = np.empty(size, np.float32)
         self.u32 = np.empty(size, np.uint32)
         self.u16 = np.empty(size, np.uint16)
-        self.segments = np.arange(0, size, _FIXUP_SEGMENT)  # fp16: segment starts within a block
 
 
 def _check_f16_bits(bits: np.ndarray, scratch: _Scratch, offset: int) -> None:
@@ -212,52 +199,41 @@ def _check_f16_bits(bits: np.ndarray, scratch: _Scratch, offset: int) -> None:
         raise NonFiniteValues(f"element {offset + i} is a float16 infinity or NaN")
 
 
+def _torch_cast(src: np.ndarray, dst: np.ndarray, spare: np.ndarray) -> None:
+    """dst[:] = src converted by torch's vectorised cast (float16 <-> float32, round to nearest even).
+
+    numpy's float16 cast is a scalar loop several times slower than a memory copy; torch's is one
+    vectorised pass. torch takes only writable arrays without a warning, so a read-only `src` (bytes
+    off the wire) is first copied into `spare`, a scratch array of its dtype, while it is in cache.
+    """
+    import torch  # noqa: PLC0415 - only fp16 needs it; importing gossip stays cheap
+
+    if not src.flags.writeable:
+        spare = spare[: src.size]
+        np.copyto(spare, src)
+        src = spare
+    torch.from_numpy(dst).copy_(torch.from_numpy(src))
+
+
 def _f16_bits_to_f32(h: np.ndarray, out: np.ndarray, scratch: _Scratch, offset: int) -> None:
-    """float16 bits (uint16) -> float32, exact; NonFiniteValues for inf/NaN halves."""
+    """float16 bits (uint16) -> float32 `out`, exact; NonFiniteValues for inf/NaN halves."""
     if h.size == 0:
         return
-    _check_f16_bits(h, scratch, offset)
-    t = out.view(np.int32)
-    tu = out.view(np.uint32)
-    np.copyto(t, h.view(np.int16))  # sign-extends: the sign lands on bit 31 (and 15..30)
-    np.left_shift(tu, _U32_13, tu)  # exponent and mantissa into float32 position
-    np.bitwise_and(t, _F16_SIGN_KEEP, t)
-    # multiplying by 2^112 rebiases the exponent; float16 subnormals were float32 subnormals and
-    # come out normalised by the multiply
-    np.multiply(out, _F16_REBIAS_UP, out)
+    _torch_cast(h.view(np.float16), out, scratch.u16.view(np.float16))
+    # an infinity or NaN half stays one in float32, and min/max propagate NaN
+    if not (np.isfinite(out.min()) and np.isfinite(out.max())):
+        i = int(np.argmax(~np.isfinite(out)))
+        raise NonFiniteValues(f"element {offset + i} is a float16 infinity or NaN")
 
 
 def _f32_to_f16_block(x: np.ndarray, out: np.ndarray, scratch: _Scratch, offset: int) -> None:
-    """float32 block -> float16 bits in `out`, round to nearest even; NonFiniteValues for NaN, inf, |x| > 65504.
-
-    The integer path is exact for the float16 normal range only: values in the subnormal range
-    (|x| < 2^-14) are found per `_FIXUP_SEGMENT`-sized segment (one cheap pass finds the few segments
-    to look into) and redone with numpy's exact but slow cast. `x` holds at most one scratch block.
-    """
-    k = x.size
-    if k == 0:
+    """float32 block -> float16 bits in `out`, round to nearest even; NonFiniteValues for NaN, inf, |x| > 65504."""
+    if x.size == 0:
         return
-    t = scratch.u32[:k]
-    u = x.view(np.uint32)
-    np.left_shift(u, _U32_1, t)  # drop the sign: compare magnitudes as integers
-    if t.max() > _F16_MAX_SHL:
-        raise NonFiniteValues(_bad_value_message(x, offset, 65504.0, "outside float16's range of +-65504"))
-    segments = scratch.segments[: -(-k // _FIXUP_SEGMENT)]
-    seg_mins = np.minimum.reduceat(t, segments)
-    flagged = None
-    if seg_mins.min() < _F16_MIN_NORMAL_SHL:
-        starts = segments[seg_mins < _F16_MIN_NORMAL_SHL]
-        candidates = (starts[:, None] + np.arange(_FIXUP_SEGMENT)).reshape(-1)
-        candidates = candidates[candidates < k]
-        flagged = candidates[t[candidates] < _F16_MIN_NORMAL_SHL]
-    np.right_shift(x.view(np.int32), _I32_13, t.view(np.int32))
-    np.bitwise_and(t, _F16_SIGN_AND_ODD, t)  # sign at bits 28 and 31, round-to-even bit at 0
-    np.add(t, u, t)
-    np.add(t, _F16_ROUND_REBIAS, t)
-    np.right_shift(t, _U32_13, t)
-    np.copyto(out, t, casting="unsafe")  # keeps the low 16 bits: sign, exponent, mantissa
-    if flagged is not None and flagged.size:
-        out[flagged] = x[flagged].astype(np.float16).view(np.uint16)
+    # comparisons with NaN are false, so NaN fails this test too
+    if not (x.min() >= -_F16_MAX and x.max() <= _F16_MAX):
+        raise NonFiniteValues(_bad_value_message(x, offset, _F16_MAX, "outside float16's range of +-65504"))
+    _torch_cast(x, out.view(np.float16), scratch.f32)
 
 
 def _f32_to_bf16_bits(x: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
@@ -357,7 +333,7 @@ def _to_float32(flat: np.ndarray) -> np.ndarray:
 
 def _f32_to_f16_span(src: np.ndarray, bits: np.ndarray, offset: int) -> None:
     """A flat float32/float64 span -> float16 bits (uint16) in `bits`; `offset` is src[0]'s index."""
-    scratch = _Scratch(src.size)
+    scratch = _Scratch(src.size, cap=_F16_BLOCK)
     for start, block in _source_blocks(src, scratch, offset):
         _f32_to_f16_block(block, bits[start : start + block.size], scratch, offset + start)
 
@@ -522,8 +498,8 @@ class Fp16Codec(ElementwiseCodec):
 
     def _decode_span(self, buf: memoryview, out: np.ndarray, offset: int) -> None:
         bits = np.frombuffer(buf, "<u2")
-        scratch = _Scratch(bits.size)
-        for start, stop in _blocks(bits.size):
+        scratch = _Scratch(bits.size, cap=_F16_BLOCK)
+        for start, stop in _blocks(bits.size, _F16_BLOCK):
             h = bits[start:stop]
             if out.dtype == np.float16:  # the bits are the values: copy them, refusing inf/NaN
                 _check_f16_bits(h, scratch, offset + start)
@@ -568,8 +544,8 @@ class Bf16Codec(ElementwiseCodec):
 
     def _decode_span(self, buf: memoryview, out: np.ndarray, offset: int) -> None:
         bits = np.frombuffer(buf, "<u2")
-        scratch = _Scratch(bits.size)
-        for start, stop in _blocks(bits.size):
+        scratch = _Scratch(bits.size, cap=_F16_BLOCK)
+        for start, stop in _blocks(bits.size, _F16_BLOCK):
             if out.dtype == np.float32:
                 _bf16_bits_to_f32(bits[start:stop], out[start:stop], scratch, offset + start)
                 continue
