@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -178,11 +178,17 @@ class PullResult:
     raw_s: list[float]
     exchange_s: list[float]
     failures: list[str]  # exchange pulls that did not complete (left out of the times), by reason
+    # `GossipPeer.fetch` of the same tensors: the exchange's transfer, validation and decoding, no mix
+    fetch_s: list[float] = field(default_factory=list)
 
     @property
     def ratio(self) -> float:
         """Exchange goodput over raw-stream goodput, best of each."""
         return min(self.raw_s) / min(self.exchange_s)
+
+    @property
+    def fetch_ratio(self) -> float:
+        return min(self.raw_s) / min(self.fetch_s)
 
 
 async def interleaved_pulls(puller_transport, puller: GossipPeer, source: str, nbytes: int, repeats: int
@@ -191,6 +197,7 @@ async def interleaved_pulls(puller_transport, puller: GossipPeer, source: str, n
     is recorded and retried (at most `repeats` times in all), so one bad moment does not void the run."""
     raw: list[float] = []
     exchange: list[float] = []
+    fetches: list[float] = []
     failures: list[str] = []
     await raw_pull(puller_transport, source, nbytes)  # warm-up: connection, daemon buffers, page faults
     await exchange_pull(puller, source)
@@ -198,9 +205,12 @@ async def interleaved_pulls(puller_transport, puller: GossipPeer, source: str, n
         raw.append(await raw_pull(puller_transport, source, nbytes))
         got = await exchange_pull(puller, source)
         (exchange if isinstance(got, float) else failures).append(got)
+        start = time.perf_counter()
+        await puller.fetch(source)
+        fetches.append(time.perf_counter() - start)
     if not exchange:
         raise RuntimeError(f"every exchange pull failed: {failures}")
-    return PullResult(nbytes, raw, exchange, failures)
+    return PullResult(nbytes, raw, exchange, failures, fetches)
 
 
 def in_process_costs(x: np.ndarray, codec: str, repeats: int = 3) -> dict[str, float]:
@@ -464,7 +474,10 @@ def report_pull(title: str, result: PullResult, baseline_name: str) -> list[str]
                 f"{mb * 8 / min(times):,.0f} |")
 
     lines = [title, "", "| path | best s | median s | MB/s (best) | Mbit/s (best) |", "|---|---:|---:|---:|---:|",
-             row(baseline_name, result.raw_s), row("GossipPeer pull (run_round)", result.exchange_s), ""]
+             row(baseline_name, result.raw_s), row("GossipPeer pull (run_round: transfer, decode, mix)", result.exchange_s)]
+    if result.fetch_s:
+        lines.append(row("GossipPeer fetch (transfer, validated decode; no mix)", result.fetch_s))
+    lines.append("")
     if result.failures:
         lines += [f"exchange pulls that failed and were retried: {', '.join(result.failures)}", ""]
     return lines
@@ -524,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
             lines = report_pull(f"### 1. Goodput on loopback: {args.mib:g} MiB fp32, two p2pd daemons, "
                                 f"best of {args.repeats}", result, "raw p2pd stream (baseline)")
             costs = in_process_costs(_vector(_numel(args.mib), seed=1), "fp32")
-            lines += [f"exchange / raw stream: {result.ratio:.2f}x ({_verdict(result.ratio, TARGETS['goodput'])})",
+            lines += [f"exchange round / raw stream: {result.ratio:.2f}x ({_verdict(result.ratio, TARGETS['goodput'])}); "
+                      f"fetch / raw stream: {result.fetch_ratio:.2f}x",
                       f"in-process costs of the same vector: encode {costs['encode']:.3f} s, decode (chunk by "
                       f"chunk, validated) {costs['decode']:.3f} s, mix {costs['mix']:.3f} s", ""]
             print("\n".join(lines), flush=True)

@@ -33,9 +33,11 @@ import numpy as np
 
 from gossip.codecs import Codec
 from gossip.errors import BadSchema, ManifestMismatch, Truncated, WireError
-from gossip.mixing import MixingRule, mix
+from gossip.mixing import IncrementalMix, MixingRule, effective_weights, mix
 from gossip.transport import GOSSIP_PROTOCOL, Stream, Transport
-from gossip.wire import DEFAULT_LIMITS, Expectation, Message, WireLimits, encode_message, read_message, tensor_specs
+from gossip.wire import (
+    DEFAULT_LIMITS, Expectation, Message, ValuesSink, WireLimits, encode_message, read_message, tensor_specs,
+)
 from topology import PeerRound
 
 logger = logging.getLogger(__name__)
@@ -207,6 +209,7 @@ class GossipPeer:
             self._round_began.notify_all()
         received: dict[str, _Received] = {}
         skipped: dict[str, str] = {}
+        running = self._incremental_mix(own_snapshot, plan, awaited)
 
         async def one(peer: str) -> None:
             deadline = asyncio.get_running_loop().time() + self._settings.exchange_timeout_s
@@ -215,7 +218,8 @@ class GossipPeer:
                     got = await self._await_partner(peer, round_index, deadline)
                 else:
                     kind = EXCHANGE if peer in plan.out_peers else PULL
-                    got = await self._request(peer, kind, own_snapshot, round_index, deadline)
+                    got = await self._request(peer, kind, own_snapshot, round_index, deadline,
+                                              running.add if running is not None else None)
             except TimeoutError:
                 skipped[peer] = "timeout"
             except PartnerMissed as exc:
@@ -238,7 +242,9 @@ class GossipPeer:
             for peer in sorted(plan.in_weights):
                 group.create_task(one(peer))
 
-        mixed = await asyncio.to_thread(self._mix, own_snapshot, received, plan)
+        mixed = running.result() if running is not None and received.keys() == set(plan.in_weights) else None
+        if mixed is None:
+            mixed = await asyncio.to_thread(self._mix, own_snapshot, received, plan)
         # values installed meanwhile (a trainer's step) win over this round's mix of older ones
         if self._tensors is own_snapshot:
             self._tensors = mixed
@@ -248,6 +254,14 @@ class GossipPeer:
         self.stats.rounds += 1
         self.stats.last_round_s = duration
         return RoundOutcome(round_index, tuple(sorted(received)), skipped, duration)
+
+    def _incremental_mix(self, own: dict[str, np.ndarray], plan: PeerRound, awaited: set[str]) -> IncrementalMix | None:
+        """A mix that runs as the values arrive, when this round requests from exactly one neighbour
+        (every pairwise schedule, and pulls) with the weighted rule; else None and `_mix` runs after."""
+        if self._settings.rule.kind != "weighted" or len(plan.in_weights) != 1 or awaited:
+            return None
+        self_weight, weights = effective_weights(plan.self_weight, plan.in_weights, plan.in_weights.keys())
+        return IncrementalMix(own, self_weight, *weights.values())
 
     def _mix(self, own: dict[str, np.ndarray], received: Mapping[str, _Received], plan: PeerRound) -> dict[str, np.ndarray]:
         return {
@@ -298,13 +312,14 @@ class GossipPeer:
         current tensors instead of waiting for rounds that will never begin."""
         self._parked = True
 
-    async def _request(self, peer: str, kind: str, own: Tensors, round_index: int, deadline: float) -> _Received:
+    async def _request(self, peer: str, kind: str, own: Tensors, round_index: int, deadline: float,
+                       on_values: ValuesSink | None = None) -> _Received:
         async with asyncio.timeout_at(deadline):
             stream = await self._transport.open_stream(peer, self._protocol)
         try:
             async with asyncio.timeout_at(deadline):
                 await self._send(stream, own if kind == EXCHANGE else {}, round_index, kind)
-                reply = await self._read_reply(stream)
+                reply = await self._read_reply(stream, on_values)
                 if reply.header.kind == REJECT:
                     raise PeerRejected(str(reply.header.meta.get("error", "unspecified")))
                 if reply.header.kind != REPLY:
@@ -322,12 +337,12 @@ class GossipPeer:
         finally:
             await stream.close()
 
-    async def _read_reply(self, stream: Stream) -> Message:
+    async def _read_reply(self, stream: Stream, on_values: ValuesSink | None = None) -> Message:
         """The answer to our request; a peer that hangs up before sending a byte of it is not a
         truncated message (nothing was cut) but a peer that did not answer: ConnectionError."""
         progress = _ReadProgress()
         try:
-            return await self._read(stream, self._expect_peer, progress)
+            return await self._read(stream, self._expect_peer, progress, on_values)
         except Truncated:
             if progress.bytes == 0:
                 raise ConnectionError(f"{stream.remote_peer} hung up without answering") from None
@@ -496,7 +511,8 @@ class GossipPeer:
             await stream.write(frame)
             self.stats.bytes_sent += len(frame)
 
-    async def _read(self, stream: Stream, expected: Expectation, progress: _ReadProgress | None = None) -> Message:
+    async def _read(self, stream: Stream, expected: Expectation, progress: _ReadProgress | None = None,
+                    on_values: ValuesSink | None = None) -> Message:
         async def read_exactly(n: int) -> bytes:
             data = await stream.read_exactly(n)
             self.stats.bytes_received += len(data)
@@ -504,7 +520,7 @@ class GossipPeer:
                 progress.bytes += len(data)
             return data
 
-        message = await read_message(read_exactly, self._request_limits, expected)
+        message = await read_message(read_exactly, self._request_limits, expected, on_values=on_values)
         if message.header.sender != stream.remote_peer:
             raise BadSchema(f"header names sender {message.header.sender}, but the stream comes from {stream.remote_peer}")
         return message

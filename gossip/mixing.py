@@ -141,9 +141,17 @@ def _check_vectors(own: np.ndarray, received: Mapping[str, np.ndarray]) -> None:
             raise ValueError(f"vector from {peer!r} has dtype {vector.dtype}, expected {own.dtype}")
 
 
-def _accumulator_dtype(dtype: np.dtype) -> np.dtype:
-    # Sums run in float64 and round once: in float32 the weights themselves round (1/3 -> 1/3 + 1e-8),
-    # and a ring then grows every vector by ~3e-8 per round, which moves the swarm's average.
+def _accumulator_dtype(dtype: np.dtype, weights: Sequence[float] = ()) -> np.dtype:
+    """The precision a weighted sum runs in.
+
+    Sums run in float64 and round once when a weight is not exactly a value of the vectors' dtype:
+    in float32 the weights themselves would round (1/3 -> 1/3 + 1e-8), and a ring would then grow
+    every vector by ~3e-8 per round, which moves the swarm's average. Weights a float32 holds exactly
+    (the 1/2 of every pairwise schedule, 1/4, ...) sum to 1 exactly, so float32 sums only add
+    unbiased rounding of half an ulp per addition, and run twice as fast.
+    """
+    if dtype == np.float32 and weights and all(float(np.float32(w)) == w for w in weights):
+        return np.dtype(np.float32)
     return np.promote_types(dtype, np.float64)
 
 
@@ -151,30 +159,85 @@ def _blocks(n: int) -> range:
     return range(0, n, _BLOCK)
 
 
-def _weighted_sum(own: np.ndarray, self_w: float, weights: Sequence[float], vectors: Sequence[np.ndarray]) -> np.ndarray:
-    """self_w * own + sum_k weights[k] * vectors[k], block by block into one output buffer."""
+def weighted_sum_into(
+    out: np.ndarray, own: np.ndarray, self_w: float, weights: Sequence[float], vectors: Sequence[np.ndarray]
+) -> None:
+    """out[:] = self_w * own + sum_k weights[k] * vectors[k], block by block.
+
+    Elementwise, so any split of a vector into spans gives the same bits as one call over all of it:
+    a receiver may mix a tensor span by span as it arrives. `weights` are effective weights (see
+    `effective_weights`); `out` must not overlap the inputs.
+    """
     n = own.shape[0]
-    out = np.empty(own.shape, own.dtype)
-    acc_dtype = _accumulator_dtype(own.dtype)
+    if n == 0:
+        return
+    acc_dtype = _accumulator_dtype(own.dtype, (self_w, *weights))
     scratch = np.empty(min(_BLOCK, n), acc_dtype)
     acc_buffer = None if acc_dtype == own.dtype else np.empty(min(_BLOCK, n), acc_dtype)
+    typed = [acc_dtype.type(w) for w in weights]  # exact: either float64, or float32 weights it holds
     for start in _blocks(n):
         stop = min(start + _BLOCK, n)
         target = out[start:stop]
         acc = target if acc_buffer is None else acc_buffer[: stop - start]
         term = scratch[: stop - start]
         # dtype= makes numpy multiply in the accumulator's precision: with a Python float and a float32
-        # array it would round the weight to float32 first (1/3 -> 0.33333334), and a ring round would
-        # scale every vector by 3 * float32(1/3), drifting the swarm average ~3e-8 a round
-        np.multiply(own[start:stop], self_w, out=acc, dtype=acc.dtype)
-        for weight, vector in zip(weights, vectors):
+        # array it would round the weight to float32 first
+        np.multiply(own[start:stop], acc_dtype.type(self_w), out=acc, dtype=acc.dtype)
+        for weight, vector in zip(typed, vectors):
             if weight == 0.0:
                 continue
             np.multiply(vector[start:stop], weight, out=term, dtype=term.dtype)
             np.add(acc, term, out=acc)
         if acc_buffer is not None:
             np.copyto(target, acc, casting="same_kind")
+
+
+def _weighted_sum(own: np.ndarray, self_w: float, weights: Sequence[float], vectors: Sequence[np.ndarray]) -> np.ndarray:
+    """self_w * own + sum_k weights[k] * vectors[k] into one new output buffer."""
+    out = np.empty(own.shape, own.dtype)
+    weighted_sum_into(out, own, self_w, weights, vectors)
     return out
+
+
+class IncrementalMix:
+    """The weighted mix of the local tensors with one neighbour's, computed span by span as the
+    neighbour's values arrive, so that mixing overlaps the transfer instead of following it.
+
+    Feed `add` as the wire decoder's `on_values` sink. Since `weighted_sum_into` is elementwise, the
+    result has the bits `mix` would give for the same inputs. `result()` is None unless every element
+    of every local tensor arrived exactly once and in order; then a caller mixes the usual way (or
+    not at all: a neighbour whose message failed is not mixed).
+    """
+
+    def __init__(self, own: Mapping[str, np.ndarray], self_weight: float, weight: float) -> None:
+        self._own = {name: x.reshape(-1) for name, x in own.items()}
+        self._shapes = {name: x.shape for name, x in own.items()}
+        self._self_weight, self._weight = self_weight, weight
+        self._out: dict[str, np.ndarray] = {}  # allocated when a tensor's first values arrive
+        self._next = dict.fromkeys(self._own, 0)  # per tensor, the index the next values must start at
+        self._spoiled = False
+
+    def add(self, name: str, start: int, values: np.ndarray) -> None:
+        """Mix values[k] into element start + k of tensor `name`; anything unexpected spoils the mix."""
+        own = self._own.get(name)
+        if (self._spoiled or own is None or values.dtype != own.dtype or values.ndim != 1
+                or start != self._next[name] or start + values.size > own.size):
+            self._spoiled = True
+            return
+        out = self._out.get(name)
+        if out is None:
+            out = self._out[name] = np.empty_like(own)
+        stop = start + values.size
+        weighted_sum_into(out[start:stop], own[start:stop], self._self_weight, [self._weight], [values])
+        self._next[name] = stop
+
+    def result(self) -> dict[str, np.ndarray] | None:
+        """The mixed tensors, in the local shapes, once complete; else None."""
+        if self._spoiled or any(self._next[name] != x.size for name, x in self._own.items()):
+            return None
+        # a tensor without values is one of no elements
+        return {name: (self._out[name] if name in self._out else x.copy()).reshape(self._shapes[name])
+                for name, x in self._own.items()}
 
 
 def _clipped(own: np.ndarray, weights: Sequence[float], vectors: Sequence[np.ndarray], tau: float) -> np.ndarray:

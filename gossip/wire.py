@@ -603,11 +603,17 @@ class _Phase(Enum):
     FAILED = "failed message"
 
 
+# Called with (tensor name, index of the first element, the decoded and validated elements) as each
+# run of a tensor arrives, in order, on whichever thread decodes; it must not raise. The values are
+# a view of the message's tensor: a consumer copies what it keeps beyond the call.
+ValuesSink = Callable[[str, int, np.ndarray], None]
+
+
 class _JoinedEntry:
     """A tensor whose codec needs all of its bytes at once (int8, top-k): pieces kept, decoded at the end."""
 
-    def __init__(self, codec: Codec, entry: ManifestEntry) -> None:
-        self._codec, self._entry = codec, entry
+    def __init__(self, codec: Codec, entry: ManifestEntry, on_values: ValuesSink | None = None) -> None:
+        self._codec, self._entry, self._on_values = codec, entry, on_values
         self._pieces: list[bytes | memoryview] = []
 
     def write(self, piece: memoryview, keep: bool) -> None:
@@ -616,7 +622,10 @@ class _JoinedEntry:
     def finish(self) -> np.ndarray:
         pieces, self._pieces = self._pieces, []
         buf = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-        return self._codec.decode(buf, self._entry.numel, self._entry.dtype)
+        values = self._codec.decode(buf, self._entry.numel, self._entry.dtype)
+        if self._on_values is not None and values.size:
+            self._on_values(self._entry.name, 0, values)
+        return values
 
 
 class _ElementwiseEntry:
@@ -628,8 +637,8 @@ class _ElementwiseEntry:
     next piece.
     """
 
-    def __init__(self, codec: ElementwiseCodec, entry: ManifestEntry) -> None:
-        self._codec, self._entry = codec, entry
+    def __init__(self, codec: ElementwiseCodec, entry: ManifestEntry, on_values: ValuesSink | None = None) -> None:
+        self._codec, self._entry, self._on_values = codec, entry, on_values
         self._out: np.ndarray | None = None
         self._staged: list[bytes | memoryview] = []  # pieces received but not decoded yet
         self._staged_nbytes = 0
@@ -678,7 +687,10 @@ class _ElementwiseEntry:
     def _decode_whole(self, buf: bytes | memoryview) -> None:
         assert self._out is not None
         n = len(buf) // self._codec.element_nbytes
-        self._codec.decode_into(buf, self._out[self._decoded : self._decoded + n], self._decoded)
+        values = self._out[self._decoded : self._decoded + n]
+        self._codec.decode_into(buf, values, self._decoded)
+        if self._on_values is not None:
+            self._on_values(self._entry.name, self._decoded, values)
         self._decoded += n
 
     def finish(self) -> np.ndarray:
@@ -690,8 +702,9 @@ class _ElementwiseEntry:
 class _PayloadAssembler:
     """The payload's bytes -> the manifest's tensors, in order (validation step 8)."""
 
-    def __init__(self, header: Header, codec: Codec) -> None:
+    def __init__(self, header: Header, codec: Codec, on_values: ValuesSink | None = None) -> None:
         self._codec = codec
+        self._on_values = on_values
         self._manifest = header.manifest
         self._index = 0  # the manifest entry whose bytes are arriving
         self._left = 0  # bytes that entry still needs
@@ -718,9 +731,9 @@ class _PayloadAssembler:
             entry = self._manifest[self._index]
             codec = self._codec
             if isinstance(codec, ElementwiseCodec):
-                self._current = _ElementwiseEntry(codec, entry)
+                self._current = _ElementwiseEntry(codec, entry, self._on_values)
             else:
-                self._current = _JoinedEntry(codec, entry)
+                self._current = _JoinedEntry(codec, entry, self._on_values)
             self._left = entry.nbytes
             if entry.nbytes:
                 return
@@ -754,11 +767,17 @@ class MessageDecoder:
     output arrays as the bytes arrive, never joined. A reader that wants that work off its own
     thread feeds with `decode=False`, which only frames and queues the payload, and hands batches
     from `take_queued()` to `decode_queued` (on any one thread at a time, in order).
+
+    `on_values`, if given, sees every tensor's values as they are decoded (see `ValuesSink`), before
+    the message is complete: a consumer may start work on a tensor while the rest arrives, and must
+    discard that work if the message then fails.
     """
 
-    def __init__(self, limits: WireLimits = DEFAULT_LIMITS, expected: Expectation | None = None) -> None:
+    def __init__(self, limits: WireLimits = DEFAULT_LIMITS, expected: Expectation | None = None,
+                 on_values: ValuesSink | None = None) -> None:
         self._limits = limits
         self._expected = expected
+        self._on_values = on_values
         self._phase = _Phase.HEADER_PREFIX
         self._buf = bytearray()  # the length prefix or header gathered so far
         self._header_len = 0
@@ -915,7 +934,7 @@ class MessageDecoder:
         if self._expected is not None:
             check_expectation(header, self._expected)
         self._header = header
-        self._assembler = _PayloadAssembler(header, codec)
+        self._assembler = _PayloadAssembler(header, codec, self._on_values)
         self._payload_left = header.payload_nbytes
         self._phase = _Phase.CHUNK_PREFIX if self._payload_left else _Phase.DONE
 
@@ -940,6 +959,7 @@ async def read_message(
     expected: Expectation | None = None,
     *,
     timeout: float | None = None,
+    on_values: ValuesSink | None = None,
 ) -> Message:
     """Read one message from a stream through `read_exactly(n)`, which returns n bytes or raises at EOF.
 
@@ -948,9 +968,10 @@ async def read_message(
     message; None leaves the deadline to the caller (who must then set one).
 
     Large payloads are decoded on a worker thread, batch by batch while the next bytes are read,
-    so the event loop only frames; at most one batch is being decoded at a time.
+    so the event loop only frames; at most one batch is being decoded at a time. `on_values` sees
+    the values as they are decoded (see `MessageDecoder`), on the decoding thread.
     """
-    decoder = MessageDecoder(limits, expected)
+    decoder = MessageDecoder(limits, expected, on_values)
     loop = asyncio.get_running_loop()
     decoding: asyncio.Future[None] | None = None  # the batch a worker thread is decoding
     try:

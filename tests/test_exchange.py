@@ -442,3 +442,36 @@ def test_a_peer_that_hangs_up_without_answering_is_not_a_truncated_reply(sent, s
         np.testing.assert_array_equal(a.tensors["w"], 0.0)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("fault,counted", [("cut", "truncated"), ("nan", "non_finite")])
+def test_a_reply_that_fails_after_most_of_its_values_arrived_mixes_none_of_them(fault, counted):
+    """A one-neighbour round mixes the reply's values as they arrive; a reply that then fails (cut short,
+    or a NaN in its last chunk) must leave the local values exactly as they were."""
+    big = 3 * (1 << 18) + 5  # a little over three 1 MiB chunks of float32
+
+    async def main():
+        net = InMemoryNetwork()
+        own = np.arange(big, dtype=np.float32)
+        a = GossipPeer(net.transport("a"), settings(), {"w": own})
+        values = np.ones(big, np.float32)
+        frames = [bytes(f) for f in encode_message(
+            {"w": values}, get_codec("fp32"), swarm=SWARM, config_hash=HASH, sender="b", round=0, step=0,
+            kind="reply")]
+        reply = b"".join(frames)
+        if fault == "cut":
+            reply = reply[: len(reply) * 9 // 10]
+        else:  # the last float of the payload becomes a NaN
+            reply = reply[:-4] + np.array([np.nan], np.float32).tobytes()
+
+        async def answer(stream) -> None:
+            await stream.read_exactly(64)
+            await stream.write(reply)
+
+        await net.transport("b").serve(GOSSIP_PROTOCOL, answer)
+        outcome = await a.run_round(0, PeerRound(0.5, {"b": 0.5}, ()))
+        assert outcome.mixed_with == () and outcome.skipped == {"b": counted}
+        assert a.stats.errors == {counted: 1}
+        np.testing.assert_array_equal(a.tensors["w"], own)
+
+    asyncio.run(main())

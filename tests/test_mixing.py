@@ -317,3 +317,62 @@ def test_float32_ring_rounds_keep_the_average_to_float32_rounding() -> None:
               for i in range(n)]
     end = np.mean(np.stack(xs).astype(np.float64), axis=0)
     assert np.linalg.norm(end - start) / np.linalg.norm(start) < 3e-7
+
+
+def test_float32_halves_round_once_and_keep_pairwise_averages() -> None:
+    """Weights a float32 holds exactly (1/2 on pairwise schedules) mix in float32: each result is the
+    exact 0.5 a + 0.5 b rounded once (within half an ulp), and the pair's sum moves only by that."""
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal(200_000).astype(np.float32) * np.float32(1e3)
+    b = rng.standard_normal(200_000).astype(np.float32)
+    got = mix(a, {"b": b}, 0.5, {"b": 0.5})
+    exact = 0.5 * a.astype(np.float64) + 0.5 * b.astype(np.float64)
+    assert got.dtype == np.float32
+    assert np.all(np.abs(got - exact) <= 0.5 * np.spacing(np.abs(got)))
+    assert np.array_equal(got, mix(b, {"a": a}, 0.5, {"a": 0.5}))  # both ends of the pair agree to the bit
+    drift = abs(2 * got.astype(np.float64).sum() - (a.astype(np.float64).sum() + b.sum()))
+    assert drift / np.abs(exact).sum() < 1e-7
+
+
+@pytest.mark.parametrize("weights", [(0.5, 0.5), (1 / 3, 2 / 3), (0.25, 0.75)])
+def test_mixing_span_by_span_gives_the_same_bits_as_one_call(weights: tuple[float, float]) -> None:
+    rng = np.random.default_rng(5)
+    n = 3 * mixing._BLOCK + 123
+    own, other = (rng.standard_normal(n).astype(np.float32) for _ in range(2))
+    whole = mix(own, {"p": other}, weights[0], {"p": weights[1]})
+    spans = np.empty_like(own)
+    cuts = [0, *sorted(rng.choice(np.arange(1, n), 7, replace=False).tolist()), n]
+    for lo, hi in zip(cuts, cuts[1:]):
+        mixing.weighted_sum_into(spans[lo:hi], own[lo:hi], weights[0], [weights[1]], [other[lo:hi]])
+    assert np.array_equal(whole, spans)
+
+
+def test_incremental_mix_equals_mix_once_every_value_arrived_in_order() -> None:
+    rng = np.random.default_rng(6)
+    own = {"a": rng.standard_normal((40, 30)).astype(np.float32), "empty": np.zeros(0, np.float32)}
+    other = {name: rng.standard_normal(x.shape).astype(np.float32) for name, x in own.items()}
+    running = mixing.IncrementalMix(own, 1 / 3, 2 / 3)
+    flat = other["a"].reshape(-1)
+    for lo, hi in ((0, 7), (7, 700), (700, 1200)):
+        assert running.result() is None  # not complete yet
+        running.add("a", lo, flat[lo:hi])
+    got = running.result()
+    assert got is not None and got["a"].shape == (40, 30) and got["empty"].size == 0
+    assert np.array_equal(got["a"].reshape(-1), mix(own["a"].reshape(-1), {"p": flat}, 1 / 3, {"p": 2 / 3}))
+
+
+@pytest.mark.parametrize("bad", ["gap", "overlap", "unknown", "dtype", "too_long"])
+def test_incremental_mix_refuses_values_that_do_not_continue_the_tensor(bad: str) -> None:
+    own = {"a": np.zeros(100, np.float32)}
+    running = mixing.IncrementalMix(own, 0.5, 0.5)
+    running.add("a", 0, np.ones(50, np.float32))
+    start, values, name = {
+        "gap": (60, np.ones(40, np.float32), "a"),
+        "overlap": (40, np.ones(60, np.float32), "a"),
+        "unknown": (50, np.ones(50, np.float32), "b"),
+        "dtype": (50, np.ones(50, np.float64), "a"),
+        "too_long": (50, np.ones(51, np.float32), "a"),
+    }[bad]
+    running.add(name, start, values)
+    running.add("a", 50, np.ones(50, np.float32))  # the right values afterwards do not repair it
+    assert running.result() is None
