@@ -36,13 +36,15 @@ from gossip.errors import BadSchema, ManifestMismatch, Truncated, WireError
 from gossip.mixing import IncrementalMix, MixingRule, effective_weights, mix
 from gossip.transport import GOSSIP_PROTOCOL, Stream, Transport
 from gossip.wire import (
-    DEFAULT_LIMITS, Expectation, Message, ValuesSink, WireLimits, encode_message, read_message, tensor_specs,
+    DEFAULT_LIMITS, Expectation, Message, MetaValue, ValuesSink, WireLimits, encode_message, read_message, tensor_specs,
 )
 from topology import PeerRound
 
 logger = logging.getLogger(__name__)
 
 PULL, EXCHANGE, REPLY, REJECT, ACK = "pull", "exchange", "reply", "reject", "ack"
+# meta flag of a pull outside any round (`fetch`): answered at once with the current tensors
+CURRENT = "current"
 # exchange requests held at once until their round begins; each holds one copy of the tensors
 MAX_WAITING_REQUESTS = 16
 
@@ -304,7 +306,7 @@ class GossipPeer:
         """`peer`'s current tensors, round and step: a pull outside any round (a joiner's download).
         Validated like every reply; raises WireError, PeerRejected, ConnectionError or TimeoutError."""
         deadline = asyncio.get_running_loop().time() + 4 * self._settings.exchange_timeout_s
-        got = await self._request(peer, PULL, {}, 0, deadline)
+        got = await self._request(peer, PULL, {}, 0, deadline, meta={CURRENT: True})
         return got.tensors, got.round, got.step
 
     def park(self) -> None:
@@ -313,12 +315,12 @@ class GossipPeer:
         self._parked = True
 
     async def _request(self, peer: str, kind: str, own: Tensors, round_index: int, deadline: float,
-                       on_values: ValuesSink | None = None) -> _Received:
+                       on_values: ValuesSink | None = None, meta: Mapping[str, MetaValue] | None = None) -> _Received:
         async with asyncio.timeout_at(deadline):
             stream = await self._transport.open_stream(peer, self._protocol)
         try:
             async with asyncio.timeout_at(deadline):
-                await self._send(stream, own if kind == EXCHANGE else {}, round_index, kind)
+                await self._send(stream, own if kind == EXCHANGE else {}, round_index, kind, meta)
                 reply = await self._read_reply(stream, on_values)
                 if reply.header.kind == REJECT:
                     raise PeerRejected(str(reply.header.meta.get("error", "unspecified")))
@@ -365,8 +367,11 @@ class GossipPeer:
             elif kind == PULL:
                 if request.header.manifest:
                     raise BadSchema("a pull request carries no tensors")
-                async with asyncio.timeout_at(deadline):
-                    answer = await self._pull_answer(request.header.round)
+                if request.header.meta.get(CURRENT) is True:
+                    answer = (self._tensors, self.round)
+                else:
+                    async with asyncio.timeout_at(deadline):
+                        answer = await self._pull_answer(request.header.round)
                 # The reply gets its own deadline: one shared with the wait above could cut the reply
                 # halfway, and the asker, still within its deadline, would read a truncated message.
                 async with asyncio.timeout(self._settings.exchange_timeout_s):

@@ -475,3 +475,24 @@ def test_a_reply_that_fails_after_most_of_its_values_arrived_mixes_none_of_them(
         np.testing.assert_array_equal(a.tensors["w"], own)
 
     asyncio.run(main())
+
+
+def test_fetch_gets_the_current_tensors_and_step_at_once_whatever_round_the_peer_is_in():
+    """A joiner's download (and the swarm-average evaluation) must get what the peer holds now: not
+    its input to round 0 while that is still kept, and without waiting for a round to begin."""
+    async def main():
+        net = InMemoryNetwork()
+        a = GossipPeer(net.transport("a"), settings(), {"w": np.zeros(DIM, np.float32)})
+        b = GossipPeer(net.transport("b"), settings(), {"w": np.full(DIM, 1.0, np.float32)})
+        for peer in (a, b):
+            await peer.start()
+        # b has begun no round yet: a round-0 pull would wait for it, a fetch does not
+        tensors, _, step = await asyncio.wait_for(a.fetch("b"), 2)
+        np.testing.assert_array_equal(tensors["w"], 1.0)
+        await b.run_round(0, PeerRound(1.0, {}, ()))  # b keeps its input to round 0 for late pulls
+        b.set_tensors({"w": np.full(DIM, 7.0, np.float32)}, step=12)
+        tensors, round_index, step = await asyncio.wait_for(a.fetch("b"), 2)
+        np.testing.assert_array_equal(tensors["w"], 7.0)
+        assert (round_index, step) == (0, 12)
+
+    asyncio.run(main())
