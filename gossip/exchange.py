@@ -36,7 +36,7 @@ from gossip.errors import BadSchema, ManifestMismatch, Truncated, WireError
 from gossip.mixing import IncrementalMix, MixingRule, effective_weights, mix
 from gossip.transport import GOSSIP_PROTOCOL, Stream, Transport
 from gossip.wire import (
-    DEFAULT_LIMITS, Expectation, Message, MetaValue, ValuesSink, WireLimits, encode_message, read_message, tensor_specs,
+    DEFAULT_LIMITS, Expectation, Message, MetaValue, ValuesSink, WireLimits, iter_message, read_message, tensor_specs,
 )
 from topology import PeerRound
 
@@ -100,6 +100,10 @@ class _Received:
 
 class PeerRejected(Exception):
     """The neighbour answered with a `reject` message."""
+
+
+class TensorsUnsendable(Exception):
+    """Our own tensors failed the wire's checks halfway through a message (counted as `unsendable`)."""
 
 
 class PartnerMissed(Exception):
@@ -231,6 +235,8 @@ class GossipPeer:
             except WireError as exc:
                 self._count_error(exc, peer)
                 skipped[peer] = exc.kind
+            except TensorsUnsendable:
+                skipped[peer] = "unsendable"
             except ConnectionError as exc:
                 skipped[peer] = "unreachable"
                 logger.debug("round %d: %s unreachable: %s", round_index, peer, exc)
@@ -384,6 +390,8 @@ class GossipPeer:
             await self._try_reject(stream, exc.kind)
             await self._linger(stream)
             return
+        except TensorsUnsendable:
+            return  # counted and logged by _send; closing the stream ends the message
         except (TimeoutError, ConnectionError) as exc:
             self.stats.errors["timeout" if isinstance(exc, TimeoutError) else "disconnected"] += 1
             logger.info("gossip request from %s abandoned: %s", peer, exc or type(exc).__name__)
@@ -414,6 +422,9 @@ class GossipPeer:
             self.stats.exchanges_ok += 1
         except WireError as exc:
             failure = exc.kind
+            raise
+        except TensorsUnsendable:
+            failure = "unsendable"
             raise
         except ConnectionError:
             failure = "unreachable"  # the asker hung up without an ack: it does not mix ours either
@@ -506,15 +517,25 @@ class GossipPeer:
     # ---- framing ---------------------------------------------------------------------------------
 
     async def _send(self, stream: Stream, tensors: Tensors, round_index: int | None, kind: str,
-                    meta: Mapping[str, str] | None = None) -> None:
-        frames = encode_message(
+                    meta: Mapping[str, MetaValue] | None = None) -> None:
+        # Encoded as written, so the first chunks are on their way while later ones are checked and
+        # converted. Header problems raise before a byte is written.
+        frames = iter_message(
             tensors, self._settings.codec, swarm=self._settings.swarm, config_hash=self._settings.config_hash,
             sender=self.peer_id, round=self.round if round_index is None else round_index, step=self.step, kind=kind,
             meta=meta, limits=self._settings.limits,
         )
-        for frame in frames:
-            await stream.write(frame)
-            self.stats.bytes_sent += len(frame)
+        try:
+            for frame in frames:
+                await stream.write(frame)
+                self.stats.bytes_sent += len(frame)
+        except WireError as exc:
+            # Our own tensors failed their check (e.g. a NaN) after the header went out: the message
+            # cannot be finished, and a reject after part of it would be garbage to the receiver. The
+            # caller closes the stream, which the receiver reads as a truncated message.
+            self.stats.errors["unsendable"] += 1
+            logger.error("stopped sending our tensors to %s halfway: %s: %s", stream.remote_peer, exc.kind, exc)
+            raise TensorsUnsendable(str(exc)) from None
 
     async def _read(self, stream: Stream, expected: Expectation, progress: _ReadProgress | None = None,
                     on_values: ValuesSink | None = None) -> Message:

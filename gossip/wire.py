@@ -61,7 +61,7 @@ from __future__ import annotations
 import asyncio
 import math
 import struct
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
@@ -470,19 +470,22 @@ def _check_chunk_bytes(chunk_bytes: int, limits: WireLimits) -> None:
         raise ValueError(f"chunk_bytes must be in [1, {limits.max_chunk_bytes}], got {chunk_bytes}")
 
 
-def _chunk_frames(payloads: Iterable[memoryview], chunk_bytes: int) -> list[bytes | memoryview]:
-    parts: list[bytes | memoryview] = []
+def _chunk_frames(payloads: Iterable[memoryview], chunk_bytes: int) -> Iterator[bytes | memoryview]:
+    """Length-prefixed chunk frames of exactly `chunk_bytes` (the last may be shorter) over the
+    concatenation of `payloads`, consumed lazily."""
     pending: list[memoryview] = []
     pending_len = 0
 
-    def flush() -> None:
+    def flush() -> list[bytes | memoryview]:
         nonlocal pending, pending_len
         prefix = _frame_prefix(pending_len)
+        parts: list[bytes | memoryview]
         if len(pending) == 1 and pending_len >= _ZERO_COPY_MIN:
-            parts.extend((prefix, pending[0]))
+            parts = [prefix, pending[0]]
         else:
-            parts.append(b"".join([prefix, *pending]))
+            parts = [b"".join([prefix, *pending])]
         pending, pending_len = [], 0
+        return parts
 
     for payload in payloads:
         offset = 0
@@ -492,10 +495,77 @@ def _chunk_frames(payloads: Iterable[memoryview], chunk_bytes: int) -> list[byte
             pending_len += take
             offset += take
             if pending_len == chunk_bytes:
-                flush()
+                yield from flush()
     if pending_len:
-        flush()
-    return parts
+        yield from flush()
+
+
+def _encoded_payloads(tensors: Mapping[str, np.ndarray], codec: Codec, manifest: tuple[ManifestEntry, ...],
+                      chunk_bytes: int) -> Iterator[memoryview]:
+    """Each tensor's encoded bytes, in order. Elementwise codecs encode about one chunk's worth of
+    elements at a time, when the frames reach it, so the first bytes leave before the last elements
+    are checked and converted."""
+    for (name, tensor), entry in zip(tensors.items(), manifest):
+        if isinstance(codec, ElementwiseCodec):
+            flat = tensor.reshape(-1)
+            span = max(1, chunk_bytes // codec.element_nbytes)
+            spans = [(lo, min(flat.size, lo + span)) for lo in range(0, flat.size, span)] or [(0, 0)]
+        else:
+            flat, spans = tensor, [(0, -1)]
+        produced = 0
+        for lo, hi in spans:
+            try:
+                encoded = codec.encode(flat if hi < 0 else flat[lo:hi])
+            except WireError as exc:
+                where = f" elements {lo}-{hi - 1}" if hi >= 0 and len(spans) > 1 else ""
+                raise type(exc)(f"tensor {name!r}{where}: {exc}") from None
+            produced += len(encoded)
+            yield encoded
+        if produced != entry.nbytes:
+            raise RuntimeError(f"codec {codec.name} produced {produced} bytes for {name!r}, declared {entry.nbytes}")
+
+
+def iter_message(
+    tensors: Mapping[str, np.ndarray],
+    codec: Codec,
+    *,
+    swarm: str,
+    config_hash: str,
+    sender: str,
+    round: int,
+    step: int,
+    kind: str,
+    meta: Mapping[str, MetaValue] | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    limits: WireLimits = DEFAULT_LIMITS,
+) -> Iterator[bytes | memoryview]:
+    """The message's buffers, in order, encoded as they are asked for: a writer sends the first chunks
+    while later ones are still being encoded. The header is checked before the first buffer is
+    returned; a tensor's values are checked when its buffers are reached, so NonFiniteValues (or
+    TypeError) can come after earlier buffers were taken. See `encode_message` for the rest."""
+    _check_chunk_bytes(chunk_bytes, limits)
+    header = _make_header(
+        tensor_specs(tensors),
+        codec,
+        swarm=swarm,
+        config_hash=config_hash,
+        sender=sender,
+        round=round,
+        step=step,
+        kind=kind,
+        meta=meta,
+    )
+    body = _pack(header)
+    if len(body) > limits.max_header_bytes:
+        raise FrameTooLarge(f"header of {len(body)} bytes exceeds max_header_bytes ({limits.max_header_bytes})")
+    parse_header(body, limits)  # refuse to send what a receiver would refuse
+    return _message_buffers(_frame_prefix(len(body)) + body,
+                            _chunk_frames(_encoded_payloads(tensors, codec, header.manifest, chunk_bytes), chunk_bytes))
+
+
+def _message_buffers(head: bytes, frames: Iterator[bytes | memoryview]) -> Iterator[bytes | memoryview]:
+    yield head
+    yield from frames
 
 
 def encode_message(
@@ -519,32 +589,8 @@ def encode_message(
     with the same `limits` would raise for this header (FrameTooLarge, BadSchema), NonFiniteValues
     for non-finite or unrepresentable values, TypeError for an unsupported dtype.
     """
-    _check_chunk_bytes(chunk_bytes, limits)
-    header = _make_header(
-        tensor_specs(tensors),
-        codec,
-        swarm=swarm,
-        config_hash=config_hash,
-        sender=sender,
-        round=round,
-        step=step,
-        kind=kind,
-        meta=meta,
-    )
-    body = _pack(header)
-    if len(body) > limits.max_header_bytes:
-        raise FrameTooLarge(f"header of {len(body)} bytes exceeds max_header_bytes ({limits.max_header_bytes})")
-    parse_header(body, limits)  # refuse to send what a receiver would refuse
-    payloads: list[memoryview] = []
-    for (name, tensor), entry in zip(tensors.items(), header.manifest):
-        try:
-            encoded = codec.encode(tensor)
-        except WireError as exc:
-            raise type(exc)(f"tensor {name!r}: {exc}") from None
-        if len(encoded) != entry.nbytes:
-            raise RuntimeError(f"codec {codec.name} produced {len(encoded)} bytes for {name!r}, declared {entry.nbytes}")
-        payloads.append(encoded)
-    return [_frame_prefix(len(body)) + body, *_chunk_frames(payloads, chunk_bytes)]
+    return list(iter_message(tensors, codec, swarm=swarm, config_hash=config_hash, sender=sender, round=round,
+                             step=step, kind=kind, meta=meta, chunk_bytes=chunk_bytes, limits=limits))
 
 
 def _specs_of(tensors: Mapping[str, np.ndarray | tuple[Iterable[int], Any]] | Iterable[TensorSpec]) -> list[TensorSpec]:

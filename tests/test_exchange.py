@@ -496,3 +496,26 @@ def test_fetch_gets_the_current_tensors_and_step_at_once_whatever_round_the_peer
         assert (round_index, step) == (0, 12)
 
     asyncio.run(main())
+
+
+def test_own_tensors_that_turn_out_non_finite_halfway_are_cut_off_not_sent():
+    """A NaN in our own tensors is found while the message is already going out (encoding runs as the
+    chunks are written): the message is cut off, the receiver counts it truncated and mixes nothing,
+    and the sender counts it `unsendable` rather than blaming the receiver."""
+    big = 3 * (1 << 18)
+
+    async def main():
+        net = InMemoryNetwork()
+        bad = np.ones(big, np.float32)
+        bad[-1] = np.nan
+        a = GossipPeer(net.transport("a"), settings(), {"w": np.zeros(big, np.float32)})
+        b = GossipPeer(net.transport("b"), settings(), {"w": bad})
+        for peer in (a, b):
+            await peer.start()
+        await b.run_round(0, PeerRound(1.0, {}, ()))
+        outcome = await a.run_round(0, PeerRound(0.5, {"b": 0.5}, ()))
+        assert outcome.skipped == {"b": "truncated"} and a.stats.errors == {"truncated": 1}
+        np.testing.assert_array_equal(a.tensors["w"], 0.0)
+        assert b.stats.errors == {"unsendable": 1}
+
+    asyncio.run(main())
