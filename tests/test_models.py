@@ -308,6 +308,7 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("one_thread")
 def test_a_short_training_run_beats_the_unigram_loss_of_the_corpus() -> None:
     corpus = embedded_corpus(size_bytes=400_000)

@@ -54,6 +54,7 @@ def test_complete_graph_averages_in_one_round():
     assert errors[1] < 1e-6 * errors[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["static-exp", "one-peer-exp", "random-regular"])
 def test_contracts_100x_under_loss_and_churn(name):
     reports = list(simulate(SimConfig(peers=256, topology=TopologySpec(name), rounds=60, dim=32,

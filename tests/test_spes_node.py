@@ -149,6 +149,7 @@ def dense(corpus: Corpus) -> DenseRun:
     return asyncio.run(main())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("replication", "capacity"), [(1, 2), (2, 4)])
 def test_spes_stays_within_5_percent_of_dense_training_while_training_only_shared_and_owned_experts(
         corpus: Corpus, dense: DenseRun, replication: int, capacity: int) -> None:
@@ -226,6 +227,7 @@ def test_frozen_experts_get_no_gradient_and_can_be_stored_in_bf16(corpus: Corpus
 # ---- traffic ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_bytes_per_sync_match_the_analytic_figure_and_unchanged_experts_are_never_resent(corpus: Corpus) -> None:
     """r = 2, ring: each node sends its shared weights to 2 neighbours, each owned expert to its
     co-owner and serves the changed frozen copies assigned to it; a sync with nothing changed
@@ -283,6 +285,7 @@ def test_bytes_per_sync_match_the_analytic_figure_and_unchanged_experts_are_neve
 # ---- churn ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_when_both_owners_of_an_expert_die_a_live_peer_continues_it_from_the_freshest_copy(corpus: Corpus) -> None:
     """r = 2: expert 0 of each layer is owned by peer0 and peer1 only. peer2 misses the last refresh
     (its links to both are down), so its copy is stale while peer3's is current. Both owners are

@@ -181,10 +181,13 @@ def test_sigterm_checkpoints_withdraws_and_a_restart_resumes(tmp_path):
         swarm.wait_views(nodes[:2] + [back], nodes[:2] + [back], timeout_s=20)
 
 
-def test_a_killed_nodes_children_die_with_it(swarm):
-    node = swarm.found(dim=64)
+@pytest.mark.parametrize("transport", ["p2pd", "libp2p"])
+def test_a_killed_nodes_children_die_with_it(swarm, transport):
+    node = swarm.found(dim=64, transport=transport)
     children = psutil.Process(node.pid).children(recursive=True)
     assert any(c.name() == "p2pd" for c in children), [c.name() for c in children]
+    if transport == "libp2p":  # the py-libp2p child too
+        assert any("node.transport.libp2p_child" in " ".join(c.cmdline()) for c in children), children
     node.process.kill()  # the node's pid only: its children must follow on their own
     killed_at = time.monotonic()
     node.process.wait(10)

@@ -307,6 +307,7 @@ PARITY = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["dsgd", "dadam"])
 def test_a_swarm_on_one_peer_exponential_matches_single_process_training(corpus: Corpus, algorithm: str) -> None:
     """Same sample budget: 4 nodes x S steps of batch B against S steps of batch 4B, same schedule."""
@@ -337,6 +338,7 @@ def test_a_swarm_on_one_peer_exponential_matches_single_process_training(corpus:
     assert all(d is not None and 0 < d < 1.0 for d in distances), distances
 
 
+@pytest.mark.slow
 def test_dadam_hides_the_exchange_behind_the_gradient_computation(corpus: Corpus) -> None:
     """With 0.15 s of one-way latency a round takes 0.3-0.45 s (a symmetric pair: the smaller id dials
     and sends, the larger waits for that request, then the reply comes back); it runs while the
