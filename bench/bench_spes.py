@@ -179,7 +179,7 @@ async def measure_traffic(corpus: Corpus, setup: TrafficSetup, syncs: int) -> Tr
     config = SpesConfig(sync_every=1, merge_every=1, merge_until=0, replication=setup.replication,
                         expert_codec=setup.expert_codec, refresh_codec=setup.refresh_codec,
                         refresh_every=setup.refresh_every)
-    replication, capacity, topology = setup.replication, setup.capacity, setup.topology
+    capacity, topology = setup.capacity, setup.topology
     nodes = await spes_nodes(corpus, DEFAULT, optimizer, config, capacity)
     lockstep = Lockstep(IDS, topology)
 

@@ -201,16 +201,19 @@ def codec_image(tensors: Sequence[np.ndarray], codec_name: str) -> list[np.ndarr
 
 
 def advance_record(previous: ExpertRecord | None, new_hash: str, sync_index: int, owner: bool) -> ExpertRecord:
-    """The record after a sync: the version moves to `sync_index` only if the content changed, so an
-    unchanged expert keeps its version and is never fetched again."""
+    """The record after a sync: the version moves only if the content changed (so an unchanged expert
+    keeps its version and is never fetched again), to `sync_index` or, where that is not above the
+    previous version, to one above it: versions never go back, even where the node that took an
+    expert over is a few syncs behind the owner it continues from."""
     if previous is not None and previous.hash == new_hash:
         return ExpertRecord(previous.version, new_hash, owner)
-    return ExpertRecord(sync_index, new_hash, owner)
+    return ExpertRecord(sync_index if previous is None else max(sync_index, previous.version + 1), new_hash, owner)
 
 
 def needs_refresh(held: ExpertRecord | None, published: ExpertRecord) -> bool:
-    """Whether a frozen copy must be fetched: its content differs from what an owner published."""
-    return held is None or held.hash != published.hash
+    """Whether a frozen copy must be fetched: its content differs from what an owner published, and
+    is not already newer (a directory read can lag behind a copy fetched since)."""
+    return held is None or (held.hash != published.hash and held.version <= published.version)
 
 
 def refresh_source(key: ExpertKey, ownership: Ownership, records: RecordsByPeer, requester: str) -> str | None:

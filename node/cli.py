@@ -1,5 +1,5 @@
 """The `murmur` command line: argument parsing, validation and dispatch to the commands
-(node, join, bootstrap, status, topology, sim).
+(node, join, bootstrap, status, eval, topology, sim, demo).
 
 Bad flags and values exit with status 2 and one line saying what is wrong. Heavy imports (torch,
 hivemind) happen inside the commands that need them, so `murmur topology` and `--help` stay quick.
@@ -168,13 +168,13 @@ def _add_demo_command(commands: argparse._SubParsersAction) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    if args.spes:
-        raise UsageError("--spes: SPES is not wired into the node daemon yet (see docs/spes.md)")
+    if args.spes and args.model != "moe":
+        raise UsageError(f"--spes: SPES syncs the experts of the MoE model; --model {args.model} has none")
     from node.demo import DemoOptions, run_demo
 
     return run_demo(DemoOptions(nodes=args.nodes, steps=args.steps, topology=args.topology, optimizer=args.optimizer,
                                 model=args.model, lr=args.lr, batch_size=args.batch_size, as_json=args.json,
-                                workdir=args.dir.absolute() if args.dir else None))
+                                workdir=args.dir.absolute() if args.dir else None, spes=args.spes))
 
 
 _PRECEDENCE = (
@@ -230,6 +230,27 @@ def _add_node_commands(commands: argparse._SubParsersAction) -> None:
                         help="print one JSON object: peer_id, swarm, maddrs, peers, step, round, bytes_sent, "
                         "bytes_received, errors")
     status.set_defaults(run=_run_status)
+
+    evaluate = commands.add_parser(
+        "eval", help="validation loss of the swarm-average model, asked of a running node", epilog=_PRECEDENCE,
+        description="Ask a running node to pull every live peer's current parameters, average them uniformly "
+        "with its own and evaluate the average on its validation split (POST /api/eval/average); print that "
+        "loss next to the node's own latest validation loss, and which peers were in and out. Takes seconds "
+        "(a peer that does not answer costs up to 30 s). Without --url it asks the monitor at "
+        "http://MONITOR-HOST:MONITOR-PORT.",
+    )
+    _add_config_flag(evaluate)
+    target = evaluate.add_mutually_exclusive_group()
+    _add_setting_flag(target, SETTINGS_BY_KEY["monitor.port"], help="TCP port of the node's monitor page")
+    target.add_argument("--url", help="monitor URL of the node, e.g. http://127.0.0.1:7690 (instead of "
+                        "--monitor-host/--monitor-port)")
+    _add_setting_flag(evaluate, SETTINGS_BY_KEY["monitor.host"], help="host of the node's monitor page")
+    evaluate.add_argument("--timeout", type=_number(float, lo=1.0), default=300.0, metavar="SECONDS",
+                          help="how long to wait for the node's answer (default 300)")
+    evaluate.add_argument("--json", action="store_true",
+                          help="print the node's JSON answer: loss, self, peers (peer_id, step, self), failed "
+                          "(peer id -> reason), min_step, max_step, elapsed_s, local (val_loss, val_step, loss, step)")
+    evaluate.set_defaults(run=_run_eval)
 
 
 def _add_config_flag(parser: argparse.ArgumentParser) -> None:
@@ -290,9 +311,9 @@ def _run_sim(args: argparse.Namespace) -> int:
     return 0
 
 
-def _resolve(args: argparse.Namespace, env: Mapping[str, str]) -> ResolvedConfig:
-    """Defaults < config file < environment < flags, for the settings of `args.command`."""
-    settings = settings_for(args.command)
+def _resolve(args: argparse.Namespace, env: Mapping[str, str], command: str | None = None) -> ResolvedConfig:
+    """Defaults < config file < environment < flags, for the settings of `command` (default `args.command`)."""
+    settings = settings_for(command or args.command)
     layers = []
     config_file = args.config if args.config is not None else env.get(ENV_CONFIG_FILE, "").strip() or None
     if config_file is not None:
@@ -327,7 +348,7 @@ def parse_node_config(argv: Sequence[str], env: Mapping[str, str]) -> NodeConfig
 
 
 def status_url(args: argparse.Namespace, env: Mapping[str, str]) -> str:
-    """The monitor URL a parsed `status` command line asks; raises ConfigError."""
+    """The monitor URL a parsed `status` or `eval` command line asks; raises ConfigError."""
     if args.url is not None:
         if SETTINGS_BY_KEY["monitor.host"].dest in vars(args):
             raise ConfigError("--monitor-host cannot be combined with --url")
@@ -339,7 +360,7 @@ def status_url(args: argparse.Namespace, env: Mapping[str, str]) -> str:
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ConfigError(f"--url: {args.url!r} is not an http(s) URL like http://127.0.0.1:7690")
         return args.url.rstrip("/")
-    resolved = _resolve(args, env)
+    resolved = _resolve(args, env, "status")  # `eval` reads the monitor settings as `status` does
     if resolved.config.monitor.port == 0:
         raise ConfigError(f"{resolved.source('monitor.port')}: port 0 means the node picked a free port; "
                           "pass the port it reported with --monitor-port, or --url")
@@ -365,6 +386,13 @@ def _run_status(args: argparse.Namespace) -> int:
     from node.status_cmd import run_status
 
     return run_status(url, args.json)
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    url = status_url(args, os.environ)
+    from node.eval_cmd import run_eval
+
+    return run_eval(url, args.json, args.timeout)
 
 
 @contextlib.contextmanager

@@ -34,6 +34,7 @@ LOOPBACK_LISTEN = "/ip4/127.0.0.1/tcp/0"
 IDENTITY_FILE_NAME = "identity.key"
 TRANSPORTS = ("p2pd", "libp2p")
 NODE_CODECS = ("fp32", "fp16", "bf16", "int8")
+SPES_REFRESH_CODECS = ("bf16", "int8")  # what --spes-refresh-codec offers (gossip.spes takes fp32/fp16 too)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 ENV_CONFIG_FILE = "MURMUR_CONFIG"
 
@@ -61,6 +62,10 @@ class NetworkConfig:
     initial_peers: tuple[str, ...] = ()
     # Data-plane transport: "p2pd" (hivemind's daemon, shared with the DHT) or "libp2p" (py-libp2p child).
     transport: str = "p2pd"
+    # libp2p only: where the py-libp2p child listens (default: the `listen` hosts on a free port) and
+    # what peers should dial for gossip streams instead (NAT / port forwarding of that port).
+    data_listen: tuple[str, ...] = ()
+    data_announce: tuple[str, ...] = ()
     # UPnP port mapping in p2pd. It multicasts on every interface, so it is opt-in (`--upnp`).
     nat_port_map: bool = False
 
@@ -119,6 +124,15 @@ class TrainingConfig:
     threads: int = 0  # torch CPU threads; 0: torch's default
     eval_every: int = 25  # steps between validation-loss evaluations of the local model
     checkpoint_every: int = 50  # steps between checkpoints (and one when training stops)
+    # SPES, sparse expert sync of the MoE model (docs/spes.md): the swarm's knobs, and this node's capacity
+    spes: bool = False
+    spes_sync_every: int = 1  # S
+    spes_merge_every: int = 10  # M, a multiple of S
+    spes_merge_until: int = 0  # D; 0: no merge warm-up
+    spes_alpha0: float = 0.1
+    spes_replication: int = 2  # r
+    spes_refresh_codec: str = "bf16"
+    experts: int | None = None  # experts per MoE layer this node trains; None: all (CPU) or by free GPU memory
 
     @property
     def trains_model(self) -> bool:
@@ -547,6 +561,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("network.transport", Choice("transport", TRANSPORTS, metavar="TRANSPORT"), "MURMUR_TRANSPORT",
             "--transport", "data-plane transport: p2pd (hivemind's daemon, shared with the DHT) or "
             "libp2p (py-libp2p in a child process)", NODE),
+    Setting("network.data_listen", Multiaddrs(peer=False), "MURMUR_DATA_LISTEN", "--data-listen",
+            "with --transport libp2p: multiaddr the py-libp2p data plane listens on; repeatable "
+            "(default: the --listen hosts on a free port)", NODE),
+    Setting("network.data_announce", Multiaddrs(peer=False), "MURMUR_DATA_ANNOUNCE", "--data-announce",
+            "with --transport libp2p: multiaddr peers should dial for gossip instead of the data-plane "
+            "listen ones, behind NAT or port forwarding; repeatable (--announce covers the DHT only)", NODE),
     Setting("network.nat_port_map", Boolean(), "MURMUR_UPNP", "--upnp",
             "ask the router for a port mapping by UPnP; it multicasts on every interface, so "
             "use it only in real deployments", DAEMONS),
@@ -623,6 +643,25 @@ SETTINGS: tuple[Setting, ...] = (
             "and when the node stops", NODE),
     Setting("gossip.mixing.trim", Number(0.0, hi=0.5, hi_open=True, metavar="FRACTION"), "MURMUR_TRIM", "--trim",
             "fraction trimmed per side by --mixing trimmed_mean", NODE),
+    Setting("training.spes", Boolean(), "MURMUR_SPES", "--spes",
+            "SPES: each node trains the shared weights and the experts it owns of the MoE model, and syncs "
+            "experts sparsely (docs/spes.md); needs --model moe or an MoE builder (the swarm's)", NODE),
+    Setting("training.spes_sync_every", Integer(1, noun="steps"), "MURMUR_SPES_SYNC_EVERY", "--spes-sync-every",
+            "S: steps between SPES syncs (the swarm's)", NODE),
+    Setting("training.spes_merge_every", Integer(1, noun="steps"), "MURMUR_SPES_MERGE_EVERY", "--spes-merge-every",
+            "M: steps between expert-merging warm-up merges, a multiple of S (the swarm's)", NODE),
+    Setting("training.spes_merge_until", _NONNEG, "MURMUR_SPES_MERGE_UNTIL", "--spes-merge-until",
+            "D: no warm-up merge from this step on; 0 turns the warm-up off (the swarm's)", NODE),
+    Setting("training.spes_alpha0", Number(0.0, hi=1.0, metavar="ALPHA"), "MURMUR_SPES_ALPHA0", "--spes-alpha0",
+            "warm-up merge strength at step 0, falling linearly to 0 at D (the swarm's)", NODE),
+    Setting("training.spes_replication", Integer(1, noun="replication"), "MURMUR_SPES_REPLICATION",
+            "--spes-replication", "r: owners per expert where peers and capacities allow (the swarm's)", NODE),
+    Setting("training.spes_refresh_codec", Choice("refresh codec", SPES_REFRESH_CODECS, metavar="CODEC"),
+            "MURMUR_SPES_REFRESH_CODEC", "--spes-refresh-codec",
+            "codec frozen expert copies travel and are hashed in (the swarm's)", NODE),
+    Setting("training.experts", Integer(1, noun="experts"), "MURMUR_EXPERTS", "--experts",
+            "SPES capacity: experts per MoE layer this node trains (this node's own)", NODE, optional=True,
+            default_text="all on CPU; on CUDA as many as fit in half the free GPU memory (docs/spes.md)"),
 )
 
 SETTINGS_BY_KEY: Mapping[str, Setting] = {setting.key: setting for setting in SETTINGS}
@@ -767,6 +806,18 @@ def _check_combinations(merged: Mapping[str, Sourced]) -> None:
     if current("gossip.mixing.kind") == "clipped" and current("gossip.mixing.tau") is None:
         raise ConfigError(f"{source('gossip.mixing.kind')}: mixing rule 'clipped' needs a clipping radius: "
                           "set --tau, MURMUR_TAU or gossip.mixing.tau")
+    for key in ("network.data_listen", "network.data_announce"):
+        if current(key) and current("network.transport") != "libp2p":
+            raise ConfigError(f"{source(key)}: only the libp2p data plane listens apart from p2pd; "
+                              "add --transport libp2p or drop it")
+    if current("training.spes") and current("training.model") in (VECTOR_MODEL, "dense"):
+        raise ConfigError(f"{source('training.spes')}: SPES syncs the experts of a mixture-of-experts model; "
+                          f"--model {current('training.model')} has none (use --model moe)")
+    merge_every, sync_every = current("training.spes_merge_every"), current("training.spes_sync_every")
+    if current("training.spes") and merge_every % sync_every:  # type: ignore[operator]
+        raise ConfigError(f"{source('training.spes_merge_every')}: the merge interval "
+                          f"{current('training.spes_merge_every')} must be a multiple of the sync interval "
+                          f"{current('training.spes_sync_every')} (--spes-sync-every)")
     if current("gossip.topology.name") == "custom" and not current("gossip.topology.edges"):
         raise ConfigError(f"{source('gossip.topology.name')}: the custom topology needs an edge list: "
                           "set --edges, MURMUR_EDGES or gossip.topology.edges")

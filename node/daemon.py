@@ -55,6 +55,7 @@ class NodeRuntime:
         self.node_errors: dict[str, int] = {}
         self.gossip_from = 0
         self.training = None  # node.train_loop.SwarmTraining while a model is trained
+        self.swarm_eval = None  # node.swarm_eval.SwarmEvaluator while a model is trained
         self.history = HistoryRecorder()  # the monitor's charts; the trainer feeds it through record()
         self.events = EventLog()  # the monitor's recent events and errors
         self._mixing_step = MixingStepEstimate()
@@ -98,14 +99,24 @@ class NodeRuntime:
         distance = self._mixing_step.update(peer.stats.rounds, vector) if vector is not None else None
         return {"loss": None, "val_loss": None, "tokens_per_s": None, "consensus_distance": distance}
 
+    def _traffic(self) -> tuple[int, int]:
+        """Bytes sent and received: the main gossip peer's, plus SPES's own protocols when SPES trains."""
+        peer = self.peer
+        sent, received = (peer.stats.bytes_sent, peer.stats.bytes_received) if peer else (0, 0)
+        spes = self.training.spes_status() if self.training is not None else None
+        if spes and spes.get("started"):
+            sent, received = sent + spes["bytes_sent"], received + spes["bytes_received"]
+        return sent, received
+
     def counters(self) -> Counters:
         peer, discovery = self.peer, self.discovery
         view = discovery.view() if discovery else ()
         me = self.transport.peer_id if self.transport else ""
         figures = self._training_figures()
+        sent, received = self._traffic()
         return Counters(
             step=peer.step if peer else 0, round=peer.round if peer else 0,
-            bytes_sent=peer.stats.bytes_sent if peer else 0, bytes_received=peer.stats.bytes_received if peer else 0,
+            bytes_sent=sent, bytes_received=received,
             peers_alive=len(view),
             peer_loss={p.peer_id: loss for p in view if p.peer_id != me and (loss := _published_loss(p)) is not None},
             loss=figures["loss"], val_loss=figures["val_loss"], tokens_per_s=figures["tokens_per_s"],
@@ -141,6 +152,18 @@ class NodeRuntime:
             topo = self._topologies[key]
         return round_graph((p.peer_id for p in view), members, topo, me, round_index)
 
+    async def evaluate_swarm_average(self) -> dict[str, Any]:
+        """`POST /api/eval/average`: the swarm-average model's validation loss (node.swarm_eval), with
+        this node's latest own validation loss next to it. Raises EvalUnavailable or EvalBusy."""
+        from node.swarm_eval import EvalUnavailable, finite_or_none
+
+        if self.swarm_eval is None or self.training is None:
+            raise EvalUnavailable("this node trains no model (vector mode): there is no validation loss to evaluate")
+        result = await self.swarm_eval.evaluate()
+        s = self.training.status
+        return {**result.as_dict(), "local": {"val_loss": finite_or_none(s.val_loss), "val_step": s.val_step,
+                                              "loss": finite_or_none(s.loss), "step": s.step}}
+
     def status(self) -> dict[str, Any]:
         peer, discovery = self.peer, self.discovery
         view = discovery.view() if discovery else ()
@@ -161,14 +184,14 @@ class NodeRuntime:
             "round": peer.round if peer else 0,
             "gossip_from": self.gossip_from,
             "rounds_run": peer.stats.rounds if peer else 0,
-            "bytes_sent": peer.stats.bytes_sent if peer else 0,
-            "bytes_received": peer.stats.bytes_received if peer else 0,
+            **dict(zip(("bytes_sent", "bytes_received"), self._traffic(), strict=True)),
             "last_round_s": peer.stats.last_round_s if peer else 0.0,
             "skipped": dict(peer.stats.skipped) if peer else {},
             "errors": errors,
             "payload": {"dim": int(vector.size), "mean": float(vector.mean()) if vector.size else 0.0,
                         "norm": float(np.linalg.norm(vector))},
             "training": self.training.status.as_dict() if self.training is not None else None,
+            "spes": self.training.spes_status() if self.training is not None else None,
             **self._training_figures(),
             "version": discovery.local_record.version if discovery else "",
             "experts": list(discovery.local_record.experts) if discovery else [],
@@ -203,7 +226,8 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
         runtime.transport = transport
         stack.push_async_callback(_close, transport, "transport")
         discovery = Discovery(p2p, claimed.identity, DiscoverySettings(config.swarm, heartbeat_s=config.heartbeat_s),
-                              initial_peers=config.network.initial_peers, data_maddrs=await transport.maddrs())
+                              initial_peers=config.network.initial_peers,
+                              data_maddrs=await _advertised_data_maddrs(config, transport, claimed.identity.peer_id))
         try:
             await discovery.start()
         except BootstrapFailed as exc:
@@ -280,10 +304,29 @@ async def _start_training(runtime: NodeRuntime, settings: SwarmSettings, exchang
     local_steps = settings.training.optimizer.local_steps
     # DHT records lag by up to a heartbeat: the window leaves room for that beyond the staleness bound
     lag_window = max(10, 2 * (settings.max_staleness + 1) * local_steps)
-    training = SwarmTraining(trainer, runtime.peer, runtime.discovery, settings.training, config, topology_for, connect,
-                             lag_window, record=runtime.record)
+    if settings.training.spes is not None:
+        from node.spes_training import SpesSwarmTraining, saved_records
+
+        try:
+            training = SpesSwarmTraining(
+                trainer, runtime.peer, runtime.discovery, settings.training, config, topology_for, connect, lag_window,
+                record=runtime.record, transport=runtime.transport, exchange=exchange, heartbeat_s=config.heartbeat_s,
+                ttl_s=runtime.record_ttl_s, swarm=config.swarm, capacity=config.training.experts,
+                saved=saved_records(checkpoint.meta) if resumed else None)
+        except ValueError as exc:  # a model without MoE layers
+            raise StartupError(f"cannot train the swarm's model with SPES here: {exc}") from None
+    else:
+        training = SwarmTraining(trainer, runtime.peer, runtime.discovery, settings.training, config, topology_for,
+                                 connect, lag_window, record=runtime.record)
     training.status.started_from = "checkpoint" if resumed else "init"
     runtime.training = training
+    from node.swarm_eval import SwarmEvaluator
+
+    async def dial(record) -> None:
+        await runtime.transport.connect(record.peer_id, record.maddrs)
+
+    runtime.swarm_eval = SwarmEvaluator(trainer, runtime.peer, runtime.discovery.view, connect=dial, count=runtime.count,
+                                        average=getattr(training, "swarm_average", None))
     return training
 
 
@@ -318,14 +361,25 @@ async def _data_plane(config: NodeConfig, identity, p2p, stop: asyncio.Event, ru
         runtime.count("data_plane_died")
         stop.set()
 
+    if config.network.announce and not config.network.data_announce:
+        logger.warning("--announce covers the DHT only: peers will dial the py-libp2p data plane at its listen "
+                       "addresses; give --data-announce (and --data-listen) for NAT or port forwarding")
+    listen = config.network.data_listen or data_listen_maddrs(config.network.listen)
     try:
-        transport = await LibP2PTransport.start(
-            LibP2PSettings(identity.path, identity.peer_id, listen=data_listen_maddrs(config.network.listen)),
-            on_death=child_died)
+        transport = await LibP2PTransport.start(LibP2PSettings(identity.path, identity.peer_id, listen=listen),
+                                                on_death=child_died)
     except ChildFailed as exc:
         raise StartupError(str(exc)) from None
     stack.push_async_callback(_stopped_by_dead_child, transport)  # runs once the node's parts have stopped
     return transport
+
+
+async def _advertised_data_maddrs(config: NodeConfig, transport, peer_id: str) -> tuple[str, ...]:
+    """Where this node's record tells peers to open gossip streams: `--data-announce` when given,
+    else the data plane's own (for p2pd, the daemon's visible ones, `--announce` included)."""
+    if config.network.data_announce:
+        return tuple(f"{addr}/p2p/{peer_id}" for addr in config.network.data_announce)
+    return await transport.maddrs()
 
 
 async def _stopped_by_dead_child(transport) -> None:
@@ -475,7 +529,7 @@ async def _checkpoint(runtime: NodeRuntime, path) -> None:
     tensors = await training.trainer.state() if training is not None else peer.tensors
     step = training.trainer.step if training is not None else peer.step
     meta = {"round": peer.round, "step": step, "config_hash": runtime.config_hash, "swarm": runtime.config.swarm,
-            "swarm_config": json.dumps(runtime.swarm_doc)}
+            "swarm_config": json.dumps(runtime.swarm_doc), **(training.checkpoint_meta() if training is not None else {})}
     try:
         await asyncio.to_thread(save_checkpoint, path, tensors, meta)
     except OSError as exc:

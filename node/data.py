@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import math
 import os
 import tempfile
 from collections.abc import Iterator, Sequence

@@ -80,6 +80,8 @@ def node_args(options: DemoOptions, index: int, data_dir: Path, swarm: str, foun
                   "--batch-size", str(options.batch_size)]
         if options.lr is not None:
             recipe += ["--lr", str(options.lr)]
+        if options.spes:
+            recipe += ["--spes"]
         return [murmur, "node", *common, *recipe, "--seed", "0"]
     return [murmur, "join", *common, "--peers", founder.maddrs[0]]
 
@@ -229,19 +231,41 @@ def summarize(options: DemoOptions, nodes: Sequence[DemoNode], workdir: Path) ->
     finals = [node_parameters(n.data_dir) for n in nodes]
     per_node = []
     for node, params in zip(nodes, finals, strict=True):
-        t = _training(node)
+        t, spes = _training(node), node.status.get("spes") or {}
         per_node.append({"peer_id": node.peer_id, "val_loss": loss_of(params), "steps": t.get("step", 0),
                          "bytes_sent": node.status.get("bytes_sent", 0),
                          "bytes_received": node.status.get("bytes_received", 0),
                          "trainable_params": t.get("trainable_params", 0),
-                         "optimizer_state_bytes": t.get("optimizer_state_bytes", 0)})
-    averaged = loss_of(average_tensors(finals))
+                         "optimizer_state_bytes": t.get("optimizer_state_bytes", 0),
+                         **({"experts": spes.get("owned_experts", [])} if options.spes else {})})
+    averaged = loss_of(_spes_average(model, nodes, finals) if options.spes else average_tensors(finals))
     return {"initial_val_loss": initial, "averaged_val_loss": averaged, "nodes": per_node,
-            "model": options.model, "optimizer": options.optimizer, "topology": options.topology, "steps": options.steps}
+            "model": options.model, "optimizer": options.optimizer, "topology": options.topology,
+            "steps": options.steps, "spes": options.spes}
+
+
+def _spes_average(model, nodes: Sequence[DemoNode], finals: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The SPES swarm average: shared weights over every node, each expert over the nodes that own it
+    (by their last status; frozen copies are only caches)."""
+    from node.spes import ModelPartition, spes_average
+
+    partition = ModelPartition.of(model)
+    members = {n.peer_id: params for n, params in zip(nodes, finals, strict=True)}
+    owned = {n.peer_id: set((n.status.get("spes") or {}).get("owned_experts", [])) for n in nodes}
+    owners = {key: tuple(p for p in sorted(members) if key[1] in owned[p]) for key in partition.experts}
+    return spes_average(members, _Owners(owners), partition)
+
+
+@dataclass(frozen=True)
+class _Owners:
+    """The part of gossip.spes.Ownership that spes_average reads."""
+
+    owners: dict[tuple[int, int], tuple[str, ...]]
 
 
 def summary_text(summary: dict[str, Any]) -> str:
-    lines = [f"murmur demo: {len(summary['nodes'])} nodes, {summary['model']} model, {summary['optimizer']}, "
+    lines = [f"murmur demo: {len(summary['nodes'])} nodes, {summary['model']} model"
+             f"{' with SPES' if summary.get('spes') else ''}, {summary['optimizer']}, "
              f"{summary['topology']}, {summary['steps']} steps",
              f"{'node':<48} {'val loss':>9} {'steps':>6} {'sent MB':>8} {'recv MB':>8}"]
     for n in summary["nodes"]:

@@ -503,6 +503,38 @@ class Discovery:
         self._config_refreshed_at = asyncio.get_running_loop().time()
         return config
 
+    # ---- other per-peer keys (SPES's `<swarm>.experts`) ---------------------------------------
+
+    async def store_own(self, key: str, value: bytes, ttl_s: float, *, what: str) -> None:
+        """Store `value` under `key` in this peer's signed subkey (its public key: only this peer's
+        signature is accepted there), expiring after `ttl_s`. A failure is counted and logged."""
+        dht = self._require_started()
+        async with self._counting_failures("dht_store", f"storing this peer's {what}"):
+            if not await dht.store(key, value, get_dht_time() + ttl_s, subkey=self._owner_subkey):
+                self._errors["dht_store_rejected"] += 1
+                logger.warning("no DHT peer accepted this peer's %s", what)
+
+    async def read_owned(self, key: str, *, what: str) -> dict[str, bytes] | None:
+        """The live values under `key`, by the peer whose signed subkey holds each (a subkey naming
+        no single owner is counted and skipped); None when the DHT read failed."""
+        dht = self._require_started()
+        entries = None
+        async with self._counting_failures("dht_get", f"reading the swarm's {what}"):
+            found = await dht.get(key, latest=True)
+            entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        if entries is None:
+            return None
+        now, out = get_dht_time(), {}
+        for subkey, item in entries.items():
+            if item.expiration_time <= now:
+                continue
+            owner = owner_peer_id(subkey) if isinstance(subkey, bytes) else None
+            if owner is None or not isinstance(item.value, bytes):
+                self._errors[f"{what.replace(' ', '_')}_invalid"] += 1
+                continue
+            out[owner] = item.value
+        return out
+
     # ---- internals -------------------------------------------------------------------------
 
     def _require_started(self) -> DHTNode:

@@ -10,6 +10,7 @@ from typing import Any
 from gossip.codecs import Codec, get_codec
 from gossip.mixing import MixingRule
 from gossip.optimizers import OptimizerConfig
+from gossip.spes import SpesConfig
 from node.config import NodeConfig
 from node.rounds import RoundClock
 from topology import TopologySpec
@@ -32,13 +33,19 @@ class TrainingRecipe:
     batch_size: int
     context: int
     steps: int  # 0: until stopped
+    spes: SpesConfig | None = None  # SPES's swarm-wide knobs when the MoE model is trained with it
 
     def to_doc(self) -> dict[str, Any]:
         o = self.optimizer
-        return {"kind": "model", "model": self.model, "seed": self.seed, "batch_size": self.batch_size,
-                "context": self.context, "steps": self.steps,
-                "optimizer": {"algorithm": o.algorithm, "lr": o.lr, "warmup_steps": o.warmup_steps,
-                              "local_steps": o.local_steps, "micro_batches": o.micro_batches}}
+        doc = {"kind": "model", "model": self.model, "seed": self.seed, "batch_size": self.batch_size,
+               "context": self.context, "steps": self.steps,
+               "optimizer": {"algorithm": o.algorithm, "lr": o.lr, "warmup_steps": o.warmup_steps,
+                             "local_steps": o.local_steps, "micro_batches": o.micro_batches}}
+        if self.spes is not None:  # absent when off, so a swarm without SPES keeps its config hash
+            c = self.spes
+            doc["spes"] = {"sync_every": c.sync_every, "merge_every": c.merge_every, "merge_until": c.merge_until,
+                           "alpha0": c.alpha0, "replication": c.replication, "refresh_codec": c.refresh_codec}
+        return doc
 
     @classmethod
     def from_doc(cls, doc: dict[str, Any]) -> TrainingRecipe:
@@ -46,7 +53,15 @@ class TrainingRecipe:
         return cls(model=str(doc["model"]), seed=int(doc["seed"]), batch_size=int(doc["batch_size"]),
                    context=int(doc["context"]), steps=steps,
                    optimizer=optimizer_config(str(o["algorithm"]), float(o["lr"]), int(o["warmup_steps"]), steps,
-                                              int(o["local_steps"]), int(o["micro_batches"])))
+                                              int(o["local_steps"]), int(o["micro_batches"])),
+                   spes=_spes_from_doc(doc["spes"]) if doc.get("spes") is not None else None)
+
+
+def _spes_from_doc(doc: dict[str, Any]) -> SpesConfig:
+    """SpesConfig checks the values (ValueError names the bad one)."""
+    return SpesConfig(sync_every=int(doc["sync_every"]), merge_every=int(doc["merge_every"]),
+                      merge_until=int(doc["merge_until"]), alpha0=float(doc["alpha0"]),
+                      replication=int(doc["replication"]), refresh_codec=str(doc["refresh_codec"]))
 
 
 def optimizer_config(algorithm: str, lr: float, warmup_steps: int, steps: int, local_steps: int,
@@ -62,9 +77,12 @@ def training_recipe(config: NodeConfig) -> TrainingRecipe | None:
     t = config.training
     if not t.trains_model:
         return None
+    spes = SpesConfig(sync_every=t.spes_sync_every, merge_every=t.spes_merge_every, merge_until=t.spes_merge_until,
+                      alpha0=t.spes_alpha0, replication=t.spes_replication,
+                      refresh_codec=t.spes_refresh_codec) if t.spes else None
     return TrainingRecipe(model=t.model, seed=config.seed, batch_size=t.batch_size, context=t.context, steps=t.steps,
                           optimizer=optimizer_config(t.optimizer, t.lr, t.warmup_steps, t.steps, t.local_steps,
-                                                     t.micro_batches))
+                                                     t.micro_batches), spes=spes)
 
 
 def swarm_document(config: NodeConfig, epoch: float) -> dict[str, Any]:

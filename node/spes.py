@@ -235,6 +235,15 @@ class SpesNode:
         peers = [self._shared_peer, *self._expert_peers.values()]
         return self.fetch_stats.bytes_received + sum(p.stats.bytes_received for p in peers if p is not None)
 
+    @property
+    def errors(self) -> dict[str, int]:
+        """Refused input by kind: the fetch protocol's and every gossip peer's (shared and experts)."""
+        total = collections.Counter(self.fetch_stats.errors)
+        for peer in (self._shared_peer, *self._expert_peers.values()):
+            if peer is not None:
+                total.update(peer.stats.errors)
+        return dict(total)
+
     # ---- set-up and ownership ------------------------------------------------------------------------
 
     async def start(self, saved: Mapping[ExpertKey, ExpertRecord] | None = None) -> None:

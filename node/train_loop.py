@@ -237,10 +237,7 @@ class SwarmTraining:
             self._record_sample(step=self.trainer.step, val_loss=self.status.val_loss)
 
     async def _one_step(self, stop: asyncio.Event) -> StepReport | None:
-        step = self.trainer.step
-        optimizer = self.recipe.optimizer
-        round_index = step // optimizer.local_steps if optimizer.mixes_after(step) else None
-        stepping = asyncio.create_task(self._gossip.step(round_index, self.plan_for))
+        stepping = asyncio.create_task(self._step())
         stopping = asyncio.create_task(stop.wait())
         try:
             await asyncio.wait({stepping, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -255,6 +252,21 @@ class SwarmTraining:
                     await stepping
                 return None
         return stepping.result()
+
+    async def _step(self) -> StepReport:
+        """One step, with a gossip round after every H-th (node.spes_training overrides it for SPES)."""
+        step = self.trainer.step
+        optimizer = self.recipe.optimizer
+        round_index = step // optimizer.local_steps if optimizer.mixes_after(step) else None
+        return await self._gossip.step(round_index, self.plan_for)
+
+    def checkpoint_meta(self) -> dict[str, str]:
+        """What the checkpoint carries beyond the trainer state (SPES: the expert records)."""
+        return {}
+
+    def spes_status(self) -> dict[str, Any] | None:
+        """The `spes` section of the node's status; None without SPES."""
+        return None
 
     def _record(self, report: StepReport) -> None:
         s = self.status

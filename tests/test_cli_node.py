@@ -41,8 +41,11 @@ def test_node_flags_become_the_config(workdir):
     config = parse("node", "--swarm", "s1", "--listen", "/ip4/127.0.0.1/tcp/0", "--listen", "/ip6/::1/tcp/0",
                    "--peers", PEER_A, PEER_B, "--monitor-port", "0", "--transport", "libp2p", "--topology", "torus",
                    "--rows", "2", "--codec", "bf16", "--round-interval", "0.5", "--heartbeat", "1", "--dim", "64",
-                   "--upnp", "--mixing", "trimmed_mean", "--trim", "0.1", "--data-dir", "d", "--log-level", "debug")
+                   "--upnp", "--mixing", "trimmed_mean", "--trim", "0.1", "--data-dir", "d", "--log-level", "debug",
+                   "--data-listen", "/ip4/127.0.0.1/tcp/4005", "--data-announce", "/dns4/node.example/tcp/14005")
     assert config.swarm == "s1"
+    assert config.network.data_listen == ("/ip4/127.0.0.1/tcp/4005",)
+    assert config.network.data_announce == ("/dns4/node.example/tcp/14005",)
     assert config.network.listen == ("/ip4/127.0.0.1/tcp/0", "/ip6/::1/tcp/0")
     assert config.network.initial_peers == (PEER_A, PEER_B)
     assert config.network.transport == "libp2p" and config.network.nat_port_map is True
@@ -117,6 +120,10 @@ BAD_COMMAND_LINES = [
     (["status", "--url", "http://h:1", "--monitor-port", "2"], "not allowed with argument --url"),
     (["status", "--url", "http://h:1", "--monitor-host", "h"], "--monitor-host cannot be combined with --url"),
     (["status", "--monitor-port", "0"], "murmur status: error: --monitor-port: port 0 means the node picked"),
+    (["node", "--data-announce", "/ip4/127.0.0.1/tcp/4003"],
+     "murmur node: error: --data-announce: only the libp2p data plane listens apart from p2pd"),
+    (["node", "--transport", "libp2p", "--data-listen", "/ip4/127.0.0.1/tcp/4003/p2p"],
+     "murmur node: error: --data-listen: malformed multiaddr"),
 ]
 
 

@@ -39,7 +39,7 @@ def test_demo_trains_and_reports_json(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--nodes", "0"], "argument --nodes: 0 is below the minimum 1"),
     (["--optimizer", "sgd"], "argument --optimizer: invalid choice"),
-    (["--spes"], "--spes: SPES is not wired into the node daemon yet"),
+    (["--spes", "--model", "dense"], "--spes: SPES syncs the experts of the MoE model"),
 ])
 def test_demo_bad_flags_exit_2_with_one_line(args, message):
     out = subprocess.run([str(MURMUR), "demo", *args], capture_output=True, text=True, timeout=60)

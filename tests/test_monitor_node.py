@@ -228,3 +228,15 @@ def test_the_page_and_its_files_are_served_from_the_package(pair):
         return wait_for(lambda: get_json(url + "/api/history")["samples"][-1]["t"] > before, 5, "a new sample")
 
     assert the_history_grows()
+
+
+def test_a_node_that_trains_no_model_refuses_the_swarm_average_in_one_line(pair):
+    _, nodes = pair  # vector mode: gossip only, no model and no validation split
+    request = urllib.request.Request(nodes[0].monitor_url + "/api/eval/average", data=b"", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    assert refused.value.code == 422
+    assert "trains no model" in json.loads(refused.value.read())["error"]
+    done = subprocess.run([MURMUR, "eval", "--url", nodes[0].monitor_url], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stdout == ""
+    assert len(done.stderr.strip().splitlines()) == 1 and "trains no model" in done.stderr

@@ -1,10 +1,12 @@
 """Real `murmur` node processes with `--transport libp2p` on loopback: a mixed swarm (3 nodes on p2pd,
 3 on py-libp2p) reaches consensus; an all-libp2p swarm reaches the exact average while a hostile peer
-sends it garbage; and a frozen node, a killed backend child and a killed node behave as on p2pd."""
+sends it garbage; a frozen node, a killed backend child and a killed node behave as on p2pd, and a
+newcomer joins the survivor; a node's `--data-announce` is what its record advertises."""
 
 import asyncio
 import dataclasses
 import signal
+import socket
 import time
 
 import psutil
@@ -86,12 +88,31 @@ def test_a_libp2p_swarm_reaches_the_exact_average_while_a_peer_sends_it_garbage(
     check_consensus(nodes, report, swarm.logs())
 
 
+def free_port(host: str) -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
 def test_frozen_node_killed_child_and_killed_node_on_libp2p(tmp_path):
     with Swarm(tmp_path, heartbeat=1, exchange_timeout=2) as swarm:
-        nodes = swarm.start(3, topology="ring", min_peers=3, transport="libp2p")
-        n0, n1, n2 = nodes
+        flags = dict(topology="ring", min_peers=3, transport="libp2p")
+        n0 = swarm.found(**flags)
+        n1 = swarm.spawn("n1", seed=1, join=n0, **flags)
+        # n2's data plane listens on two loopback hosts and announces one: its record must carry just that
+        # one, and the ring's exchanges with n2 then go through it
+        port_a, port_b = free_port("127.0.0.1"), free_port("127.0.0.3")
+        announced = f"/ip4/127.0.0.3/tcp/{port_b}"
+        n2 = swarm.spawn("n2", seed=2, join=n0, extra_args=[
+            "--data-listen", f"/ip4/127.0.0.1/tcp/{port_a}", "--data-listen", announced,
+            "--data-announce", announced], **flags)
+        nodes = [n0, n1, n2]
+        swarm.wait_ready([n1, n2])
         swarm.wait_views(nodes, nodes)
+        assert data_maddrs(n2) == (f"{announced}/p2p/{n2.peer_id}",)
+        assert next(p["maddrs"] for p in n0.status()["peers"] if p["peer_id"] == n2.peer_id) == list(data_maddrs(n2))
         swarm.wait_rounds(nodes, 2, timeout_s=90)
+        assert all(s["skipped"].get("unreachable", 0) == 0 for s in swarm.statuses([n0, n1])), swarm.logs()
 
         # frozen: the others skip it and go on; thawed, it gossips again
         n2.signal(signal.SIGSTOP)
@@ -124,3 +145,12 @@ def test_frozen_node_killed_child_and_killed_node_on_libp2p(tmp_path):
         ran = n0.status()["rounds_run"]
         wait_for(lambda: n0.status()["rounds_run"] >= ran + 2, 30, "the survivor to keep running rounds")
         assert n0.alive()
+
+        # a newcomer joins the survivor and gossips with it
+        n3 = swarm.spawn("n3", seed=3, join=n0, **{**flags, "min_peers": 2})
+        swarm.wait_ready([n3])
+        wait_for(lambda: {p["peer_id"] for p in n0.status()["peers"]} == {n0.peer_id, n3.peer_id}, 30,
+                 "the dead nodes to leave n0's view and the newcomer to enter it")
+        got = [s["bytes_received"] for s in swarm.statuses([n0, n3])]
+        wait_for(lambda: all(s["bytes_received"] > b for s, b in zip(swarm.statuses([n0, n3]), got))
+                 and n3.status()["rounds_run"] >= 2, 60, "the newcomer and the survivor to exchange")

@@ -4,8 +4,11 @@ joining at half time (it downloads the swarm's parameters), a killed node restar
 a corrupted checkpoint that falls back to the previous good one."""
 
 import asyncio
+import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +25,7 @@ from node.train_loop import EVAL_BATCH_SIZE, EVAL_BATCHES
 pytestmark = pytest.mark.multiprocess
 
 TESTS = Path(__file__).parent
+MURMUR = str(Path(sys.executable).with_name("murmur"))
 STEPS = 400
 BATCH = 16
 LR = 0.5
@@ -97,6 +101,15 @@ def test_kill_join_restart_and_parity(swarm, tmp_path):
     for s in statuses:
         assert s["training"]["step"] == STEPS
     assert statuses[-1]["rounds_run"] > 0 and statuses[-1]["bytes_received"] > 0, "the joiner never gossiped"
+    # the swarm-average loss asked of a running node: every live node is in it (their parameters no
+    # longer change once done, so it is checked below against the average of their final checkpoints)
+    asked = subprocess.run([MURMUR, "eval", "--url", founder.monitor_url, "--json"], capture_output=True, text=True,
+                           timeout=120)
+    assert asked.returncode == 0, asked.stderr[-2000:]
+    swarm_eval = json.loads(asked.stdout)
+    assert sorted(p["peer_id"] for p in swarm_eval["peers"]) == sorted(n.peer_id for n in everyone)
+    assert swarm_eval["failed"] == {} and swarm_eval["self"] == founder.peer_id
+    assert swarm_eval["local"]["val_step"] == STEPS
 
     # the killed node comes back with its identity: it restores its checkpoint, then catches up with
     # the swarm (which is more than the staleness bound ahead) by downloading its parameters
@@ -111,6 +124,8 @@ def test_kill_join_restart_and_parity(swarm, tmp_path):
 
     assert swarm.stop_all(everyone + [restarted]) == [0] * 5
     swarm_loss = single_process_val_loss(1, tmp_path, average_tensors([final_parameters(n.data_dir) for n in survivors]))
+    everyone_loss = single_process_val_loss(1, tmp_path, average_tensors([final_parameters(n.data_dir) for n in everyone]))
+    assert swarm_eval["loss"] == pytest.approx(everyone_loss, rel=1e-4), "murmur eval's average is not the swarm's"
     baseline = single_process_val_loss(3, tmp_path)
     assert swarm_loss <= PARITY * baseline, f"swarm average {swarm_loss:.4f} vs 3-node baseline {baseline:.4f}"
     assert swarm_loss < untrained - 1.0

@@ -8,7 +8,7 @@ import json
 from importlib import resources
 from typing import Any
 
-SCHEMA_NAMES = ("status", "peers", "topology", "history", "log", "error")
+SCHEMA_NAMES = ("status", "peers", "topology", "history", "log", "swarm_eval", "error")
 
 # path -> (schema name, summary, query parameters: name -> (JSON type, description))
 JSON_ENDPOINTS: dict[str, tuple[str, str, dict[str, tuple[str, str]]]] = {
@@ -53,6 +53,19 @@ def openapi_document() -> dict[str, Any]:
         "summary": "server-sent events: an `update` event each sampling interval with "
                    "{status, peers, topology, sample, log}",
         "responses": {"200": {"description": "an event stream", "content": {"text/event-stream": {}}}}}}
+    paths["/api/eval/average"] = {"post": {
+        "summary": "evaluate the swarm-average model: pull every live peer's parameters, average them with "
+                   "this node's, and return the validation loss (takes seconds; one at a time)",
+        "responses": {"200": {"description": "the swarm-average loss and who was in and out",
+                              "content": {"application/json": {"schema": {"$ref": "#/components/schemas/swarm_eval"}}}},
+                      "400": error,
+                      "403": {"description": "sent by a page of another origin (a browser's cross-site request)",
+                              "content": {"application/json": {"schema": {"$ref": "#/components/schemas/error"}}}},
+                      "409": {"description": "another evaluation is running on this node",
+                              "content": {"application/json": {"schema": {"$ref": "#/components/schemas/error"}}}},
+                      "422": {"description": "this node trains no model (vector mode)",
+                              "content": {"application/json": {"schema": {"$ref": "#/components/schemas/error"}}}}},
+    }}
     paths["/metrics"] = {"get": {
         "summary": "Prometheus text format", "responses": {"200": {"description": "metrics",
                                                                  "content": {"text/plain": {}}}}}}

@@ -19,6 +19,7 @@ from node.monitor.eventlog import LogCapture, Snapshot, log_changes
 from node.monitor.metrics import CONTENT_TYPE, exposition, metrics_registry
 from node.monitor.schemas import openapi_document
 from node.monitor.source import MonitorSource
+from node.swarm_eval import EvalBusy, EvalUnavailable
 
 logger = logging.getLogger("murmur.monitor")
 
@@ -240,6 +241,20 @@ def build_app(source: MonitorSource, sampler: Sampler) -> web.Application:
             pass  # the client went away or stopped reading
         return response
 
+    async def swarm_average(request: web.Request) -> web.Response:
+        _parse_query(request.query, {})
+        origin = request.headers.get("Origin")
+        if origin is not None and origin != f"{request.scheme}://{request.host}":
+            # a page elsewhere in the user's browser may POST here without reading the answer; it must
+            # not be able to make the node pull every peer's parameters over and over
+            return _error(403, f"a request from the page at {origin} may not start an evaluation")
+        try:
+            return _json(await source.evaluate_swarm_average())
+        except EvalBusy as exc:
+            return _error(409, str(exc))
+        except EvalUnavailable as exc:
+            return _error(422, str(exc))
+
     app = web.Application(middlewares=[json_errors])
     for path in STATIC_FILES:
         app.router.add_get(path, page)
@@ -252,6 +267,7 @@ def build_app(source: MonitorSource, sampler: Sampler) -> web.Application:
         {"after": _non_negative_int, "limit": _positive_int}))
     app.router.add_get("/api/openapi.json", endpoint(lambda _: openapi_document(), {}))
     app.router.add_get("/api/events", events)
+    app.router.add_post("/api/eval/average", swarm_average)
     app.router.add_get("/metrics", metrics)
     return app
 

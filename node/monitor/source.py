@@ -10,7 +10,8 @@ from node.monitor.history import Counters, HistoryRecorder
 
 
 class MonitorSource(Protocol):
-    """Every method is cheap and called from the event loop's thread; none may block."""
+    """Every method is called from the event loop's thread and none may block; all but
+    `evaluate_swarm_average` are cheap."""
 
     @property
     def history(self) -> HistoryRecorder:
@@ -35,3 +36,7 @@ class MonitorSource(Protocol):
 
     def counters(self) -> Counters:
         """What one history sample takes from the node's counters."""
+
+    async def evaluate_swarm_average(self) -> dict[str, Any]:
+        """`POST /api/eval/average` (schemas/swarm_eval.json): the one method that does real work; it
+        awaits the network and a thread. Raises node.swarm_eval.EvalBusy or EvalUnavailable."""
