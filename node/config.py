@@ -35,6 +35,7 @@ IDENTITY_FILE_NAME = "identity.key"
 TRANSPORTS = ("p2pd", "libp2p")
 NODE_CODECS = ("fp32", "fp16", "bf16", "int8")
 SPES_REFRESH_CODECS = ("bf16", "int8")  # what --spes-refresh-codec offers (gossip.spes takes fp32/fp16 too)
+SPES_EXPERT_CODECS = ("fp32", "fp16", "bf16", "int8")  # what --spes-expert-codec offers
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 ENV_CONFIG_FILE = "MURMUR_CONFIG"
 
@@ -132,6 +133,7 @@ class TrainingConfig:
     spes_alpha0: float = 0.1
     spes_replication: int = 2  # r
     spes_refresh_codec: str = "bf16"
+    spes_expert_codec: str = "fp32"  # co-owners mix their experts in this codec
     experts: int | None = None  # experts per MoE layer this node trains; None: all (CPU) or by free GPU memory
 
     @property
@@ -659,6 +661,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("training.spes_refresh_codec", Choice("refresh codec", SPES_REFRESH_CODECS, metavar="CODEC"),
             "MURMUR_SPES_REFRESH_CODEC", "--spes-refresh-codec",
             "codec frozen expert copies travel and are hashed in (the swarm's)", NODE),
+    Setting("training.spes_expert_codec", Choice("expert codec", SPES_EXPERT_CODECS, metavar="CODEC"),
+            "MURMUR_SPES_EXPERT_CODEC", "--spes-expert-codec",
+            "codec co-owners mix their experts in; int8 or bf16 cut the traffic of r >= 2 (the swarm's)", NODE),
     Setting("training.experts", Integer(1, noun="experts"), "MURMUR_EXPERTS", "--experts",
             "SPES capacity: experts per MoE layer this node trains (this node's own)", NODE, optional=True,
             default_text="all on CPU; on CUDA as many as fit in half the free GPU memory (docs/spes.md)"),

@@ -44,7 +44,8 @@ class TrainingRecipe:
         if self.spes is not None:  # absent when off, so a swarm without SPES keeps its config hash
             c = self.spes
             doc["spes"] = {"sync_every": c.sync_every, "merge_every": c.merge_every, "merge_until": c.merge_until,
-                           "alpha0": c.alpha0, "replication": c.replication, "refresh_codec": c.refresh_codec}
+                           "alpha0": c.alpha0, "replication": c.replication, "refresh_codec": c.refresh_codec,
+                           "expert_codec": c.expert_codec}
         return doc
 
     @classmethod
@@ -61,7 +62,8 @@ def _spes_from_doc(doc: dict[str, Any]) -> SpesConfig:
     """SpesConfig checks the values (ValueError names the bad one)."""
     return SpesConfig(sync_every=int(doc["sync_every"]), merge_every=int(doc["merge_every"]),
                       merge_until=int(doc["merge_until"]), alpha0=float(doc["alpha0"]),
-                      replication=int(doc["replication"]), refresh_codec=str(doc["refresh_codec"]))
+                      replication=int(doc["replication"]), refresh_codec=str(doc["refresh_codec"]),
+                      expert_codec=str(doc.get("expert_codec", "fp32")))
 
 
 def optimizer_config(algorithm: str, lr: float, warmup_steps: int, steps: int, local_steps: int,
@@ -79,7 +81,7 @@ def training_recipe(config: NodeConfig) -> TrainingRecipe | None:
         return None
     spes = SpesConfig(sync_every=t.spes_sync_every, merge_every=t.spes_merge_every, merge_until=t.spes_merge_until,
                       alpha0=t.spes_alpha0, replication=t.spes_replication,
-                      refresh_codec=t.spes_refresh_codec) if t.spes else None
+                      refresh_codec=t.spes_refresh_codec, expert_codec=t.spes_expert_codec) if t.spes else None
     return TrainingRecipe(model=t.model, seed=config.seed, batch_size=t.batch_size, context=t.context, steps=t.steps,
                           optimizer=optimizer_config(t.optimizer, t.lr, t.warmup_steps, t.steps, t.local_steps,
                                                      t.micro_batches), spes=spes)

@@ -163,6 +163,7 @@ def test_spes_settings_are_checked_with_one_line(tmp_path):
            ("--spes", "--spes-sync-every", "3", "--spes-merge-every", "10"): "multiple of the sync interval",
            ("--spes", "--experts", "0"): "--experts",
            ("--spes", "--spes-refresh-codec", "fp8"): "refresh codec",
+           ("--spes", "--spes-expert-codec", "topk"): "expert codec",
            ("--spes", "--spes-alpha0", "2"): "--spes-alpha0",
            ("--spes", "--spes-replication", "0"): "--spes-replication"}
     for argv, words in bad.items():
@@ -170,11 +171,13 @@ def test_spes_settings_are_checked_with_one_line(tmp_path):
             parse(*argv)
         assert "\n" not in str(caught.value)
     config = parse("--spes", "--experts", "3", "--spes-replication", "1", "--spes-refresh-codec", "int8",
-                   "--spes-merge-until", "40")
+                   "--spes-merge-until", "40", "--spes-expert-codec", "bf16")
     assert config.training.spes and config.training.experts == 3
     recipe = SwarmSettings.from_doc(swarm_document(config, 1.0)).training
     assert recipe.spes is not None
     assert (recipe.spes.replication, recipe.spes.refresh_codec, recipe.spes.merge_until) == (1, "int8", 40)
+    assert recipe.spes.expert_codec == "bf16"
+    assert SwarmSettings.from_doc(swarm_document(parse("--spes"), 1.0)).training.spes.expert_codec == "fp32"
     # without SPES the swarm document has no spes entry, so existing swarms keep their config hash
     assert "spes" not in swarm_document(parse(), 1.0)["payload"]
     assert SwarmSettings.from_doc(swarm_document(parse(), 1.0)).training.spes is None
