@@ -274,7 +274,7 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
 async def _start_training(runtime: NodeRuntime, settings: SwarmSettings, exchange: ExchangeSettings, checkpoint,
                           stack: contextlib.AsyncExitStack):
     """Build the trainer and its gossip peer; restore this node's checkpoint when it is of this swarm."""
-    from node.train_loop import SwarmTraining, TrainingSetupError, build_trainer, checkpoint_matches
+    from node.train_loop import SwarmTraining, TrainingSetupError, build_trainer, checkpoint_matches, last_round_at
 
     config, me = runtime.config, runtime.transport.peer_id
     try:
@@ -289,7 +289,7 @@ async def _start_training(runtime: NodeRuntime, settings: SwarmSettings, exchang
     elif checkpoint is not None:
         logger.warning("the checkpoint belongs to another swarm config; starting fresh (it stays as checkpoint.npz.prev)")
     runtime.peer = GossipPeer(runtime.transport, exchange, await trainer.tensors(), step=trainer.step)
-    runtime.peer.round = max(0, trainer.step // settings.training.optimizer.local_steps - 1)
+    runtime.peer.round = last_round_at(trainer.step, settings.training)
     topologies: dict[int, Topology] = {}
     connected: set[str] = set()
 

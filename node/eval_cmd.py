@@ -9,6 +9,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from node.status_cmd import no_node, print_answer
+
 # The node pulls each peer for at most 30 s (node.swarm_eval.FETCH_TIMEOUT_S), then evaluates.
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -60,15 +62,5 @@ def run_eval(url: str, as_json: bool, timeout_s: float = DEFAULT_TIMEOUT_S) -> i
         print(f"murmur eval: error: no answer from {url} within {timeout_s:g} s (--timeout)", file=sys.stderr)
         return 1
     except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        print(f"murmur eval: error: no node answers at {url} ({reason})", file=sys.stderr)
-        return 1
-    if as_json:
-        print(json.dumps(result))
-        return 0
-    try:
-        print(format_swarm_eval(result))
-    except (KeyError, TypeError) as exc:
-        print(f"murmur eval: error: the node at {url} answered an unexpected result ({exc!r})", file=sys.stderr)
-        return 1
-    return 0
+        return no_node("eval", url, exc)
+    return print_answer("eval", url, result, as_json, format_swarm_eval)

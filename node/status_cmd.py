@@ -6,6 +6,7 @@ import json
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 TIMEOUT_S = 5.0
@@ -39,8 +40,10 @@ def format_status(status: dict[str, Any]) -> str:
     if status.get("consensus_distance") is not None:
         lines.append(f"consensus distance {_figure(status['consensus_distance'])}")
     experts = status.get("experts") or []
-    if experts:
-        lines.append(f"experts  {', '.join(map(str, experts))}")
+    spes = status.get("spes") or {}
+    if experts or spes:
+        capacity = f"   (SPES capacity {spes['capacity']} per layer)" if spes.get("capacity") is not None else ""
+        lines.append(f"experts  {', '.join(map(str, experts)) or 'none yet'}{capacity}")
     lines.append(f"traffic  {status['bytes_sent']:,} bytes sent, {status['bytes_received']:,} received")
     errors = ", ".join(f"{kind}: {n}" for kind, n in sorted(status["errors"].items())) or "none"
     lines.append(f"errors   {errors}")
@@ -51,19 +54,32 @@ def format_status(status: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def no_node(command: str, url: str, exc: Exception) -> int:
+    """Say in one line that nothing answers at `url` (for `murmur status` and `murmur eval`); exit 1."""
+    reason = getattr(exc, "reason", exc)
+    print(f"murmur {command}: error: no node answers at {url} ({reason})", file=sys.stderr)
+    return 1
+
+
+def print_answer(command: str, url: str, answer: dict[str, Any], as_json: bool,
+                 format_answer: Callable[[dict[str, Any]], str]) -> int:
+    """Print a node's JSON answer as it came (--json) or formatted; an answer the formatter cannot
+    read (a node of another version) is one line and exit 1, not a traceback."""
+    if as_json:
+        print(json.dumps(answer))
+        return 0
+    try:
+        print(format_answer(answer))
+    except (KeyError, TypeError) as exc:
+        print(f"murmur {command}: error: the node at {url} answered an unexpected {command} ({exc!r})",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
 def run_status(url: str, as_json: bool) -> int:
     try:
         status = fetch_status(url)
     except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        print(f"murmur status: error: no node answers at {url} ({reason})", file=sys.stderr)
-        return 1
-    if as_json:
-        print(json.dumps(status))
-        return 0
-    try:
-        print(format_status(status))
-    except (KeyError, TypeError) as exc:
-        print(f"murmur status: error: the node at {url} answered an unexpected status ({exc!r})", file=sys.stderr)
-        return 1
-    return 0
+        return no_node("status", url, exc)
+    return print_answer("status", url, status, as_json, format_status)

@@ -112,6 +112,12 @@ async def download_parameters(peer: GossipPeer, trainer: Trainer, sources: Seque
     return None
 
 
+def last_round_at(step: int, recipe: TrainingRecipe) -> int:
+    """The round a peer whose trainer is at `step` last ran: where a fresh, resumed or downloaded
+    peer's round count starts (a round follows every H-th step)."""
+    return max(0, step // recipe.optimizer.local_steps - 1)
+
+
 def peers_ahead(view: Sequence[Any], me: str, step: int, margin: int) -> list[Any]:
     """Live peers more than `margin` steps ahead of `step`, the furthest first."""
     return sorted((p for p in view if p.peer_id != me and p.step > step + margin), key=lambda p: -p.step)
@@ -190,7 +196,7 @@ class SwarmTraining:
         source = await download_parameters(self.peer, self.trainer, ahead)
         if source is None:
             return
-        self.peer.round = max(0, self.trainer.step // self.recipe.optimizer.local_steps - 1)
+        self.peer.round = last_round_at(self.trainer.step, self.recipe)
         self.status.started_from = source
         self.status.step = self.trainer.step
         await self.evaluate()

@@ -263,3 +263,17 @@ def test_capacity_defaults_to_every_expert_on_cpu_and_saved_records_parse_or_are
     assert saved_records({CHECKPOINT_META_KEY: json.dumps(records_to_wire(records))}) == records
     assert saved_records({}) is None
     assert saved_records({CHECKPOINT_META_KEY: json.dumps({"0.1": [-1, "x", True]})}) is None  # logged, ignored
+
+
+@pytest.mark.unit
+def test_murmur_status_text_names_the_owned_experts_and_the_capacity():
+    from node.status_cmd import format_status
+
+    status = {"peer_id": "Qm1", "swarm": "s", "maddrs": [], "round": 3, "step": 9, "peers": [], "loss": 2.5,
+              "training": {}, "bytes_sent": 1, "bytes_received": 2, "errors": {}, "experts": [1, 3],
+              "spes": {"capacity": 2}}
+    assert "experts  1, 3   (SPES capacity 2 per layer)" in format_status(status).splitlines()
+    waiting = format_status({**status, "experts": []})
+    assert "experts  none yet   (SPES capacity 2 per layer)" in waiting.splitlines()
+    assert not any(line.startswith("experts") for line in format_status({**status, "experts": [], "spes": None})
+                   .splitlines())
