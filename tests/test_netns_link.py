@@ -1,6 +1,6 @@
 """Two `murmur` nodes on two "hosts" (network namespaces joined by a veth pair, rate-limited to
 100 Mbit/s with tc tbf): they find each other across the link, their gossip exchange completes, and
-its goodput is measured from what the nodes themselves report and printed.
+its goodput is measured from what the nodes themselves report and printed; on either data-plane backend.
 
 Needs root, `ip` and `tc` (as in CI); a kernel without the tbf qdisc fails the test, it does not skip.
 All traffic stays inside the two namespaces: p2pd listens on the link's 10.77.x.y addresses and each
@@ -133,20 +133,23 @@ def watch_rounds(link: VethLink, nodes: list[ReadyNode]) -> tuple[dict[str, floa
         time.sleep(0.25)
 
 
-def test_two_nodes_exchange_across_a_rate_limited_link(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize("transport", ["p2pd", "libp2p"])
+def test_two_nodes_exchange_across_a_rate_limited_link(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                       transport: str) -> None:
     swarm = f"netns-{os.getpid()}"
     started: list[NodeProcess] = []
     # Both ends shaped, so the link is 100 Mbit/s each way: the pair's exchange sends one vector each
     # way, one after the other, and the round time then measures the link in both legs.
     with veth_link("t", rate_mbit=LINK_MBIT, limited_sides=(0, 1)) as link:
         try:
-            started.append(start_node(link, 0, "node", tmp_path / "founder", "--swarm", swarm, "--model", "vector", "--dim", str(DIM),
-                                      "--round-interval", str(ROUND_INTERVAL_S)))
+            started.append(start_node(link, 0, "node", tmp_path / "founder", "--swarm", swarm, "--model", "vector",
+                                      "--dim", str(DIM), "--round-interval", str(ROUND_INTERVAL_S),
+                                      "--transport", transport))
             founder = wait_ready(started[0])
             link_maddrs = [m for m in founder.maddrs if m.startswith(f"/ip4/{link.addresses[0]}/")]
             assert link_maddrs, f"the founder announces no address on the link: {founder.maddrs}"
             started.append(start_node(link, 1, "join", tmp_path / "joiner", "--swarm", swarm,
-                                      "--peers", link_maddrs[0]))
+                                      "--peers", link_maddrs[0], "--transport", transport))
             joiner = wait_ready(started[1])
             initial, rounds, final = watch_rounds(link, [founder, joiner])
         finally:
@@ -168,7 +171,7 @@ def test_two_nodes_exchange_across_a_rate_limited_link(tmp_path: Path, capsys: p
     best_round_s = min(rounds)
     goodput_mbit = 2 * PAYLOAD_BYTES * 8 / best_round_s / 1e6
     with capsys.disabled():
-        print(f"\n[netns link] rounds of 2 x {PAYLOAD_BYTES / 1e6:.0f} MB took "
+        print(f"\n[netns link, {transport}] rounds of 2 x {PAYLOAD_BYTES / 1e6:.0f} MB took "
               f"{', '.join(f'{r:.2f}' for r in rounds)} s; best: goodput {goodput_mbit:.1f} Mbit/s "
               f"= {goodput_mbit / LINK_MBIT:.2f} of the {LINK_MBIT} Mbit/s link")
     assert 0.5 * LINK_MBIT < goodput_mbit < LINK_MBIT, rounds
