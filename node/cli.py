@@ -220,12 +220,7 @@ def _add_node_commands(commands: argparse._SubParsersAction) -> None:
         "step, round, bytes sent and received, errors. Without --url it asks the monitor at "
         "http://MONITOR-HOST:MONITOR-PORT.",
     )
-    _add_config_flag(status)
-    target = status.add_mutually_exclusive_group()
-    _add_setting_flag(target, SETTINGS_BY_KEY["monitor.port"], help="TCP port of the node's monitor page")
-    target.add_argument("--url", help="monitor URL of the node, e.g. http://127.0.0.1:7690 (instead of "
-                        "--monitor-host/--monitor-port)")
-    _add_setting_flag(status, SETTINGS_BY_KEY["monitor.host"], help="host of the node's monitor page")
+    _add_monitor_target(status)
     status.add_argument("--json", action="store_true",
                         help="print one JSON object: peer_id, swarm, maddrs, peers, step, round, bytes_sent, "
                         "bytes_received, errors")
@@ -239,18 +234,23 @@ def _add_node_commands(commands: argparse._SubParsersAction) -> None:
         "(a peer that does not answer costs up to 30 s). Without --url it asks the monitor at "
         "http://MONITOR-HOST:MONITOR-PORT.",
     )
-    _add_config_flag(evaluate)
-    target = evaluate.add_mutually_exclusive_group()
-    _add_setting_flag(target, SETTINGS_BY_KEY["monitor.port"], help="TCP port of the node's monitor page")
-    target.add_argument("--url", help="monitor URL of the node, e.g. http://127.0.0.1:7690 (instead of "
-                        "--monitor-host/--monitor-port)")
-    _add_setting_flag(evaluate, SETTINGS_BY_KEY["monitor.host"], help="host of the node's monitor page")
+    _add_monitor_target(evaluate)
     evaluate.add_argument("--timeout", type=_number(float, lo=1.0), default=300.0, metavar="SECONDS",
                           help="how long to wait for the node's answer (default 300)")
     evaluate.add_argument("--json", action="store_true",
                           help="print the node's JSON answer: loss, self, peers (peer_id, step, self), failed "
                           "(peer id -> reason), min_step, max_step, elapsed_s, local (val_loss, val_step, loss, step)")
     evaluate.set_defaults(run=_run_eval)
+
+
+def _add_monitor_target(parser: argparse.ArgumentParser) -> None:
+    """The flags that find a running node (`status`, `eval`): its monitor's port and host, or --url."""
+    _add_config_flag(parser)
+    target = parser.add_mutually_exclusive_group()
+    _add_setting_flag(target, SETTINGS_BY_KEY["monitor.port"], help="TCP port of the node's monitor page")
+    target.add_argument("--url", help="monitor URL of the node, e.g. http://127.0.0.1:7690 (instead of "
+                        "--monitor-host/--monitor-port)")
+    _add_setting_flag(parser, SETTINGS_BY_KEY["monitor.host"], help="host of the node's monitor page")
 
 
 def _add_config_flag(parser: argparse.ArgumentParser) -> None:
@@ -311,9 +311,9 @@ def _run_sim(args: argparse.Namespace) -> int:
     return 0
 
 
-def _resolve(args: argparse.Namespace, env: Mapping[str, str], command: str | None = None) -> ResolvedConfig:
-    """Defaults < config file < environment < flags, for the settings of `command` (default `args.command`)."""
-    settings = settings_for(command or args.command)
+def _resolve(args: argparse.Namespace, env: Mapping[str, str]) -> ResolvedConfig:
+    """Defaults < config file < environment < flags, for the settings of `args.command`."""
+    settings = settings_for(args.command)
     layers = []
     config_file = args.config if args.config is not None else env.get(ENV_CONFIG_FILE, "").strip() or None
     if config_file is not None:
@@ -360,7 +360,7 @@ def status_url(args: argparse.Namespace, env: Mapping[str, str]) -> str:
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ConfigError(f"--url: {args.url!r} is not an http(s) URL like http://127.0.0.1:7690")
         return args.url.rstrip("/")
-    resolved = _resolve(args, env, "status")  # `eval` reads the monitor settings as `status` does
+    resolved = _resolve(args, env)
     if resolved.config.monitor.port == 0:
         raise ConfigError(f"{resolved.source('monitor.port')}: port 0 means the node picked a free port; "
                           "pass the port it reported with --monitor-port, or --url")

@@ -497,7 +497,7 @@ DEVICE_NAME = Named("device", r"auto|cpu|cuda(:\d+)?", hint=DEVICES_HELP, descri
 
 NODE = frozenset({"node", "join"})
 DAEMONS = NODE | {"bootstrap"}
-MONITOR_CLIENTS = NODE | {"status"}
+MONITOR_CLIENTS = NODE | {"status", "eval"}  # commands that find a node by its monitor
 
 
 @dataclass(frozen=True)
@@ -938,7 +938,7 @@ def settings_table() -> str:
     ]
     for setting in SETTINGS:
         flag = f"`{setting.flag}`" + (f" / `--no-{setting.flag[2:]}`" if isinstance(setting.kind, Boolean) else "")
-        commands = ", ".join(c for c in ("node", "join", "bootstrap", "status") if c in setting.commands)
+        commands = ", ".join(c for c in ("node", "join", "bootstrap", "status", "eval") if c in setting.commands)
         cells = (setting.default_in_words(), setting.kind.description, commands, setting.help)
         default, kind, commands, meaning = (_markdown_cell(cell) for cell in cells)
         lines.append(f"| `{setting.key}` | {flag} | `{setting.env}` | {default} | {kind} | {commands} | {meaning} |")
