@@ -508,20 +508,12 @@ class Discovery:
     async def store_own(self, key: str, value: bytes, ttl_s: float, *, what: str) -> None:
         """Store `value` under `key` in this peer's signed subkey (its public key: only this peer's
         signature is accepted there), expiring after `ttl_s`. A failure is counted and logged."""
-        dht = self._require_started()
-        async with self._counting_failures("dht_store", f"storing this peer's {what}"):
-            if not await dht.store(key, value, get_dht_time() + ttl_s, subkey=self._owner_subkey):
-                self._errors["dht_store_rejected"] += 1
-                logger.warning("no DHT peer accepted this peer's %s", what)
+        await self._store_entry(self._require_started(), key, value, get_dht_time() + ttl_s, what=what)
 
     async def read_owned(self, key: str, *, what: str) -> dict[str, bytes] | None:
         """The live values under `key`, by the peer whose signed subkey holds each (a subkey naming
         no single owner is counted and skipped); None when the DHT read failed."""
-        dht = self._require_started()
-        entries = None
-        async with self._counting_failures("dht_get", f"reading the swarm's {what}"):
-            found = await dht.get(key, latest=True)
-            entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        entries = await self._read_entries(key, f"reading the swarm's {what}")
         if entries is None:
             return None
         now, out = get_dht_time(), {}
@@ -570,7 +562,8 @@ class Discovery:
         # Remember before storing: a store that times out may still have reached some replicas,
         # and the withdrawal must outrank every record that might be out there.
         self._last_expiration = max(self._last_expiration, expiration)
-        await self._store_entry(dht, encode_peer_record(self._local), expiration, what="peer record")
+        await self._store_entry(dht, peers_key(self._settings.swarm), encode_peer_record(self._local), expiration,
+                                what="peer record")
 
     async def _withdraw(self) -> None:
         assert self._dht is not None
@@ -578,10 +571,11 @@ class Discovery:
         # A newer expiration than our last record's makes the tombstone win everywhere; it is only
         # needed until that record would have expired anyway.
         expiration = max(self._last_expiration + 1e-3, now + 1.0)
-        await self._store_entry(self._dht, encode_withdrawal(self.peer_id), expiration, what="withdrawal")
+        await self._store_entry(self._dht, peers_key(self._settings.swarm), encode_withdrawal(self.peer_id),
+                                expiration, what="withdrawal")
 
-    async def _store_entry(self, dht: DHTNode, value: bytes, expiration: float, *, what: str) -> None:
-        key = peers_key(self._settings.swarm)
+    async def _store_entry(self, dht: DHTNode, key: str, value: bytes, expiration: float, *, what: str) -> None:
+        """Store `value` under `key` in this peer's signed subkey; a failure is counted and logged."""
         async with self._counting_failures("dht_store", f"storing this peer's {what}"):
             stored = await dht.store(key, value, expiration, subkey=self._owner_subkey)
             if not stored:
@@ -617,12 +611,17 @@ class Discovery:
             self._errors[f"{kind}_failed"] += 1
             logger.warning("%s in the DHT failed: %s", doing, exc)
 
-    async def _refresh_view(self) -> None:
+    async def _read_entries(self, key: str, doing: str) -> dict | None:
+        """The subkey entries under `key` (empty when there are none); None when the read failed (counted)."""
         dht = self._require_started()
         entries = None
-        async with self._counting_failures("dht_get", "reading the swarm's peers"):
-            found = await dht.get(peers_key(self._settings.swarm), latest=True)
+        async with self._counting_failures("dht_get", doing):
+            found = await dht.get(key, latest=True)
             entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        return entries
+
+    async def _refresh_view(self) -> None:
+        entries = await self._read_entries(peers_key(self._settings.swarm), "reading the swarm's peers")
         if entries is None:
             return  # keep the last view rather than report everyone gone after one failed read
         records = {self.peer_id: self._local}
