@@ -506,18 +506,17 @@ def _encoded_payloads(tensors: Mapping[str, np.ndarray], codec: Codec, manifest:
     elements at a time, when the frames reach it, so the first bytes leave before the last elements
     are checked and converted."""
     for (name, tensor), entry in zip(tensors.items(), manifest):
-        if isinstance(codec, ElementwiseCodec):
-            flat = tensor.reshape(-1)
-            span = max(1, chunk_bytes // codec.element_nbytes)
-            spans = [(lo, min(flat.size, lo + span)) for lo in range(0, flat.size, span)] or [(0, 0)]
-        else:
-            flat, spans = tensor, [(0, -1)]
+        pieces: list[tuple[str, np.ndarray]] = [("", tensor)]  # (where, what): the whole tensor at once
+        if isinstance(codec, ElementwiseCodec) and tensor.size:
+            flat, step = tensor.reshape(-1), max(1, chunk_bytes // codec.element_nbytes)
+            if flat.size > step:
+                pieces = [(f" elements {lo}-{min(flat.size, lo + step) - 1}", flat[lo : lo + step])
+                          for lo in range(0, flat.size, step)]
         produced = 0
-        for lo, hi in spans:
+        for where, piece in pieces:
             try:
-                encoded = codec.encode(flat if hi < 0 else flat[lo:hi])
+                encoded = codec.encode(piece)
             except WireError as exc:
-                where = f" elements {lo}-{hi - 1}" if hi >= 0 and len(spans) > 1 else ""
                 raise type(exc)(f"tensor {name!r}{where}: {exc}") from None
             produced += len(encoded)
             yield encoded
