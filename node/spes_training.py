@@ -28,7 +28,7 @@ from gossip.transport import Transport
 from node.spes import ModelPartition, SpesNode, spes_average
 from node.spes_directory import DhtExpertDirectory
 from node.train_loop import SwarmTraining
-from node.trainer import StepReport, Trainer
+from node.trainer import StepReport, Trainer, average_tensors
 
 logger = logging.getLogger("murmur.spes")
 
@@ -152,10 +152,8 @@ class SpesSwarmTraining(SwarmTraining):
     def swarm_average(self, members: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
         """The SPES swarm average of `members` (peer id -> full model) for the swarm evaluation: shared
         weights over every member, each expert over its owners in the current table."""
-        from node.swarm_eval import uniform_average
-
         if self.node is None:  # not training yet: no ownership to go by
-            return uniform_average(list(members.values()))
+            return average_tensors(list(members.values()))
         return spes_average(members, self.node.ownership, self.partition)
 
     def checkpoint_meta(self) -> dict[str, str]:

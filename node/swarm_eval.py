@@ -17,7 +17,6 @@ import numpy as np
 
 from gossip.errors import WireError
 from gossip.exchange import GossipPeer, PeerRejected
-from gossip.mixing import mix
 
 if TYPE_CHECKING:
     from node.trainer import Trainer
@@ -87,19 +86,6 @@ class SwarmEvalResult:
                 "elapsed_s": self.elapsed_s}
 
 
-def uniform_average(members: Sequence[Tensors]) -> dict[str, np.ndarray]:
-    """The parameter-wise mean of `members` (same names, shapes, dtypes), summed in float64 block by
-    block by gossip.mixing (no stacked copy of all members). CPU-heavy: call in a thread."""
-    if not members:
-        raise ValueError("nothing to average")
-    own, others = members[0], members[1:]
-    weight = 1.0 / len(members)
-    labels = [str(i) for i in range(1, len(members))]
-    neighbour_weights = dict.fromkeys(labels, weight)
-    return {name: mix(vector, {label: m[name] for label, m in zip(labels, others)}, weight, neighbour_weights)
-            for name, vector in own.items()}
-
-
 class SwarmEvaluator:
     """Evaluates the swarm average for one node, one evaluation at a time (a second request while one
     runs raises EvalBusy rather than pulling every peer's parameters again)."""
@@ -114,7 +100,7 @@ class SwarmEvaluator:
         self._fetch_timeout_s = fetch_timeout_s
         self._count = count  # bad input from a peer is counted here by kind, e.g. "swarm_eval_bad_schema"
         # how the members combine: uniformly by default; SPES averages each expert over its owners only
-        self._average = average or (lambda members: uniform_average(list(members.values())))
+        self._average = average or _uniform_average
         self._running = False
 
     @property
@@ -186,6 +172,13 @@ class SwarmEvaluator:
             return "unreachable"
         into[peer] = (tensors, step)
         return None
+
+
+def _uniform_average(members: Mapping[str, Tensors]) -> dict[str, np.ndarray]:
+    # imported here: the monitor imports this module on nodes that train no model (and load no torch)
+    from node.trainer import average_tensors
+
+    return average_tensors(list(members.values()))
 
 
 def finite_or_none(value: float | None) -> float | None:

@@ -16,7 +16,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Literal, TypeVar
@@ -480,9 +480,18 @@ async def train_alone(trainer: Trainer, steps: int) -> list[StepStats]:
     return [await trainer.train_step() for _ in range(steps)]
 
 
-def average_tensors(members: list[Tensors]) -> dict[str, np.ndarray]:
-    """The parameter-wise mean of several nodes' tensors (float64 sums): the swarm-average model."""
+def average_tensors(members: Sequence[Tensors]) -> dict[str, np.ndarray]:
+    """The parameter-wise mean of several nodes' tensors: the swarm-average model, as float32.
+
+    Summed in float64 one member at a time, so it holds one float64 copy of one tensor beyond its
+    inputs rather than a stacked copy of every member (the swarm evaluation averages many peers).
+    CPU-heavy for a large model: call it in a thread from an event loop."""
     if not members:
         raise ValueError("nothing to average")
-    return {name: np.mean([m[name] for m in members], axis=0, dtype=np.float64).astype(np.float32)
-            for name in members[0]}
+    average = {}
+    for name, first in members[0].items():
+        total = first.astype(np.float64)
+        for member in members[1:]:
+            total += member[name]
+        average[name] = (total / len(members)).astype(np.float32)
+    return average
