@@ -40,6 +40,8 @@ READY_TIMEOUT_S = 60.0
 ROUNDS_TIMEOUT_S = 60.0
 ROUNDS_WANTED = 3  # the best of them is reported: CPU starvation on a shared machine only slows rounds
 STATUS_TIMEOUT_S = 5.0
+TRANSIENT_DHT_ERRORS = frozenset({"dht_store_rejected", "dht_store_timeout", "dht_get_timeout"})
+MAX_DHT_MISSES = 3  # of the ~20 heartbeats and ~40 view reads a node makes while watched
 READY_LINE = re.compile(r"murmur: peer (\S+) in swarm .* ready; monitor (\S+); maddrs (.*)$", re.M)
 
 
@@ -158,7 +160,13 @@ def test_two_nodes_exchange_across_a_rate_limited_link(tmp_path: Path, capsys: p
     for pid, s in final.items():
         other = next(p for p in final if p != pid)
         assert other in {p["peer_id"] for p in s["peers"]}, f"{pid} never saw {other} across the link"
-        assert s["errors"] == {} and s["skipped"] == {}, f"{pid}: errors {s['errors']}, skipped {s['skipped']}"
+        # A DHT heartbeat shares the saturated link with the vectors (on p2pd, the very same connection),
+        # so one can now and then miss its 2 s RPC timeout; the next beat stores the record again and it
+        # outlives three beats, which the view check above relies on. Anything else is a failure.
+        exchange_errors = {k: n for k, n in s["errors"].items() if k not in TRANSIENT_DHT_ERRORS}
+        dht_misses = sum(n for k, n in s["errors"].items() if k in TRANSIENT_DHT_ERRORS)
+        assert exchange_errors == {} and s["skipped"] == {}, f"{pid}: errors {s['errors']}, skipped {s['skipped']}"
+        assert dht_misses <= MAX_DHT_MISSES, f"{pid}: the DHT missed {dht_misses} times: {s['errors']}"
         assert s["bytes_received"] >= ROUNDS_WANTED * PAYLOAD_BYTES, s["bytes_received"]
         assert s["maddrs"] and all(m.startswith("/ip4/10.77.") for m in s["maddrs"]), s["maddrs"]
     # The vectors crossed: two independent random vectors, averaged by the pair, become equal and about
