@@ -237,9 +237,13 @@ def _add_node_commands(commands: argparse._SubParsersAction) -> None:
     _add_monitor_target(evaluate)
     evaluate.add_argument("--timeout", type=_number(float, lo=1.0), default=300.0, metavar="SECONDS",
                           help="how long to wait for the node's answer (default 300)")
+    evaluate.add_argument("--save", action="store_true",
+                          help="the node also writes the average model to swarm-average.npz in its data "
+                          "directory (atomically; the previous one is kept as swarm-average.npz.prev)")
     evaluate.add_argument("--json", action="store_true",
                           help="print the node's JSON answer: loss, self, peers (peer_id, step, self), failed "
-                          "(peer id -> reason), min_step, max_step, elapsed_s, local (val_loss, val_step, loss, step)")
+                          "(peer id -> reason), min_step, max_step, elapsed_s, saved, save_error, "
+                          "local (val_loss, val_step, loss, step)")
     evaluate.set_defaults(run=_run_eval)
 
 
@@ -392,7 +396,7 @@ def _run_eval(args: argparse.Namespace) -> int:
     url = status_url(args, os.environ)
     from node.eval_cmd import run_eval
 
-    return run_eval(url, args.json, args.timeout)
+    return run_eval(url, args.json, args.timeout, save=args.save)
 
 
 @contextlib.contextmanager

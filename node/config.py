@@ -125,6 +125,7 @@ class TrainingConfig:
     threads: int = 0  # torch CPU threads; 0: torch's default
     eval_every: int = 25  # steps between validation-loss evaluations of the local model
     checkpoint_every: int = 50  # steps between checkpoints (and one when training stops)
+    average_every: int = 0  # steps between writes of the swarm-average model (and one at the end); 0: never
     # SPES, sparse expert sync of the MoE model (docs/spes.md): the swarm's knobs, and this node's capacity
     spes: bool = False
     spes_sync_every: int = 1  # S
@@ -643,6 +644,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("training.checkpoint_every", Integer(1, noun="steps"), "MURMUR_CHECKPOINT_EVERY",
             "--checkpoint-every", "steps between checkpoints; one is also written when training ends "
             "and when the node stops", NODE),
+    Setting("training.average_every", _NONNEG, "MURMUR_AVERAGE_EVERY", "--average-every",
+            "steps between writes of the swarm-average model to swarm-average.npz in the data directory "
+            "(and one when training ends); each pulls every live peer's parameters; 0: only on request "
+            "(murmur eval --save)", NODE),
     Setting("gossip.mixing.trim", Number(0.0, hi=0.5, hi_open=True, metavar="FRACTION"), "MURMUR_TRIM", "--trim",
             "fraction trimmed per side by --mixing trimmed_mean", NODE),
     Setting("training.spes", Boolean(), "MURMUR_SPES", "--spes",

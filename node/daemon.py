@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import signal
@@ -30,6 +31,7 @@ from topology import MembershipView, Topology, build_topology, peer_round
 logger = logging.getLogger("murmur.node")
 
 CHECKPOINT_EVERY_ROUNDS = 10
+SWARM_AVERAGE_FILE = "swarm-average.npz"  # in the data directory, beside checkpoint.npz
 STOP_TIMEOUT_S = 4.0  # everything below must be gone within the 5 s a user waits after SIGTERM
 JOIN_CONFIG_TIMEOUT_S = 30.0
 
@@ -152,14 +154,15 @@ class NodeRuntime:
             topo = self._topologies[key]
         return round_graph((p.peer_id for p in view), members, topo, me, round_index)
 
-    async def evaluate_swarm_average(self) -> dict[str, Any]:
+    async def evaluate_swarm_average(self, save: bool = False) -> dict[str, Any]:
         """`POST /api/eval/average`: the swarm-average model's validation loss (node.swarm_eval), with
-        this node's latest own validation loss next to it. Raises EvalUnavailable or EvalBusy."""
+        this node's latest own validation loss next to it; with `save`, the model is also written to
+        SWARM_AVERAGE_FILE. Raises EvalUnavailable or EvalBusy."""
         from node.swarm_eval import EvalUnavailable, finite_or_none
 
         if self.swarm_eval is None or self.training is None:
             raise EvalUnavailable("this node trains no model (vector mode): there is no validation loss to evaluate")
-        result = await self.swarm_eval.evaluate()
+        result = await self.swarm_eval.evaluate(save=save)
         s = self.training.status
         return {**result.as_dict(), "local": {"val_loss": finite_or_none(s.val_loss), "val_step": s.val_step,
                                               "loss": finite_or_none(s.loss), "step": s.step}}
@@ -326,8 +329,22 @@ async def _start_training(runtime: NodeRuntime, settings: SwarmSettings, exchang
         await runtime.transport.connect(record.peer_id, record.maddrs)
 
     runtime.swarm_eval = SwarmEvaluator(trainer, runtime.peer, runtime.discovery.view, connect=dial, count=runtime.count,
-                                        average=getattr(training, "swarm_average", None))
+                                        average=getattr(training, "swarm_average", None),
+                                        save=functools.partial(_save_swarm_average, runtime))
+    stack.push_async_callback(runtime.swarm_eval.close)
     return training
+
+
+async def _save_swarm_average(runtime: NodeRuntime, tensors, result) -> str:
+    """Write the swarm-average model beside the checkpoint, atomically, with what it averaged; OSError
+    leaves the previous file as it was."""
+    path = runtime.config.data_dir / SWARM_AVERAGE_FILE
+    meta = {"kind": "swarm-average", "swarm": runtime.config.swarm, "config_hash": runtime.config_hash,
+            "swarm_config": json.dumps(runtime.swarm_doc), "written_by": result.self_id, "written_at": time.time(),
+            "val_loss": result.loss, "min_step": result.min_step, "max_step": result.max_step,
+            "peers": json.dumps([p.peer_id for p in result.included])}
+    await asyncio.to_thread(save_checkpoint, path, tensors, meta)
+    return str(path)
 
 
 async def _train_until(stop: asyncio.Event, runtime: NodeRuntime, training, settings: SwarmSettings, ckpt_path) -> None:
@@ -338,7 +355,9 @@ async def _train_until(stop: asyncio.Event, runtime: NodeRuntime, training, sett
     if training.trainer.step == 0:
         await training.wait_for_quorum(stop)
     try:
-        await training.run(stop, lambda: _checkpoint(runtime, ckpt_path))
+        # --average-every: the evaluator writes the swarm average in the background, training goes on
+        periodic = runtime.swarm_eval.save_in_background if runtime.config.training.average_every else None
+        await training.run(stop, lambda: _checkpoint(runtime, ckpt_path), average=periodic)
     except Exception as exc:  # noqa: BLE001 - a failing model (user code) must not take the node down
         runtime.count("training_failed")
         logger.error("training stopped at step %d: %s: %s; the node keeps serving its last parameters",

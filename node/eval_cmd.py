@@ -19,9 +19,10 @@ class EvalRefused(Exception):
     """The node answered with an error (busy, not training...): its message."""
 
 
-def request_swarm_eval(url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+def request_swarm_eval(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, save: bool = False) -> dict[str, Any]:
     """The node's answer; raises EvalRefused for an error answer, URLError/OSError/ValueError otherwise."""
-    request = urllib.request.Request(f"{url.rstrip('/')}/api/eval/average", data=b"", method="POST")
+    query = "?save=true" if save else ""
+    request = urllib.request.Request(f"{url.rstrip('/')}/api/eval/average{query}", data=b"", method="POST")
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return json.load(response)
@@ -49,12 +50,17 @@ def format_swarm_eval(result: dict[str, Any]) -> str:
              + f"   train loss {_loss(local['loss'])} at step {local['step']}"]
     lines += [f"  in   {p['peer_id']}  step {p['step']}{'  (this node)' if p['self'] else ''}" for p in peers]
     lines += [f"  out  {peer}  {reason}" for peer, reason in sorted(failed.items())]
+    if result.get("saved"):
+        lines.append(f"written to {result['saved']}")
+    if result.get("save_error"):
+        lines.append(f"NOT written: {result['save_error']} (the previous file is kept)")
     return "\n".join(lines)
 
 
-def run_eval(url: str, as_json: bool, timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
+def run_eval(url: str, as_json: bool, timeout_s: float = DEFAULT_TIMEOUT_S, save: bool = False) -> int:
+    """Exit 0 with the report; 1 when the node refused, did not answer, or could not write the average."""
     try:
-        result = request_swarm_eval(url, timeout_s)
+        result = request_swarm_eval(url, timeout_s, save)
     except EvalRefused as exc:
         print(f"murmur eval: error: the node at {url} refused: {exc}", file=sys.stderr)
         return 1
@@ -63,4 +69,5 @@ def run_eval(url: str, as_json: bool, timeout_s: float = DEFAULT_TIMEOUT_S) -> i
         return 1
     except (urllib.error.URLError, OSError, ValueError) as exc:
         return no_node("eval", url, exc)
-    return print_answer("eval", url, result, as_json, format_swarm_eval)
+    status = print_answer("eval", url, result, as_json, format_swarm_eval)
+    return 1 if status == 0 and result.get("save_error") else status

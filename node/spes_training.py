@@ -98,7 +98,7 @@ class SpesSwarmTraining(SwarmTraining):
         return assign_experts(capacities, capacities, self.partition.experts_per_layer, self.partition.layers,
                               self.spes_config.replication)
 
-    async def run(self, stop: asyncio.Event, save: Callable[[], Any]) -> None:
+    async def run(self, stop: asyncio.Event, save: Callable[[], Any], average: Callable[[], Any] | None = None) -> None:
         """Start the SpesNode (once), then train as SwarmTraining does while the directory keeps this
         node's records stored. A training failure propagates as itself, not wrapped in a group."""
         failure: Exception | None = None
@@ -114,7 +114,7 @@ class SpesSwarmTraining(SwarmTraining):
                                          self.ownership_from_view(my_capacity=0), self.directory)
                     await self.node.start(self._saved)
                     self._announce_ownership()
-                await super().run(stop, save)
+                await super().run(stop, save, average)
             except Exception as exc:  # noqa: BLE001 - re-raised below, after the directory task stopped
                 failure = exc
             finally:

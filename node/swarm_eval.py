@@ -1,10 +1,12 @@
-"""The validation loss of the swarm-average model, on request: pull every live peer's current
-parameters, average them uniformly with this node's own, and evaluate the average on this node's
-validation split (docs/training.md, "The swarm-average loss")."""
+"""The swarm-average model, on request or every few steps: pull every live peer's current parameters,
+average them uniformly with this node's own, evaluate the average on this node's validation split and,
+when asked, write it to disk (docs/training.md, "The swarm-average model")."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -43,6 +45,8 @@ View = Callable[[], Sequence[PeerRecordLike]]
 Connect = Callable[[PeerRecordLike], Awaitable[None]]
 # peer id -> that peer's tensors (this node's first) -> the average model; CPU-heavy, run in a thread
 Average = Callable[[Mapping[str, Tensors]], dict[str, np.ndarray]]
+# writes the average model with what the evaluation found; returns where; raises OSError (disk full...)
+SaveAverage = Callable[[Mapping[str, np.ndarray], "SwarmEvalResult"], Awaitable[str]]
 
 
 class EvalBusy(Exception):
@@ -68,6 +72,8 @@ class SwarmEvalResult:
     included: tuple[IncludedPeer, ...]
     failed: Mapping[str, str]  # peer id -> why it was left out
     elapsed_s: float
+    saved: str | None = None  # where the average model was written, when asked to save it
+    save_error: str | None = None  # why it could not be written (the previous file is kept)
 
     @property
     def min_step(self) -> int:
@@ -83,16 +89,17 @@ class SwarmEvalResult:
                 "peers": [{"peer_id": p.peer_id, "step": p.step, "self": p.peer_id == self.self_id}
                           for p in self.included],
                 "failed": dict(self.failed), "min_step": self.min_step, "max_step": self.max_step,
-                "elapsed_s": self.elapsed_s}
+                "elapsed_s": self.elapsed_s, "saved": self.saved, "save_error": self.save_error}
 
 
 class SwarmEvaluator:
     """Evaluates the swarm average for one node, one evaluation at a time (a second request while one
-    runs raises EvalBusy rather than pulling every peer's parameters again)."""
+    runs raises EvalBusy rather than pulling every peer's parameters again). `close()` cancels one
+    started in the background."""
 
     def __init__(self, trainer: Trainer, peer: GossipPeer, view: View, *, connect: Connect | None = None,
                  fetch_timeout_s: float = FETCH_TIMEOUT_S, count: Callable[[str], None] | None = None,
-                 average: Average | None = None) -> None:
+                 average: Average | None = None, save: SaveAverage | None = None) -> None:
         self._trainer = trainer
         self._peer = peer
         self._view = view
@@ -101,25 +108,52 @@ class SwarmEvaluator:
         self._count = count  # bad input from a peer is counted here by kind, e.g. "swarm_eval_bad_schema"
         # how the members combine: uniformly by default; SPES averages each expert over its owners only
         self._average = average or _uniform_average
-        self._running = False
+        self._save = save
+        self._lock = asyncio.Lock()  # held while an evaluation runs, requested or periodic
+        self._due = False  # a periodic write was asked for and has not started yet
+        self._background: asyncio.Task[None] | None = None
 
     @property
     def busy(self) -> bool:
-        return self._running
+        return self._lock.locked()
 
-    async def evaluate(self) -> SwarmEvalResult:
-        """Pull every live peer's parameters concurrently, average them with ours, evaluate the average.
-        Peers that fail are left out and named in the result; raises EvalBusy while one runs."""
-        if self._running:
+    async def evaluate(self, *, save: bool = False) -> SwarmEvalResult:
+        """Pull every live peer's parameters concurrently, average them with ours, evaluate the average
+        and, with `save`, write it. Peers that fail are left out and named in the result; a failed write
+        is named in it too. Raises EvalBusy while one runs, EvalUnavailable to save without a writer."""
+        if self._lock.locked():
             raise EvalBusy("an evaluation of the swarm average is already running on this node; "
                            "ask again once it is done")
-        self._running = True
-        try:
-            return await self._evaluate()
-        finally:
-            self._running = False
+        if save and self._save is None:
+            raise EvalUnavailable("this node has nowhere to write the swarm average")
+        async with self._lock:
+            return await self._evaluate(save)
 
-    async def _evaluate(self) -> SwarmEvalResult:
+    def save_in_background(self) -> None:
+        """Write the swarm average soon, without waiting for it (`--average-every`). Writes asked for
+        while one runs are coalesced into one more after it, so the last one asked for (training's end)
+        is never lost; one behind a requested evaluation waits for it."""
+        if self._save is None:
+            raise EvalUnavailable("this node has nowhere to write the swarm average")
+        self._due = True
+        if self._background is None or self._background.done():
+            self._background = asyncio.create_task(self._save_while_due(), name="swarm average")
+            self._background.add_done_callback(_log_failure)
+
+    async def _save_while_due(self) -> None:
+        while self._due:
+            async with self._lock:
+                self._due = False
+                await self._evaluate(save=True)
+
+    async def close(self) -> None:
+        """Cancel a write started in the background and wait for it to end."""
+        if self._background is not None and not self._background.done():
+            self._background.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._background
+
+    async def _evaluate(self, save: bool) -> SwarmEvalResult:
         started = time.monotonic()
         me = self._peer.peer_id
         others = sorted({r.peer_id: r for r in self._view() if r.peer_id != me}.values(), key=lambda r: r.peer_id)
@@ -148,7 +182,21 @@ class SwarmEvaluator:
         logger.info("swarm-average val loss %s over %d peers (steps %d-%d) in %.1f s%s", _fmt(loss), len(included),
                     result.min_step, result.max_step, result.elapsed_s,
                     f"; left out {dict(result.failed)}" if failed else "")
+        if save:
+            result = await self._write(average, result)
         return result
+
+    async def _write(self, average: Mapping[str, np.ndarray], result: SwarmEvalResult) -> SwarmEvalResult:
+        assert self._save is not None
+        try:
+            where = await self._save(average, result)
+        except OSError as exc:
+            if self._count is not None:
+                self._count("swarm_average_save_failed")
+            logger.error("swarm average not written (%s); the previous one is kept", exc)
+            return dataclasses.replace(result, save_error=str(exc))
+        logger.info("swarm average written to %s", where)
+        return dataclasses.replace(result, saved=where)
 
     async def _pull(self, record: PeerRecordLike, into: dict[str, tuple[dict[str, np.ndarray], int]]) -> str | None:
         """Fetch one peer's parameters into `into`; None, or why it failed."""
@@ -179,6 +227,13 @@ def _uniform_average(members: Mapping[str, Tensors]) -> dict[str, np.ndarray]:
     from node.trainer import average_tensors
 
     return average_tensors(list(members.values()))
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    # A background evaluation has no caller to raise to; its failure would otherwise go unseen.
+    if not task.cancelled() and task.exception() is not None:
+        exc = task.exception()
+        logger.error("swarm average in the background failed: %s: %s", type(exc).__name__, exc)
 
 
 def finite_or_none(value: float | None) -> float | None:

@@ -214,9 +214,11 @@ class SwarmTraining:
                 async with asyncio.timeout(0.5):
                     await stop.wait()
 
-    async def run(self, stop: asyncio.Event, save: Callable[[], Any]) -> None:
-        """Train until the recipe's step budget is spent or `stop` is set; `save` writes a checkpoint."""
+    async def run(self, stop: asyncio.Event, save: Callable[[], Any], average: Callable[[], Any] | None = None) -> None:
+        """Train until the recipe's step budget is spent or `stop` is set; `save` writes a checkpoint;
+        `average`, when given, starts writing the swarm average every `average_every` steps and at the end."""
         every_eval, every_ckpt = self.config.training.eval_every, self.config.training.checkpoint_every
+        every_average = self.config.training.average_every
         # where we start (restored or downloaded) must show in our record before the first round, or
         # neighbours would hold their rounds for us as if we were far behind
         self.discovery.update(step=self.trainer.step, round=self.peer.round)
@@ -230,6 +232,8 @@ class SwarmTraining:
                 await self.evaluate()
             if step % every_ckpt == 0 or self.finished:
                 await save()
+            if average is not None and every_average and (step % every_average == 0 or self.finished):
+                average()
         if self.finished:
             self.peer.park()
             self.status.done = True

@@ -1,11 +1,13 @@
 """The swarm-average evaluation in-process (in-memory transport, the tiny model): the loss is that of an
 average computed independently; frozen, dead and misbehaving peers are left out and named while the
-rest is averaged; a second request while one runs is refused as busy; the monitor's POST endpoint
-answers 200/409/422/400 with JSON, and `murmur eval` reports what it answered."""
+rest is averaged; a second request while one runs is refused as busy; the average written on request
+is the model evaluated, and periodic writes coalesce; the monitor's POST endpoint answers
+200/409/422/400 with JSON, and `murmur eval [--save]` reports what it answered."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ from gossip.codecs import get_codec
 from gossip.exchange import ExchangeSettings, GossipPeer
 from gossip.memory import InMemoryNetwork
 from gossip.optimizers import OptimizerConfig
+from node.checkpoint import load_checkpoint
 from node.config import NodeConfig
 from node.daemon import NodeRuntime
 from node.data import Corpus
@@ -188,11 +191,99 @@ def test_a_second_request_while_one_runs_is_refused_as_busy(corpus: Corpus):
     asyncio.run(main())
 
 
+def test_a_saved_average_is_the_model_evaluated_and_a_failed_write_is_reported(corpus: Corpus, tmp_path):
+    from node.daemon import _save_swarm_average
+
+    async def main() -> None:
+        net = InMemoryNetwork()
+        counted: list[str] = []
+        runtime = NodeRuntime(NodeConfig(data_dir=tmp_path, swarm="test"), founding=True)
+        runtime.config_hash, runtime.swarm_doc = "c0ffee", {"version": 1}
+        async with make_trainer(corpus) as trainer:
+            mine, members = await swarm(net, trainer, {"peer-a": 1, "peer-b": 2})
+            evaluator = SwarmEvaluator(trainer, mine, view_of("me", "peer-a", "peer-b"), count=counted.append,
+                                       save=functools.partial(_save_swarm_average, runtime))
+            result = await evaluator.evaluate(save=True)
+            assert result.saved == str(tmp_path / "swarm-average.npz") and result.save_error is None
+            written = load_checkpoint(tmp_path / "swarm-average.npz")
+            assert await trainer.evaluate(written.tensors) == pytest.approx(result.loss, rel=1e-6)
+
+            # a data directory that cannot hold the file: the answer says so, the failure is counted
+            blocked = tmp_path / "a-file"
+            blocked.write_text("not a directory")
+            runtime.config = NodeConfig(data_dir=blocked, swarm="test")
+            failed = await evaluator.evaluate(save=True)
+        mean = {name: np.mean(np.stack([m[name].astype(np.float64) for m in members.values()]), axis=0)
+                for name in members["me"]}
+        assert sorted(written.tensors) == sorted(mean)
+        for name, expected in mean.items():
+            np.testing.assert_allclose(written.tensors[name], expected, rtol=0, atol=1e-6)
+        assert written.meta["kind"] == "swarm-average" and written.meta["swarm"] == "test"
+        assert (written.meta["min_step"], written.meta["max_step"]) == (7, 12)
+        assert json.loads(written.meta["peers"]) == ["me", "peer-a", "peer-b"]
+        assert failed.saved is None and "a-file" in failed.save_error  # mkdir: it exists, as a file
+        assert failed.loss == pytest.approx(result.loss, rel=1e-6)  # the evaluation itself still answered
+        assert counted == ["swarm_average_save_failed"]
+        assert failed.as_dict()["save_error"] == failed.save_error
+        assert load_checkpoint(tmp_path / "swarm-average.npz").meta == written.meta  # the earlier file is intact
+
+    asyncio.run(main())
+
+
+def test_periodic_writes_are_coalesced_wait_behind_a_request_and_stop_on_close(corpus: Corpus):
+    async def main() -> None:
+        net = InMemoryNetwork()
+        writes: list[int] = []
+
+        async def save(average, result) -> str:
+            writes.append(len(result.included))
+            return "written"
+
+        async with make_trainer(corpus) as trainer:
+            mine, _ = await swarm(net, trainer, {"slow": 1})
+            net.freeze("slow")
+            evaluator = SwarmEvaluator(trainer, mine, view_of("me", "slow"), fetch_timeout_s=0.5, save=save)
+            evaluator.save_in_background()
+            await asyncio.sleep(0.1)
+            assert evaluator.busy
+            with pytest.raises(EvalBusy):
+                await evaluator.evaluate()  # a request meanwhile is refused, as for any running evaluation
+            evaluator.save_in_background()  # due twice more while the first runs: one more write, not two
+            evaluator.save_in_background()
+            async with asyncio.timeout(20):
+                while len(writes) < 2 or evaluator.busy:
+                    await asyncio.sleep(0.05)
+            await asyncio.sleep(0.7)
+            assert writes == [1, 1]  # the frozen peer was left out both times
+
+            # due while a request runs: it waits for the request, then writes
+            request = asyncio.create_task(evaluator.evaluate())
+            await asyncio.sleep(0.1)
+            evaluator.save_in_background()
+            await request
+            async with asyncio.timeout(20):
+                while len(writes) < 3:
+                    await asyncio.sleep(0.05)
+
+            # closing the node cancels a write in flight: it never lands
+            evaluator.save_in_background()
+            await asyncio.sleep(0.1)
+            await evaluator.close()
+            assert not evaluator.busy and writes == [1, 1, 1]
+            net.thaw("slow")
+
+        with pytest.raises(EvalUnavailable, match="nowhere to write"):
+            SwarmEvaluator(trainer, mine, view_of("me")).save_in_background()
+
+    asyncio.run(main())
+
+
 # ---- the monitor endpoint and `murmur eval` -------------------------------------------------------
 
 ANSWER = {"loss": 2.5, "self": "me", "peers": [{"peer_id": "me", "step": 7, "self": True},
                                                 {"peer_id": "peer-a", "step": 9, "self": False}],
-          "failed": {"peer-b": "timeout"}, "min_step": 7, "max_step": 9, "elapsed_s": 1.25,
+          "failed": {"peer-b": "timeout"}, "min_step": 7, "max_step": 9, "elapsed_s": 1.25, "saved": None,
+          "save_error": None,
           "local": {"val_loss": 2.75, "val_step": 5, "loss": 2.6, "step": 7}}
 
 
@@ -205,6 +296,8 @@ class FakeNode:
         self.record_ttl_s = 6.0
         self.refusal: Exception | None = None
         self.calls = 0
+        self.saves: list[bool] = []
+        self.save_error: str | None = None
 
     def status(self) -> dict[str, Any]:
         return {"peer_id": "me", "peers": [], "errors": {}, "skipped": {}, "gossip_from": 0}
@@ -218,11 +311,14 @@ class FakeNode:
     def counters(self) -> Counters:
         return Counters(step=0, round=0, bytes_sent=0, bytes_received=0, peers_alive=1)
 
-    async def evaluate_swarm_average(self) -> dict[str, Any]:
+    async def evaluate_swarm_average(self, save: bool = False) -> dict[str, Any]:
         self.calls += 1
+        self.saves.append(save)
         if self.refusal is not None:
             raise self.refusal
-        return ANSWER
+        if save and self.save_error:
+            return {**ANSWER, "save_error": self.save_error}
+        return {**ANSWER, "saved": "/data/swarm-average.npz"} if save else ANSWER
 
 
 def test_the_endpoint_answers_the_result_busy_not_training_and_bad_queries(capsys):
@@ -241,6 +337,12 @@ def test_the_endpoint_answers_the_result_busy_not_training_and_bad_queries(capsy
                     assert wrong_method.status == 405
                 async with session.post(url + "?peers=3") as bad:
                     assert bad.status == 400 and "unknown query parameter 'peers'" in (await bad.json())["error"]
+                async with session.post(url + "?save=maybe") as bad_save:
+                    assert bad_save.status == 400 and "must be true or false" in (await bad_save.json())["error"]
+                for query, wanted in (("?save=true", True), ("?save=1", True), ("?save=false", False)):
+                    async with session.post(url + query) as answered:
+                        assert answered.status == 200 and node.saves[-1] is wanted
+                        assert (await answered.json())["saved"] == ("/data/swarm-average.npz" if wanted else None)
                 node.refusal = EvalBusy("an evaluation of the swarm average is already running")
                 async with session.post(url) as busy:
                     assert busy.status == 409
@@ -253,7 +355,7 @@ def test_the_endpoint_answers_the_result_busy_not_training_and_bad_queries(capsy
                     assert cross_site.status == 403 and "http://evil.example" in (await cross_site.json())["error"]
                 async with session.post(url, headers={"Origin": server.url}) as same_site:
                     assert same_site.status == 422  # the monitor page's own origin may ask
-            assert node.calls == 4  # the bad query, the GET and the cross-site request evaluated nothing
+            assert node.calls == 7  # the bad queries, the GET and the cross-site request evaluated nothing
 
             # `murmur eval` on the same server: a refusal is one line and exit 1, an answer is a report
             assert await asyncio.to_thread(run_eval, server.url, False) == 1
@@ -261,7 +363,16 @@ def test_the_endpoint_answers_the_result_busy_not_training_and_bad_queries(capsy
             assert err == [f"murmur eval: error: the node at {server.url} refused: this node trains no model"]
             node.refusal = None
             assert await asyncio.to_thread(run_eval, server.url, True) == 0
-            assert json.loads(capsys.readouterr().out) == ANSWER
+            assert json.loads(capsys.readouterr().out) == ANSWER and node.saves[-1] is False
+            # `murmur eval --save`: the report ends with where the node wrote the average
+            assert await asyncio.to_thread(functools.partial(run_eval, server.url, False, save=True)) == 0
+            assert capsys.readouterr().out.splitlines()[-1] == "written to /data/swarm-average.npz"
+            assert node.saves[-1] is True
+            # a node that could not write it: the report says so and the exit status is 1, for scripts
+            node.save_error = "[Errno 28] No space left on device"
+            assert await asyncio.to_thread(functools.partial(run_eval, server.url, False, save=True)) == 1
+            assert capsys.readouterr().out.splitlines()[-1] == (
+                "NOT written: [Errno 28] No space left on device (the previous file is kept)")
         finally:
             await server.close()
 

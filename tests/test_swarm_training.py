@@ -103,13 +103,14 @@ def test_kill_join_restart_and_parity(swarm, tmp_path):
     assert statuses[-1]["rounds_run"] > 0 and statuses[-1]["bytes_received"] > 0, "the joiner never gossiped"
     # the swarm-average loss asked of a running node: every live node is in it (their parameters no
     # longer change once done, so it is checked below against the average of their final checkpoints)
-    asked = subprocess.run([MURMUR, "eval", "--url", founder.monitor_url, "--json"], capture_output=True, text=True,
-                           timeout=120)
+    asked = subprocess.run([MURMUR, "eval", "--url", founder.monitor_url, "--save", "--json"], capture_output=True,
+                           text=True, timeout=120)
     assert asked.returncode == 0, asked.stderr[-2000:]
     swarm_eval = json.loads(asked.stdout)
     assert sorted(p["peer_id"] for p in swarm_eval["peers"]) == sorted(n.peer_id for n in everyone)
     assert swarm_eval["failed"] == {} and swarm_eval["self"] == founder.peer_id
     assert swarm_eval["local"]["val_step"] == STEPS
+    assert swarm_eval["saved"] == str(founder.data_dir / "swarm-average.npz") and swarm_eval["save_error"] is None
 
     # the killed node comes back with its identity: it restores its checkpoint, then catches up with
     # the swarm (which is more than the staleness bound ahead) by downloading its parameters
@@ -126,6 +127,10 @@ def test_kill_join_restart_and_parity(swarm, tmp_path):
     swarm_loss = single_process_val_loss(1, tmp_path, average_tensors([final_parameters(n.data_dir) for n in survivors]))
     everyone_loss = single_process_val_loss(1, tmp_path, average_tensors([final_parameters(n.data_dir) for n in everyone]))
     assert swarm_eval["loss"] == pytest.approx(everyone_loss, rel=1e-4), "murmur eval's average is not the swarm's"
+    saved = load_checkpoint(founder.data_dir / "swarm-average.npz")
+    assert saved.meta["kind"] == "swarm-average" and saved.meta["min_step"] == saved.meta["max_step"] == STEPS
+    assert sorted(json.loads(saved.meta["peers"])) == sorted(n.peer_id for n in everyone)
+    assert single_process_val_loss(1, tmp_path, saved.tensors) == pytest.approx(swarm_eval["loss"], rel=1e-5)
     baseline = single_process_val_loss(3, tmp_path)
     assert swarm_loss <= PARITY * baseline, f"swarm average {swarm_loss:.4f} vs 3-node baseline {baseline:.4f}"
     assert swarm_loss < untrained - 1.0
@@ -155,14 +160,25 @@ def test_restart_resumes_from_checkpoint_and_survives_a_corrupt_one(swarm):
     path = node.data_dir / "checkpoint.npz"
     previous = load_checkpoint(node.data_dir / "checkpoint.npz.prev")
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    third = swarm.spawn("n0", seed=0, join=None, data_dir=node.data_dir, **flags)
+    # ...and writes the swarm average (alone: its own model) every 50 steps and once more at the end
+    third = swarm.spawn("n0", seed=0, join=None, data_dir=node.data_dir, **flags, average_every=50)
     swarm.wait_ready([third])
     assert training(third)["started_from"] == "checkpoint"
     assert training(third)["step"] >= int(previous.meta["step"])
     log = third.stderr() + third.stdout()
     assert "is unreadable" in log and "resuming from checkpoint at step " + str(previous.meta["step"]) in log
     wait_for(lambda: training(third)["done"], 120, "training to finish after the fallback")
+    average_path = node.data_dir / "swarm-average.npz"
+    wait_for(lambda: average_path.exists() and load_checkpoint(average_path).meta["max_step"] == 200, 60,
+             "the swarm average written at the end of training")
     assert swarm.stop_all([third]) == [0]
+    average = load_checkpoint(average_path)
+    assert average.meta["kind"] == "swarm-average" and json.loads(average.meta["peers"]) == [third.peer_id]
+    final_params = final_parameters(node.data_dir)
+    assert sorted(average.tensors) == sorted(final_params)
+    for name, values in final_params.items():
+        np.testing.assert_array_equal(average.tensors[name].reshape(-1), values.reshape(-1), err_msg=name)
+    assert load_checkpoint(node.data_dir / "swarm-average.npz.prev").meta["max_step"] < 200  # an earlier periodic one
 
 
 def test_a_model_that_raises_stops_training_not_the_node(swarm):

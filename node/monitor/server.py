@@ -79,6 +79,14 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _boolean(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes"):
+        return True
+    if text.lower() in ("0", "false", "no"):
+        return False
+    raise ValueError("must be true or false (or 1 or 0)")
+
+
 def _finite_float(text: str) -> float:
     value = float(text)
     if value != value or value in (float("inf"), float("-inf")):
@@ -242,14 +250,14 @@ def build_app(source: MonitorSource, sampler: Sampler) -> web.Application:
         return response
 
     async def swarm_average(request: web.Request) -> web.Response:
-        _parse_query(request.query, {})
+        query = _parse_query(request.query, {"save": _boolean})
         origin = request.headers.get("Origin")
         if origin is not None and origin != f"{request.scheme}://{request.host}":
             # a page elsewhere in the user's browser may POST here without reading the answer; it must
             # not be able to make the node pull every peer's parameters over and over
             return _error(403, f"a request from the page at {origin} may not start an evaluation")
         try:
-            return _json(await source.evaluate_swarm_average())
+            return _json(await source.evaluate_swarm_average(save=query.get("save", False)))
         except EvalBusy as exc:
             return _error(409, str(exc))
         except EvalUnavailable as exc:

@@ -37,6 +37,7 @@ class MonitorSource(Protocol):
     def counters(self) -> Counters:
         """What one history sample takes from the node's counters."""
 
-    async def evaluate_swarm_average(self) -> dict[str, Any]:
+    async def evaluate_swarm_average(self, save: bool = False) -> dict[str, Any]:
         """`POST /api/eval/average` (schemas/swarm_eval.json): the one method that does real work; it
-        awaits the network and a thread. Raises node.swarm_eval.EvalBusy or EvalUnavailable."""
+        awaits the network and a thread, and with `save` writes the average model to disk. Raises
+        node.swarm_eval.EvalBusy or EvalUnavailable."""
