@@ -51,7 +51,7 @@ from gossip.wire import (
     read_message,
 )
 from node.models import MoE, expert_parameter_names, shared_parameter_names
-from node.trainer import PlanFor, StepStats, Tensors, Trainer
+from node.trainer import PlanFor, StepStats, Tensors, Trainer, average_tensors
 from topology import PeerRound
 
 logger = logging.getLogger(__name__)
@@ -610,13 +610,10 @@ def spes_average(members: Mapping[str, Tensors], ownership: Ownership, partition
     owners (the copies that are trained; frozen copies are only caches of them)."""
     if not members:
         raise ValueError("nothing to average")
-    out = {}
-    for name in partition.shared:
-        out[name] = np.mean([m[name] for m in members.values()], axis=0, dtype=np.float64).astype(np.float32)
+    out = average_tensors([{name: m[name] for name in partition.shared} for m in members.values()])
     for key, names in partition.experts.items():
         owners = [p for p in ownership.owners[key] if p in members] or list(members)
-        for name in names:
-            out[name] = np.mean([members[p][name] for p in owners], axis=0, dtype=np.float64).astype(np.float32)
+        out.update(average_tensors([{name: members[p][name] for name in names} for p in owners]))
     return out
 
 

@@ -414,3 +414,29 @@ def test_a_restarted_node_keeps_a_copys_version_only_if_its_content_still_matche
             n.trainer.close()
 
     asyncio.run(main())
+
+
+def test_the_spes_swarm_average_takes_shared_weights_from_everyone_and_each_expert_from_its_owners() -> None:
+    partition = ModelPartition(shared=("emb",), experts={(0, 0): ("e0.w1", "e0.w2"), (0, 1): ("e1.w1", "e1.w2")},
+                               experts_per_layer=2, layers=1)
+    rng = np.random.default_rng(0)
+    members = {p: {name: rng.standard_normal(50).astype(np.float32) for name in ("emb", "e0.w1", "e0.w2", "e1.w1", "e1.w2")}
+               for p in ("a", "b", "c")}
+
+    @dataclass(frozen=True)
+    class Owners:
+        owners: dict
+
+    # expert 0 is owned by a and c; expert 1's owner ("gone") did not answer: every member's copy counts
+    average = spes_average(members, Owners({(0, 0): ("a", "c"), (0, 1): ("gone",)}), partition)
+
+    def mean(name: str, peers: tuple[str, ...]) -> np.ndarray:
+        return np.mean(np.stack([members[p][name].astype(np.float64) for p in peers]), axis=0)
+
+    expected = {"emb": mean("emb", ("a", "b", "c")), "e0.w1": mean("e0.w1", ("a", "c")),
+                "e0.w2": mean("e0.w2", ("a", "c")), "e1.w1": mean("e1.w1", ("a", "b", "c")),
+                "e1.w2": mean("e1.w2", ("a", "b", "c"))}
+    assert sorted(average) == sorted(expected)
+    for name, values in expected.items():
+        assert average[name].dtype == np.float32
+        np.testing.assert_allclose(average[name], values, rtol=0, atol=1e-6, err_msg=name)
