@@ -612,7 +612,8 @@ SETTINGS: tuple[Setting, ...] = (
             "clipping radius of --mixing clipped", NODE, optional=True),
     Setting("training.model", MODEL_NAME, "MURMUR_MODEL", "--model",
             "what the swarm trains: the embedded MoE or dense GPT, `vector` (no model: gossip a random vector "
-            "of --dim floats), or a builder by import path; a joiner takes the swarm's", NODE),
+            "of --dim floats), or a builder by import path; a joiner takes the swarm's, and runs a builder only "
+            "if its own --model names the same one", NODE),
     Setting("training.optimizer", Choice("optimizer", OPTIMIZERS, metavar="OPTIMIZER"), "MURMUR_OPTIMIZER",
             "--optimizer", "dsgd (adapt-then-combine) or dadam (decentralized Adam, exchange overlapped "
             "with compute); a joiner takes the swarm's", NODE),

@@ -24,7 +24,8 @@ from gossip.exchange import ExchangeSettings, GossipPeer
 from node.checkpoint import CheckpointUnreadable, load_checkpoint, save_checkpoint
 from node.config import NodeConfig
 from node.monitor import Counters, EventLog, HistoryRecorder, MixingStepEstimate, MonitorServer, round_graph, start_monitor
-from node.recipe import RecipeInvalid, SwarmSettings, same_payload, swarm_document
+from node.ready_line import format_ready_line
+from node.recipe import RecipeInvalid, SwarmSettings, check_model_allowed, same_payload, swarm_document
 from node.rounds import PeerTiming, announce_round, participants, start_round
 from topology import MembershipView, Topology, build_topology, peer_round
 
@@ -249,6 +250,8 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
         runtime.config_hash, runtime.swarm_doc = swarm.config_hash, swarm.config
         try:
             settings = SwarmSettings.from_doc(swarm.config)
+            if settings.training is not None:
+                check_model_allowed(settings.training.model, config.training.model)
         except RecipeInvalid as exc:
             raise StartupError(str(exc)) from None
         exchange = ExchangeSettings(
@@ -258,6 +261,8 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
         if settings.training is not None:
             training = await _start_training(runtime, settings, exchange, checkpoint, stack)
         else:
+            if config.training.average_every:
+                logger.warning("--average-every is ignored: this swarm trains no model (vector mode)")
             tensors, round_index = _initial_state(config, settings, swarm.config_hash, checkpoint)
             runtime.peer = GossipPeer(transport, exchange, tensors)
             runtime.peer.round = round_index
@@ -266,8 +271,7 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
         runtime.monitor_url = api.url
         stack.push_async_callback(_close, api, "local API")
         stack.push_async_callback(_final_checkpoint, runtime, ckpt_path)
-        print(f"murmur: peer {transport.peer_id} in swarm {config.swarm!r} ready; monitor {api.url}; "
-              f"maddrs {' '.join(runtime.maddrs)}", flush=True)
+        print(format_ready_line(transport.peer_id, config.swarm, api.url, runtime.maddrs), flush=True)
         if settings.training is not None:
             await _train_until(stop, runtime, training, settings, ckpt_path)
         else:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -23,9 +22,9 @@ import numpy as np
 from node.checkpoint import load_checkpoint
 from node.config import DEFAULTS
 from node.proc import popen
+from node.ready_line import ReadyLine, find_ready_line
 from node.status_cmd import fetch_status
 
-READY_LINE = re.compile(r"^murmur: peer (\S+) in swarm '[^']*' ready; monitor (\S+); maddrs (.+)$", re.MULTILINE)
 READY_TIMEOUT_S = 180.0  # a loaded 2-core machine imports torch and hivemind in N processes at once
 STOP_TIMEOUT_S = 15.0
 POLL_S = 1.0
@@ -61,8 +60,8 @@ class DemoNode:
     maddrs: tuple[str, ...] = ()
     status: dict[str, Any] = field(default_factory=dict)
 
-    def ready_line(self) -> re.Match[str] | None:
-        return READY_LINE.search(self.log.read_text(errors="replace")) if self.log.exists() else None
+    def ready_line(self) -> ReadyLine | None:
+        return find_ready_line(self.log.read_text(errors="replace")) if self.log.exists() else None
 
     def log_tail(self, lines: int = 5) -> str:
         text = self.log.read_text(errors="replace") if self.log.exists() else ""
@@ -83,7 +82,8 @@ def node_args(options: DemoOptions, index: int, data_dir: Path, swarm: str, foun
         if options.spes:
             recipe += ["--spes"]
         return [murmur, "node", *common, *recipe, "--seed", "0"]
-    return [murmur, "join", *common, "--peers", founder.maddrs[0]]
+    # a joiner takes the swarm's recipe, but runs a model given by import path only if it names it too
+    return [murmur, "join", *common, "--peers", founder.maddrs[0], "--model", options.model]
 
 
 class Demo:
@@ -116,7 +116,7 @@ class Demo:
                 if time.monotonic() > deadline:
                     raise DemoFailed(f"{node.name} was not ready within {READY_TIMEOUT_S:g} s:\n{node.log_tail()}")
                 time.sleep(0.2)
-            node.peer_id, node.monitor_url, node.maddrs = match.group(1), match.group(2), tuple(match.group(3).split())
+            node.peer_id, node.monitor_url, node.maddrs = match.peer_id, match.monitor_url, match.maddrs
 
     def start(self) -> None:
         founder = self.spawn(0, None)

@@ -11,7 +11,7 @@ from gossip.codecs import Codec, get_codec
 from gossip.mixing import MixingRule
 from gossip.optimizers import OptimizerConfig
 from gossip.spes import SpesConfig
-from node.config import NodeConfig
+from node.config import EMBEDDED_MODEL_NAMES, VECTOR_MODEL, NodeConfig
 from node.rounds import RoundClock
 from topology import TopologySpec
 
@@ -20,6 +20,16 @@ SWARM_CONFIG_VERSION = 2
 
 class RecipeInvalid(ValueError):
     """The swarm's config document cannot be used by this murmur (one line, says why)."""
+
+
+def check_model_allowed(swarm_model: str, own_model: str) -> None:
+    """Raise RecipeInvalid unless this node may build the swarm's model. A model named by import path
+    is code that the swarm config (which any DHT peer can write) makes this node import and call, so a
+    joiner runs it only if its own --model names the same builder; embedded models are always allowed."""
+    if swarm_model in (*EMBEDDED_MODEL_NAMES, VECTOR_MODEL) or swarm_model == own_model:
+        return
+    raise RecipeInvalid(f"the swarm trains the model built by {swarm_model!r}, code this node would import and "
+                        f"run; start it with --model {swarm_model} to allow that")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -20,10 +19,10 @@ from typing import TypeVar
 import numpy as np
 import psutil
 
+from node.ready_line import find_ready_line
 from node.status_cmd import fetch_status
 
 MURMUR = Path(sys.executable).with_name("murmur")
-READY_LINE = re.compile(r"^murmur: peer (\S+) in swarm '[^']*' ready; monitor (\S+); maddrs (.+)$", re.MULTILINE)
 # Importing torch and hivemind costs ~4 s of CPU per process; a loaded 2-core machine starts 8 at once.
 READY_TIMEOUT_S = 120.0
 
@@ -204,10 +203,9 @@ class Swarm:
         deadline = time.monotonic() + timeout_s
         while pending:
             for node in list(pending):
-                match = READY_LINE.search(node.stdout())
-                if match:
-                    node.peer_id, node.monitor_url = match.group(1), match.group(2)
-                    node.maddrs = tuple(match.group(3).split())
+                ready = find_ready_line(node.stdout())
+                if ready:
+                    node.peer_id, node.monitor_url, node.maddrs = ready.peer_id, ready.monitor_url, ready.maddrs
                     with contextlib.suppress(psutil.NoSuchProcess):
                         node.children = psutil.Process(node.pid).children(recursive=True)
                     pending.remove(node)

@@ -5,12 +5,12 @@ the test can tell the two apart). Needs root, `ip` and `tc` (as in CI); without 
 
 from __future__ import annotations
 
-import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -18,11 +18,11 @@ import pytest
 
 from netns import VethLink, veth_link
 from node.proc import popen
+from node.ready_line import find_ready_line
 
 pytestmark = pytest.mark.multiprocess
 
 MURMUR = str(Path(sys.executable).with_name("murmur"))
-READY_LINE = re.compile(r"murmur: peer (\S+) in swarm .* ready; monitor http://([\d.]+):(\d+);", re.M)
 READY_TIMEOUT_S = 90.0
 CONNECT_TIMEOUT_S = 3.0
 
@@ -40,9 +40,10 @@ def wait_port(process: subprocess.Popen, log: Path) -> tuple[str, int]:
     """The monitor's host and port from the node's ready line."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
-        found = READY_LINE.search(log.read_text(errors="replace"))
+        found = find_ready_line(log.read_text(errors="replace"))
         if found:
-            return found[2], int(found[3])
+            url = urllib.parse.urlsplit(found.monitor_url)
+            return url.hostname, url.port
         if process.poll() is not None:
             pytest.fail(f"the node exited with {process.returncode}:\n{log.read_text(errors='replace')[-3000:]}")
         time.sleep(0.2)

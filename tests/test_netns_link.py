@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import pytest
 
 from netns import VethLink, veth_link
 from node.proc import popen
+from node.ready_line import find_ready_line
 
 pytestmark = pytest.mark.multiprocess
 
@@ -42,7 +42,6 @@ ROUNDS_WANTED = 3  # the best of them is reported: CPU starvation on a shared ma
 STATUS_TIMEOUT_S = 5.0
 TRANSIENT_DHT_ERRORS = frozenset({"dht_store_rejected", "dht_store_timeout", "dht_get_timeout"})
 MAX_DHT_MISSES = 3  # of the ~20 heartbeats and ~40 view reads a node makes while watched
-READY_LINE = re.compile(r"murmur: peer (\S+) in swarm .* ready; monitor (\S+); maddrs (.*)$", re.M)
 
 
 @dataclass(frozen=True)
@@ -77,9 +76,9 @@ def start_node(link: VethLink, side: int, command: str, data_dir: Path, *args: s
 def wait_ready(node: NodeProcess) -> ReadyNode:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
-        found = READY_LINE.search(node.log.read_text(errors="replace"))
+        found = find_ready_line(node.log.read_text(errors="replace"))
         if found:
-            return ReadyNode(node, found[1], found[2], tuple(found[3].split()))
+            return ReadyNode(node, found.peer_id, found.monitor_url, found.maddrs)
         if node.process.poll() is not None:
             pytest.fail(f"node {node.side} exited with {node.process.returncode}:\n{node.log_tail()}")
         time.sleep(0.2)

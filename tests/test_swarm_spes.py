@@ -51,7 +51,7 @@ def expected_trainable(owned: int) -> int:
 @pytest.mark.timeout(300)
 def test_spes_swarm_trains_only_owned_experts_and_survives_losing_both_owners(swarm):
     founder = swarm.found(**RECIPE, **NODE, extra_args=["--spes"])
-    nodes = [founder, *(swarm.spawn(f"n{i}", seed=i, join=founder, **NODE) for i in range(1, 4))]
+    nodes = [founder, *(swarm.spawn(f"n{i}", seed=i, join=founder, **NODE, model=RECIPE["model"]) for i in range(1, 4))]
     swarm.wait_ready(nodes[1:])
     ids = sorted(n.peer_id for n in nodes)
 
@@ -128,7 +128,8 @@ def test_spes_swarm_trains_only_owned_experts_and_survives_losing_both_owners(sw
     assert int(target) in s["spes"]["owned_experts"]
     # a killed owner comes back with its identity: it resumes from its checkpoint (expert records
     # included), catches up with the swarm, announces its capacity and gets experts again
-    back = swarm.spawn(victims[0].name, seed=victims[0].seed, join=founder, data_dir=victims[0].data_dir, **NODE)
+    back = swarm.spawn(victims[0].name, seed=victims[0].seed, join=founder, data_dir=victims[0].data_dir, **NODE,
+                       model=RECIPE["model"])
     swarm.wait_ready([back])
     everyone = [*survivors, back]
     ids = sorted(n.peer_id for n in everyone)

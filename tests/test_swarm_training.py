@@ -34,6 +34,7 @@ WARMUP = 20
 RECIPE = {"model": "tiny_model:build", "context": TINY.context, "batch_size": BATCH, "optimizer": "dsgd",
           "lr": LR, "warmup_steps": WARMUP, "steps": STEPS, "topology": "one-peer-exp"}
 NODE = {"threads": 1, "eval_every": 25, "checkpoint_every": 10, "exchange_timeout": 3}
+JOINER = {"model": RECIPE["model"]}
 PARITY = 1.05
 
 
@@ -74,7 +75,8 @@ def single_process_val_loss(nodes: int, data_dir: Path, tensors: dict[str, np.nd
 @pytest.mark.timeout(900)
 def test_kill_join_restart_and_parity(swarm, tmp_path):
     founder = swarm.found(**RECIPE, **NODE, min_peers=4)
-    nodes = [founder, *(swarm.spawn(f"n{i}", seed=i, join=founder, **NODE, min_peers=4) for i in range(1, 4))]
+    # joiners name the swarm's model too: it is user code, which a node runs only if it names it
+    nodes = [founder, *(swarm.spawn(f"n{i}", seed=i, join=founder, **NODE, **JOINER, min_peers=4) for i in range(1, 4))]
     swarm.wait_ready(nodes[1:])
     survivors, victim = nodes[:3], nodes[3]
     wait_for(lambda: all(training(n)["step"] >= STEPS // 4 for n in nodes), 180, "a quarter of the steps on every node")
@@ -84,7 +86,7 @@ def test_kill_join_restart_and_parity(swarm, tmp_path):
 
     # a fifth node joins mid-run (started now, it is ready some way into the run, depending on the
     # machine's load): it starts from the swarm's parameters, not from scratch, then trains with it
-    joiner = swarm.spawn("n4", seed=4, join=founder, **NODE)
+    joiner = swarm.spawn("n4", seed=4, join=founder, **NODE, **JOINER)
     swarm.wait_ready([joiner])
     untrained = single_process_val_loss(1, tmp_path, _initial())
     joined = wait_for(lambda: (t := training(joiner))["started_from"].startswith("peer") and t["val_step"] is not None and t,
@@ -114,7 +116,7 @@ def test_kill_join_restart_and_parity(swarm, tmp_path):
 
     # the killed node comes back with its identity: it restores its checkpoint, then catches up with
     # the swarm (which is more than the staleness bound ahead) by downloading its parameters
-    restarted = swarm.spawn("n3", seed=3, join=founder, data_dir=victim.data_dir, **NODE)
+    restarted = swarm.spawn("n3", seed=3, join=founder, data_dir=victim.data_dir, **NODE, **JOINER)
     swarm.wait_ready([restarted])
     assert restarted.peer_id == victim.peer_id
     wait_for(lambda: training(restarted)["done"], 120, "the restarted node to finish")
@@ -167,6 +169,11 @@ def test_restart_resumes_from_checkpoint_and_survives_a_corrupt_one(swarm):
     assert training(third)["step"] >= int(previous.meta["step"])
     log = third.stderr() + third.stdout()
     assert "is unreadable" in log and "resuming from checkpoint at step " + str(previous.meta["step"]) in log
+    # a joiner that does not name the swarm's model (user code, named by the DHT's config) will not run it
+    refused = swarm.spawn("n9", seed=9, join=third, **NODE)
+    assert refused.process.wait(60) == 2
+    assert ("the swarm trains the model built by 'tiny_model:build', code this node would import and run; "
+            "start it with --model tiny_model:build to allow that") in refused.stderr()
     wait_for(lambda: training(third)["done"], 120, "training to finish after the fallback")
     average_path = node.data_dir / "swarm-average.npz"
     wait_for(lambda: average_path.exists() and load_checkpoint(average_path).meta["max_step"] == 200, 60,
