@@ -445,7 +445,10 @@ class GossipPeer:
         async with self._round_began:
             bound = max(1, self._settings.max_staleness)
             stale = not self.round - bound <= round_index <= self.round + bound
-            if not stale and round_index > self._latest_request.get(peer, -1):
+            # A request from a peer ahead, even too far ahead to answer, says it is done with every
+            # earlier round: our waits for its requests of those rounds end now, not at their deadline
+            # (else two halves of a swarm further apart than the bound wait a deadline every round).
+            if round_index >= self.round - bound and round_index > self._latest_request.get(peer, -1):
                 self._latest_request[peer] = round_index
                 self._round_began.notify_all()
                 for (partner, r), slot in self._partner_slots.items():

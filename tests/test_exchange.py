@@ -377,6 +377,33 @@ def test_a_partner_that_moved_on_ends_the_wait_for_its_request_at_once():
     asyncio.run(main())
 
 
+def test_a_request_from_a_partner_far_ahead_ends_the_wait_for_its_earlier_rounds_at_once():
+    # Two halves of a swarm more than the staleness bound apart: the one behind must not wait out its
+    # deadline, round after round, for requests the one ahead will never send (it is past those
+    # rounds), or the halves stay apart for good at a deadline per round.
+    async def main():
+        net = InMemoryNetwork()
+        a, b, plan = _two(net, 0.0, 1.0, a_timeout_s=5.0, b_timeout_s=30.0)
+        await a.start()
+        await b.start()
+        ahead = settings().max_staleness + 6
+        outcome_a = await a.run_round(ahead, plan["a"](ahead))  # b is at round 0: too old to mix
+        assert outcome_a.skipped == {"b": "stale"} and b.stats.refused == {"stale": 1}
+        started = asyncio.get_running_loop().time()
+        outcome_b = await b.run_round(0, plan["b"](0))
+        assert outcome_b.skipped == {"a": "moved_on"}
+        assert asyncio.get_running_loop().time() - started < 10.0  # not its 30 s deadline
+        np.testing.assert_array_equal(b.tensors["w"], 1.0)
+        # once b has caught up, the pair mixes again
+        async with asyncio.TaskGroup() as group:
+            group.create_task(a.run_round(ahead + 1, plan["a"](ahead + 1)))
+            group.create_task(b.run_round(ahead + 1, plan["b"](ahead + 1)))
+        np.testing.assert_array_equal(a.tensors["w"], 0.5)
+        np.testing.assert_array_equal(b.tensors["w"], 0.5)
+
+    asyncio.run(main())
+
+
 def test_an_exchange_from_a_peer_the_round_does_not_wait_for_is_refused_and_not_mixed():
     async def main():
         net = InMemoryNetwork()
