@@ -343,8 +343,7 @@ async def _save_swarm_average(runtime: NodeRuntime, tensors, result) -> str:
     """Write the swarm-average model beside the checkpoint, atomically, with what it averaged; OSError
     leaves the previous file as it was."""
     path = runtime.config.data_dir / SWARM_AVERAGE_FILE
-    meta = {"kind": "swarm-average", "swarm": runtime.config.swarm, "config_hash": runtime.config_hash,
-            "swarm_config": json.dumps(runtime.swarm_doc), "written_by": result.self_id, "written_at": time.time(),
+    meta = {"kind": "swarm-average", **_swarm_meta(runtime), "written_by": result.self_id, "written_at": time.time(),
             "val_loss": result.loss, "min_step": result.min_step, "max_step": result.max_step,
             "peers": json.dumps([p.peer_id for p in result.included])}
     await asyncio.to_thread(save_checkpoint, path, tensors, meta)
@@ -360,8 +359,7 @@ async def _train_until(stop: asyncio.Event, runtime: NodeRuntime, training, sett
         await training.wait_for_quorum(stop)
     try:
         # --average-every: the evaluator writes the swarm average in the background, training goes on
-        periodic = runtime.swarm_eval.save_in_background if runtime.config.training.average_every else None
-        await training.run(stop, lambda: _checkpoint(runtime, ckpt_path), average=periodic)
+        await training.run(stop, lambda: _checkpoint(runtime, ckpt_path), average=runtime.swarm_eval.save_in_background)
     except Exception as exc:  # noqa: BLE001 - a failing model (user code) must not take the node down
         runtime.count("training_failed")
         logger.error("training stopped at step %d: %s: %s; the node keeps serving its last parameters",
@@ -551,13 +549,19 @@ async def _checkpoint(runtime: NodeRuntime, path) -> None:
     peer, training = runtime.peer, runtime.training
     tensors = await training.trainer.state() if training is not None else peer.tensors
     step = training.trainer.step if training is not None else peer.step
-    meta = {"round": peer.round, "step": step, "config_hash": runtime.config_hash, "swarm": runtime.config.swarm,
-            "swarm_config": json.dumps(runtime.swarm_doc), **(training.checkpoint_meta() if training is not None else {})}
+    meta = {"round": peer.round, "step": step, **_swarm_meta(runtime),
+            **(training.checkpoint_meta() if training is not None else {})}
     try:
         await asyncio.to_thread(save_checkpoint, path, tensors, meta)
     except OSError as exc:
         runtime.count("checkpoint_failed")
         logger.error("checkpoint not written (%s); the previous one is kept", exc)
+
+
+def _swarm_meta(runtime: NodeRuntime) -> dict[str, str]:
+    """What a file this node writes carries of the swarm it belongs to (a checkpoint, the swarm average)."""
+    return {"swarm": runtime.config.swarm, "config_hash": runtime.config_hash,
+            "swarm_config": json.dumps(runtime.swarm_doc)}
 
 
 async def _final_checkpoint(runtime: NodeRuntime, path) -> None:

@@ -216,7 +216,7 @@ class SwarmTraining:
 
     async def run(self, stop: asyncio.Event, save: Callable[[], Any], average: Callable[[], Any] | None = None) -> None:
         """Train until the recipe's step budget is spent or `stop` is set; `save` writes a checkpoint;
-        `average`, when given, starts writing the swarm average every `average_every` steps and at the end."""
+        `average` starts writing the swarm average every `average_every` steps and at the end (0: never)."""
         every_eval, every_ckpt = self.config.training.eval_every, self.config.training.checkpoint_every
         every_average = self.config.training.average_every
         # where we start (restored or downloaded) must show in our record before the first round, or

@@ -263,6 +263,15 @@ def _two(net: InMemoryNetwork, a_value: float, b_value: float, a_timeout_s: floa
     return a, b, {pid: (lambda r, pid=pid: peer_round(topo, view, pid, r)) for pid in ("a", "b")}
 
 
+async def _in_step(a: GossipPeer, b: GossipPeer, plan: dict, round_index: int) -> None:
+    """Both run `round_index` at once: a pair in step averages its values (here 0 and 1) exactly."""
+    async with asyncio.TaskGroup() as group:
+        group.create_task(a.run_round(round_index, plan["a"](round_index)))
+        group.create_task(b.run_round(round_index, plan["b"](round_index)))
+    np.testing.assert_array_equal(a.tensors["w"], 0.5)
+    np.testing.assert_array_equal(b.tensors["w"], 0.5)
+
+
 async def _until(condition, timeout_s: float = 2.0) -> None:
     async with asyncio.timeout(timeout_s):
         while not condition():
@@ -343,12 +352,7 @@ def test_an_exchange_for_a_round_the_partner_already_gave_up_on_is_refused_and_n
         assert b.stats.refused == {"late": 1}
         np.testing.assert_array_equal(a.tensors["w"], 0.0)
         np.testing.assert_array_equal(b.tensors["w"], 1.0)
-        # and the next round, in step again, averages
-        async with asyncio.TaskGroup() as group:
-            group.create_task(a.run_round(1, plan["a"](1)))
-            group.create_task(b.run_round(1, plan["b"](1)))
-        np.testing.assert_array_equal(a.tensors["w"], 0.5)
-        np.testing.assert_array_equal(b.tensors["w"], 0.5)
+        await _in_step(a, b, plan, 1)  # and the next round, in step again, averages
 
     asyncio.run(main())
 
@@ -394,12 +398,7 @@ def test_a_request_from_a_partner_far_ahead_ends_the_wait_for_its_earlier_rounds
         assert outcome_b.skipped == {"a": "moved_on"}
         assert asyncio.get_running_loop().time() - started < 10.0  # not its 30 s deadline
         np.testing.assert_array_equal(b.tensors["w"], 1.0)
-        # once b has caught up, the pair mixes again
-        async with asyncio.TaskGroup() as group:
-            group.create_task(a.run_round(ahead + 1, plan["a"](ahead + 1)))
-            group.create_task(b.run_round(ahead + 1, plan["b"](ahead + 1)))
-        np.testing.assert_array_equal(a.tensors["w"], 0.5)
-        np.testing.assert_array_equal(b.tensors["w"], 0.5)
+        await _in_step(a, b, plan, ahead + 1)  # once b has caught up, the pair mixes again
 
     asyncio.run(main())
 

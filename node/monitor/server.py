@@ -15,6 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
+from node.config import Boolean
 from node.monitor.eventlog import LogCapture, Snapshot, log_changes
 from node.monitor.metrics import CONTENT_TYPE, exposition, metrics_registry
 from node.monitor.schemas import openapi_document
@@ -77,14 +78,6 @@ def _non_negative_int(text: str) -> int:
     if value < 0:
         raise ValueError("must be an integer >= 0")
     return value
-
-
-def _boolean(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes"):
-        return True
-    if text.lower() in ("0", "false", "no"):
-        return False
-    raise ValueError("must be true or false (or 1 or 0)")
 
 
 def _finite_float(text: str) -> float:
@@ -250,7 +243,7 @@ def build_app(source: MonitorSource, sampler: Sampler) -> web.Application:
         return response
 
     async def swarm_average(request: web.Request) -> web.Response:
-        query = _parse_query(request.query, {"save": _boolean})
+        query = _parse_query(request.query, {"save": Boolean().from_text})
         origin = request.headers.get("Origin")
         if origin is not None and origin != f"{request.scheme}://{request.host}":
             # a page elsewhere in the user's browser may POST here without reading the answer; it must
