@@ -50,8 +50,8 @@ BACKENDS = ("p2pd", "libp2p")
 @contextlib.asynccontextmanager
 async def libp2p_transports(count: int, workdir: Path) -> AsyncIterator[list]:
     """`count` py-libp2p children with identities under `workdir`, started together, closed on exit."""
-    from node.identity import claim_identity
-    from node.transport.libp2p import LibP2PSettings, LibP2PTransport
+    from node.net.identity import claim_identity
+    from node.net.transport.libp2p import LibP2PSettings, LibP2PTransport
 
     async with contextlib.AsyncExitStack() as stack:
         claims = [stack.enter_context(claim_identity(workdir / f"lp{i}.key")) for i in range(count)]

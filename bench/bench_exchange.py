@@ -96,8 +96,8 @@ async def start_source(peer: GossipPeer) -> None:
 async def p2pd_daemons(count: int, workdir: Path, listen: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",)
                        ) -> AsyncIterator[list]:
     """`count` p2pd daemons (hivemind `P2P`s) with identities under `workdir`, shut down on exit."""
-    from node.identity import claim_identity
-    from node.transport.p2pd import P2PSettings, start_p2pd
+    from node.net.identity import claim_identity
+    from node.net.transport.p2pd import P2PSettings, start_p2pd
 
     async with contextlib.AsyncExitStack() as stack:
         claims = [stack.enter_context(claim_identity(workdir / f"peer{i}.key")) for i in range(count)]
@@ -117,7 +117,7 @@ async def p2pd_daemons(count: int, workdir: Path, listen: Sequence[str] = ("/ip4
 @contextlib.asynccontextmanager
 async def transports_on(p2ps: Sequence) -> AsyncIterator[list]:
     """Fresh `P2PDTransport`s on running daemons (closing one unregisters its handlers, not the daemon)."""
-    from node.transport.p2pd import P2PDTransport
+    from node.net.transport.p2pd import P2PDTransport
 
     async with contextlib.AsyncExitStack() as stack:
         transports = []
@@ -300,8 +300,8 @@ def _role_command(role: str, spec: dict) -> list[str]:
 
 
 def link_goodput(mib: float, repeats: int, workdir: Path) -> PullResult:
-    from node.proc import popen
-    from tests.netns import veth_link  # the tests' namespace helper; `-m` puts the repository root on sys.path
+    from node.net.proc import popen
+    from tests.support.netns import veth_link  # the tests' namespace helper; `-m` puts the repository root on sys.path
 
     # only the source's side is shaped: the data flows from it, the puller's side carries ACKs
     with veth_link("b", rate_mbit=LINK_MBIT, limited_sides=(0,)) as link:
@@ -438,7 +438,7 @@ async def node_role(spec: dict) -> None:
 
 def multiprocess_rounds(peers: int, dim: int, codec: str, rounds: int, workdir: Path) -> RoundsResult:
     """Round times of `peers` node processes: from the announced start to the last node's end."""
-    from node.proc import popen
+    from node.net.proc import popen
 
     workdir.mkdir(parents=True)
     spec = {"workdir": str(workdir), "codec": codec, "dim": dim, "rounds": rounds}

@@ -1,7 +1,7 @@
 """The one small interface the exchange protocol needs from a network: open a stream, serve a protocol.
 
 Implementations: the in-memory transport (`gossip.memory`) here, and the network backends in
-`node/transport/` (hivemind's p2pd, py-libp2p). Every read and write on a stream may block on a
+`node/net/transport/` (hivemind's p2pd, py-libp2p). Every read and write on a stream may block on a
 remote peer, so callers wrap them in `asyncio.timeout`.
 """
 

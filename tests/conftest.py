@@ -5,7 +5,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from node.data import Corpus, embedded_corpus
+from node.training.data import Corpus, embedded_corpus
 
 
 @pytest.fixture(scope="module")

@@ -23,10 +23,10 @@ CHILD = textwrap.dedent("""
     import asyncio, errno, json, sys
     from pathlib import Path
     import numpy as np
-    from node.checkpoint import load_checkpoint, save_checkpoint
+    from node.training.checkpoint import load_checkpoint, save_checkpoint
     from node.config import NodeConfig
-    from node.daemon import NodeRuntime, SWARM_AVERAGE_FILE, _save_swarm_average
-    from node.swarm_eval import IncludedPeer, SwarmEvalResult
+    from node.runtime.daemon import NodeRuntime, SWARM_AVERAGE_FILE, _save_swarm_average
+    from node.training.swarm_eval import IncludedPeer, SwarmEvalResult
 
     disk = Path(sys.argv[1])
     small = {"w": np.arange(1000, dtype=np.float32)}          # 4 KB: fits

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from node import cli
+from node.cli import main as cli
 from node.config import SETTINGS, ConfigError, NodeConfig, settings_table
 
 pytestmark = pytest.mark.unit
@@ -217,15 +217,15 @@ def test_docs_table_is_current():
 
 @pytest.fixture
 def fake_daemon(monkeypatch):
-    """node.daemon and node.status_cmd as recording stand-ins, so dispatch is tested without a network."""
+    """node.runtime.daemon and node.cli.status as recording stand-ins, so dispatch is tested without a network."""
     calls = []
-    daemon = types.ModuleType("node.daemon")
+    daemon = types.ModuleType("node.runtime.daemon")
     daemon.run_node = lambda config, founding: calls.append(("run_node", config, founding)) or 0
     daemon.run_bootstrap = lambda config: calls.append(("run_bootstrap", config)) or 0
-    status = types.ModuleType("node.status_cmd")
+    status = types.ModuleType("node.cli.status")
     status.run_status = lambda url, as_json: calls.append(("run_status", url, as_json)) or 3
-    monkeypatch.setitem(sys.modules, "node.daemon", daemon)
-    monkeypatch.setitem(sys.modules, "node.status_cmd", status)
+    monkeypatch.setitem(sys.modules, "node.runtime.daemon", daemon)
+    monkeypatch.setitem(sys.modules, "node.cli.status", status)
     return calls
 
 

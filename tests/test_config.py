@@ -310,7 +310,7 @@ def test_a_bad_default_identity_names_the_data_dir(tmp_path):
 
 
 def test_an_existing_identity_is_accepted_and_a_missing_one_left_to_create(tmp_path):
-    from node.identity import create_identity
+    from node.net.identity import create_identity
 
     key = tmp_path / "node.key"
     create_identity(key)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from container_harness import (
+from support.container_harness import (
     Cleanup,
     Podman,
     PodmanUnavailable,
@@ -34,17 +34,17 @@ from container_harness import (
     unique_suffix,
     write_containers_conf,
 )
-from swarm_harness import wait_for
-from tiny_model import TINY
+from support.swarm_harness import wait_for
+from support.tiny_model import TINY
 
-from node.checkpoint import load_checkpoint
+from node.training.checkpoint import load_checkpoint
 
 # Building the image from a cold cache takes minutes on 2 cores; the per-test default is 600 s.
 pytestmark = [pytest.mark.container, pytest.mark.timeout(1500)]
 
 P2P_PORT = 31337
 MONITOR_PORT = 7690
-# Light training for three nodes sharing two busy cores: the tests' tiny model (tests/tiny_model.py,
+# Light training for three nodes sharing two busy cores: the tests' tiny model (tests/support/tiny_model.py,
 # mounted into every container and named by import path, as a user brings their own model), one torch
 # thread, small batches. Set through the environment, which a node that lacks a setting ignores.
 # Rounds and heartbeats keep their defaults: on a loaded machine a 1 s heartbeat lets peer records lapse.
@@ -58,7 +58,7 @@ MORE_ROUNDS = 3
 # Only for iterating on this test: run against this already built image instead of building one.
 REUSE_IMAGE_ENV = "MURMUR_TEST_IMAGE"
 COMPOSE_FILE = Path(__file__).resolve().parent.parent / "docker" / "compose.yaml"
-TINY_MODEL_FILE = Path(__file__).resolve().parent / "tiny_model.py"
+TINY_MODEL_FILE = Path(__file__).resolve().parent / "support" / "tiny_model.py"
 
 
 @dataclass(frozen=True)

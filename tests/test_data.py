@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node import data
-from node.data import (
+from node.training import data
+from node.training.data import (
     corpus_from_text,
     decode,
     decode_bytes,

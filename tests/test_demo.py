@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from node.models import build_named_model
+from node.training.models import build_named_model
 
 MURMUR = Path(sys.executable).with_name("murmur")
 

@@ -22,7 +22,7 @@ from hivemind.p2p import P2P
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
-from node.discovery import (
+from node.net.discovery import (
     Discovery,
     DiscoverySettings,
     PeerRecord,
@@ -34,9 +34,9 @@ from node.discovery import (
     make_record_validator,
     peers_key,
 )
-from node.identity import ClaimedIdentity, Identity, claim_identity, create_identity
-from node.proc import create_subprocess_exec
-from node.transport.p2pd import P2PSettings, start_p2pd
+from node.net.identity import ClaimedIdentity, Identity, claim_identity, create_identity
+from node.net.proc import create_subprocess_exec
+from node.net.transport.p2pd import P2PSettings, start_p2pd
 
 REPO = Path(__file__).resolve().parents[1]
 SWARM = "testswarm"
@@ -321,9 +321,9 @@ def test_a_peer_cannot_publish_records_for_another(tmp_path: Path) -> None:
 PEER_SCRIPT = """
 import asyncio, sys
 from pathlib import Path
-from node.discovery import Discovery, DiscoverySettings
-from node.identity import claim_identity
-from node.transport.p2pd import P2PSettings, start_p2pd
+from node.net.discovery import Discovery, DiscoverySettings
+from node.net.identity import claim_identity
+from node.net.transport.p2pd import P2PSettings, start_p2pd
 
 async def main():
     identity_path, heartbeat_s, *bootstrap = sys.argv[1:]

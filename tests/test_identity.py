@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.proto import crypto_pb2
 
-from node.identity import (
+from node.net.identity import (
     IdentityInUse,
     InvalidIdentity,
     claim_identity,
@@ -150,7 +150,7 @@ def test_signing_key_is_the_identity_key(tmp_path: Path) -> None:
 
 @pytest.mark.multiprocess
 def test_p2pd_runs_with_the_identity_peer_id(tmp_path: Path) -> None:
-    from node.transport.p2pd import P2PSettings, start_p2pd
+    from node.net.transport.p2pd import P2PSettings, start_p2pd
 
     async def scenario() -> str:
         with claim_identity(tmp_path / "identity.key") as claimed:

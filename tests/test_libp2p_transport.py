@@ -21,10 +21,10 @@ import pytest
 from gossip.codecs import get_codec
 from gossip.exchange import ExchangeSettings, GossipPeer
 from gossip.transport import PeerUnreachable, Stream, StreamClosed
-from node.identity import claim_identity
-from node.transport import control
-from node.transport.libp2p import ChildFailed, LibP2PSettings, LibP2PTransport
-from node.transport.p2pd import P2PDTransport, P2PSettings, start_p2pd
+from node.net.identity import claim_identity
+from node.net.transport import control
+from node.net.transport.libp2p import ChildFailed, LibP2PSettings, LibP2PTransport
+from node.net.transport.p2pd import P2PDTransport, P2PSettings, start_p2pd
 from topology import MembershipView, build_topology, peer_round
 
 pytestmark = pytest.mark.multiprocess
@@ -246,8 +246,8 @@ def test_the_node_notices_at_once_when_its_child_dies(tmp_path: Path) -> None:
 NODE_SCRIPT = """
 import asyncio, sys
 from pathlib import Path
-from node.identity import claim_identity
-from node.transport.libp2p import LibP2PSettings, LibP2PTransport
+from node.net.identity import claim_identity
+from node.net.transport.libp2p import LibP2PSettings, LibP2PTransport
 
 async def main():
     claimed = claim_identity(Path(sys.argv[1]))
@@ -355,7 +355,7 @@ def test_no_process_imports_both_hivemind_and_libp2p(tmp_path: Path) -> None:
     # The child, with its host built (py-libp2p imports much lazily), has no hivemind in it ...
     child_check = (
         "import sys; from pathlib import Path\n"
-        "from node.transport import libp2p_child as c\n"
+        "from node.net.transport import libp2p_child as c\n"
         "s = c.ChildSettings(0, Path(sys.argv[1]), '', ('/ip4/127.0.0.1/tcp/0',), Path('x'), Path('y'), 1.0, 1.0)\n"
         "c.make_host(c.load_key_pair(s.identity_path), s)\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('hivemind', 'libp2p'))[:1])\n"

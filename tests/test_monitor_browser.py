@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from swarm_harness import Node, Swarm
+from support.swarm_harness import Node, Swarm
 
 pytestmark = pytest.mark.browser
 
@@ -25,7 +25,7 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-background-networking", "--disable-c
 DOCS_SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "img" / "monitor.png"
 
 HEARTBEAT_S = 2.0  # a 1 s heartbeat lets records lapse now and then on a loaded 2-core machine
-RECORD_TTL_S = 3 * HEARTBEAT_S  # node.discovery.DiscoverySettings.ttl_heartbeats
+RECORD_TTL_S = 3 * HEARTBEAT_S  # node.net.discovery.DiscoverySettings.ttl_heartbeats
 VIEW_REFRESH_S = HEARTBEAT_S / 2
 SAMPLE_INTERVAL_S = 1.0  # node.monitor.server.SAMPLE_INTERVAL_S: how often the page is pushed an update
 NEW_PEER_WITHIN_S = 5.0  # the issue's bound

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from swarm_harness import Swarm, wait_for
+from support.swarm_harness import Swarm, wait_for
 
 from node.monitor.metrics import METRIC_NAMES
 from node.monitor.schemas import JSON_ENDPOINTS, openapi_document, schema

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from node.config import NodeConfig
-from node.daemon import NodeRuntime
+from node.runtime.daemon import NodeRuntime
 from node.monitor import Counters, EventLog, HistoryRecorder, MixingStepEstimate, round_graph, start_monitor
 from node.monitor.eventlog import LogCapture, Snapshot, log_changes
 from topology import MembershipView, build_topology

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from netns import VethLink, veth_link
-from node.proc import popen
-from node.ready_line import find_ready_line
+from support.netns import VethLink, veth_link
+from node.net.proc import popen
+from node.cli.ready_line import find_ready_line
 
 pytestmark = pytest.mark.multiprocess
 

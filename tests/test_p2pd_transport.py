@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from gossip.transport import Stream, StreamClosed
-from node.identity import claim_identity
-from node.transport.p2pd import P2PDTransport, P2PSettings, PeerUnreachable, start_p2pd
+from node.net.identity import claim_identity
+from node.net.transport.p2pd import P2PDTransport, P2PSettings, PeerUnreachable, start_p2pd
 
 pytestmark = pytest.mark.multiprocess
 
@@ -176,15 +176,15 @@ def test_closing_the_transport_ends_its_handlers_and_streams(tmp_path: Path) -> 
 
 
 # Started as a separate Python process: claims an identity, starts p2pd and a `sleep` child through
-# node.proc, then forks a worker that inherits the daemon's control socket (as torch DataLoader
+# node.net.proc, then forks a worker that inherits the daemon's control socket (as torch DataLoader
 # workers or hivemind's DHT process would). p2pd exits on its own when its last client connection
 # closes, so only PR_SET_PDEATHSIG can stop it while such a fork holds the socket open.
 NODE_SCRIPT = """
 import asyncio, os, sys, time
 from pathlib import Path
-from node.identity import claim_identity
-from node.proc import popen
-from node.transport.p2pd import P2PSettings, start_p2pd
+from node.net.identity import claim_identity
+from node.net.proc import popen
+from node.net.transport.p2pd import P2PSettings, start_p2pd
 
 async def main():
     claimed = claim_identity(Path(sys.argv[1]))
@@ -247,7 +247,7 @@ def test_sigkilled_node_takes_p2pd_and_its_children_down(tmp_path: Path) -> None
         while time.monotonic() < deadline and not (_is_dead(by_name["p2pd"]) and _is_dead(by_name["sleep"])):
             time.sleep(0.05)
         assert _is_dead(by_name["p2pd"]), "p2pd outlived the SIGKILLed node"
-        assert _is_dead(by_name["sleep"]), "a child started with node.proc.popen outlived the node"
+        assert _is_dead(by_name["sleep"]), "a child started with node.net.proc.popen outlived the node"
         assert not _is_dead(by_name["python"])  # the fork holding the daemon socket is still there
 
         # The kernel dropped the identity lock with the node; its children never held it.

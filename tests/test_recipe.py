@@ -3,7 +3,7 @@ joiner imports only if its own --model names the same builder."""
 
 import pytest
 
-from node.recipe import RecipeInvalid, check_model_allowed
+from node.training.recipe import RecipeInvalid, check_model_allowed
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""SPES on nodes over the in-memory transport (node.spes): loss parity with dense training, training only
+"""SPES on nodes over the in-memory transport (node.spes.node): loss parity with dense training, training only
 shared + owned parameters, bytes per sync against the analytic figure, unchanged experts never
 re-sent, takeover from the freshest copy when all owners of an expert die, and refused bad copies."""
 
@@ -27,10 +27,10 @@ from gossip.spes import (
 )
 from gossip.transport import Stream
 from gossip.wire import Expectation, encode_message, message_nbytes, read_message
-from node.data import Corpus, peer_shard
-from node.models import ModelConfig, build_model
-from node.spes import FETCH_PROTOCOL, InMemoryExpertDirectory, ModelPartition, SpesNode, spes_average, tensor_manifest
-from node.trainer import GossipTrainer, Trainer, TrainerConfig, average_tensors
+from node.training.data import Corpus, peer_shard
+from node.training.models import ModelConfig, build_model
+from node.spes.node import FETCH_PROTOCOL, InMemoryExpertDirectory, ModelPartition, SpesNode, spes_average, tensor_manifest
+from node.training.trainer import GossipTrainer, Trainer, TrainerConfig, average_tensors
 from topology import MembershipView, PeerRound, build_topology, peer_round
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]

@@ -6,7 +6,7 @@ import asyncio
 
 import numpy as np
 import pytest
-from swarm_harness import Node, Swarm, initial_vector, mean_vector, wait_for
+from support.swarm_harness import Node, Swarm, initial_vector, mean_vector, wait_for
 
 from gossip.codecs import get_codec
 from gossip.errors import WIRE_ERROR_KINDS
@@ -54,7 +54,7 @@ def wire_errors(node: Node) -> dict[str, int]:
 
 async def attack(victim: Node, identity_path, swarm_name: str, config_hash: str) -> None:
     # hivemind is imported here, not at collection, so `pytest -m unit` does not pay for it
-    from node.transport.p2pd import P2PDTransport, P2PSettings, start_p2pd
+    from node.net.transport.p2pd import P2PDTransport, P2PSettings, start_p2pd
 
     p2p = await start_p2pd(P2PSettings(identity_path=identity_path, nat_port_map=False))
     transport = P2PDTransport(p2p)

@@ -16,22 +16,22 @@ from typing import Any
 import numpy as np
 import pytest
 from test_monitor_node import schema_errors  # the JSON Schema subset validator the monitor's tests use
-from tiny_model import TINY
+from support.tiny_model import TINY
 
 from gossip.codecs import get_codec
 from gossip.exchange import ExchangeSettings, GossipPeer
 from gossip.memory import InMemoryNetwork
 from gossip.optimizers import OptimizerConfig
-from node.checkpoint import load_checkpoint
+from node.training.checkpoint import load_checkpoint
 from node.config import NodeConfig
-from node.daemon import NodeRuntime
-from node.data import Corpus
-from node.eval_cmd import format_swarm_eval, run_eval
-from node.models import build_model
+from node.runtime.daemon import NodeRuntime
+from node.training.data import Corpus
+from node.cli.eval import format_swarm_eval, run_eval
+from node.training.models import build_model
 from node.monitor import Counters, EventLog, HistoryRecorder, start_monitor
 from node.monitor.schemas import schema
-from node.swarm_eval import EvalBusy, EvalUnavailable, SwarmEvaluator
-from node.trainer import Trainer, TrainerConfig, average_tensors
+from node.training.swarm_eval import EvalBusy, EvalUnavailable, SwarmEvaluator
+from node.training.trainer import Trainer, TrainerConfig, average_tensors
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -195,7 +195,7 @@ def test_a_second_request_while_one_runs_is_refused_as_busy(corpus: Corpus):
 
 
 def test_a_saved_average_is_the_model_evaluated_and_a_failed_write_is_reported(corpus: Corpus, tmp_path):
-    from node.daemon import _save_swarm_average
+    from node.runtime.daemon import _save_swarm_average
 
     async def main() -> None:
         net = InMemoryNetwork()
@@ -404,7 +404,7 @@ def test_a_node_that_trains_no_model_refuses_with_a_clear_error():
     (["--peers", "x"], "unrecognized arguments: --peers"),
 ])
 def test_bad_eval_flags_exit_2_with_one_line(args, message, capsys):
-    from node.cli import main
+    from node.cli.main import main
 
     try:
         status = main(["eval", *args])
@@ -424,7 +424,7 @@ def test_eval_without_a_node_exits_1_naming_the_url(capsys):
 
 
 def test_a_diverged_average_is_answered_with_a_null_loss():
-    from node.swarm_eval import IncludedPeer, SwarmEvalResult
+    from node.training.swarm_eval import IncludedPeer, SwarmEvalResult
 
     result = SwarmEvalResult(float("nan"), "me", (IncludedPeer("me", 3),), {}, 0.5)
     answer = {**result.as_dict(), "local": {"val_loss": None, "val_step": None, "loss": None, "step": 3}}

@@ -7,12 +7,12 @@ import time
 
 import psutil
 import pytest
-from swarm_harness import Node, Swarm, consensus_distance, initial_vector, wait_for
+from support.swarm_harness import Node, Swarm, consensus_distance, initial_vector, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
 HEARTBEAT_S = 1.0
-RECORD_TTL_HEARTBEATS = 3  # node.discovery.DiscoverySettings.ttl_heartbeats
+RECORD_TTL_HEARTBEATS = 3  # node.net.discovery.DiscoverySettings.ttl_heartbeats
 VIEW_REFRESH_S = HEARTBEAT_S / 2  # discovery re-reads the view every half heartbeat
 # Polling several busy processes on a loaded 2-core machine adds its own delay to what we measure.
 POLL_SLACK_S = 1.5
@@ -187,7 +187,7 @@ def test_a_killed_nodes_children_die_with_it(swarm, transport):
     children = psutil.Process(node.pid).children(recursive=True)
     assert any(c.name() == "p2pd" for c in children), [c.name() for c in children]
     if transport == "libp2p":  # the py-libp2p child too
-        assert any("node.transport.libp2p_child" in " ".join(c.cmdline()) for c in children), children
+        assert any("node.net.transport.libp2p_child" in " ".join(c.cmdline()) for c in children), children
     node.process.kill()  # the node's pid only: its children must follow on their own
     killed_at = time.monotonic()
     node.process.wait(10)

@@ -11,12 +11,12 @@ import time
 
 import psutil
 import pytest
-from swarm_harness import Node, Swarm, check_consensus, summary, wait_for
+from support.swarm_harness import Node, Swarm, check_consensus, summary, wait_for
 from test_swarm_bad_peers import ATTACKS, attack, wire_errors
 
 pytestmark = pytest.mark.multiprocess
 
-CHILD_MODULE = "node.transport.libp2p_child"
+CHILD_MODULE = "node.net.transport.libp2p_child"
 
 
 def libp2p_child(node: Node) -> psutil.Process:

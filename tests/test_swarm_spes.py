@@ -11,17 +11,17 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from swarm_harness import MURMUR, Swarm, wait_for
-from tiny_moe import TINY_MOE, build
+from support.swarm_harness import MURMUR, Swarm, wait_for
+from support.tiny_moe import TINY_MOE, build
 
-from node.checkpoint import load_checkpoint
-from node.cli import parse_node_config
+from node.training.checkpoint import load_checkpoint
+from node.cli.main import parse_node_config
 from node.config import ConfigError
-from node.recipe import SwarmSettings, swarm_document
-from node.spes import ModelPartition
-from node.spes_training import saved_records
+from node.training.recipe import SwarmSettings, swarm_document
+from node.spes.node import ModelPartition
+from node.spes.training import saved_records
 
-TESTS = Path(__file__).parent
+SUPPORT = Path(__file__).parent / "support"
 EXPERTS = TINY_MOE.experts
 CAPACITY = 2  # 4 nodes x 2 experts = 4 experts x r 2
 RECIPE = {"model": "tiny_moe:build", "context": TINY_MOE.context, "batch_size": 8, "optimizer": "dadam", "lr": 3e-3,
@@ -33,7 +33,7 @@ HEARTBEAT_S = 1
 
 @pytest.fixture
 def swarm(tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(SUPPORT), os.environ.get("PYTHONPATH")])))
     with Swarm(tmp_path, heartbeat=HEARTBEAT_S) as s:
         yield s
 
@@ -191,8 +191,8 @@ def test_expert_directory_over_the_dht_publishes_signed_records_and_skips_malfor
     from test_discovery import member
 
     from gossip.spes import ExpertRecord
-    from node.discovery import DiscoverySettings, experts_key
-    from node.spes_directory import DhtExpertDirectory
+    from node.net.discovery import DiscoverySettings, experts_key
+    from node.spes.directory import DhtExpertDirectory
 
     heartbeat = 0.5
     settings = DiscoverySettings(swarm="spesdir", heartbeat_s=heartbeat)
@@ -244,10 +244,10 @@ def test_capacity_defaults_to_every_expert_on_cpu_and_saved_records_parse_or_are
     import json
 
     from gossip.spes import ExpertRecord, records_to_wire
-    from node.data import load_corpus
-    from node.spes_training import CHECKPOINT_META_KEY, capacity_for
-    from node.recipe import optimizer_config
-    from node.trainer import Trainer, TrainerConfig
+    from node.training.data import load_corpus
+    from node.spes.training import CHECKPOINT_META_KEY, capacity_for
+    from node.training.recipe import optimizer_config
+    from node.training.trainer import Trainer, TrainerConfig
 
     corpus = load_corpus(None, tmp_path)
     config = TrainerConfig(optimizer=optimizer_config("dadam", 1e-3, 0, 0, 1, 1), batch_size=2,
@@ -268,7 +268,7 @@ def test_capacity_defaults_to_every_expert_on_cpu_and_saved_records_parse_or_are
 
 @pytest.mark.unit
 def test_murmur_status_text_names_the_owned_experts_and_the_capacity():
-    from node.status_cmd import format_status
+    from node.cli.status import format_status
 
     status = {"peer_id": "Qm1", "swarm": "s", "maddrs": [], "round": 3, "step": 9, "peers": [], "loss": 2.5,
               "training": {}, "bytes_sent": 1, "bytes_received": 2, "errors": {}, "experts": [1, 3],

@@ -13,18 +13,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from swarm_harness import Swarm, wait_for
-from tiny_model import TINY, build
+from support.swarm_harness import Swarm, wait_for
+from support.tiny_model import TINY, build
 
-from node.checkpoint import load_checkpoint
-from node.data import load_corpus
-from node.recipe import optimizer_config
-from node.trainer import Trainer, TrainerConfig, average_tensors, train_alone
-from node.train_loop import EVAL_BATCH_SIZE, EVAL_BATCHES
+from node.training.checkpoint import load_checkpoint
+from node.training.data import load_corpus
+from node.training.recipe import optimizer_config
+from node.training.trainer import Trainer, TrainerConfig, average_tensors, train_alone
+from node.training.loop import EVAL_BATCH_SIZE, EVAL_BATCHES
 
 pytestmark = pytest.mark.multiprocess
 
-TESTS = Path(__file__).parent
+SUPPORT = Path(__file__).parent / "support"
 MURMUR = str(Path(sys.executable).with_name("murmur"))
 STEPS = 400
 BATCH = 16
@@ -40,7 +40,7 @@ PARITY = 1.05
 
 @pytest.fixture
 def swarm(tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(SUPPORT), os.environ.get("PYTHONPATH")])))
     with Swarm(tmp_path, heartbeat=1) as s:
         yield s
 

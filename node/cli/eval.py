@@ -1,0 +1,73 @@
+"""`murmur eval`: ask a running node for the validation loss of the swarm-average model
+(`POST /api/eval/average` on its monitor) and report it next to the node's own latest loss."""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.error
+import urllib.request
+from typing import Any
+
+from node.cli.status import no_node, print_answer
+
+# The node pulls each peer for at most 30 s (node.training.swarm_eval.FETCH_TIMEOUT_S), then evaluates.
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class EvalRefused(Exception):
+    """The node answered with an error (busy, not training...): its message."""
+
+
+def request_swarm_eval(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, save: bool = False) -> dict[str, Any]:
+    """The node's answer; raises EvalRefused for an error answer, URLError/OSError/ValueError otherwise."""
+    query = "?save=true" if save else ""
+    request = urllib.request.Request(f"{url.rstrip('/')}/api/eval/average{query}", data=b"", method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return json.load(response)
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.load(exc)["error"]
+        except (ValueError, KeyError, TypeError):
+            message = f"HTTP {exc.code} {exc.reason}"
+        raise EvalRefused(message) from None
+
+
+def _loss(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
+def format_swarm_eval(result: dict[str, Any]) -> str:
+    """The human-readable report: the two losses, then who was in and who was out."""
+    peers, failed, local = result["peers"], result["failed"], result["local"]
+    steps = (f"step {result['min_step']}" if result["min_step"] == result["max_step"]
+             else f"steps {result['min_step']}-{result['max_step']}")
+    lines = [f"swarm average  val loss {_loss(result['loss'])}   {len(peers)} peer{'s' * (len(peers) != 1)}, {steps}, "
+             f"{result['elapsed_s']:.1f} s",
+             f"this node      val loss {_loss(local['val_loss'])}"
+             + (f" at step {local['val_step']}" if local["val_step"] is not None else " (not evaluated yet)")
+             + f"   train loss {_loss(local['loss'])} at step {local['step']}"]
+    lines += [f"  in   {p['peer_id']}  step {p['step']}{'  (this node)' if p['self'] else ''}" for p in peers]
+    lines += [f"  out  {peer}  {reason}" for peer, reason in sorted(failed.items())]
+    if result.get("saved"):
+        lines.append(f"written to {result['saved']}")
+    if result.get("save_error"):
+        lines.append(f"NOT written: {result['save_error']} (the previous file is kept)")
+    return "\n".join(lines)
+
+
+def run_eval(url: str, as_json: bool, timeout_s: float = DEFAULT_TIMEOUT_S, save: bool = False) -> int:
+    """Exit 0 with the report; 1 when the node refused, did not answer, or could not write the average."""
+    try:
+        result = request_swarm_eval(url, timeout_s, save)
+    except EvalRefused as exc:
+        print(f"murmur eval: error: the node at {url} refused: {exc}", file=sys.stderr)
+        return 1
+    except TimeoutError:
+        print(f"murmur eval: error: no answer from {url} within {timeout_s:g} s (--timeout)", file=sys.stderr)
+        return 1
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return no_node("eval", url, exc)
+    status = print_answer("eval", url, result, as_json, format_swarm_eval)
+    return 1 if status == 0 and result.get("save_error") else status

@@ -1,0 +1,419 @@
+"""The `murmur` command line: argument parsing, validation and dispatch to the commands
+(node, join, bootstrap, status, eval, topology, sim, demo).
+
+Bad flags and values exit with status 2 and one line saying what is wrong. Heavy imports (torch,
+hivemind) happen inside the commands that need them, so `murmur topology` and `--help` stay quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import urllib.parse
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from node.config import (
+    DAEMONS,
+    ENV_CONFIG_FILE,
+    NODE,
+    SETTINGS_BY_KEY,
+    Boolean,
+    Choice,
+    ConfigError,
+    EdgeList,
+    Multiaddrs,
+    NodeConfig,
+    ResolvedConfig,
+    Setting,
+    check_environment,
+    merge_layers,
+    read_config_file,
+    read_environment,
+    read_flags,
+    settings_for,
+)
+from topology import TOPOLOGY_NAMES, WEIGHT_SCHEMES, TopologySpec, build_topology
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class UsageError(Exception):
+    """A value that parsed but makes no sense together with the others; the CLI exits with status 2."""
+
+
+class _ConfigErrorParser(OneLineErrorParser):
+    """The same parser for `parse_node_config`: a usage error raises ConfigError instead of exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(message)
+
+
+def _number(kind: type, lo: float | None = None, hi: float | None = None, hi_open: bool = False) -> Callable[[str], object]:
+    def parse(text: str) -> object:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a valid {kind.__name__}") from None
+        if lo is not None and value < lo:
+            raise argparse.ArgumentTypeError(f"{text} is below the minimum {lo}")
+        if hi is not None and (value >= hi if hi_open else value > hi):
+            raise argparse.ArgumentTypeError(f"{text} must be {'below' if hi_open else 'at most'} {hi}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
+positive_int = _number(int, lo=1)
+non_negative_int = _number(int, lo=0)
+probability = _number(float, lo=0.0, hi=1.0, hi_open=True)
+non_negative_float = _number(float, lo=0.0)
+
+
+def _edge_list(text: str) -> tuple[tuple[int, int], ...]:
+    """'0-1,1-2,2-0' -> ((0, 1), (1, 2), (2, 0)), parsed as the config file and environment parse it."""
+    try:
+        edges = EdgeList().from_text(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not edges:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an edge list like 0-1,1-2,2-0")
+    return edges
+
+
+def _add_topology_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", choices=WEIGHT_SCHEMES, help="mixing-weight scheme (default: the family's own)")
+    p.add_argument("--degree", type=positive_int, default=4, help="degree of random-regular (default 4)")
+    p.add_argument("--topology-seed", type=non_negative_int, default=0, help="seed of random-regular (default 0)")
+    p.add_argument("--rows", type=positive_int, help="rows of the torus (default: the most square shape)")
+    p.add_argument("--edges", type=_edge_list, help="edge list of the custom topology over ranks, e.g. 0-1,1-2,2-0")
+
+
+def build_parser(parser_class: type[argparse.ArgumentParser] = OneLineErrorParser) -> argparse.ArgumentParser:
+    parser = parser_class(
+        prog="murmur",
+        description="murmur: peer-to-peer decentralized training. Nodes find each other through a DHT "
+        "and mix parameters with their neighbours by gossip.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    topo = commands.add_parser("topology", help="describe a topology: degree, rho, spectral gap",
+                               description="Describe a gossip topology over N peers: degree, rho = "
+                               "||W - 11^T/n||_2 (per-round rate for time-varying schedules) and spectral gap.")
+    topo.add_argument("name", choices=TOPOLOGY_NAMES, help="topology family")
+    topo.add_argument("--peers", type=positive_int, required=True, help="number of peers N")
+    topo.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    _add_topology_options(topo)
+    topo.set_defaults(run=_run_topology)
+
+    sim = commands.add_parser("sim", help="simulate gossip over a topology in one process",
+                              description="Simulate N peers gossiping random vectors over a topology, with "
+                              "message loss, churn and a link model; print consensus error and bytes per round.")
+    sim.add_argument("--peers", type=positive_int, required=True, help="number of peers N")
+    sim.add_argument("--topology", choices=TOPOLOGY_NAMES, default="one-peer-exp", help="topology family (default one-peer-exp)")
+    sim.add_argument("--rounds", type=non_negative_int, default=20, help="gossip rounds (default 20)")
+    sim.add_argument("--drop", type=probability, default=0.0, help="probability a message is lost (default 0)")
+    sim.add_argument("--churn", type=probability, default=0.0,
+                     help="per-round probability that a peer leaves; as many new peers join (default 0)")
+    sim.add_argument("--dim", type=positive_int, default=1000, help="parameters per peer (default 1000)")
+    sim.add_argument("--codec", choices=("fp32", "fp16", "bf16", "int8"), default="fp32", help="wire codec (default fp32)")
+    sim.add_argument("--mixing", choices=("weighted", "clipped", "median", "trimmed_mean"), default="weighted",
+                     help="mixing rule (default weighted)")
+    sim.add_argument("--tau", type=_number(float, lo=1e-12), help="clipping radius for --mixing clipped")
+    sim.add_argument("--trim", type=_number(float, lo=0.0, hi=0.5, hi_open=True), default=0.2,
+                     help="fraction trimmed per side for --mixing trimmed_mean (default 0.2)")
+    sim.add_argument("--latency-ms", type=non_negative_float, default=0.0, help="one-way link latency (default 0)")
+    sim.add_argument("--bandwidth-mbit", type=_number(float, lo=1e-6), help="link bandwidth in Mbit/s (default unlimited)")
+    sim.add_argument("--seed", type=non_negative_int, default=0, help="random seed (default 0)")
+    sim.add_argument("--json", action="store_true", help='print {"rounds": [{"round", "consensus_error", "bytes", ...}]}')
+    _add_topology_options(sim)
+    sim.set_defaults(run=_run_sim)
+    _add_node_commands(commands)
+    _add_demo_command(commands)
+    return parser
+
+
+def _add_demo_command(commands: argparse._SubParsersAction) -> None:
+    demo = commands.add_parser(
+        "demo", help="train the embedded model with a local swarm of node processes",
+        description="Start N node processes on loopback in one swarm training the embedded model (MoE by "
+        "default), print the first node's monitor URL and the progress, stop them when every node has "
+        "taken --steps steps, and print the validation loss of each node and of the averaged model next "
+        "to that of the untrained model. Node logs and checkpoints live in a temporary directory (--dir "
+        "keeps them).")
+    demo.add_argument("--nodes", type=_number(int, lo=1, hi=32), default=4, help="node processes (default 4)")
+    demo.add_argument("--steps", type=_number(int, lo=1), default=100, help="training steps per node (default 100)")
+    demo.add_argument("--topology", choices=TOPOLOGY_NAMES, default="one-peer-exp",
+                      help="gossip topology (default one-peer-exp)")
+    demo.add_argument("--optimizer", choices=("dsgd", "dadam"), default="dadam", help="optimizer (default dadam)")
+    demo.add_argument("--model", choices=("moe", "dense"), default="moe", help="embedded model (default moe)")
+    demo.add_argument("--lr", type=_number(float, lo=1e-12), help="peak learning rate (default: the node's, 3e-3)")
+    demo.add_argument("--batch-size", type=_number(int, lo=1), default=16,
+                      help="sequences per step on each node (default 16)")
+    demo.add_argument("--spes", action="store_true", help="sparse expert sync for the MoE model (SPES)")
+    demo.add_argument("--dir", type=Path, help="keep node logs and checkpoints in this directory")
+    demo.add_argument("--json", action="store_true",
+                      help="end with one JSON object: initial_val_loss, averaged_val_loss and nodes (peer_id, "
+                      "val_loss, steps, bytes_sent, bytes_received, trainable_params, optimizer_state_bytes)")
+    demo.set_defaults(run=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    if args.spes and args.model != "moe":
+        raise UsageError(f"--spes: SPES syncs the experts of the MoE model; --model {args.model} has none")
+    from node.cli.demo import DemoOptions, run_demo
+
+    return run_demo(DemoOptions(nodes=args.nodes, steps=args.steps, topology=args.topology, optimizer=args.optimizer,
+                                model=args.model, lr=args.lr, batch_size=args.batch_size, as_json=args.json,
+                                workdir=args.dir.absolute() if args.dir else None, spes=args.spes))
+
+
+_PRECEDENCE = (
+    "Each setting comes from, in increasing precedence: its default, the --config file (TOML), its "
+    "MURMUR_* environment variable, its flag. A bad flag or value exits with status 2 and one line. "
+    "All settings: docs/cli.md."
+)
+
+# Help sections of the node commands, by the first part of a setting's key.
+_SECTIONS = {"network": "network", "monitor": "monitor page", "gossip": "gossip", "training": "training"}
+
+
+def _add_node_commands(commands: argparse._SubParsersAction) -> None:
+    node = commands.add_parser(
+        "node", help="found a new swarm and run a node in it", epilog=_PRECEDENCE,
+        description="Found a new swarm and run a node in it: join the DHT (through --peers if given, e.g. a "
+        "bootstrap node), publish the swarm's config, gossip parameters with topology neighbours and serve "
+        "the monitor page. SIGINT/SIGTERM stop it cleanly; restarting with the same identity and data dir resumes.",
+    )
+    join = commands.add_parser(
+        "join", help="join an existing swarm through one of its peers", epilog=_PRECEDENCE,
+        description="Join an existing swarm: read its config from the DHT through --peers (at least one, from "
+        "the flag, MURMUR_PEERS or the config file), fetch the latest parameters from a live peer, then train "
+        "and gossip with the swarm.",
+    )
+    bootstrap = commands.add_parser(
+        "bootstrap", help="run a DHT-only entry point for public swarms", epilog=_PRECEDENCE,
+        description="Run a DHT-only entry point for public swarms: no training and no gossip. Other nodes pass "
+        "its full multiaddr (printed at start) to --peers.",
+    )
+    for command, parser in (("node", node), ("join", join), ("bootstrap", bootstrap)):
+        _add_config_flag(parser)
+        sections = {title: parser.add_argument_group(title) for title in ("general", *_SECTIONS.values())}
+        for setting in settings_for(command):
+            section = _SECTIONS.get(setting.key.partition(".")[0], "general")
+            required = command == "join" and setting.key == "network.initial_peers"
+            _add_setting_flag(sections[section], setting, required_note=required)
+        parser.set_defaults(run=_run_node if command in NODE else _run_bootstrap)
+
+    status = commands.add_parser(
+        "status", help="report a running node", epilog=_PRECEDENCE,
+        description="Report a running node from its monitor's JSON API: peer id, swarm, multiaddrs, peers, "
+        "step, round, bytes sent and received, errors. Without --url it asks the monitor at "
+        "http://MONITOR-HOST:MONITOR-PORT.",
+    )
+    _add_monitor_target(status)
+    status.add_argument("--json", action="store_true",
+                        help="print one JSON object: peer_id, swarm, maddrs, peers, step, round, bytes_sent, "
+                        "bytes_received, errors")
+    status.set_defaults(run=_run_status)
+
+    evaluate = commands.add_parser(
+        "eval", help="validation loss of the swarm-average model, asked of a running node", epilog=_PRECEDENCE,
+        description="Ask a running node to pull every live peer's current parameters, average them uniformly "
+        "with its own and evaluate the average on its validation split (POST /api/eval/average); print that "
+        "loss next to the node's own latest validation loss, and which peers were in and out. Takes seconds "
+        "(a peer that does not answer costs up to 30 s). Without --url it asks the monitor at "
+        "http://MONITOR-HOST:MONITOR-PORT.",
+    )
+    _add_monitor_target(evaluate)
+    evaluate.add_argument("--timeout", type=_number(float, lo=1.0), default=300.0, metavar="SECONDS",
+                          help="how long to wait for the node's answer (default 300)")
+    evaluate.add_argument("--save", action="store_true",
+                          help="the node also writes the average model to swarm-average.npz in its data "
+                          "directory (atomically; the previous one is kept as swarm-average.npz.prev)")
+    evaluate.add_argument("--json", action="store_true",
+                          help="print the node's JSON answer: loss, self, peers (peer_id, step, self), failed "
+                          "(peer id -> reason), min_step, max_step, elapsed_s, saved, save_error, "
+                          "local (val_loss, val_step, loss, step)")
+    evaluate.set_defaults(run=_run_eval)
+
+
+def _add_monitor_target(parser: argparse.ArgumentParser) -> None:
+    """The flags that find a running node (`status`, `eval`): its monitor's port and host, or --url."""
+    _add_config_flag(parser)
+    target = parser.add_mutually_exclusive_group()
+    _add_setting_flag(target, SETTINGS_BY_KEY["monitor.port"], help="TCP port of the node's monitor page")
+    target.add_argument("--url", help="monitor URL of the node, e.g. http://127.0.0.1:7690 (instead of "
+                        "--monitor-host/--monitor-port)")
+    _add_setting_flag(parser, SETTINGS_BY_KEY["monitor.host"], help="host of the node's monitor page")
+
+
+def _add_config_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE",
+                        help=f"TOML config file whose keys are those of docs/cli.md (env {ENV_CONFIG_FILE}); "
+                        "MURMUR_* variables and flags override it")
+
+
+def _add_setting_flag(
+    container: argparse._ActionsContainer, setting: Setting, required_note: bool = False, help: str | None = None
+) -> None:
+    """A flag whose default is SUPPRESS, so the namespace holds only the flags the user gave."""
+    choices = f"; one of: {', '.join(setting.kind.choices)}" if isinstance(setting.kind, Choice) else ""
+    note = "required: at least one, from this flag, the env var or the config file; " if required_note else ""
+    help_text = (f"{help or setting.help}{choices} ({note}default: {setting.default_in_words()}; "
+                 f"env {setting.env}; config key {setting.key})").replace("%", "%%")
+    common = {"dest": setting.dest, "default": argparse.SUPPRESS, "help": help_text}
+    if isinstance(setting.kind, Boolean):
+        container.add_argument(setting.flag, action=argparse.BooleanOptionalAction, **common)
+    elif isinstance(setting.kind, Multiaddrs):
+        container.add_argument(setting.flag, action="extend", nargs="+", metavar=setting.metavar, **common)
+    else:
+        container.add_argument(setting.flag, metavar=setting.metavar, **common)
+
+
+def _topology_spec(args: argparse.Namespace, name: str) -> TopologySpec:
+    if name == "custom" and not args.edges:
+        raise UsageError("the custom topology needs --edges, e.g. --edges 0-1,1-2,2-0")
+    return TopologySpec(name, weights=args.weights, degree=args.degree, seed=args.topology_seed,
+                        rows=args.rows, edges=args.edges or ())
+
+
+def _run_topology(args: argparse.Namespace) -> int:
+    from node.cli.reports import print_topology
+
+    with _values_checked():
+        topology = build_topology(_topology_spec(args, args.name), args.peers)
+    print_topology(topology, as_json=args.json)
+    return 0
+
+
+def _run_sim(args: argparse.Namespace) -> int:
+    from gossip.memory import LinkModel
+    from gossip.mixing import MixingRule
+    from gossip.sim import SimConfig, simulate
+    from node.cli.reports import print_sim
+
+    bandwidth = args.bandwidth_mbit * 1e6 / 8 if args.bandwidth_mbit else float("inf")
+    with _values_checked():
+        config = SimConfig(
+            peers=args.peers, topology=_topology_spec(args, args.topology), rounds=args.rounds, dim=args.dim,
+            drop=args.drop, churn=args.churn, codec=args.codec, seed=args.seed,
+            link=LinkModel(latency_s=args.latency_ms / 1000, bandwidth_bytes_per_s=bandwidth),
+            rule=MixingRule(kind=args.mixing, tau=args.tau, trim=args.trim),
+        )
+        build_topology(config.topology, config.peers)  # a bad combination fails here, before round 1
+    print_sim(config, simulate(config), as_json=args.json)
+    return 0
+
+
+def _resolve(args: argparse.Namespace, env: Mapping[str, str]) -> ResolvedConfig:
+    """Defaults < config file < environment < flags, for the settings of `args.command`."""
+    settings = settings_for(args.command)
+    layers = []
+    config_file = args.config if args.config is not None else env.get(ENV_CONFIG_FILE, "").strip() or None
+    if config_file is not None:
+        source = "--config" if args.config is not None else ENV_CONFIG_FILE
+        layers.append(read_config_file(Path(config_file).expanduser(), source))
+    layers.append(read_environment(env, settings))
+    given = vars(args)
+    layers.append(read_flags({setting: given[setting.dest] for setting in settings if setting.dest in given}))
+    return merge_layers(*layers)
+
+
+def node_config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> NodeConfig:
+    """The checked config of a parsed `node`, `join` or `bootstrap` command line; raises ConfigError."""
+    resolved = _resolve(args, env)
+    if args.command == "join" and not resolved.config.network.initial_peers:
+        raise ConfigError("no peer to join through: give --peers MULTIADDR (or MURMUR_PEERS, or "
+                          "network.initial_peers in the config file)")
+    check_environment(resolved, swarm=args.command in NODE, monitor=args.command in NODE)
+    return resolved.config
+
+
+def parse_node_config(argv: Sequence[str], env: Mapping[str, str]) -> NodeConfig:
+    """The config a `murmur node|join|bootstrap ...` command line would run with, without running it.
+
+    `argv` starts with the command, e.g. ["join", "--peers", ADDR]; `env` stands for os.environ.
+    Every bad flag or value raises ConfigError with the line `murmur` would print.
+    """
+    args = build_parser(_ConfigErrorParser).parse_args(argv)
+    if args.command not in DAEMONS:
+        raise ConfigError(f"murmur {args.command} does not run a node")
+    return node_config_from_args(args, env)
+
+
+def status_url(args: argparse.Namespace, env: Mapping[str, str]) -> str:
+    """The monitor URL a parsed `status` or `eval` command line asks; raises ConfigError."""
+    if args.url is not None:
+        if SETTINGS_BY_KEY["monitor.host"].dest in vars(args):
+            raise ConfigError("--monitor-host cannot be combined with --url")
+        url = urllib.parse.urlsplit(args.url)
+        try:
+            url.port  # noqa: B018 - raises ValueError for a port that is not a number in range
+        except ValueError as exc:
+            raise ConfigError(f"--url: {args.url!r} has a bad port: {exc}") from None
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ConfigError(f"--url: {args.url!r} is not an http(s) URL like http://127.0.0.1:7690")
+        return args.url.rstrip("/")
+    resolved = _resolve(args, env)
+    if resolved.config.monitor.port == 0:
+        raise ConfigError(f"{resolved.source('monitor.port')}: port 0 means the node picked a free port; "
+                          "pass the port it reported with --monitor-port, or --url")
+    return resolved.config.monitor.url
+
+
+def _run_node(args: argparse.Namespace) -> int:
+    config = node_config_from_args(args, os.environ)
+    from node.runtime.daemon import run_node
+
+    return run_node(config, founding=args.command == "node")
+
+
+def _run_bootstrap(args: argparse.Namespace) -> int:
+    config = node_config_from_args(args, os.environ)
+    from node.runtime.daemon import run_bootstrap
+
+    return run_bootstrap(config)
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    url = status_url(args, os.environ)
+    from node.cli.status import run_status
+
+    return run_status(url, args.json)
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    url = status_url(args, os.environ)
+    from node.cli.eval import run_eval
+
+    return run_eval(url, args.json, args.timeout, save=args.save)
+
+
+@contextlib.contextmanager
+def _values_checked() -> Iterator[None]:
+    """Turn the ValueError of a config object built from flags into a usage error."""
+    try:
+        yield
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (UsageError, ConfigError) as exc:
+        print(f"murmur {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+

@@ -1,0 +1,7 @@
+"""`python -m node.config`: print the settings table for docs/cli.md."""
+
+import sys
+
+from node.config.settings import settings_table
+
+sys.stdout.write(settings_table())

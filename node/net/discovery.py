@@ -1,0 +1,673 @@
+"""Swarm membership over hivemind's DHT: the swarm's config, one signed, expiring record per live peer,
+and a membership view (peers sorted by id) that tells its subscribers when the set of peers changes.
+
+Runs hivemind's asyncio `DHTNode` in the node's own event loop on the node's `P2P` (one daemon, one
+identity). `hivemind.DHT` would instead fork a process that replicates the daemon connection and
+answers every call through a pipe; `DHTNode` needs neither and every call is a plain awaitable that
+`asyncio.timeout` can bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import logging
+import math
+import re
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.node import DHTNode
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
+from hivemind.p2p import P2P
+from hivemind.utils.serializer import MSGPackSerializer
+from hivemind.utils.timed_storage import get_dht_time
+
+from node.net.identity import Identity, peer_id_of_ssh_key
+
+logger = logging.getLogger(__name__)
+
+_SWARM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_OWNER_KEY = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
+
+# Bounds on what a peer record may hold, so a hostile record costs little to reject.
+_MAX_RECORD_BYTES = 64 * 1024
+_MAX_MADDRS = 16
+_MAX_MADDR_CHARS = 512
+_MAX_EXPERTS = 8192
+_MAX_VERSION_CHARS = 64
+_MAX_PEER_ID_CHARS = 128
+
+
+class DiscoveryError(Exception):
+    """Discovery could not do what was asked of the DHT."""
+
+
+class BootstrapFailed(DiscoveryError):
+    """None of the initial peers answered."""
+
+
+class SwarmConfigInvalid(DiscoveryError):
+    """The swarm config found in the DHT is malformed or does not match its hash."""
+
+
+def validate_swarm_name(swarm: str) -> str:
+    if not _SWARM_NAME.fullmatch(swarm):
+        raise ValueError(
+            f"invalid swarm name {swarm!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
+    return swarm
+
+
+def config_key(swarm: str) -> str:
+    return f"{validate_swarm_name(swarm)}.config"
+
+
+def peers_key(swarm: str) -> str:
+    return f"{validate_swarm_name(swarm)}.peers"
+
+
+def experts_key(swarm: str) -> str:
+    """Reserved for SPES expert ownership."""
+    return f"{validate_swarm_name(swarm)}.experts"
+
+
+@dataclass(frozen=True)
+class PeerRecord:
+    """What a live peer says about itself in `<swarm>.peers`."""
+
+    peer_id: str
+    maddrs: tuple[str, ...]  # full multiaddrs others can dial, each ending in /p2p/<peer_id>
+    step: int
+    round: int
+    experts: tuple[int, ...]  # ids of the experts this peer owns
+    capacity: int  # how many experts this peer can own
+    version: str  # murmur software version
+    heartbeat: float  # DHT (unix) time when the record was published
+    gossip_from: int = 0  # first round this peer gossips in; 0 while it waits for a quorum (see node.training.rounds)
+    loss: float | None = None  # the peer's latest training loss, for the monitors of its peers
+
+
+@dataclass(frozen=True)
+class Withdrawal:
+    """A tombstone a peer publishes on clean shutdown; it outranks the peer's last record."""
+
+    peer_id: str
+
+
+@dataclass(frozen=True)
+class SwarmConfig:
+    """The swarm's training config as its founder published it, with the hash peers compare."""
+
+    config: Mapping[str, Any]
+    config_hash: str
+
+
+def canonical_config_bytes(config: Mapping[str, Any]) -> bytes:
+    """Key-sorted compact JSON: equal configs give equal bytes on every peer."""
+    return json.dumps(config, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def config_hash(config: Mapping[str, Any]) -> str:
+    return hashlib.sha256(canonical_config_bytes(config)).hexdigest()
+
+
+def encode_peer_record(record: PeerRecord) -> bytes:
+    fields = dataclasses.asdict(record)
+    fields["maddrs"] = list(record.maddrs)
+    fields["experts"] = list(record.experts)
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def encode_withdrawal(peer_id: str) -> bytes:
+    return msgpack.packb({"peer_id": peer_id, "withdrawn": True}, use_bin_type=True)
+
+
+def decode_peer_entry(raw: bytes) -> PeerRecord | Withdrawal:
+    """Parse and check a `<swarm>.peers` value; raises ValueError saying what is wrong."""
+    if len(raw) > _MAX_RECORD_BYTES:
+        raise ValueError(f"peer record of {len(raw)} bytes exceeds {_MAX_RECORD_BYTES}")
+    try:
+        fields = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as exc:
+        raise ValueError(f"peer record is not msgpack: {exc}") from None
+    if not isinstance(fields, dict):
+        raise ValueError("peer record is not a map")
+    peer_id = fields.get("peer_id")
+    if not isinstance(peer_id, str) or not 0 < len(peer_id) <= _MAX_PEER_ID_CHARS:
+        raise ValueError("peer record has no valid peer_id")
+    if fields.get("withdrawn", False) is True:
+        return Withdrawal(peer_id)
+    # Unknown fields are ignored so newer peers can add some; known ones must be well-formed.
+    maddrs = _list_of(fields, "maddrs", str, _MAX_MADDRS)
+    suffix = f"/p2p/{peer_id}"
+    if not maddrs or any(len(addr) > _MAX_MADDR_CHARS or not addr.endswith(suffix) for addr in maddrs):
+        raise ValueError(f"peer record maddrs must be 1-{_MAX_MADDRS} multiaddrs ending in {suffix}")
+    experts = _list_of(fields, "experts", int, _MAX_EXPERTS)
+    if any(expert < 0 for expert in experts):
+        raise ValueError("peer record has a negative expert id")
+    version = fields.get("version")
+    if not isinstance(version, str) or len(version) > _MAX_VERSION_CHARS:
+        raise ValueError("peer record has no valid version")
+    heartbeat = fields.get("heartbeat")
+    if not isinstance(heartbeat, (int, float)) or isinstance(heartbeat, bool) or not math.isfinite(heartbeat):
+        raise ValueError("peer record has no valid heartbeat")
+    return PeerRecord(
+        peer_id=peer_id,
+        maddrs=tuple(maddrs),
+        step=_count(fields, "step"),
+        round=_count(fields, "round"),
+        experts=tuple(experts),
+        capacity=_count(fields, "capacity"),
+        version=version,
+        heartbeat=float(heartbeat),
+        gossip_from=_count(fields, "gossip_from") if "gossip_from" in fields else 0,
+        loss=_optional_loss(fields),
+    )
+
+
+def _optional_loss(fields: dict) -> float | None:
+    loss = fields.get("loss")
+    if loss is None:
+        return None
+    if not isinstance(loss, (int, float)) or isinstance(loss, bool) or not math.isfinite(loss):
+        raise ValueError("peer record has a loss that is not a finite number")
+    return float(loss)
+
+
+def _list_of(fields: dict, name: str, kind: type, max_len: int) -> list:
+    items = fields.get(name)
+    if (
+        not isinstance(items, list)
+        or len(items) > max_len
+        or not all(isinstance(item, kind) and not isinstance(item, bool) for item in items)
+    ):
+        raise ValueError(f"peer record field {name} must be a list of at most {max_len} {kind.__name__}")
+    return items
+
+
+def _count(fields: dict, name: str) -> int:
+    value = fields.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"peer record field {name} must be a non-negative integer")
+    return value
+
+
+def owner_peer_id(subkey: bytes) -> str | None:
+    """The peer id whose RSA key is embedded (as `[owner:...]`) in a DHT subkey, if exactly one is."""
+    keys = set(_OWNER_KEY.findall(subkey))
+    if len(keys) != 1:
+        return None
+    try:
+        return peer_id_of_ssh_key(keys.pop())
+    except ValueError:
+        return None
+
+
+class PeerRecordValidator(RecordValidatorBase):
+    """Only a peer can speak for itself in `<swarm>.peers`.
+
+    hivemind's RSASignatureValidator (which runs first) checks that a subkey's value is signed by the
+    key in the subkey; this one requires that key to be there and the record to be about the peer
+    that key identifies, so a peer can neither overwrite another's record nor add one in its name.
+    """
+
+    def __init__(self, swarm: str) -> None:
+        self._peers_key_id = DHTID.generate(source=peers_key(swarm)).to_bytes()
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.key != self._peers_key_id:
+            return True
+        owner = owner_peer_id(record.subkey)
+        if owner is None:
+            return False
+        try:
+            value = MSGPackSerializer.loads(record.value)
+            return isinstance(value, bytes) and decode_peer_entry(value).peer_id == owner
+        except Exception:
+            return False
+
+    @property
+    def priority(self) -> int:
+        # Below RSASignatureValidator's 10: validated after it, on the value with its signature stripped.
+        return 5
+
+
+def make_record_validator(signer: RSASignatureValidator, swarm: str) -> CompositeValidator:
+    """What every murmur DHT node checks records with: signatures first, then peer-record ownership."""
+    return CompositeValidator([signer, PeerRecordValidator(swarm)])
+
+
+def _software_version() -> str:
+    try:
+        return importlib.metadata.version("murmur")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+@dataclass(frozen=True)
+class DiscoverySettings:
+    swarm: str
+    heartbeat_s: float = 2.0
+    ttl_heartbeats: int = 3  # a record outlives its heartbeat by this many periods
+    view_refresh_s: float | None = None  # how often the view is re-read; default half a heartbeat
+    rpc_timeout_s: float = 2.0  # one DHT RPC to one peer
+    request_timeout_s: float = 5.0  # one whole DHT store/get (several RPCs)
+    bootstrap_timeout_s: float = 10.0
+    config_ttl_s: float = 600.0
+    version: str = dataclasses.field(default_factory=_software_version)
+
+    def __post_init__(self) -> None:
+        validate_swarm_name(self.swarm)
+        if self.heartbeat_s <= 0 or self.ttl_heartbeats < 1:
+            raise ValueError("heartbeat_s must be positive and ttl_heartbeats at least 1")
+
+    @property
+    def ttl_s(self) -> float:
+        return self.heartbeat_s * self.ttl_heartbeats
+
+    @property
+    def refresh_s(self) -> float:
+        return self.view_refresh_s if self.view_refresh_s is not None else self.heartbeat_s / 2
+
+
+class Discovery:
+    """This peer's presence in the swarm and its view of the others.
+
+    Usage: `await d.start()` (or `async with d:`), then `d.view()` / `async for view in d.changes()`,
+    `d.update(step=..., round=...)` as training advances, and `await d.close()` to withdraw.
+    The caller owns `p2p` and shuts it down after `close()`. `initial_peers` must also have been given
+    to the daemon (P2PSettings.initial_peers) so it knows where they are.
+    """
+
+    def __init__(
+        self,
+        p2p: P2P,
+        identity: Identity,
+        settings: DiscoverySettings,
+        *,
+        initial_peers: Sequence[str] = (),
+        capacity: int = 0,
+        experts: Sequence[int] = (),
+        data_maddrs: Sequence[str] = (),
+    ) -> None:
+        # `data_maddrs`: where peers open gossip streams to this node, if not through this p2pd. The
+        # py-libp2p backend runs its host under the node's identity, and p2pd, which then carries only
+        # the DHT, under a key of its own: two hosts with one peer id would each get the other's
+        # dials (see docs/architecture.md, "Data-plane backends").
+        suffix = f"/p2p/{identity.peer_id}"
+        if any(not addr.endswith(suffix) for addr in data_maddrs) or len(data_maddrs) > _MAX_MADDRS:
+            raise ValueError(f"data-plane maddrs must be at most {_MAX_MADDRS} multiaddrs ending in {suffix}")
+        if not data_maddrs and p2p.peer_id.to_base58() != identity.peer_id:
+            raise ValueError("the P2P daemon was not started with this identity")
+        self._data_maddrs = tuple(data_maddrs)
+        self._dht_maddrs: tuple[str, ...] = ()
+        self._p2p = p2p
+        self._identity = identity
+        self._settings = settings
+        self._initial_peers = tuple(initial_peers)
+        signer = RSASignatureValidator(identity.signing_key)
+        self._validator = make_record_validator(signer, settings.swarm)
+        # This peer's subkey in `<swarm>.peers`: its public key, so only its signature is accepted there.
+        self._owner_subkey = signer.local_public_key
+        self._local = PeerRecord(
+            peer_id=identity.peer_id,
+            maddrs=(),
+            step=0,
+            round=0,
+            experts=tuple(experts),
+            capacity=capacity,
+            version=settings.version,
+            heartbeat=0.0,
+        )
+        self._dht: DHTNode | None = None
+        self._runner: asyncio.Task | None = None
+        self._last_expiration = -math.inf
+        self._view: tuple[PeerRecord, ...] = ()
+        self._changed = asyncio.Event()
+        self._closed = False
+        self._config: SwarmConfig | None = None
+        self._config_refreshed_at = -math.inf
+        self._errors: collections.Counter[str] = collections.Counter()
+
+    @property
+    def peer_id(self) -> str:
+        return self._identity.peer_id
+
+    @property
+    def local_record(self) -> PeerRecord:
+        return self._local
+
+    @property
+    def dht_maddrs(self) -> tuple[str, ...]:
+        """Where others reach this node's DHT (what `murmur join --peers` takes); set by `start()`."""
+        return self._dht_maddrs
+
+    @property
+    def errors(self) -> dict[str, int]:
+        """Counts of failed DHT operations and rejected records, by kind."""
+        return dict(self._errors)
+
+    async def start(self) -> None:
+        """Join the DHT, publish this peer and read the swarm once, then heartbeat in the background.
+
+        Raises BootstrapFailed if the DHT cannot be joined. On failure the caller should shut the
+        daemon down: a cancelled DHT start may leave its handlers registered there.
+        """
+        if self._dht is not None or self._closed:
+            raise RuntimeError("Discovery can be started once")
+        try:
+            async with asyncio.timeout(self._settings.bootstrap_timeout_s):
+                self._dht = await DHTNode.create(
+                    p2p=self._p2p,
+                    initial_peers=list(self._initial_peers) or None,
+                    record_validator=self._validator,
+                    wait_timeout=self._settings.rpc_timeout_s,
+                    bootstrap_timeout=self._settings.rpc_timeout_s,
+                )
+                maddrs = tuple(str(addr) for addr in await self._p2p.get_visible_maddrs())
+        except TimeoutError:
+            await self._shutdown_dht()
+            raise BootstrapFailed(
+                f"the DHT did not start within {self._settings.bootstrap_timeout_s:g} s "
+                f"(initial peers: {', '.join(self._initial_peers) or 'none'})"
+            ) from None
+        except RuntimeError as exc:  # DHTNode's "bootstrap failed: none of the initial_peers responded"
+            await self._shutdown_dht()
+            raise BootstrapFailed(f"{exc} (initial peers: {', '.join(self._initial_peers)})") from None
+        self._dht_maddrs = maddrs
+        self._local = dataclasses.replace(self._local, maddrs=self._data_maddrs or maddrs)
+        # Publish and read once before returning, so the caller starts with itself and its peers in view.
+        await self._publish_record()
+        await self._refresh_view()
+        self._runner = asyncio.create_task(self._run(), name=f"discovery-{self._settings.swarm}")
+
+    async def close(self) -> None:
+        """Stop heartbeats, withdraw this peer's record, and stop the DHT node (not the daemon)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._runner is not None:
+            self._runner.cancel()
+            try:
+                await self._runner
+            except asyncio.CancelledError:
+                pass
+            except Exception:  # the loops count their own failures; anything here is a bug
+                logger.exception("discovery's background task failed")
+        if self._dht is not None:
+            await self._withdraw()
+            await self._shutdown_dht()
+        self._changed.set()  # wake subscribers so they see the end
+
+    async def _shutdown_dht(self) -> None:
+        if self._dht is None:
+            return
+        try:
+            async with asyncio.timeout(self._settings.request_timeout_s):
+                await self._dht.shutdown()
+        except TimeoutError:
+            logger.warning("DHT node did not shut down within %g s", self._settings.request_timeout_s)
+
+    async def __aenter__(self) -> Discovery:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # ---- this peer ------------------------------------------------------------------------
+
+    def update(
+        self,
+        *,
+        step: int | None = None,
+        round: int | None = None,
+        experts: Sequence[int] | None = None,
+        capacity: int | None = None,
+        gossip_from: int | None = None,
+        loss: float | None = None,
+    ) -> None:
+        """Change what the next heartbeat publishes about this peer. Call from the event loop's thread."""
+        changes: dict[str, Any] = {}
+        if loss is not None and math.isfinite(loss):
+            changes["loss"] = float(loss)
+        if gossip_from is not None:
+            changes["gossip_from"] = gossip_from
+        if step is not None:
+            changes["step"] = step
+        if round is not None:
+            changes["round"] = round
+        if experts is not None:
+            changes["experts"] = tuple(experts)
+        if capacity is not None:
+            changes["capacity"] = capacity
+        self._local = dataclasses.replace(self._local, **changes)
+
+    # ---- membership ---------------------------------------------------------------------------
+
+    def view(self) -> tuple[PeerRecord, ...]:
+        """Live peers (this one included), sorted by peer id."""
+        return self._view
+
+    async def changes(self) -> AsyncIterator[tuple[PeerRecord, ...]]:
+        """Yield the current view, then each view whose set of peers differs from the previous one.
+
+        Ends when discovery closes. A slow consumer skips intermediate views, never the latest.
+        """
+        while not self._closed:
+            changed = self._changed  # taken before yielding, so a change during the yield is not missed
+            yield self._view
+            await changed.wait()
+
+    # ---- swarm config ----------------------------------------------------------------------
+
+    async def publish_config(self, config: Mapping[str, Any]) -> SwarmConfig:
+        """Write the swarm's config (founder). This peer then keeps it alive in the DHT.
+
+        Raises DiscoveryError if no DHT peer (this one included) stored it.
+        """
+        published = SwarmConfig(config=json.loads(canonical_config_bytes(config)), config_hash=config_hash(config))
+        self._config = published
+        if not await self._store_config(published):
+            raise DiscoveryError("the swarm config could not be stored in the DHT")
+        return published
+
+    async def fetch_config(self) -> SwarmConfig | None:
+        """Read the swarm's config (joiner); None if the swarm has none in the DHT. This peer then
+        keeps it alive too, so the swarm outlives its founder.
+
+        Raises SwarmConfigInvalid for a malformed config, DiscoveryError if the DHT does not answer.
+        """
+        dht = self._require_started()
+        try:
+            async with asyncio.timeout(self._settings.request_timeout_s):
+                found = await dht.get(config_key(self._settings.swarm), latest=True)
+        except TimeoutError:
+            raise DiscoveryError(
+                f"reading the swarm config timed out after {self._settings.request_timeout_s:g} s"
+            ) from None
+        if found is None:
+            return None
+        config = _decode_config(found.value)
+        self._config = config
+        self._config_refreshed_at = asyncio.get_running_loop().time()
+        return config
+
+    # ---- other per-peer keys (SPES's `<swarm>.experts`) ---------------------------------------
+
+    async def store_own(self, key: str, value: bytes, ttl_s: float, *, what: str) -> None:
+        """Store `value` under `key` in this peer's signed subkey (its public key: only this peer's
+        signature is accepted there), expiring after `ttl_s`. A failure is counted and logged."""
+        await self._store_entry(self._require_started(), key, value, get_dht_time() + ttl_s, what=what)
+
+    async def read_owned(self, key: str, *, what: str) -> dict[str, bytes] | None:
+        """The live values under `key`, by the peer whose signed subkey holds each (a subkey naming
+        no single owner is counted and skipped); None when the DHT read failed."""
+        entries = await self._read_entries(key, f"reading the swarm's {what}")
+        if entries is None:
+            return None
+        now, out = get_dht_time(), {}
+        for subkey, item in entries.items():
+            if item.expiration_time <= now:
+                continue
+            owner = owner_peer_id(subkey) if isinstance(subkey, bytes) else None
+            if owner is None or not isinstance(item.value, bytes):
+                self._errors[f"{what.replace(' ', '_')}_invalid"] += 1
+                continue
+            out[owner] = item.value
+        return out
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _require_started(self) -> DHTNode:
+        if self._dht is None or self._closed:
+            raise RuntimeError("Discovery is not running")
+        return self._dht
+
+    async def _run(self) -> None:
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._heartbeat_loop())
+            group.create_task(self._watch_loop())
+
+    async def _heartbeat_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_beat = loop.time()
+        while True:
+            next_beat += self._settings.heartbeat_s
+            await asyncio.sleep(max(0.0, next_beat - loop.time()))
+            await self._publish_record()
+            if self._config is not None and loop.time() - self._config_refreshed_at > self._settings.config_ttl_s / 4:
+                await self._store_config(self._config)
+
+    async def _watch_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._settings.refresh_s)
+            await self._refresh_view()
+
+    async def _publish_record(self) -> None:
+        dht = self._require_started()
+        now = get_dht_time()
+        self._local = dataclasses.replace(self._local, heartbeat=now)
+        expiration = now + self._settings.ttl_s
+        # Remember before storing: a store that times out may still have reached some replicas,
+        # and the withdrawal must outrank every record that might be out there.
+        self._last_expiration = max(self._last_expiration, expiration)
+        await self._store_entry(dht, peers_key(self._settings.swarm), encode_peer_record(self._local), expiration,
+                                what="peer record")
+
+    async def _withdraw(self) -> None:
+        assert self._dht is not None
+        now = get_dht_time()
+        # A newer expiration than our last record's makes the tombstone win everywhere; it is only
+        # needed until that record would have expired anyway.
+        expiration = max(self._last_expiration + 1e-3, now + 1.0)
+        await self._store_entry(self._dht, peers_key(self._settings.swarm), encode_withdrawal(self.peer_id),
+                                expiration, what="withdrawal")
+
+    async def _store_entry(self, dht: DHTNode, key: str, value: bytes, expiration: float, *, what: str) -> None:
+        """Store `value` under `key` in this peer's signed subkey; a failure is counted and logged."""
+        async with self._counting_failures("dht_store", f"storing this peer's {what}"):
+            stored = await dht.store(key, value, expiration, subkey=self._owner_subkey)
+            if not stored:
+                self._errors["dht_store_rejected"] += 1
+                logger.warning("no DHT peer accepted this peer's %s", what)
+
+    async def _store_config(self, config: SwarmConfig) -> bool:
+        dht = self._require_started()
+        value = msgpack.packb(
+            {"config": canonical_config_bytes(config.config), "hash": config.config_hash}, use_bin_type=True
+        )
+        self._config_refreshed_at = asyncio.get_running_loop().time()
+        stored = False
+        async with self._counting_failures("dht_store", "storing the swarm config"):
+            expiration = get_dht_time() + self._settings.config_ttl_s
+            stored = await dht.store(config_key(self._settings.swarm), value, expiration)
+            if not stored:
+                self._errors["dht_store_rejected"] += 1
+                logger.warning("no DHT peer accepted the swarm config")
+        return stored
+
+    @contextlib.asynccontextmanager
+    async def _counting_failures(self, kind: str, doing: str) -> AsyncIterator[None]:
+        """Bound a DHT call by the request timeout; count and log its failure instead of raising,
+        so one bad round of the DHT does not stop heartbeats."""
+        try:
+            async with asyncio.timeout(self._settings.request_timeout_s):
+                yield
+        except TimeoutError:
+            self._errors[f"{kind}_timeout"] += 1
+            logger.warning("%s in the DHT timed out", doing)
+        except Exception as exc:
+            self._errors[f"{kind}_failed"] += 1
+            logger.warning("%s in the DHT failed: %s", doing, exc)
+
+    async def _read_entries(self, key: str, doing: str) -> dict | None:
+        """The subkey entries under `key` (empty when there are none); None when the read failed (counted)."""
+        dht = self._require_started()
+        entries = None
+        async with self._counting_failures("dht_get", doing):
+            found = await dht.get(key, latest=True)
+            entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        return entries
+
+    async def _refresh_view(self) -> None:
+        entries = await self._read_entries(peers_key(self._settings.swarm), "reading the swarm's peers")
+        if entries is None:
+            return  # keep the last view rather than report everyone gone after one failed read
+        records = {self.peer_id: self._local}
+        now = get_dht_time()
+        for subkey, item in entries.items():
+            record = self._live_record(subkey, item.value, item.expiration_time, now)
+            if record is not None and record.peer_id != self.peer_id:
+                records[record.peer_id] = record
+        self._set_view(tuple(records[peer_id] for peer_id in sorted(records)))
+
+    def _live_record(self, subkey: object, value: object, expiration: float, now: float) -> PeerRecord | None:
+        if expiration <= now:
+            return None
+        if not isinstance(subkey, bytes) or not isinstance(value, bytes):
+            self._errors["peer_record_invalid"] += 1
+            return None
+        try:
+            entry = decode_peer_entry(value)
+        except ValueError as exc:
+            self._errors["peer_record_invalid"] += 1
+            logger.debug("ignoring a malformed peer record: %s", exc)
+            return None
+        # The validator checked this when the record arrived; checked again as it is cheap.
+        if entry.peer_id != owner_peer_id(subkey):
+            self._errors["peer_record_invalid"] += 1
+            return None
+        return entry if isinstance(entry, PeerRecord) else None
+
+    def _set_view(self, view: tuple[PeerRecord, ...]) -> None:
+        membership_changed = [r.peer_id for r in view] != [r.peer_id for r in self._view]
+        self._view = view
+        if membership_changed:
+            changed, self._changed = self._changed, asyncio.Event()
+            changed.set()
+
+
+def _decode_config(value: object) -> SwarmConfig:
+    try:
+        fields = msgpack.unpackb(value, raw=False) if isinstance(value, bytes) else None
+        raw_config, expected_hash = fields["config"], fields["hash"]
+        config = json.loads(raw_config)
+    except Exception:
+        raise SwarmConfigInvalid("the swarm config in the DHT is malformed") from None
+    if not isinstance(config, dict) or not isinstance(expected_hash, str):
+        raise SwarmConfigInvalid("the swarm config in the DHT is malformed")
+    actual_hash = hashlib.sha256(raw_config).hexdigest()
+    if actual_hash != expected_hash or canonical_config_bytes(config) != raw_config:
+        raise SwarmConfigInvalid(f"the swarm config in the DHT does not match its hash {expected_hash[:12]}")
+    return SwarmConfig(config=config, config_hash=expected_hash)

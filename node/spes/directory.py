@@ -1,0 +1,112 @@
+"""SPES's expert directory over the DHT: each peer's expert records under `<swarm>.experts`, one
+signed, expiring subkey per peer (as its `<swarm>.peers` record), batched to the heartbeat.
+
+`SpesNode` publishes after every sync and reads before every refresh; the DHT is written at most
+every half heartbeat (and at least every heartbeat, so the record outlives no peer by more than
+its time to live) and read at most every half heartbeat: a record lags by up to a heartbeat, which
+SpesNode tolerates (a copy still old is refreshed at the next sync).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+from collections.abc import Mapping
+
+import msgpack
+
+from gossip.spes import ExpertKey, ExpertRecord, RecordsByPeer, records_from_wire, records_to_wire
+from node.net.discovery import Discovery, experts_key
+
+logger = logging.getLogger(__name__)
+
+MAX_RECORDS_BYTES = 1 << 20  # a peer's records: ~80 bytes per expert copy; more is refused unread
+
+
+def encode_records(records: Mapping[ExpertKey, ExpertRecord]) -> bytes:
+    return msgpack.packb(records_to_wire(records), use_bin_type=True)
+
+
+def decode_records(raw: bytes) -> dict[ExpertKey, ExpertRecord]:
+    """A peer's `<swarm>.experts` value; ValueError saying what is wrong."""
+    if len(raw) > MAX_RECORDS_BYTES:
+        raise ValueError(f"expert records of {len(raw)} bytes exceed {MAX_RECORDS_BYTES}")
+    try:
+        value = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several types for malformed input
+        raise ValueError(f"expert records are not msgpack: {exc}") from None
+    return records_from_wire(value)
+
+
+class DhtExpertDirectory:
+    """`node.spes.node.ExpertDirectory` over a running `Discovery`. `run()` (inside the training's task
+    group) keeps this peer's records stored; `publish`/`read` never wait on the DHT for long."""
+
+    def __init__(self, discovery: Discovery, swarm: str, heartbeat_s: float, ttl_s: float) -> None:
+        self._discovery = discovery
+        self._key = experts_key(swarm)
+        self._heartbeat_s = heartbeat_s
+        self._ttl_s = ttl_s
+        self._mine: dict[ExpertKey, ExpertRecord] = {}
+        self._others: dict[str, dict[ExpertKey, ExpertRecord]] = {}
+        self._read_at = float("-inf")
+        self._dirty = asyncio.Event()
+        self._read_lock = asyncio.Lock()
+        self._warned: set[str] = set()
+        self.errors: collections.Counter[str] = collections.Counter()
+
+    @property
+    def peer_id(self) -> str:
+        return self._discovery.peer_id
+
+    async def publish(self, peer_id: str, records: Mapping[ExpertKey, ExpertRecord]) -> None:
+        if peer_id != self.peer_id:
+            raise ValueError(f"this directory publishes for {self.peer_id} only, not {peer_id}")
+        self._mine = dict(records)
+        self._dirty.set()
+
+    async def read(self) -> RecordsByPeer:
+        """Every live peer's records as last read (at most half a heartbeat ago), this peer's current ones."""
+        loop = asyncio.get_running_loop()
+        async with self._read_lock:
+            if loop.time() - self._read_at >= self._heartbeat_s / 2:
+                await self._read_now()
+                self._read_at = loop.time()
+        return {**self._others, self.peer_id: dict(self._mine)}
+
+    async def run(self) -> None:
+        """Store this peer's records whenever they changed (at most every half heartbeat) and at
+        every heartbeat; until cancelled."""
+        loop = asyncio.get_running_loop()
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._heartbeat_s):
+                    await self._dirty.wait()
+            self._dirty.clear()
+            started = loop.time()
+            if self._mine:
+                await self._discovery.store_own(self._key, encode_records(self._mine), self._ttl_s,
+                                                what="expert records")
+            await asyncio.sleep(max(0.0, self._heartbeat_s / 2 - (loop.time() - started)))
+
+    async def _read_now(self) -> None:
+        found = await self._discovery.read_owned(self._key, what="expert records")
+        if found is None:
+            return  # the DHT did not answer: keep the last read rather than forget every peer
+        others: dict[str, dict[ExpertKey, ExpertRecord]] = {}
+        for peer, raw in found.items():
+            if peer == self.peer_id:
+                continue
+            try:
+                others[peer] = decode_records(raw)
+            except ValueError as exc:
+                self.errors["expert_records_invalid"] += 1
+                if peer not in self._warned:  # logged once per peer; every one is counted
+                    self._warned.add(peer)
+                    logger.warning("ignoring malformed expert records from %s: %s", peer, exc)
+        self._others = others
+
+
+__all__ = ["DhtExpertDirectory", "decode_records", "encode_records"]

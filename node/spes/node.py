@@ -1,0 +1,648 @@
+"""SPES on a node: train the shared weights and the owned experts only, and sync sparsely over the
+gossip transport — shared weights with topology neighbours, owned experts with their co-owners,
+frozen expert copies fetched from an owner only when the owner's published hash changed.
+
+The rules (ownership, records, merge warm-up, traffic) are gossip.spes; this module applies them to
+a `Trainer` and a `Transport`. The daemon drives a `SpesNode` (see docs/spes.md, "Daemon wiring").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from gossip.codecs import Codec, get_codec
+from gossip.errors import BadSchema, WireError
+from gossip.exchange import ExchangeSettings, GossipPeer, RoundOutcome
+from gossip.spes import (
+    ExpertHashMismatch,
+    ExpertKey,
+    ExpertRecord,
+    Ownership,
+    RecordsByPeer,
+    SpesConfig,
+    advance_record,
+    codec_image,
+    content_hash,
+    expert_label,
+    freshest_holder,
+    merge_layer,
+    needs_refresh,
+    parse_expert_label,
+    refresh_source,
+)
+from gossip.transport import Stream, Transport
+from gossip.wire import (
+    DEFAULT_LIMITS,
+    Expectation,
+    Message,
+    WireLimits,
+    check_expectation,
+    encode_message,
+    read_message,
+)
+from node.training.models import MoE, expert_parameter_names, shared_parameter_names
+from node.training.trainer import PlanFor, StepStats, Tensors, Trainer, average_tensors
+from topology import PeerRound
+
+logger = logging.getLogger(__name__)
+
+SHARED_PROTOCOL = "/murmur/spes/shared/1"
+FETCH_PROTOCOL = "/murmur/spes/fetch/1"
+FETCH, EXPERT, REJECT = "fetch", "expert", "reject"
+# A fetch request is a header without tensors: small limits, so a hostile asker cannot make us read much.
+REQUEST_LIMITS = replace(DEFAULT_LIMITS, max_header_bytes=16 << 10, max_tensors=1, max_payload_bytes=1,
+                         max_decoded_bytes=1)
+
+
+def expert_protocol(key: ExpertKey) -> str:
+    """The protocol on which the owners of one expert mix it (one GossipPeer per owned expert)."""
+    return f"/murmur/spes/expert/{expert_label(key)}/1"
+
+
+class ExpertDirectory(Protocol):
+    """Where peers publish their expert records: the DHT key `<swarm>.experts` (one subkey per peer)
+    in the daemon, `InMemoryExpertDirectory` in-process."""
+
+    async def publish(self, peer_id: str, records: Mapping[ExpertKey, ExpertRecord]) -> None: ...
+
+    async def read(self) -> RecordsByPeer: ...
+
+
+class InMemoryExpertDirectory:
+    """The directory for peers in one process (tests, benchmarks): the latest records per peer."""
+
+    def __init__(self) -> None:
+        self._records: dict[str, dict[ExpertKey, ExpertRecord]] = {}
+
+    async def publish(self, peer_id: str, records: Mapping[ExpertKey, ExpertRecord]) -> None:
+        self._records[peer_id] = dict(records)
+
+    async def read(self) -> RecordsByPeer:
+        return {peer: dict(records) for peer, records in self._records.items()}
+
+    def withdraw(self, peer_id: str) -> None:
+        """Forget a peer's records, as its DHT record expiring does."""
+        self._records.pop(peer_id, None)
+
+
+@dataclass(frozen=True)
+class ModelPartition:
+    """A model's parameter names split the way SPES syncs them (flat float32 vectors, Trainer order)."""
+
+    shared: tuple[str, ...]
+    experts: Mapping[ExpertKey, tuple[str, ...]]  # first matrix (w1) first
+    experts_per_layer: int
+    layers: int
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelPartition:
+        experts = {key: tuple(names) for key, names in expert_parameter_names(model).items()}
+        if not experts:
+            raise ValueError("SPES needs a mixture-of-experts model; this one has no MoE layer")
+        layers = 1 + max(layer for layer, _ in experts)
+        per_layer = 1 + max(e for _, e in experts)
+        return cls(tuple(shared_parameter_names(model)), experts, per_layer, layers)
+
+    def names_of(self, keys: set[ExpertKey] | frozenset[ExpertKey]) -> list[str]:
+        return [name for key in sorted(keys) for name in self.experts[key]]
+
+
+def install_expert_casts(model: nn.Module) -> None:
+    """Let experts whose weights are stored in another dtype (bf16 frozen copies) run inside a float32
+    model: the expert computes in its weights' dtype and hands back the caller's dtype. Idempotent."""
+    for module in model.modules():
+        if not isinstance(module, MoE):
+            continue
+        for expert in module.experts:
+            if getattr(expert, "_spes_casts", False):
+                continue
+            expert.register_forward_pre_hook(_cast_input)
+            expert.register_forward_hook(_cast_output)
+            expert._spes_casts = True
+
+
+def _cast_input(module: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
+    (x,) = args
+    weight_dtype = next(module.parameters()).dtype
+    module._spes_input_dtype = x.dtype
+    if x.dtype == weight_dtype or torch.is_autocast_enabled(x.device.type):
+        return None
+    return (x.to(weight_dtype),)
+
+
+def _cast_output(module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor | None:
+    wanted = getattr(module, "_spes_input_dtype", output.dtype)
+    return None if output.dtype == wanted or torch.is_autocast_enabled(output.device.type) else output.to(wanted)
+
+
+@dataclass
+class FetchStats:
+    """Counters of the frozen-copy refresh protocol (both directions)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    served: int = 0
+    fetched: int = 0
+    errors: collections.Counter[str] = field(default_factory=collections.Counter)  # refused input, by kind
+    skipped: collections.Counter[str] = field(default_factory=collections.Counter)  # refreshes not done, by reason
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    sync_index: int
+    step: int
+    shared: RoundOutcome
+    experts: Mapping[ExpertKey, RoundOutcome]  # owned experts mixed with co-owners
+    merge_alpha: float  # 0.0: no merge in this sync
+    refreshed: tuple[ExpertKey, ...]  # frozen copies fetched
+    refresh_skipped: Mapping[ExpertKey, str]  # frozen copies that could not be refreshed, and why
+    duration_s: float
+
+
+@dataclass(frozen=True)
+class SpesStepReport:
+    stats: StepStats
+    sync: SyncReport | None = None
+
+
+class RefreshFailed(Exception):
+    """A frozen copy could not be fetched; `reason` is the skip counter label."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+class SpesNode:
+    """One node of SPES training: its trainer, its view of ownership, its records, and the gossip
+    peers and fetch protocol it syncs over. The daemon calls `start`, then `set_ownership` whenever
+    the membership view (or a capacity) changes, `step` (or `sync` after its own steps) and
+    publishes `records()` under `<swarm>.experts`; see docs/spes.md."""
+
+    def __init__(self, trainer: Trainer, transport: Transport, settings: ExchangeSettings, config: SpesConfig,
+                 ownership: Ownership, directory: ExpertDirectory) -> None:
+        self.trainer = trainer
+        self.config = config
+        self.partition = ModelPartition.of(trainer.model)
+        if (ownership.layers, ownership.experts_per_layer) != (self.partition.layers, self.partition.experts_per_layer):
+            raise ValueError(f"ownership covers {ownership.layers} layers x {ownership.experts_per_layer} experts, "
+                             f"the model has {self.partition.layers} x {self.partition.experts_per_layer}")
+        self._transport = transport
+        self._settings = settings
+        self._ownership = ownership
+        self._directory = directory
+        self._refresh_codec = get_codec(config.refresh_codec)
+        self._records: dict[ExpertKey, ExpertRecord] = {}
+        self._snapshots: dict[ExpertKey, dict[str, np.ndarray]] = {}  # owned experts as last published
+        self._shared_peer: GossipPeer | None = None
+        self._expert_peers: dict[ExpertKey, GossipPeer] = {}
+        self._owned: frozenset[ExpertKey] = frozenset()
+        self.fetch_stats = FetchStats()
+
+    @property
+    def peer_id(self) -> str:
+        return self._transport.peer_id
+
+    @property
+    def ownership(self) -> Ownership:
+        return self._ownership
+
+    @property
+    def owned(self) -> frozenset[ExpertKey]:
+        return self._owned
+
+    def records(self) -> dict[ExpertKey, ExpertRecord]:
+        """This node's record of every expert copy it holds (what it publishes)."""
+        return dict(self._records)
+
+    @property
+    def bytes_sent(self) -> int:
+        peers = [self._shared_peer, *self._expert_peers.values()]
+        return self.fetch_stats.bytes_sent + sum(p.stats.bytes_sent for p in peers if p is not None)
+
+    @property
+    def bytes_received(self) -> int:
+        peers = [self._shared_peer, *self._expert_peers.values()]
+        return self.fetch_stats.bytes_received + sum(p.stats.bytes_received for p in peers if p is not None)
+
+    @property
+    def errors(self) -> dict[str, int]:
+        """Refused input by kind: the fetch protocol's and every gossip peer's (shared and experts)."""
+        total = collections.Counter(self.fetch_stats.errors)
+        for peer in (self._shared_peer, *self._expert_peers.values()):
+            if peer is not None:
+                total.update(peer.stats.errors)
+        return dict(total)
+
+    # ---- set-up and ownership ------------------------------------------------------------------------
+
+    async def start(self, saved: Mapping[ExpertKey, ExpertRecord] | None = None) -> None:
+        """Record every expert copy, serve the shared and fetch protocols, and take up the initial
+        ownership (freezing the other experts). A copy keeps its version from `saved` (the records
+        checkpointed with the parameters) when its content still hashes the same; otherwise it is
+        version 0, the oldest, so a restarted node never passes off an old copy as fresh."""
+        if self.config.frozen_bf16:
+            install_expert_casts(self.trainer.model)
+        tensors = await self.trainer.tensors()
+        for key, names in self.partition.experts.items():
+            image = codec_image([tensors[n] for n in names], self.config.refresh_codec)
+            digest = content_hash(image)
+            old = (saved or {}).get(key)
+            self._records[key] = ExpertRecord(old.version if old is not None and old.hash == digest else 0, digest, False)
+        self._shared_peer = GossipPeer(self._transport, self._settings_for("shared"),
+                                       {n: tensors[n] for n in self.partition.shared}, step=self.trainer.step,
+                                       protocol=SHARED_PROTOCOL)
+        await self._shared_peer.start()
+        await self._transport.serve(FETCH_PROTOCOL, self._serve_fetch)
+        await self.set_ownership(self._ownership, force=True)
+
+    def _settings_for(self, group: str) -> ExchangeSettings:
+        # the config hash names the tensor group, so a message for another group is refused as such
+        codec = self._settings.codec if group == "shared" else get_codec(self.config.expert_codec)
+        return replace(self._settings, config_hash=f"{self._settings.config_hash}/{group}", codec=codec)
+
+    async def set_ownership(self, ownership: Ownership, *, force: bool = False) -> None:
+        """Adopt a new ownership (after the view changed). An expert this node now owns continues
+        from the freshest copy any live peer published, fetched if it is not this node's own; the
+        experts it no longer owns become frozen copies. Then it trains shared + owned only."""
+        if (ownership.layers, ownership.experts_per_layer) != (self.partition.layers, self.partition.experts_per_layer):
+            raise ValueError("new ownership does not match the model's MoE layers")
+        owned = ownership.owned_by(self.peer_id)
+        gained = owned - self._owned
+        lost = self._owned - owned
+        self._ownership = ownership
+        if gained and not force:
+            published = await self._directory.read()
+            await self._take_over(gained, published, ownership.peer_ids)
+        elif gained:
+            await self._claim(gained)
+        for key in lost:
+            self._records[key] = replace(self._records[key], owner=False)
+            self._snapshots.pop(key, None)
+        self._owned = owned
+        trainable = set(self.partition.shared) | set(self.partition.names_of(owned))
+        await self.trainer.set_trainable(trainable.__contains__,
+                                         torch.bfloat16 if self.config.frozen_bf16 else None)
+        await self._directory.publish(self.peer_id, self._records)
+
+    async def _claim(self, keys: frozenset[ExpertKey]) -> None:
+        """Own `keys` from this node's copies, keeping their versions."""
+        tensors = await self.trainer.tensors(self.partition.names_of(keys))
+        for key in keys:
+            names = self.partition.experts[key]
+            image = codec_image([tensors[n] for n in names], self.config.refresh_codec)
+            self._snapshots[key] = dict(zip(names, image))
+            # a copy stored in bf16 may hash differently from what it was fetched as; its version stays,
+            # so a stale copy never looks fresher than it is
+            self._records[key] = ExpertRecord(self._records[key].version, content_hash(image), True)
+
+    async def _take_over(self, keys: frozenset[ExpertKey], published: RecordsByPeer, live: tuple[str, ...]) -> None:
+        records = {**published, self.peer_id: self._records}
+        fetched: dict[str, np.ndarray] = {}
+        mine = set(keys)
+        for key in sorted(keys):
+            best = freshest_holder(key, records, live)
+            if best is None or best[0] == self.peer_id or best[1].version <= self._records[key].version:
+                continue
+            try:
+                tensors, record = await self._fetch(best[0], key, best[1].version)
+            except RefreshFailed as exc:
+                self.fetch_stats.skipped[exc.reason] += 1
+                logger.warning("takeover of expert %s: could not fetch the freshest copy from %s (%s); "
+                               "continuing from the local copy", expert_label(key), best[0], exc)
+                continue
+            logger.info("took over expert %s at version %d from %s", expert_label(key), record.version, best[0])
+            fetched.update(tensors)
+            self._records[key] = replace(record, owner=True)
+            self._snapshots[key] = dict(tensors)
+            mine.discard(key)
+        if fetched:
+            await self.trainer.load_tensors(fetched, partial=True)
+        if mine:
+            await self._claim(frozenset(mine))
+
+    # ---- training and syncing --------------------------------------------------------------------
+
+    async def step(self, plan_for: PlanFor, published: Callable[[int], Awaitable[None]] | None = None) -> SpesStepReport:
+        """One local step, and a sync when the step count reaches a multiple of S."""
+        stats = await self.trainer.train_step()
+        if not self.config.syncs_after(self.trainer.step):
+            return SpesStepReport(stats)
+        sync_index = self.trainer.step // self.config.sync_every
+        return SpesStepReport(stats, await self.sync(sync_index, await plan_for(sync_index), published))
+
+    async def run(self, steps: int, plan_for: PlanFor,
+                  published: Callable[[int], Awaitable[None]] | None = None) -> list[SpesStepReport]:
+        return [await self.step(plan_for, published) for _ in range(steps)]
+
+    async def sync(self, sync_index: int, shared_plan: PeerRound,
+                   published: Callable[[int], Awaitable[None]] | None = None) -> SyncReport:
+        """Mix shared weights (round `sync_index` of `shared_plan`) and owned experts with their
+        co-owners, run the merge warm-up, publish the owned experts' records, then refresh changed
+        frozen copies. `published(sync_index)`, if given, is awaited between publishing and reading
+        the directory (an in-process swarm waits there for everyone's records)."""
+        started = time.monotonic()
+        step = self.trainer.step
+        owned = sorted(self._owned)
+        names = [*self.partition.shared, *self.partition.names_of(self._owned)]
+        tensors = await self.trainer.tensors(names)
+        assert self._shared_peer is not None, "start() first"
+        self._shared_peer.set_tensors({n: tensors[n] for n in self.partition.shared}, step=step)
+        mixing = {key: self._ownership.co_owners(key, self.peer_id) for key in owned}
+        mixing = {key: others for key, others in mixing.items() if others}
+        for key in mixing:
+            peer = await self._expert_peer(key, tensors)
+            peer.set_tensors({n: tensors[n] for n in self.partition.experts[key]}, step=step)
+        async with asyncio.TaskGroup() as group:
+            shared_task = group.create_task(self._shared_peer.run_round(sync_index, shared_plan))
+            expert_tasks = {key: group.create_task(self._expert_peers[key].run_round(sync_index, _co_owner_plan(others)))
+                            for key, others in mixing.items()}
+        new = dict(self._shared_peer.tensors)
+        for key in owned:
+            source = self._expert_peers[key].tensors if key in mixing else tensors
+            new.update({n: source[n] for n in self.partition.experts[key]})
+        alpha = self.config.alpha_at(step) if self.config.merges_after(step) else 0.0
+        if alpha > 0.0:
+            new.update(await self._merged(new, alpha))
+        await self.trainer.load_tensors(new, partial=True)
+        await asyncio.to_thread(self._publish_owned, new, sync_index)
+        await self._directory.publish(self.peer_id, self._records)
+        if published is not None:
+            await published(sync_index)
+        refreshed, skipped = await self._refresh() if self.config.refreshes_at(sync_index) else ((), {})
+        if refreshed:
+            await self._directory.publish(self.peer_id, self._records)
+        return SyncReport(sync_index, step, shared_task.result(),
+                          {key: task.result() for key, task in expert_tasks.items()}, alpha, refreshed, skipped,
+                          time.monotonic() - started)
+
+    async def _expert_peer(self, key: ExpertKey, tensors: Tensors) -> GossipPeer:
+        peer = self._expert_peers.get(key)
+        if peer is None:
+            # kept once made: a transport cannot stop serving a protocol, and the node may own the expert again
+            peer = GossipPeer(self._transport, self._settings_for(expert_label(key)),
+                              {n: tensors[n] for n in self.partition.experts[key]}, protocol=expert_protocol(key))
+            await peer.start()
+            self._expert_peers[key] = peer
+        return peer
+
+    async def _merged(self, current: dict[str, np.ndarray], alpha: float) -> dict[str, np.ndarray]:
+        """The owned experts after one warm-up merge, from the post-mix owned values and the local
+        frozen copies of the rest of their layers."""
+        layers = sorted({layer for layer, _ in self._owned})
+        others = {key for key in self.partition.experts if key[0] in layers and key not in self._owned}
+        frozen = await self.trainer.tensors(self.partition.names_of(others))
+        values = {**frozen, **current}
+
+        def compute() -> dict[str, np.ndarray]:
+            out = {}
+            for layer in layers:
+                keys = [(layer, e) for e in range(self.partition.experts_per_layer)]
+                experts = [[values[n] for n in self.partition.experts[key]] for key in keys]
+                mine = [e for layer_, e in self._owned if layer_ == layer]
+                for e, merged in merge_layer(experts, alpha, only=mine).items():
+                    out.update(zip(self.partition.experts[(layer, e)], merged))
+            return out
+
+        return await asyncio.to_thread(compute)
+
+    def _publish_owned(self, tensors: Mapping[str, np.ndarray], sync_index: int) -> None:
+        for key in self._owned:
+            names = self.partition.experts[key]
+            image = codec_image([tensors[n] for n in names], self.config.refresh_codec)
+            self._records[key] = advance_record(self._records[key], content_hash(image), sync_index, True)
+            self._snapshots[key] = dict(zip(names, image))
+
+    async def _refresh(self) -> tuple[tuple[ExpertKey, ...], dict[ExpertKey, str]]:
+        published = await self._directory.read()
+        skipped: dict[ExpertKey, str] = {}
+        wanted: dict[ExpertKey, tuple[str, ExpertRecord]] = {}
+        for key in self.partition.experts:
+            if key in self._owned:
+                continue
+            source = refresh_source(key, self._ownership, published, self.peer_id)
+            if source is None:
+                skipped[key] = "no_record"
+                continue
+            record = published[source][key]
+            if needs_refresh(self._records[key], record):
+                wanted[key] = (source, record)
+            elif record.version > self._records[key].version:
+                self._records[key] = replace(self._records[key], version=record.version)
+        results: dict[ExpertKey, tuple[dict[str, np.ndarray], ExpertRecord]] = {}
+
+        async def one(key: ExpertKey, source: str, record: ExpertRecord) -> None:
+            try:
+                results[key] = await self._fetch(source, key, record.version)
+            except RefreshFailed as exc:
+                skipped[key] = exc.reason
+
+        async with asyncio.TaskGroup() as group:
+            for key, (source, record) in sorted(wanted.items()):
+                group.create_task(one(key, source, record))
+        loaded: dict[str, np.ndarray] = {}
+        for key, (tensors, record) in results.items():
+            loaded.update(tensors)
+            self._records[key] = replace(record, owner=False)
+        if loaded:
+            await self.trainer.load_tensors(loaded, partial=True)
+        for reason in skipped.values():
+            self.fetch_stats.skipped[reason] += 1
+        return tuple(sorted(results)), skipped
+
+    # ---- the fetch protocol ------------------------------------------------------------------------
+
+    def _expert_specs(self, key: ExpertKey) -> dict[str, np.ndarray]:
+        sizes = {name: p.numel() for name, p in self.trainer.model.named_parameters()}
+        return {n: np.empty(sizes[n], np.float32) for n in self.partition.experts[key]}
+
+    async def _fetch(self, source: str, key: ExpertKey, min_version: int) -> tuple[dict[str, np.ndarray], ExpertRecord]:
+        """Expert `key` from `source` in the refresh codec, checked against the hash it declares and
+        at least `min_version` (the version the directory showed)."""
+        like = self._expert_specs(key)
+        expected = Expectation(self._settings.swarm, self._settings.config_hash,
+                               tuple((n, "float32", a.shape) for n, a in like.items()),
+                               frozenset({self.config.refresh_codec}))
+        try:
+            async with asyncio.timeout(self._settings.exchange_timeout_s):
+                stream = await self._transport.open_stream(source, FETCH_PROTOCOL)
+                try:
+                    await self._send(stream, {}, FETCH, {"expert": expert_label(key)}, get_codec("fp32"))
+                    reply = await self._read(stream, _limits_for(like), None)
+                finally:
+                    await stream.close()
+        except TimeoutError:
+            raise RefreshFailed("timeout") from None
+        except ConnectionError as exc:
+            raise RefreshFailed("unreachable", str(exc)) from None
+        except WireError as exc:
+            self._count_error(exc, source)
+            raise RefreshFailed(exc.kind, str(exc)) from None
+        try:
+            if reply.header.kind == REJECT:
+                raise RefreshFailed("rejected", str(reply.header.meta.get("error", "unspecified")))
+            check_expectation(reply.header, expected)
+            if reply.header.kind != EXPERT or reply.header.meta.get("expert") != expert_label(key):
+                raise BadSchema(f"expected expert {expert_label(key)}, got a {reply.header.kind!r} message "
+                                f"for {reply.header.meta.get('expert')!r}")
+            version, declared = reply.header.meta.get("version"), reply.header.meta.get("hash")
+            if not isinstance(version, int) or not isinstance(declared, str):
+                raise BadSchema("an expert reply must carry an integer version and a string hash in meta")
+            got = content_hash([reply.tensors[n] for n in self.partition.experts[key]])
+            if got != declared:
+                raise ExpertHashMismatch(f"expert {expert_label(key)} hashes to {got[:12]}, declared {declared[:12]}")
+            record = ExpertRecord(version, declared, False)
+        except WireError as exc:
+            self._count_error(exc, source)
+            raise RefreshFailed(exc.kind, str(exc)) from None
+        except ValueError as exc:  # a malformed record (version < 0, hash not hex)
+            self._count_error(BadSchema(str(exc)), source)
+            raise RefreshFailed("bad_schema", str(exc)) from None
+        if record.version < min_version:
+            raise RefreshFailed("stale", f"{source} sent version {record.version}, the directory shows {min_version}")
+        self.fetch_stats.fetched += 1
+        return reply.tensors, record
+
+    async def _serve_fetch(self, stream: Stream) -> None:
+        peer = stream.remote_peer
+        try:
+            async with asyncio.timeout(self._settings.exchange_timeout_s):
+                request = await self._read(stream, REQUEST_LIMITS,
+                                           Expectation(self._settings.swarm, self._settings.config_hash))
+                if request.header.kind != FETCH or request.header.manifest:
+                    raise BadSchema(f"expected a fetch request without tensors, got a {request.header.kind!r} message")
+                label = request.header.meta.get("expert")
+                try:
+                    key = parse_expert_label(label) if isinstance(label, str) else None
+                except ValueError:
+                    key = None
+                if key not in self.partition.experts:
+                    raise BadSchema(f"fetch request for unknown expert {label!r}")
+                tensors, record = await self._served_copy(key)
+                await self._send(stream, tensors, EXPERT, {"expert": label, "version": record.version, "hash": record.hash},
+                                 self._refresh_codec)
+                self.fetch_stats.served += 1
+        except WireError as exc:
+            self._count_error(exc, peer)
+            await self._try_reject(stream, exc)
+        except (TimeoutError, ConnectionError) as exc:
+            self.fetch_stats.errors["timeout" if isinstance(exc, TimeoutError) else "disconnected"] += 1
+            logger.info("expert fetch from %s abandoned: %s", peer, exc or type(exc).__name__)
+            return
+        await _linger(stream, self._settings.exchange_timeout_s)
+
+    async def _served_copy(self, key: ExpertKey) -> tuple[dict[str, np.ndarray], ExpertRecord]:
+        """An owner serves what it last published; a holder of a frozen copy (asked on takeover) serves
+        that copy, under its version, hashed as sent."""
+        if key in self._snapshots:
+            return self._snapshots[key], self._records[key]
+        names = self.partition.experts[key]
+        tensors = await self.trainer.tensors(names)
+        image = await asyncio.to_thread(codec_image, [tensors[n] for n in names], self.config.refresh_codec)
+        return dict(zip(names, image)), replace(self._records[key], hash=content_hash(image))
+
+    async def _try_reject(self, stream: Stream, exc: WireError) -> None:
+        try:
+            async with asyncio.timeout(min(1.0, self._settings.exchange_timeout_s)):
+                await self._send(stream, {}, REJECT, {"error": exc.kind}, get_codec("fp32"))
+        except (TimeoutError, ConnectionError, WireError):
+            pass  # the asker is gone or broken; the error is already counted
+
+    async def _send(self, stream: Stream, tensors: Mapping[str, np.ndarray], kind: str,
+                    meta: Mapping[str, str | int], codec: Codec) -> None:
+        frames = encode_message(tensors, codec, swarm=self._settings.swarm, config_hash=self._settings.config_hash,
+                                sender=self.peer_id, round=0, step=self.trainer.step, kind=kind, meta=meta,
+                                limits=self._settings.limits)
+        for frame in frames:
+            await stream.write(frame)
+            self.fetch_stats.bytes_sent += len(frame)
+
+    async def _read(self, stream: Stream, limits: WireLimits, expected: Expectation | None) -> Message:
+        async def read_exactly(n: int) -> bytes:
+            data = await stream.read_exactly(n)
+            self.fetch_stats.bytes_received += len(data)
+            return data
+
+        message = await read_message(read_exactly, limits, expected)
+        if message.header.sender != stream.remote_peer:
+            raise BadSchema(f"header names sender {message.header.sender}, but the stream comes from {stream.remote_peer}")
+        return message
+
+    def _count_error(self, exc: WireError, peer: str) -> None:
+        self.fetch_stats.errors[exc.kind] += 1
+        logger.warning("refused expert message from %s: %s: %s", peer, exc.kind, exc)
+
+
+def _co_owner_plan(others: tuple[str, ...]) -> PeerRound:
+    """Co-owners of an expert average it uniformly over a complete graph among themselves."""
+    weight = 1.0 / (len(others) + 1)
+    return PeerRound(weight, dict.fromkeys(others, weight), tuple(others))
+
+
+def _limits_for(like: Mapping[str, np.ndarray]) -> WireLimits:
+    elements = sum(a.size for a in like.values())
+    return replace(DEFAULT_LIMITS, max_tensors=max(1, len(like)), max_payload_bytes=8 * elements + 1024,
+                   max_decoded_bytes=4 * elements + 1024)
+
+
+async def _linger(stream: Stream, timeout_s: float) -> None:
+    """Keep the answering end open until the asker hangs up (p2pd resets a stream whose answering
+    end closes first, and the reset can overtake the answer; see gossip.exchange)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await stream.read_exactly(1)
+    except (TimeoutError, ConnectionError):
+        pass
+
+
+def spes_average(members: Mapping[str, Tensors], ownership: Ownership, partition: ModelPartition) -> dict[str, np.ndarray]:
+    """The swarm-average SPES model: shared weights averaged over every node, each expert over its
+    owners (the copies that are trained; frozen copies are only caches of them)."""
+    if not members:
+        raise ValueError("nothing to average")
+    out = average_tensors([{name: m[name] for name in partition.shared} for m in members.values()])
+    for key, names in partition.experts.items():
+        owners = [p for p in ownership.owners[key] if p in members] or list(members)
+        out.update(average_tensors([{name: members[p][name] for name in names} for p in owners]))
+    return out
+
+
+def optimizer_state_covers(trainer: Trainer, partition: ModelPartition, owned: frozenset[ExpertKey]) -> bool:
+    """Whether the optimizer holds state for shared + owned parameters only (what SPES promises)."""
+    return trainer.optimizer_parameter_names <= set(partition.shared) | set(partition.names_of(owned))
+
+
+def tensor_manifest(names: list[str], trainer: Trainer) -> dict[str, tuple[tuple[int], str]]:
+    """(shape, dtype) per flat gossip tensor, for gossip.wire.message_nbytes."""
+    sizes = {name: p.numel() for name, p in trainer.model.named_parameters()}
+    return {n: ((sizes[n],), "float32") for n in names}
+
+
+__all__ = [
+    "EXPERT",
+    "FETCH",
+    "FETCH_PROTOCOL",
+    "SHARED_PROTOCOL",
+    "ExpertDirectory",
+    "FetchStats",
+    "InMemoryExpertDirectory",
+    "ModelPartition",
+    "SpesNode",
+    "SpesStepReport",
+    "SyncReport",
+    "expert_protocol",
+    "install_expert_casts",
+    "optimizer_state_covers",
+    "spes_average",
+    "tensor_manifest",
+]

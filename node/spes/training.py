@@ -1,0 +1,196 @@
+"""SPES training inside the daemon: a SwarmTraining whose steps run a SpesNode (shared weights with
+topology neighbours, owned experts with their co-owners, frozen copies refreshed when changed)
+instead of a GossipTrainer, with ownership recomputed from the membership view and capacities."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from gossip.exchange import ExchangeSettings
+from gossip.spes import (
+    ExpertKey,
+    ExpertRecord,
+    Ownership,
+    assign_experts,
+    expert_label,
+    records_from_wire,
+    records_to_wire,
+)
+from gossip.transport import Transport
+from node.spes.node import ModelPartition, SpesNode, spes_average
+from node.spes.directory import DhtExpertDirectory
+from node.training.loop import SwarmTraining
+from node.training.trainer import StepReport, Trainer, average_tensors
+
+logger = logging.getLogger("murmur.spes")
+
+GPU_MEMORY_SHARE = 0.5  # of the free GPU memory, what a node's SPES capacity may plan to use (the rest: activations)
+CHECKPOINT_META_KEY = "spes_records"
+
+
+def capacity_for(trainer: Trainer, partition: ModelPartition, wanted: int | None) -> int:
+    """Experts per MoE layer this node trains: `wanted` (--experts, at most the layer's experts); else
+    all of them on CPU; on CUDA as many as fit in GPU_MEMORY_SHARE of the free memory, counting 16
+    bytes per trained parameter (fp32 value, gradient, two Adam moments) and 4 per frozen one, at least 1."""
+    experts = partition.experts_per_layer
+    if wanted is not None:
+        return min(wanted, experts)
+    if trainer.device.type != "cuda":
+        return experts
+    sizes = {name: p.numel() for name, p in trainer.model.named_parameters()}
+    shared = sum(sizes[n] for n in partition.shared)
+    every_expert = sum(sizes[n] for names in partition.experts.values() for n in names)
+    per_index = every_expert // experts  # one expert index, in every layer
+    free, _ = torch.cuda.mem_get_info(trainer.device)
+    room = GPU_MEMORY_SHARE * free - 16 * shared - 4 * every_expert
+    return max(1, min(experts, int(room // (12 * per_index))))
+
+
+def saved_records(meta: Mapping[str, Any] | None) -> dict[ExpertKey, ExpertRecord] | None:
+    """The expert records a checkpoint carries (None if it has none or they do not parse)."""
+    raw = (meta or {}).get(CHECKPOINT_META_KEY)
+    if raw is None:
+        return None
+    try:
+        return records_from_wire(json.loads(str(raw)))
+    except ValueError as exc:
+        logger.warning("ignoring the checkpoint's expert records: %s", exc)
+        return None
+
+
+class SpesSwarmTraining(SwarmTraining):
+    """SwarmTraining with SPES steps (docs/spes.md, "Running SPES"). `self.peer` (the node's main
+    GossipPeer) carries no SPES traffic: it serves the whole current model to joiners' downloads and
+    swarm evaluations, refreshed after every sync."""
+
+    def __init__(self, *args: Any, transport: Transport, exchange: ExchangeSettings, heartbeat_s: float, ttl_s: float,
+                 swarm: str, capacity: int | None, saved: Mapping[ExpertKey, ExpertRecord] | None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._transport = transport
+        assert self.recipe.spes is not None, "a SPES recipe"
+        self.spes_config = self.recipe.spes
+        self.partition = ModelPartition.of(self.trainer.model)
+        self.capacity = capacity_for(self.trainer, self.partition, capacity)
+        self._exchange = exchange
+        self._saved = saved
+        self.directory = DhtExpertDirectory(self.discovery, swarm, heartbeat_s, ttl_s)
+        self.node: SpesNode | None = None
+        self.ownership_changes = 0
+        logger.info("SPES: this node trains %d of %d experts per MoE layer", self.capacity,
+                    self.partition.experts_per_layer)
+
+    def ownership_from_view(self, my_capacity: int | None = None) -> Ownership:
+        """The expert table every peer with the same view computes: over the peers training now (as the
+        shared topology's rounds) that announce a capacity, and this one (at `my_capacity`, default its own)."""
+        me = self.peer.peer_id
+        capacities = {p.peer_id: p.capacity for p in self.discovery.view()
+                      if p.peer_id != me and p.capacity > 0 and not self._done(p.step)}
+        capacities[me] = self.capacity if my_capacity is None else my_capacity
+        return assign_experts(capacities, capacities, self.partition.experts_per_layer, self.partition.layers,
+                              self.spes_config.replication)
+
+    async def run(self, stop: asyncio.Event, save: Callable[[], Any], average: Callable[[], Any] | None = None) -> None:
+        """Start the SpesNode (once), then train as SwarmTraining does while the directory keeps this
+        node's records stored. A training failure propagates as itself, not wrapped in a group."""
+        failure: Exception | None = None
+        async with asyncio.TaskGroup() as group:
+            keeper = group.create_task(self.directory.run())
+            try:
+                if self.node is None:
+                    # Start owning what the swarm cannot do without (nothing, unless others lack room), then
+                    # take up this node's share at the first step through set_ownership, which continues
+                    # each expert from the freshest copy in the swarm; and announce the capacity only now,
+                    # so that others give this node experts once it serves them.
+                    self.node = SpesNode(self.trainer, self._transport, self._exchange, self.spes_config,
+                                         self.ownership_from_view(my_capacity=0), self.directory)
+                    await self.node.start(self._saved)
+                    self._announce_ownership()
+                await super().run(stop, save, average)
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after the directory task stopped
+                failure = exc
+            finally:
+                keeper.cancel()
+        if failure is not None:
+            raise failure
+
+    async def _step(self) -> StepReport:
+        assert self.node is not None
+        started = time.perf_counter()
+        ownership = self.ownership_from_view()
+        if dict(ownership.owners) != dict(self.node.ownership.owners):
+            await self.node.set_ownership(ownership)
+            self.ownership_changes += 1
+            self._announce_ownership()
+            logger.info("SPES ownership over %d peers: this node owns experts %s", len(ownership.peer_ids),
+                        _indices(self.node.owned))
+        report = await self.node.step(self.plan_for)
+        if report.sync is not None:
+            self.peer.round = report.sync.sync_index
+            self.peer.set_tensors(await self.trainer.tensors(), step=self.trainer.step)
+        return StepReport(report.stats, time.perf_counter() - started)
+
+    def _record(self, report: StepReport) -> None:
+        super()._record(report)
+        sizes = {name: p.numel() for name, p in self.trainer.model.named_parameters()}
+        self.status.trainable_params = sum(sizes[n] for n in self.trainer.trainable_parameter_names)
+
+    def _announce_ownership(self) -> None:
+        assert self.node is not None
+        self.discovery.update(experts=_indices(self.node.owned), capacity=self.capacity)
+        sizes = {name: p.numel() for name, p in self.trainer.model.named_parameters()}
+        self.status.trainable_params = sum(sizes[n] for n in self.trainer.trainable_parameter_names)
+
+    def swarm_average(self, members: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """The SPES swarm average of `members` (peer id -> full model) for the swarm evaluation: shared
+        weights over every member, each expert over its owners in the current table."""
+        if self.node is None:  # not training yet: no ownership to go by
+            return average_tensors(list(members.values()))
+        return spes_average(members, self.node.ownership, self.partition)
+
+    def checkpoint_meta(self) -> dict[str, str]:
+        if self.node is None:
+            return {CHECKPOINT_META_KEY: json.dumps(records_to_wire(self._saved))} if self._saved else {}
+        return {CHECKPOINT_META_KEY: json.dumps(records_to_wire(self.node.records()))}
+
+    def spes_status(self) -> dict[str, Any] | None:
+        """The `spes` section of the node's status (docs/spes.md, "What the monitor shows")."""
+        node = self.node
+        base: dict[str, Any] = {"capacity": self.capacity, "experts_per_layer": self.partition.experts_per_layer,
+                                "layers": self.partition.layers, "replication": self.spes_config.replication}
+        if node is None:
+            return {**base, "started": False}
+        owner_of = {name: key for key, names in self.partition.experts.items() for name in names}
+        optimizer_experts = {owner_of[n] for n in self.trainer.optimizer_parameter_names if n in owner_of}
+        errors = node.errors
+        for kind, n in self.directory.errors.items():
+            errors[kind] = errors.get(kind, 0) + n
+        return {
+            **base, "started": True,
+            "owned": [expert_label(k) for k in sorted(node.owned)],
+            "owned_experts": _indices(node.owned),
+            "optimizer_experts": [expert_label(k) for k in sorted(optimizer_experts)],
+            "owners": {str(e): list(node.ownership.owners[(0, e)]) for e in range(self.partition.experts_per_layer)},
+            "peers": list(node.ownership.peer_ids),
+            "records": {expert_label(k): [r.version, r.owner] for k, r in sorted(node.records().items())},
+            "ownership_changes": self.ownership_changes,
+            "bytes_sent": node.bytes_sent, "bytes_received": node.bytes_received,
+            "fetched": node.fetch_stats.fetched, "served": node.fetch_stats.served,
+            "skipped": dict(node.fetch_stats.skipped), "errors": errors,
+        }
+
+
+def _indices(keys: frozenset[ExpertKey]) -> list[int]:
+    """Expert indices (a node owns the same ones in every layer)."""
+    return sorted({e for _, e in keys})
+
+
+__all__ = ["SpesSwarmTraining", "capacity_for", "saved_records"]

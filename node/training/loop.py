@@ -1,0 +1,299 @@
+"""Training inside the daemon: build the swarm's model, data and optimizer; start from this node's
+checkpoint or from a live peer's parameters; then step a GossipTrainer whose rounds (one after every
+H steps, numbered step // H) mix with the neighbours the topology names in the current membership
+view, evaluating, checkpointing and reporting as it goes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gossip.errors import WireError
+from gossip.exchange import GossipPeer, PeerRejected
+from node.training.checkpoint import Checkpoint
+from node.config import NodeConfig
+from node.training.data import load_corpus, peer_shard
+from node.training.models import build_named_model
+from node.training.recipe import TrainingRecipe
+from node.training.trainer import GossipTrainer, StepReport, Trainer, TrainerConfig
+from topology import MembershipView, PeerRound, Topology, peer_round
+
+logger = logging.getLogger("murmur.train")
+
+STEP_GRACE_S = 2.0  # a stop waits this long for the step in flight before it abandons it
+FETCH_TIMEOUT_S = 60.0  # one parameter download from one peer
+JOIN_LOOK_S = 10.0  # how long a joiner looks for live peers to download parameters from
+EVAL_BATCHES = 8
+LAG_WAIT_S = 30.0  # longest a round waits for a neighbour that is far behind before it goes on without
+EVAL_BATCH_SIZE = 32
+
+
+class TrainingSetupError(ValueError):
+    """The swarm's recipe cannot be trained here (unknown model, context too long...): one line."""
+
+
+@dataclass
+class TrainingStatus:
+    """What the local API reports about training; updated after every step on the event loop."""
+
+    model: str
+    optimizer: str
+    steps_target: int
+    trainable_params: int
+    step: int = 0
+    loss: float | None = None
+    val_loss: float | None = None
+    val_step: int | None = None
+    lr: float = 0.0
+    tokens_per_s: float = 0.0
+    consensus_distance: float | None = None
+    optimizer_state_bytes: int = 0
+    done: bool = False
+    started_from: str = "init"  # "init", "checkpoint" or "peer <id> at step N"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "optimizer": self.optimizer, "steps_target": self.steps_target,
+                "trainable_params": self.trainable_params, "step": self.step, "loss": self.loss,
+                "val_loss": self.val_loss, "val_step": self.val_step, "lr": self.lr,
+                "tokens_per_s": self.tokens_per_s, "consensus_distance": self.consensus_distance,
+                "optimizer_state_bytes": self.optimizer_state_bytes, "done": self.done,
+                "started_from": self.started_from}
+
+
+def build_trainer(config: NodeConfig, recipe: TrainingRecipe, peer_id: str) -> Trainer:
+    """The model (seeded from the recipe, so every fresh peer starts from the same point), this peer's
+    data shard and its optimizer. Blocking (builds a model, may read a corpus): call in a thread."""
+    if config.training.threads:
+        torch.set_num_threads(config.training.threads)
+    try:
+        model = build_named_model(recipe.model, seed=recipe.seed)
+        corpus = load_corpus(config.training.data, config.data_dir)
+    except ValueError as exc:
+        raise TrainingSetupError(str(exc)) from None
+    model_context = getattr(getattr(model, "config", None), "context", None)
+    if model_context is not None and recipe.context > model_context:
+        raise TrainingSetupError(f"the swarm trains with context {recipe.context}, longer than the model's {model_context}")
+    try:
+        trainer_config = TrainerConfig(optimizer=recipe.optimizer, batch_size=recipe.batch_size, context=recipe.context,
+                                       device=config.training.device, precision=config.training.precision,
+                                       eval_batch_size=EVAL_BATCH_SIZE, eval_batches=EVAL_BATCHES, eval_every_rounds=None)
+        return Trainer(model, trainer_config, peer_id=peer_id, train_tokens=peer_shard(corpus, peer_id), val_tokens=corpus.val)
+    except ValueError as exc:
+        raise TrainingSetupError(str(exc)) from None
+
+
+def checkpoint_matches(checkpoint: Checkpoint | None, config_hash: str) -> bool:
+    return (checkpoint is not None and checkpoint.meta.get("config_hash") == config_hash
+            and "trainer/step" in checkpoint.tensors)
+
+
+async def download_parameters(peer: GossipPeer, trainer: Trainer, sources: Sequence[Any]) -> str | None:
+    """Take parameters and step from the first of `sources` (peer records, best first) that answers a
+    pull with a valid message (the wire format checks manifest, sizes and finiteness); None if none did."""
+    for record in sources:
+        try:
+            async with asyncio.timeout(FETCH_TIMEOUT_S):
+                tensors, _, step = await peer.fetch(record.peer_id)
+        except (TimeoutError, ConnectionError, WireError, PeerRejected) as exc:
+            logger.warning("parameter download from %s failed: %s", record.peer_id, exc or type(exc).__name__)
+            continue
+        await trainer.load_tensors(tensors)
+        trainer.step = step
+        peer.set_tensors(tensors, step=step)
+        logger.info("downloaded parameters from %s at step %d", record.peer_id, step)
+        return f"peer {record.peer_id} at step {step}"
+    return None
+
+
+def last_round_at(step: int, recipe: TrainingRecipe) -> int:
+    """The round a peer whose trainer is at `step` last ran: where a fresh, resumed or downloaded
+    peer's round count starts (a round follows every H-th step)."""
+    return max(0, step // recipe.optimizer.local_steps - 1)
+
+
+def peers_ahead(view: Sequence[Any], me: str, step: int, margin: int) -> list[Any]:
+    """Live peers more than `margin` steps ahead of `step`, the furthest first."""
+    return sorted((p for p in view if p.peer_id != me and p.step > step + margin), key=lambda p: -p.step)
+
+
+class SwarmTraining:
+    """One node's training run inside the daemon (see the module docstring)."""
+
+    def __init__(self, trainer: Trainer, peer: GossipPeer, discovery, recipe: TrainingRecipe, config: NodeConfig,
+                 topology_for: Callable[[int], Topology], connect: Callable[[Sequence[Any]], Any], lag_window: int,
+                 record: Callable[..., None] | None = None) -> None:
+        self.trainer = trainer
+        self.peer = peer
+        self.discovery = discovery
+        self.recipe = recipe
+        self.config = config
+        self._topology_for = topology_for
+        self._connect = connect
+        self._lag_window = lag_window
+        # the monitor's history: record(step=, loss=, val_loss=, consensus_distance=, tokens=)
+        self._record_sample = record
+        self._gossip = GossipTrainer(trainer, peer)
+        trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+        self.status = TrainingStatus(model=recipe.model, optimizer=recipe.optimizer.algorithm, steps_target=recipe.steps,
+                                     trainable_params=trainable, step=trainer.step)
+
+    @property
+    def finished(self) -> bool:
+        return self._done(self.trainer.step)
+
+    def _done(self, step: int) -> bool:
+        return self.recipe.steps > 0 and step >= self.recipe.steps
+
+    async def plan_for(self, round_index: int) -> PeerRound:
+        """This peer's neighbours and weights in round `round_index`, from the current view."""
+        view = self.discovery.view()
+        await self._connect(view)
+        # peers whose step budget is spent no longer run rounds: leave them out rather than wait for them
+        members = MembershipView.of(p.peer_id for p in view if p.peer_id == self.peer.peer_id or not self._done(p.step))
+        plan = peer_round(self._topology_for(members.n), members, self.peer.peer_id, round_index)
+        await self._wait_for_laggards(plan)
+        return plan
+
+    async def _wait_for_laggards(self, plan: PeerRound) -> None:
+        """Hold this round while a neighbour is more than the lag window behind (by its DHT record).
+
+        A neighbour beyond the staleness bound answers with parameters too old to mix, so a node that
+        ran ahead (it started first, or its neighbours are slower) would train alone; waiting keeps the
+        swarm together. A neighbour that died leaves the view within a few heartbeats and ends the wait.
+        """
+        deadline = time.monotonic() + LAG_WAIT_S
+        while time.monotonic() < deadline:
+            records = {p.peer_id: p for p in self.discovery.view()}
+            floor = self.trainer.step - self._lag_window
+            behind = [p for p in plan.in_weights if p in records and records[p].step < floor and not self._done(records[p].step)]
+            if not behind:
+                return
+            await asyncio.sleep(0.2)
+        logger.info("round goes on without neighbours still far behind after %g s", LAG_WAIT_S)
+
+    async def catch_up(self, stop: asyncio.Event, margin: int, look: bool) -> None:
+        """Take the parameters and step of the furthest live peer when it is more than `margin` steps
+        ahead (a joiner; a node back from a restart keeps its restored optimizer state). With `look`,
+        wait up to JOIN_LOOK_S for the view to show another peer: records arrive a moment after start."""
+        me = self.peer.peer_id
+        deadline = time.monotonic() + (JOIN_LOOK_S if look else 0.0)
+        while True:
+            view = self.discovery.view()
+            if len(view) > 1 or time.monotonic() >= deadline or stop.is_set():
+                break
+            await asyncio.sleep(0.5)
+        ahead = peers_ahead(view, me, self.trainer.step, margin)
+        if not ahead:
+            return
+        await self._connect(ahead)
+        source = await download_parameters(self.peer, self.trainer, ahead)
+        if source is None:
+            return
+        self.peer.round = last_round_at(self.trainer.step, self.recipe)
+        self.status.started_from = source
+        self.status.step = self.trainer.step
+        await self.evaluate()
+        logger.info("validation loss after the download: %.4f", self.status.val_loss)
+
+    async def wait_for_quorum(self, stop: asyncio.Event) -> None:
+        """A fresh swarm starts together: wait until `min_peers` peers are in the view."""
+        wanted = self.config.gossip.min_peers
+        logged = False
+        while not stop.is_set() and len(self.discovery.view()) < wanted:
+            if not logged:
+                logger.info("waiting for %d peers before training (have %d)", wanted, len(self.discovery.view()))
+                logged = True
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.5):
+                    await stop.wait()
+
+    async def run(self, stop: asyncio.Event, save: Callable[[], Any], average: Callable[[], Any] | None = None) -> None:
+        """Train until the recipe's step budget is spent or `stop` is set; `save` writes a checkpoint;
+        `average` starts writing the swarm average every `average_every` steps and at the end (0: never)."""
+        every_eval, every_ckpt = self.config.training.eval_every, self.config.training.checkpoint_every
+        every_average = self.config.training.average_every
+        # where we start (restored or downloaded) must show in our record before the first round, or
+        # neighbours would hold their rounds for us as if we were far behind
+        self.discovery.update(step=self.trainer.step, round=self.peer.round)
+        while not stop.is_set() and not self.finished:
+            report = await self._one_step(stop)
+            if report is None:
+                return
+            self._record(report)
+            step = self.trainer.step
+            if step % every_eval == 0 or self.finished:
+                await self.evaluate()
+            if step % every_ckpt == 0 or self.finished:
+                await save()
+            if average is not None and every_average and (step % every_average == 0 or self.finished):
+                average()
+        if self.finished:
+            self.peer.park()
+            self.status.done = True
+            logger.info("training done at step %d (val loss %s); serving parameters until stopped",
+                        self.trainer.step, _fmt(self.status.val_loss))
+
+    async def evaluate(self) -> None:
+        self.status.val_loss = await self.trainer.evaluate()
+        self.status.val_step = self.trainer.step
+        if self._record_sample is not None:
+            self._record_sample(step=self.trainer.step, val_loss=self.status.val_loss)
+
+    async def _one_step(self, stop: asyncio.Event) -> StepReport | None:
+        stepping = asyncio.create_task(self._step())
+        stopping = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait({stepping, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+        if not stepping.done():
+            # a stop: give the step in flight a moment (its round may be waiting on a frozen peer)
+            done, _ = await asyncio.wait({stepping}, timeout=STEP_GRACE_S)
+            if not done:
+                stepping.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await stepping
+                return None
+        return stepping.result()
+
+    async def _step(self) -> StepReport:
+        """One step, with a gossip round after every H-th (node.spes.training overrides it for SPES)."""
+        step = self.trainer.step
+        optimizer = self.recipe.optimizer
+        round_index = step // optimizer.local_steps if optimizer.mixes_after(step) else None
+        return await self._gossip.step(round_index, self.plan_for)
+
+    def checkpoint_meta(self) -> dict[str, str]:
+        """What the checkpoint carries beyond the trainer state (SPES: the expert records)."""
+        return {}
+
+    def spes_status(self) -> dict[str, Any] | None:
+        """The `spes` section of the node's status; None without SPES."""
+        return None
+
+    def _record(self, report: StepReport) -> None:
+        s = self.status
+        s.step = self.trainer.step
+        s.loss, s.lr = report.stats.loss, report.stats.lr
+        tokens = self.recipe.batch_size * self.recipe.context * self.recipe.optimizer.micro_batches
+        s.tokens_per_s = tokens / report.step_s if report.step_s > 0 else 0.0
+        s.optimizer_state_bytes = self.trainer.optimizer_state_bytes
+        if report.round is not None:
+            s.consensus_distance = report.round.consensus_distance
+        self.discovery.update(step=self.trainer.step, round=self.peer.round, loss=s.loss)
+        if self._record_sample is not None:
+            self._record_sample(step=s.step, loss=s.loss, tokens=tokens,
+                                consensus_distance=report.round.consensus_distance if report.round else None)
+        if s.step % 10 == 0:
+            logger.info("step %d loss %.4f lr %.2e %.0f tok/s", s.step, s.loss, s.lr, s.tokens_per_s)
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"

@@ -1,0 +1,158 @@
+"""The swarm's shared recipe: the document the founder publishes under `<swarm>.config` (topology,
+codec, round timing, mixing, and what is trained with which optimizer) and the validated settings a
+node reads back from it, so every peer of a swarm gossips and trains the same way."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from gossip.codecs import Codec, get_codec
+from gossip.mixing import MixingRule
+from gossip.optimizers import OptimizerConfig
+from gossip.spes import SpesConfig
+from node.config import EMBEDDED_MODEL_NAMES, VECTOR_MODEL, NodeConfig
+from node.training.rounds import RoundClock
+from topology import TopologySpec
+
+SWARM_CONFIG_VERSION = 2
+
+
+class RecipeInvalid(ValueError):
+    """The swarm's config document cannot be used by this murmur (one line, says why)."""
+
+
+def check_model_allowed(swarm_model: str, own_model: str) -> None:
+    """Raise RecipeInvalid unless this node may build the swarm's model. A model named by import path
+    is code that the swarm config (which any DHT peer can write) makes this node import and call, so a
+    joiner runs it only if its own --model names the same builder; embedded models are always allowed."""
+    if swarm_model in (*EMBEDDED_MODEL_NAMES, VECTOR_MODEL) or swarm_model == own_model:
+        return
+    raise RecipeInvalid(f"the swarm trains the model built by {swarm_model!r}, code this node would import and "
+                        f"run; start it with --model {swarm_model} to allow that")
+
+
+@dataclass(frozen=True)
+class TrainingRecipe:
+    """What every peer of a training swarm shares: the model and its initial seed, the optimizer,
+    the per-node batch and the step budget."""
+
+    model: str
+    seed: int
+    optimizer: OptimizerConfig
+    batch_size: int
+    context: int
+    steps: int  # 0: until stopped
+    spes: SpesConfig | None = None  # SPES's swarm-wide knobs when the MoE model is trained with it
+
+    def to_doc(self) -> dict[str, Any]:
+        o = self.optimizer
+        doc = {"kind": "model", "model": self.model, "seed": self.seed, "batch_size": self.batch_size,
+               "context": self.context, "steps": self.steps,
+               "optimizer": {"algorithm": o.algorithm, "lr": o.lr, "warmup_steps": o.warmup_steps,
+                             "local_steps": o.local_steps, "micro_batches": o.micro_batches}}
+        if self.spes is not None:  # absent when off, so a swarm without SPES keeps its config hash
+            c = self.spes
+            doc["spes"] = {"sync_every": c.sync_every, "merge_every": c.merge_every, "merge_until": c.merge_until,
+                           "alpha0": c.alpha0, "replication": c.replication, "refresh_codec": c.refresh_codec,
+                           "expert_codec": c.expert_codec}
+        return doc
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> TrainingRecipe:
+        o, steps = doc["optimizer"], int(doc["steps"])
+        return cls(model=str(doc["model"]), seed=int(doc["seed"]), batch_size=int(doc["batch_size"]),
+                   context=int(doc["context"]), steps=steps,
+                   optimizer=optimizer_config(str(o["algorithm"]), float(o["lr"]), int(o["warmup_steps"]), steps,
+                                              int(o["local_steps"]), int(o["micro_batches"])),
+                   spes=_spes_from_doc(doc["spes"]) if doc.get("spes") is not None else None)
+
+
+def _spes_from_doc(doc: dict[str, Any]) -> SpesConfig:
+    """SpesConfig checks the values (ValueError names the bad one)."""
+    return SpesConfig(sync_every=int(doc["sync_every"]), merge_every=int(doc["merge_every"]),
+                      merge_until=int(doc["merge_until"]), alpha0=float(doc["alpha0"]),
+                      replication=int(doc["replication"]), refresh_codec=str(doc["refresh_codec"]),
+                      expert_codec=str(doc.get("expert_codec", "fp32")))
+
+
+def optimizer_config(algorithm: str, lr: float, warmup_steps: int, steps: int, local_steps: int,
+                     micro_batches: int) -> OptimizerConfig:
+    """The optimizer of a recipe: warm-up, then a cosine to 0.1 lr at `steps` (flat when steps is 0)."""
+    return OptimizerConfig(algorithm=algorithm, lr=lr, warmup_steps=warmup_steps,
+                           decay="cosine" if steps else "constant", total_steps=steps or None,
+                           local_steps=local_steps, micro_batches=micro_batches)
+
+
+def training_recipe(config: NodeConfig) -> TrainingRecipe | None:
+    """The recipe a founder publishes from its own settings; None for the vector payload."""
+    t = config.training
+    if not t.trains_model:
+        return None
+    spes = SpesConfig(sync_every=t.spes_sync_every, merge_every=t.spes_merge_every, merge_until=t.spes_merge_until,
+                      alpha0=t.spes_alpha0, replication=t.spes_replication,
+                      refresh_codec=t.spes_refresh_codec, expert_codec=t.spes_expert_codec) if t.spes else None
+    return TrainingRecipe(model=t.model, seed=config.seed, batch_size=t.batch_size, context=t.context, steps=t.steps,
+                          optimizer=optimizer_config(t.optimizer, t.lr, t.warmup_steps, t.steps, t.local_steps,
+                                                     t.micro_batches), spes=spes)
+
+
+def swarm_document(config: NodeConfig, epoch: float) -> dict[str, Any]:
+    """What the founder publishes under `<swarm>.config`; joiners take these settings from it."""
+    topo = config.gossip.topology
+    recipe = training_recipe(config)
+    return {
+        "version": SWARM_CONFIG_VERSION,
+        "epoch": epoch,
+        "payload": recipe.to_doc() if recipe is not None else {"kind": "vector", "dim": config.dim},
+        "gossip": {
+            "topology": {"name": topo.name, "weights": topo.weights, "degree": topo.degree, "seed": topo.seed,
+                         "rows": topo.rows, "edges": [list(e) for e in topo.edges], "directed": topo.directed},
+            "codec": config.gossip.codec,
+            "round_interval_s": config.gossip.round_interval_s,
+            "max_staleness_rounds": config.gossip.max_staleness_rounds,
+            "mixing": asdict(config.gossip.mixing),
+        },
+    }
+
+
+@dataclass(frozen=True)
+class SwarmSettings:
+    """The shared settings read back from a swarm document (validated by `from_doc`)."""
+
+    topology: TopologySpec
+    codec: Codec
+    clock: RoundClock
+    max_staleness: int
+    mixing: MixingRule
+    dim: int  # floats of the vector payload; 0 when a model is trained
+    training: TrainingRecipe | None
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> SwarmSettings:
+        if doc.get("version") != SWARM_CONFIG_VERSION:
+            raise RecipeInvalid(f"the swarm's config has version {doc.get('version')!r}; "
+                                f"this murmur reads {SWARM_CONFIG_VERSION}")
+        try:
+            g = doc["gossip"]
+            t = g["topology"]
+            payload = doc["payload"]
+            if payload["kind"] not in ("vector", "model"):
+                raise ValueError(f"unknown payload kind {payload['kind']!r}")
+            return cls(
+                topology=TopologySpec(t["name"], weights=t["weights"], degree=t["degree"], seed=t["seed"],
+                                      rows=t["rows"], edges=tuple(tuple(e) for e in t["edges"]), directed=t["directed"]),
+                codec=get_codec(g["codec"]),
+                clock=RoundClock(float(doc["epoch"]), float(g["round_interval_s"])),
+                max_staleness=int(g["max_staleness_rounds"]),
+                mixing=MixingRule(**g["mixing"]),
+                dim=int(payload["dim"]) if payload["kind"] == "vector" else 0,
+                training=TrainingRecipe.from_doc(payload) if payload["kind"] == "model" else None,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RecipeInvalid(f"the swarm's config is invalid: {exc}") from None
+
+
+def same_payload(doc: dict[str, Any], config: NodeConfig) -> bool:
+    """Whether a founder restarting with `config` may keep the swarm document `doc` of its checkpoint."""
+    return doc.get("version") == SWARM_CONFIG_VERSION and doc.get("payload") == swarm_document(config, 0.0)["payload"]

@@ -1,0 +1,497 @@
+"""Training on a node: a `Trainer` that owns a torch model, its local optimizer state and its data shard
+and runs every step on its own worker thread, and a `GossipTrainer` that combines it with a
+`GossipPeer` into D-SGD or overlapped DAdam (update rules in gossip.optimizers, docs/training.md).
+
+The model is only ever touched on the trainer's worker thread, so the event loop (gossip, heartbeats,
+the monitor) never waits behind a forward pass, and a round's exchange can run while a gradient is
+computed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import functools
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Literal, TypeVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from gossip.exchange import GossipPeer, RoundOutcome
+from gossip.optimizers import LocalOptimizer, OptimizerConfig, clip_factor, consensus_distance, global_norm
+from node.training.data import training_batch, validation_batches
+from node.training.models import mean_cross_entropy
+from topology import PeerRound
+
+logger = logging.getLogger(__name__)
+
+Precision = Literal["auto", "fp32", "bf16", "fp16"]
+PRECISIONS: tuple[Precision, ...] = ("auto", "fp32", "bf16", "fp16")
+Tensors = Mapping[str, np.ndarray]
+# Round index -> this peer's plan for it, returned when the round may start: the daemon waits for its
+# round clock and reads the membership view; an in-process test may wait on a barrier.
+PlanFor = Callable[[int], Awaitable[PeerRound]]
+T = TypeVar("T")
+
+# fp16 dynamic loss scaling (as torch.amp.GradScaler): halve on overflow, double after a run of good steps.
+INITIAL_LOSS_SCALE = 2.0**16
+LOSS_SCALE_GROWTH_INTERVAL = 1000
+
+# Checkpoint entry prefixes of Trainer.state().
+_PARAM, _OPT, _COUNT = "param/", "optimizer/", "optimizer_count/"
+_STEP, _SCALE = "trainer/step", "trainer/loss_scale"
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """How a node trains. `optimizer`, `batch_size` and `context` are the swarm's recipe;
+    `device` and `precision` are the node's own choice."""
+
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    batch_size: int = 16  # sequences per micro-batch; a step sees micro_batches * batch_size
+    context: int = 128  # tokens per sequence (at most the model's context)
+    device: str = "auto"  # "auto" (cuda when available), "cpu", "cuda", "cuda:1", ...
+    precision: Precision = "auto"  # auto: bf16 (else fp16) autocast on CUDA, fp32 on CPU
+    eval_batch_size: int = 32
+    eval_batches: int | None = 8  # validation batches per evaluation; None: the whole validation split
+    eval_every_rounds: int | None = 1  # GossipTrainer.run evaluates after every this many rounds; None: never
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "context", "eval_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"trainer config: {name} must be >= 1, got {getattr(self, name)!r}")
+        for name in ("eval_batches", "eval_every_rounds"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"trainer config: {name} must be >= 1 or None, got {getattr(self, name)!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"trainer config: precision must be one of {PRECISIONS}, got {self.precision!r}")
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What computing one step's update found (before it is applied)."""
+
+    step: int
+    lr: float
+    loss: float  # mean training loss over the step's micro-batches
+    grad_norm: float  # global L2 norm before clipping
+    skipped: bool  # non-finite gradient: the step changes nothing but the step counter
+    compute_s: float
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    index: int
+    outcome: RoundOutcome
+    consensus_distance: float | None  # ||x_i - mean of the neighbour values that arrived||_2
+
+
+@dataclass(frozen=True)
+class StepReport:
+    stats: StepStats
+    step_s: float  # wall time of the whole step, exchange included
+    round: RoundReport | None = None
+    val_loss: float | None = None
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but torch sees no CUDA device")
+    return resolved
+
+
+def autocast_dtype(precision: Precision, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype for `precision` on `device`; None: plain fp32."""
+    if precision == "auto":
+        if device.type != "cuda":
+            return None
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+class Trainer:
+    """One node's model, local optimizer state and data, stepped on a dedicated worker thread.
+
+    A step is `compute_update()` (gradient of the current parameters over k micro-batches, clipped,
+    turned into the local direction d; it advances the optimizer state) followed by
+    `apply_update(base)`: x <- base - lr * d, where base is the current x (a local step) or the
+    gossip mix of x (DAdam). `train_step()` does both: a plain local step.
+
+    Parameters travel as float32 numpy vectors, one per named parameter (flattened), whatever the
+    model's own dtype; buffers are not exchanged. Call `close()` (or use `async with`) to stop the thread.
+    """
+
+    def __init__(self, model: nn.Module, config: TrainerConfig, *, peer_id: str, train_tokens: torch.Tensor,
+                 val_tokens: torch.Tensor, step: int = 0) -> None:
+        self.config = config
+        self.peer_id = peer_id
+        self.step = step
+        self.device = resolve_device(config.device)
+        self.model = model.to(self.device)
+        self.model.train()
+        self._params = dict(self.model.named_parameters())
+        self._param_dtypes = {name: p.dtype for name, p in self._params.items()}  # restored when unfrozen
+        self._train_tokens = train_tokens
+        self._val_tokens = val_tokens
+        self._amp_dtype = autocast_dtype(config.precision, self.device)
+        self._loss_scale = INITIAL_LOSS_SCALE if self._amp_dtype == torch.float16 else None
+        self._good_steps = 0
+        self._optimizer = LocalOptimizer(config.optimizer)
+        self._schedule = config.optimizer.schedule
+        self._pending: StepStats | None = None  # computed by compute_update, not yet applied
+        self._state_bytes = 0
+        self._eval_model: nn.Module | None = None
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"trainer-{peer_id}")
+
+    async def __aenter__(self) -> Trainer:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await asyncio.to_thread(self.close)
+
+    def close(self) -> None:
+        """Stop the worker thread, after the operation it is running, if any (this call waits for it)."""
+        self._worker.shutdown(wait=True)
+
+    async def _on_worker(self, fn: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._worker, functools.partial(fn, *args))
+
+    # ---- parameters ------------------------------------------------------------------------------
+
+    @property
+    def parameter_names(self) -> tuple[str, ...]:
+        return tuple(self._params)
+
+    @property
+    def optimizer_state_bytes(self) -> int:
+        """Memory of the local optimizer state as of the last step (what the status reports)."""
+        return self._state_bytes
+
+    @property
+    def trainable_parameter_names(self) -> tuple[str, ...]:
+        """The parameters steps update (requires_grad); the others are frozen: no gradient, no optimizer state."""
+        return tuple(name for name, p in self._params.items() if p.requires_grad)
+
+    @property
+    def optimizer_parameter_names(self) -> frozenset[str]:
+        """The parameters the local optimizer holds state for."""
+        return frozenset(key.rpartition("/")[0] for key in self._optimizer.state())
+
+    async def set_trainable(self, trainable: Callable[[str], bool], frozen_dtype: torch.dtype | None = None) -> None:
+        """Train only the parameters `trainable` names (all are trainable until this is called).
+
+        Frozen parameters get requires_grad=False and lose their optimizer state; with `frozen_dtype`
+        they are stored in that dtype (the model must cope with it; SPES's experts cast in hooks), and
+        a parameter made trainable again returns to its original dtype.
+        """
+        await self._on_worker(self._set_trainable_now, trainable, frozen_dtype)
+
+    def _set_trainable_now(self, trainable: Callable[[str], bool], frozen_dtype: torch.dtype | None) -> None:
+        if self._pending is not None:
+            raise RuntimeError("cannot change the trainable parameters between compute_update and apply_update")
+        with torch.no_grad():
+            for name, p in self._params.items():
+                train = bool(trainable(name))
+                target = self._param_dtypes[name] if train or frozen_dtype is None else frozen_dtype
+                if p.dtype != target:
+                    p.data = p.data.to(target)
+                p.requires_grad_(train)
+        keep = {name for name, p in self._params.items() if p.requires_grad}
+        state = {key: value for key, value in self._optimizer.state().items() if key.rpartition("/")[0] in keep}
+        counts = {name: count for name, count in self._optimizer.state_counts().items() if name in keep}
+        self._optimizer.load_state(state, counts)
+        self._state_bytes = self._optimizer.state_bytes()
+
+    async def tensors(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+        """A copy of the parameters (or of those `names` lists) as flat float32 numpy vectors (the gossip tensors)."""
+        return await self._on_worker(self._tensors_now, names)
+
+    async def load_tensors(self, tensors: Tensors, *, partial: bool = False) -> None:
+        """Set the parameters from flat vectors with the names and sizes `tensors()` gives; with
+        `partial`, only those named (a subset), the others stay as they are."""
+        await self._on_worker(self._load_now, tensors, partial)
+
+    def _tensors_now(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+        chosen = self._params if names is None else {name: self._params[name] for name in names}
+        with torch.no_grad():
+            return {name: p.detach().to("cpu", torch.float32, copy=True).reshape(-1).numpy()
+                    for name, p in chosen.items()}
+
+    def _load_now(self, tensors: Tensors, partial: bool = False) -> None:
+        if partial and not tensors.keys() <= self._params.keys():
+            raise ValueError(f"parameters do not match the model: unknown {sorted(tensors.keys() - self._params.keys())[:3]}")
+        if not partial and tensors.keys() != self._params.keys():
+            missing, extra = sorted(self._params.keys() - tensors.keys()), sorted(tensors.keys() - self._params.keys())
+            raise ValueError(f"parameters do not match the model: missing {missing[:3]}, unknown {extra[:3]}")
+        with torch.no_grad():
+            for name, p in self._params.items():
+                if name in tensors:
+                    p.copy_(_as_torch(tensors[name], name, p))
+
+    # ---- steps -----------------------------------------------------------------------------------
+
+    async def train_step(self) -> StepStats:
+        """One local step: x <- x - lr * d(g(x))."""
+        stats = await self.compute_update()
+        await self.apply_update()
+        return stats
+
+    async def compute_update(self) -> StepStats:
+        """Compute g(x) for the current parameters and the local direction from it (kept for
+        `apply_update`); the parameters do not change yet."""
+        return await self._on_worker(self._compute_update_now)
+
+    async def apply_update(self, base: Tensors | None = None) -> None:
+        """x <- base - lr * d with the direction of the last `compute_update`; base None: x itself."""
+        await self._on_worker(self._apply_update_now, base)
+
+    def _compute_update_now(self) -> StepStats:
+        if self._pending is not None:
+            raise RuntimeError("compute_update called twice without apply_update in between")
+        started = time.perf_counter()
+        optimizer = self.config.optimizer
+        loss = self._accumulate_gradients(optimizer.micro_batches)
+        grads = {name: p.grad for name, p in self._params.items() if p.grad is not None}
+        norm = global_norm(grads.values())
+        skipped = not math.isfinite(norm)
+        self._update_loss_scale(skipped)
+        if not skipped:
+            factor = clip_factor(norm, optimizer.clip_norm)
+            with torch.no_grad():
+                for name, grad in grads.items():
+                    if factor != 1.0:
+                        grad.mul_(factor)
+                    # the direction replaces the gradient in its buffer: no second model-sized copy
+                    direction = self._optimizer.direction(name, grad, self._params[name])
+                    if direction is not grad:
+                        grad.copy_(direction)
+        self._state_bytes = self._optimizer.state_bytes()
+        stats = StepStats(self.step, self._schedule.lr_at(self.step), loss, norm, skipped, time.perf_counter() - started)
+        self._pending = stats
+        return stats
+
+    def _accumulate_gradients(self, micro_batches: int) -> float:
+        self.model.zero_grad(set_to_none=True)
+        total = 0.0
+        for micro in range(micro_batches):
+            x, y = training_batch(self._train_tokens, self.peer_id, self.step * micro_batches + micro,
+                                  self.config.batch_size, self.config.context)
+            with self._autocast():
+                _, loss = self.model(x.to(self.device), y.to(self.device))
+            scale = self._loss_scale or 1.0
+            (loss * (scale / micro_batches)).backward()
+            total += float(loss.detach())
+        if self._loss_scale is not None:
+            with torch.no_grad():
+                for p in self._params.values():
+                    if p.grad is not None:
+                        p.grad.div_(self._loss_scale)
+        return total / micro_batches
+
+    def _update_loss_scale(self, overflowed: bool) -> None:
+        if self._loss_scale is None:
+            if overflowed:
+                logger.warning("step %d: non-finite gradient; step skipped", self.step)
+            return
+        if overflowed:
+            self._loss_scale /= 2.0
+            self._good_steps = 0
+            return
+        self._good_steps += 1
+        if self._good_steps >= LOSS_SCALE_GROWTH_INTERVAL:
+            self._loss_scale *= 2.0
+            self._good_steps = 0
+
+    def _apply_update_now(self, base: Tensors | None) -> None:
+        if self._pending is None:
+            raise RuntimeError("apply_update called without a compute_update before it")
+        stats, self._pending = self._pending, None
+        if base is not None:
+            self._load_now(base)
+        if not stats.skipped:
+            with torch.no_grad():
+                for p in self._params.values():
+                    if p.grad is not None:
+                        p.add_(p.grad, alpha=-stats.lr)
+        self.model.zero_grad(set_to_none=True)
+        self.step += 1
+
+    @contextlib.contextmanager
+    def _autocast(self) -> Iterator[None]:
+        if self._amp_dtype is None:
+            yield
+        else:
+            with torch.autocast(device_type=self.device.type, dtype=self._amp_dtype):
+                yield
+
+    # ---- evaluation ------------------------------------------------------------------------------
+
+    async def evaluate(self, tensors: Tensors | None = None) -> float:
+        """Validation cross-entropy (nats) of the current parameters, or of `tensors` (e.g. the swarm
+        average) without touching the trained model."""
+        return await self._on_worker(self._evaluate_now, tensors)
+
+    def _evaluate_now(self, tensors: Tensors | None) -> float:
+        model = self.model
+        if tensors is not None:
+            if self._eval_model is None:
+                self._eval_model = copy.deepcopy(self.model)
+            model = self._eval_model
+            params = dict(model.named_parameters())
+            with torch.no_grad():
+                for name, p in params.items():
+                    p.copy_(_as_torch(tensors[name], name, p))
+        batches = validation_batches(self._val_tokens, self.config.eval_batch_size, self.config.context,
+                                     self.config.eval_batches)
+        with self._autocast():
+            return mean_cross_entropy(model, batches)
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+
+    async def state(self) -> dict[str, np.ndarray]:
+        """Parameters, optimizer state and step as numpy arrays, for node.training.checkpoint."""
+        return await self._on_worker(self._state_now)
+
+    async def restore(self, state: Tensors) -> None:
+        """Continue from what `state()` returned: the next step is the one that would have followed."""
+        await self._on_worker(self._restore_now, state)
+
+    def _state_now(self) -> dict[str, np.ndarray]:
+        # Between compute_update and apply_update (a step abandoned at shutdown) the parameters are
+        # still those of step t: they are saved as step t, and the moments, which already hold g_t,
+        # take it in once more on resume - a negligible bias, where refusing would lose the checkpoint.
+        out = {_PARAM + name: t for name, t in self._tensors_now().items()}
+        out.update({_OPT + key: value.detach().to("cpu", copy=True).numpy() for key, value in self._optimizer.state().items()})
+        out.update({_COUNT + name: np.asarray(count, np.int64) for name, count in self._optimizer.state_counts().items()})
+        out[_STEP] = np.asarray(self.step, np.int64)
+        if self._loss_scale is not None:
+            out[_SCALE] = np.asarray(self._loss_scale, np.float64)
+        return out
+
+    def _restore_now(self, state: Tensors) -> None:
+        self._load_now({key[len(_PARAM):]: value for key, value in state.items() if key.startswith(_PARAM)})
+        moments = {}
+        for key, value in state.items():
+            if key.startswith(_OPT):
+                name = key[len(_OPT):].rpartition("/")[0]
+                moments[key[len(_OPT):]] = _as_torch(value, name, self._params[name]).clone()
+        counts = {key[len(_COUNT):]: int(value) for key, value in state.items() if key.startswith(_COUNT)}
+        self._optimizer.load_state(moments, counts)
+        self._state_bytes = self._optimizer.state_bytes()
+        self.step = int(state[_STEP])
+        if self._loss_scale is not None and _SCALE in state:
+            self._loss_scale = float(state[_SCALE])
+        self._pending = None
+
+
+def _as_torch(vector: np.ndarray, name: str, like: torch.Tensor) -> torch.Tensor:
+    """A flat vector as a tensor shaped, typed and placed like `like` (no copy where none is needed)."""
+    if vector.size != like.numel():
+        raise ValueError(f"parameter {name!r} has {like.numel()} values, got {vector.size}")
+    # torch warns about read-only numpy arrays (decoded frames are) and views need contiguous
+    # memory: only such arrays are copied
+    source = torch.from_numpy(np.require(vector, requirements=("W", "C")))
+    return source.view(like.shape).to(device=like.device, dtype=like.dtype)
+
+
+class GossipTrainer:
+    """A Trainer and a GossipPeer as one node of decentralized training.
+
+    D-SGD (adapt, then combine): a local step, then a round on the new values, whose mix becomes x.
+    DAdam (overlapped): the round exchanges x_t while the worker thread computes g(x_t) and the Adam
+    direction; then x_{t+1} = mix(x_t) - lr * direction. This object must be the only writer of the
+    peer's tensors: run_round installs its mix only when nothing was installed during the round, and
+    the mix is read back from the peer afterwards.
+    """
+
+    def __init__(self, trainer: Trainer, peer: GossipPeer) -> None:
+        self.trainer = trainer
+        self.peer = peer
+
+    async def step(self, round_index: int | None = None, plan_for: PlanFor | None = None) -> StepReport:
+        """One optimizer step; with a `round_index`, also gossip round `round_index`, whose plan
+        `plan_for` gives (awaited after this peer's tensors for the round are offered)."""
+        started = time.perf_counter()
+        if round_index is None:
+            stats = await self.trainer.train_step()
+            return StepReport(stats, time.perf_counter() - started)
+        if plan_for is None:
+            raise ValueError("a step with a round needs plan_for")
+        if self.trainer.config.optimizer.algorithm == "dadam":
+            await self._offer()
+            async with asyncio.TaskGroup() as group:
+                mixing = group.create_task(self._mix(round_index, plan_for))
+                computing = group.create_task(self.trainer.compute_update())
+            await self.trainer.apply_update(self.peer.tensors)
+            stats, report = computing.result(), mixing.result()
+        else:
+            stats = await self.trainer.train_step()
+            await self._offer()
+            report = await self._mix(round_index, plan_for)
+            await self.trainer.load_tensors(self.peer.tensors)
+        return StepReport(stats, time.perf_counter() - started, report)
+
+    async def _offer(self) -> None:
+        """Make the current parameters the peer's tensors: what this round sends and mixes."""
+        self.peer.set_tensors(await self.trainer.tensors(), step=self.trainer.step)
+
+    async def _mix(self, round_index: int, plan_for: PlanFor) -> RoundReport:
+        """Run the round on the offered tensors; the peer holds their mix afterwards."""
+        plan = await plan_for(round_index)
+        own = self.peer.tensors
+        outcome = await self.peer.run_round(round_index, plan)
+        distance = await asyncio.to_thread(consensus_distance, own, self.peer.tensors, plan.self_weight,
+                                           plan.in_weights, outcome.mixed_with)
+        return RoundReport(round_index, outcome, distance)
+
+    async def run(self, steps: int, plan_for: PlanFor,
+                  on_report: Callable[[StepReport], None] | None = None) -> list[StepReport]:
+        """`steps` steps with a round after every `local_steps`-th, numbered step // local_steps
+        (every node of a swarm that starts together agrees on the numbering); the local model is
+        evaluated after every `eval_every_rounds`-th round (StepReport.val_loss)."""
+        config = self.trainer.config
+        reports = []
+        for _ in range(steps):
+            step = self.trainer.step
+            round_index = step // config.optimizer.local_steps if config.optimizer.mixes_after(step) else None
+            report = await self.step(round_index, plan_for)
+            every = config.eval_every_rounds
+            if round_index is not None and every is not None and (round_index + 1) % every == 0:
+                report = replace(report, val_loss=await self.trainer.evaluate())
+            reports.append(report)
+            if on_report is not None:
+                on_report(report)
+        return reports
+
+
+async def train_alone(trainer: Trainer, steps: int) -> list[StepStats]:
+    """The single-process baseline: `steps` local steps with the same optimizer and schedule."""
+    return [await trainer.train_step() for _ in range(steps)]
+
+
+def average_tensors(members: Sequence[Tensors]) -> dict[str, np.ndarray]:
+    """The parameter-wise mean of several nodes' tensors: the swarm-average model, as float32.
+
+    Summed in float64 one member at a time, so it holds one float64 copy of one tensor beyond its
+    inputs rather than a stacked copy of every member (the swarm evaluation averages many peers).
+    CPU-heavy for a large model: call it in a thread from an event loop."""
+    if not members:
+        raise ValueError("nothing to average")
+    average = {}
+    for name, first in members[0].items():
+        total = first.astype(np.float64)
+        for member in members[1:]:
+            total += member[name]
+        average[name] = (total / len(members)).astype(np.float32)
+    return average

@@ -1,0 +1,1 @@
+"""Helpers shared by the tests: swarms of node processes, network namespaces, containers, tiny models."""

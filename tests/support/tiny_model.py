@@ -1,0 +1,28 @@
+"""A user model named by import path (`--model tiny_model:build`, with tests/ on PYTHONPATH): the
+multi-process training tests use it to train in seconds, and it exercises the import-path route."""
+
+from node.training.models import ModelConfig, build_model
+
+TINY = ModelConfig(context=32, layers=2, width=64, heads=4, experts=0, expert_hidden=128)
+
+
+def build():
+    return build_model(TINY)
+
+
+class _FailsAfter(type(build_model(TINY))):
+    """The tiny model, whose forward pass raises from its 20th call on: a user model with a bug."""
+
+    calls = 0
+
+    def forward(self, idx, targets=None):
+        self.calls += 1
+        if self.calls >= 20:
+            raise RuntimeError("user model bug: shapes went wrong")
+        return super().forward(idx, targets)
+
+
+def build_failing():
+    model = build()
+    model.__class__ = _FailsAfter
+    return model
