@@ -36,7 +36,15 @@ from gossip.errors import BadSchema, ManifestMismatch, Truncated, WireError
 from gossip.mixing import IncrementalMix, MixingRule, effective_weights, mix
 from gossip.transport import GOSSIP_PROTOCOL, Stream, Transport
 from gossip.wire import (
-    DEFAULT_LIMITS, Expectation, Message, MetaValue, ValuesSink, WireLimits, iter_message, read_message, tensor_specs,
+    DEFAULT_LIMITS,
+    Expectation,
+    Message,
+    MetaValue,
+    ValuesSink,
+    WireLimits,
+    iter_message,
+    read_message,
+    tensor_specs,
 )
 from topology import PeerRound
 
@@ -128,7 +136,7 @@ class _PartnerSlot:
     """
 
     OPEN, CLAIMED, DONE, FAILED, CLOSED = "open", "claimed", "done", "failed", "closed"
-    __slots__ = ("state", "received", "failure", "changed")
+    __slots__ = ("changed", "failure", "received", "state")
 
     def __init__(self) -> None:
         self.state = self.OPEN

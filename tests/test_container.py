@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from node.training.checkpoint import load_checkpoint
 from support.container_harness import (
     Cleanup,
     Podman,
@@ -36,8 +38,6 @@ from support.container_harness import (
 )
 from support.swarm_harness import wait_for
 from support.tiny_model import TINY
-
-from node.training.checkpoint import load_checkpoint
 
 # Building the image from a cold cache takes minutes on 2 cores; the per-test default is 600 s.
 pytestmark = [pytest.mark.container, pytest.mark.timeout(1500)]

@@ -329,13 +329,13 @@ async def main():
     identity_path, heartbeat_s, *bootstrap = sys.argv[1:]
     claimed = claim_identity(Path(identity_path))
     p2p = await start_p2pd(P2PSettings(identity_path=claimed.identity.path, initial_peers=tuple(bootstrap)))
-    settings = DiscoverySettings(swarm="%s", heartbeat_s=float(heartbeat_s))
+    settings = DiscoverySettings(swarm=SWARM, heartbeat_s=float(heartbeat_s))
     await Discovery(p2p, claimed.identity, settings, initial_peers=bootstrap).start()
     print(claimed.identity.peer_id, flush=True)
     await asyncio.sleep(600)
 
 asyncio.run(main())
-""" % SWARM
+""".replace("SWARM", repr(SWARM), 1)
 
 
 @pytest.mark.multiprocess

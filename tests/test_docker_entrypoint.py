@@ -55,7 +55,7 @@ def status_server() -> Iterator[tuple[str, list[dict]]]:
     answers: list[dict] = []
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        def do_GET(self) -> None:
             body = json.dumps(answers.pop(0) if len(answers) > 1 else answers[0]).encode()
             self.send_response(200 if self.path == "/api/status" else 404)
             self.send_header("Content-Type", "application/json")

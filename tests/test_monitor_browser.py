@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from support.swarm_harness import Node, Swarm
 
 pytestmark = pytest.mark.browser

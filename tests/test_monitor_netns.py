@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from support.netns import VethLink, veth_link
-from node.net.proc import popen
 from node.cli.ready_line import find_ready_line
+from node.net.proc import popen
+from support.netns import VethLink, veth_link
 
 pytestmark = pytest.mark.multiprocess
 

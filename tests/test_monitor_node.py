@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support.swarm_harness import Swarm, wait_for
 
 from node.monitor.metrics import METRIC_NAMES
 from node.monitor.schemas import JSON_ENDPOINTS, openapi_document, schema
+from support.swarm_harness import Swarm, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -168,7 +168,7 @@ def test_metrics_parse_and_carry_the_documented_names_and_the_nodes_figures(pair
 
 
 def test_unknown_paths_get_404_bad_queries_400_and_the_node_serves_on(pair):
-    swarm, nodes = pair
+    _, nodes = pair
     url = nodes[0].monitor_url
     for path in ("/nope", "/api/nope", "/api/status/extra", "/static/../daemon.py", "/%2e%2e/etc/passwd"):
         status, content_type, body = get(url + path)

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from node.config import NodeConfig
-from node.runtime.daemon import NodeRuntime
 from node.monitor import Counters, EventLog, HistoryRecorder, MixingStepEstimate, round_graph, start_monitor
 from node.monitor.eventlog import LogCapture, Snapshot, log_changes
+from node.runtime.daemon import NodeRuntime
 from topology import MembershipView, build_topology
 
 pytestmark = pytest.mark.unit

@@ -27,9 +27,16 @@ from gossip.spes import (
 )
 from gossip.transport import Stream
 from gossip.wire import Expectation, encode_message, message_nbytes, read_message
+from node.spes.node import (
+    FETCH_PROTOCOL,
+    InMemoryExpertDirectory,
+    ModelPartition,
+    SpesNode,
+    spes_average,
+    tensor_manifest,
+)
 from node.training.data import Corpus, peer_shard
 from node.training.models import ModelConfig, build_model
-from node.spes.node import FETCH_PROTOCOL, InMemoryExpertDirectory, ModelPartition, SpesNode, spes_average, tensor_manifest
 from node.training.trainer import GossipTrainer, Trainer, TrainerConfig, average_tensors
 from topology import MembershipView, PeerRound, build_topology, peer_round
 

@@ -6,12 +6,12 @@ import asyncio
 
 import numpy as np
 import pytest
-from support.swarm_harness import Node, Swarm, initial_vector, mean_vector, wait_for
 
 from gossip.codecs import get_codec
 from gossip.errors import WIRE_ERROR_KINDS
 from gossip.transport import GOSSIP_PROTOCOL
 from gossip.wire import encode_message
+from support.swarm_harness import Node, Swarm, initial_vector, mean_vector, wait_for
 
 pytestmark = pytest.mark.multiprocess
 

@@ -16,22 +16,22 @@ from typing import Any
 import numpy as np
 import pytest
 from test_monitor_node import schema_errors  # the JSON Schema subset validator the monitor's tests use
-from support.tiny_model import TINY
 
 from gossip.codecs import get_codec
 from gossip.exchange import ExchangeSettings, GossipPeer
 from gossip.memory import InMemoryNetwork
 from gossip.optimizers import OptimizerConfig
-from node.training.checkpoint import load_checkpoint
-from node.config import NodeConfig
-from node.runtime.daemon import NodeRuntime
-from node.training.data import Corpus
 from node.cli.eval import format_swarm_eval, run_eval
-from node.training.models import build_model
+from node.config import NodeConfig
 from node.monitor import Counters, EventLog, HistoryRecorder, start_monitor
 from node.monitor.schemas import schema
+from node.runtime.daemon import NodeRuntime
+from node.training.checkpoint import load_checkpoint
+from node.training.data import Corpus
+from node.training.models import build_model
 from node.training.swarm_eval import EvalBusy, EvalUnavailable, SwarmEvaluator
 from node.training.trainer import Trainer, TrainerConfig, average_tensors
+from support.tiny_model import TINY
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 

@@ -7,6 +7,7 @@ import time
 
 import psutil
 import pytest
+
 from support.swarm_harness import Node, Swarm, consensus_distance, initial_vector, wait_for
 
 pytestmark = pytest.mark.multiprocess

@@ -5,6 +5,7 @@ asks, which the backend does not see, so the other two on py-libp2p would cost C
 half for nothing new; test_swarm_libp2p mixes both backends in one swarm."""
 
 import pytest
+
 from support.swarm_harness import Swarm, check_consensus, summary
 
 pytestmark = pytest.mark.multiprocess

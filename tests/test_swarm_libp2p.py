@@ -11,8 +11,9 @@ import time
 
 import psutil
 import pytest
-from support.swarm_harness import Node, Swarm, check_consensus, summary, wait_for
 from test_swarm_bad_peers import ATTACKS, attack, wire_errors
+
+from support.swarm_harness import Node, Swarm, check_consensus, summary, wait_for
 
 pytestmark = pytest.mark.multiprocess
 

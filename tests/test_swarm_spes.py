@@ -11,15 +11,15 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from support.swarm_harness import MURMUR, Swarm, wait_for
-from support.tiny_moe import TINY_MOE, build
 
-from node.training.checkpoint import load_checkpoint
 from node.cli.main import parse_node_config
 from node.config import ConfigError
-from node.training.recipe import SwarmSettings, swarm_document
 from node.spes.node import ModelPartition
 from node.spes.training import saved_records
+from node.training.checkpoint import load_checkpoint
+from node.training.recipe import SwarmSettings, swarm_document
+from support.swarm_harness import MURMUR, Swarm, wait_for
+from support.tiny_moe import TINY_MOE, build
 
 SUPPORT = Path(__file__).parent / "support"
 EXPERTS = TINY_MOE.experts
@@ -244,8 +244,8 @@ def test_capacity_defaults_to_every_expert_on_cpu_and_saved_records_parse_or_are
     import json
 
     from gossip.spes import ExpertRecord, records_to_wire
-    from node.training.data import load_corpus
     from node.spes.training import CHECKPOINT_META_KEY, capacity_for
+    from node.training.data import load_corpus
     from node.training.recipe import optimizer_config
     from node.training.trainer import Trainer, TrainerConfig
 

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support.swarm_harness import Swarm, wait_for
-from support.tiny_model import TINY, build
 
 from node.training.checkpoint import load_checkpoint
 from node.training.data import load_corpus
+from node.training.loop import EVAL_BATCH_SIZE, EVAL_BATCHES
 from node.training.recipe import optimizer_config
 from node.training.trainer import Trainer, TrainerConfig, average_tensors, train_alone
-from node.training.loop import EVAL_BATCH_SIZE, EVAL_BATCHES
+from support.swarm_harness import Swarm, wait_for
+from support.tiny_model import TINY, build
 
 pytestmark = pytest.mark.multiprocess
 

@@ -5,8 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from topology import TOPOLOGY_NAMES, MembershipView, TopologySpec, build_topology, peer_round
-from topology import graphs, spectral
+from topology import TOPOLOGY_NAMES, MembershipView, TopologySpec, build_topology, graphs, peer_round, spectral
 from topology.weights import mixing_matrix
 
 pytestmark = pytest.mark.unit

@@ -206,7 +206,7 @@ def _torch_cast(src: np.ndarray, dst: np.ndarray, spare: np.ndarray) -> None:
     vectorised pass. torch takes only writable arrays without a warning, so a read-only `src` (bytes
     off the wire) is first copied into `spare`, a scratch array of its dtype, while it is in cache.
     """
-    import torch  # noqa: PLC0415 - only fp16 needs it; importing gossip stays cheap
+    import torch
 
     if not src.flags.writeable:
         spare = spare[: src.size]

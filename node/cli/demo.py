@@ -19,11 +19,11 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from node.training.checkpoint import load_checkpoint
-from node.config import DEFAULTS
-from node.net.proc import popen
 from node.cli.ready_line import ReadyLine, find_ready_line
 from node.cli.status import fetch_status
+from node.config import DEFAULTS
+from node.net.proc import popen
+from node.training.checkpoint import load_checkpoint
 
 READY_TIMEOUT_S = 180.0  # a loaded 2-core machine imports torch and hivemind in N processes at once
 STOP_TIMEOUT_S = 15.0
@@ -212,8 +212,8 @@ def summarize(options: DemoOptions, nodes: Sequence[DemoNode], workdir: Path) ->
     import torch
 
     from node.training.data import load_corpus, validation_batches
-    from node.training.models import build_named_model, mean_cross_entropy
     from node.training.loop import EVAL_BATCH_SIZE, EVAL_BATCHES
+    from node.training.models import build_named_model, mean_cross_entropy
     from node.training.trainer import average_tensors
 
     corpus = load_corpus(None, workdir)

@@ -15,7 +15,6 @@ import math
 import os
 import re
 import socket
-import sys
 import tomllib
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field

@@ -91,5 +91,5 @@ class LogCapture(logging.Handler):
         try:
             level = "error" if record.levelno >= logging.ERROR else "warning"
             self._log.add(record.created, level, "log", f"{record.name}: {record.getMessage()}")
-        except Exception:  # noqa: BLE001 - logging must never raise into the code that logs
+        except Exception:
             self.handleError(record)

@@ -131,7 +131,7 @@ class Sampler:
         """sample_once, but a failure is logged and counted: it must not end the page's updates."""
         try:
             self.sample_once(time.time())
-        except Exception:  # noqa: BLE001 - see above
+        except Exception:
             self.failures += 1
             self._failing += 1
             # the traceback once per outage, not once a second
@@ -190,7 +190,7 @@ def build_app(source: MonitorSource, sampler: Sampler) -> web.Application:
             if exc.status < 400:
                 raise
             return _error(exc.status, exc.reason)
-        except Exception:  # noqa: BLE001 - a failing endpoint answers 500; the node goes on
+        except Exception:
             logger.exception("monitor: %s failed", request.path_qs)
             return _error(500, "internal error (see the node's log)")
 

@@ -21,10 +21,18 @@ from typing import Any
 import numpy as np
 
 from gossip.exchange import ExchangeSettings, GossipPeer
-from node.training.checkpoint import CheckpointUnreadable, load_checkpoint, save_checkpoint
-from node.config import NodeConfig
-from node.monitor import Counters, EventLog, HistoryRecorder, MixingStepEstimate, MonitorServer, round_graph, start_monitor
 from node.cli.ready_line import format_ready_line
+from node.config import NodeConfig
+from node.monitor import (
+    Counters,
+    EventLog,
+    HistoryRecorder,
+    MixingStepEstimate,
+    MonitorServer,
+    round_graph,
+    start_monitor,
+)
+from node.training.checkpoint import CheckpointUnreadable, load_checkpoint, save_checkpoint
 from node.training.recipe import RecipeInvalid, SwarmSettings, check_model_allowed, same_payload, swarm_document
 from node.training.rounds import PeerTiming, announce_round, participants, start_round
 from topology import MembershipView, Topology, build_topology, peer_round
@@ -217,7 +225,7 @@ async def _bounded_cleanup(what: str, timeout_s: float = STOP_TIMEOUT_S) -> Asyn
     try:
         async with asyncio.timeout(timeout_s):
             yield
-    except Exception as exc:  # noqa: BLE001 - shutdown goes on whatever one part does
+    except Exception as exc:
         logger.warning("stopping %s: %s", what, exc or type(exc).__name__)
 
 
@@ -360,7 +368,7 @@ async def _train_until(stop: asyncio.Event, runtime: NodeRuntime, training, sett
     try:
         # --average-every: the evaluator writes the swarm average in the background, training goes on
         await training.run(stop, lambda: _checkpoint(runtime, ckpt_path), average=runtime.swarm_eval.save_in_background)
-    except Exception as exc:  # noqa: BLE001 - a failing model (user code) must not take the node down
+    except Exception as exc:
         runtime.count("training_failed")
         logger.error("training stopped at step %d: %s: %s; the node keeps serving its last parameters",
                      training.trainer.step, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")

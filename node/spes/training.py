@@ -25,8 +25,8 @@ from gossip.spes import (
     records_to_wire,
 )
 from gossip.transport import Transport
-from node.spes.node import ModelPartition, SpesNode, spes_average
 from node.spes.directory import DhtExpertDirectory
+from node.spes.node import ModelPartition, SpesNode, spes_average
 from node.training.loop import SwarmTraining
 from node.training.trainer import StepReport, Trainer, average_tensors
 
@@ -115,7 +115,7 @@ class SpesSwarmTraining(SwarmTraining):
                     await self.node.start(self._saved)
                     self._announce_ownership()
                 await super().run(stop, save, average)
-            except Exception as exc:  # noqa: BLE001 - re-raised below, after the directory task stopped
+            except Exception as exc:
                 failure = exc
             finally:
                 keeper.cancel()

@@ -17,8 +17,8 @@ import torch
 
 from gossip.errors import WireError
 from gossip.exchange import GossipPeer, PeerRejected
-from node.training.checkpoint import Checkpoint
 from node.config import NodeConfig
+from node.training.checkpoint import Checkpoint
 from node.training.data import load_corpus, peer_shard
 from node.training.models import build_named_model
 from node.training.recipe import TrainingRecipe

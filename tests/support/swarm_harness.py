@@ -79,7 +79,7 @@ def wait_for(check: Callable[[], T], timeout_s: float, what: str, interval_s: fl
             if value:
                 return value
             last = value
-        except Exception as exc:  # noqa: BLE001 - a poll that fails is retried until the deadline
+        except Exception as exc:
             last = exc
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what} (last: {last!r})")

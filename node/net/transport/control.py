@@ -92,7 +92,7 @@ def decode_body(body: bytes, expect: tuple[str, ...] | None = None) -> Frame:
     fields = {}
     for name, kind in schema.items():
         item = value.get(name)
-        if not isinstance(item, kind) or isinstance(item, bool) and kind is not bool:
+        if not isinstance(item, kind) or (isinstance(item, bool) and kind is not bool):
             raise ControlError(f"control op {op!r}: field {name!r} missing or not {_kind_name(kind)}")
         if isinstance(item, str) and len(item) > _MAX_TEXT:
             raise ControlError(f"control op {op!r}: field {name!r} longer than {_MAX_TEXT}")

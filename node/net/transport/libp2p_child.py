@@ -114,7 +114,7 @@ class Child:
                 await self.connect(frame["peer"], frame["maddrs"], float(frame["timeout"]))
             else:
                 self.host.set_stream_handler(TProtocol(frame["protocol"]), self.on_incoming)
-        except Exception as exc:  # noqa: BLE001 - every failure is the node's answer, not the child's end
+        except Exception as exc:
             await self.send_control("result", id=frame["id"], ok=False, error=_reason(exc))
         else:
             await self.send_control("result", id=frame["id"], ok=True, error="")
@@ -134,7 +134,7 @@ class Child:
             try:
                 with trio.fail_after(float(frame["timeout"])):
                     stream = await self.host.new_stream(ID.from_base58(frame["peer"]), [TProtocol(frame["protocol"])])
-            except Exception as exc:  # noqa: BLE001 - told to the node, which raises PeerUnreachable
+            except Exception as exc:
                 with trio.fail_after(self.settings.io_timeout_s):
                     await local.send_all(control.encode("error", error=_reason(exc)))
                 return
@@ -145,7 +145,7 @@ class Child:
                 await _reset(stream)
                 raise
             await self.bridge(stream, local)
-        except Exception as exc:  # noqa: BLE001 - one bad local connection must not end the child
+        except Exception as exc:
             logger.info("outgoing stream request dropped: %s", _reason(exc))
         finally:
             await local.aclose()
@@ -201,7 +201,7 @@ class Child:
             nonlocal failed
             try:
                 await pump()
-            except Exception as exc:  # noqa: BLE001 - reset, closed, timed out: the stream is done either way
+            except Exception as exc:
                 failed = True
                 logger.debug("stream to %s ends: %s", stream.muxed_conn.peer_id, _reason(exc))
                 nursery.cancel_scope.cancel()
@@ -250,7 +250,7 @@ async def _reset(stream) -> None:
     with trio.move_on_after(1.0):
         try:
             await stream.reset()
-        except Exception as exc:  # noqa: BLE001 - resetting a dead stream may fail; it is dead either way
+        except Exception as exc:
             logger.debug("reset failed: %s", exc)
 
 

@@ -69,7 +69,7 @@ async def start_p2pd(settings: P2PSettings) -> P2P:
 
 
 class _ByteCounts:
-    __slots__ = ("sent", "received")
+    __slots__ = ("received", "sent")
 
     def __init__(self) -> None:
         self.sent = 0
