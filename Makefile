@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.murmur-installed
 
-.PHONY: demo test test-fast venv clean-venv
+.PHONY: demo test test-fast lint venv clean-venv
 
 venv: $(STAMP)
 
@@ -28,7 +28,12 @@ CHROMIUM := /usr/bin/chromium
 $(CHROMIUM):
 	apt-get update -q && apt-get install -y -q chromium
 
-test: $(STAMP) $(CHROMIUM)
+# Lint and types first: a finding fails `make test` before pytest starts.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+test: lint $(CHROMIUM)
 	$(PY) -m pytest
 
 # The fast tier: in-process unit and property tests, about a minute in all (the in-process
