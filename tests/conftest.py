@@ -1,4 +1,4 @@
-"""Fixtures shared by the in-process training tests."""
+"""The tier-marker rule for every test, and fixtures shared by the in-process training tests."""
 
 from collections.abc import Iterator
 
@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from node.training.data import Corpus, embedded_corpus
+
+pytest_plugins = ["pytester", "support.tiers"]  # the tier-marker rule; pytester for its test
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ def test_demo_trains_and_reports_json(tmp_path):
         assert node["steps"] == steps
         assert node["trainable_params"] == dense_params
         assert node["bytes_sent"] > 0 and node["bytes_received"] > 0
-        assert node["optimizer_state_bytes"] >= 0
+        assert node["optimizer_state_bytes"] == 0  # plain D-SGD (no momentum) keeps no optimizer state
         assert node["val_loss"] < summary["initial_val_loss"] - 1.0
     assert summary["averaged_val_loss"] < summary["initial_val_loss"] - 1.0
     # the nodes gossiped: their models ended close to each other and to their average
@@ -36,6 +36,7 @@ def test_demo_trains_and_reports_json(tmp_path):
     assert max(losses) - min(losses) < 0.2 and abs(summary["averaged_val_loss"] - min(losses)) < 0.2
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("args, message", [
     (["--nodes", "0"], "argument --nodes: 0 is below the minimum 1"),
     (["--optimizer", "sgd"], "argument --optimizer: invalid choice"),

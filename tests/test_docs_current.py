@@ -10,6 +10,7 @@ from topology.report import write_report
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.unit
 @pytest.mark.slow
 def test_topologies_page_is_current():
     generated = io.StringIO()
