@@ -4,12 +4,13 @@ node reads back from it, so every peer of a swarm gossips and trains the same wa
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 from gossip.codecs import Codec, get_codec
 from gossip.mixing import MixingRule
-from gossip.optimizers import OptimizerConfig
+from gossip.optimizers import Algorithm, OptimizerConfig
 from gossip.spes import SpesConfig
 from node.config import EMBEDDED_MODEL_NAMES, VECTOR_MODEL, NodeConfig
 from node.training.rounds import RoundClock
@@ -79,7 +80,8 @@ def _spes_from_doc(doc: dict[str, Any]) -> SpesConfig:
 def optimizer_config(algorithm: str, lr: float, warmup_steps: int, steps: int, local_steps: int,
                      micro_batches: int) -> OptimizerConfig:
     """The optimizer of a recipe: warm-up, then a cosine to 0.1 lr at `steps` (flat when steps is 0)."""
-    return OptimizerConfig(algorithm=algorithm, lr=lr, warmup_steps=warmup_steps,
+    # OptimizerConfig refuses an unknown algorithm (ValueError)
+    return OptimizerConfig(algorithm=cast(Algorithm, algorithm), lr=lr, warmup_steps=warmup_steps,
                            decay="cosine" if steps else "constant", total_steps=steps or None,
                            local_steps=local_steps, micro_batches=micro_batches)
 
@@ -129,7 +131,7 @@ class SwarmSettings:
     training: TrainingRecipe | None
 
     @classmethod
-    def from_doc(cls, doc: dict[str, Any]) -> SwarmSettings:
+    def from_doc(cls, doc: Mapping[str, Any]) -> SwarmSettings:
         if doc.get("version") != SWARM_CONFIG_VERSION:
             raise RecipeInvalid(f"the swarm's config has version {doc.get('version')!r}; "
                                 f"this murmur reads {SWARM_CONFIG_VERSION}")
