@@ -4,6 +4,7 @@ node reads back from it, so every peer of a swarm gossips and trains the same wa
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, cast
@@ -21,6 +22,13 @@ SWARM_CONFIG_VERSION = 2
 
 class RecipeInvalid(ValueError):
     """The swarm's config document cannot be used by this murmur (one line, says why)."""
+
+
+class PayloadKind(enum.StrEnum):
+    """What a swarm gossips: a trained model, or a random vector of `dim` floats (vector mode)."""
+
+    MODEL = "model"
+    VECTOR = "vector"
 
 
 def check_model_allowed(swarm_model: str, own_model: str) -> None:
@@ -48,7 +56,7 @@ class TrainingRecipe:
 
     def to_doc(self) -> dict[str, Any]:
         o = self.optimizer
-        doc = {"kind": "model", "model": self.model, "seed": self.seed, "batch_size": self.batch_size,
+        doc = {"kind": PayloadKind.MODEL.value, "model": self.model, "seed": self.seed, "batch_size": self.batch_size,
                "context": self.context, "steps": self.steps,
                "optimizer": {"algorithm": o.algorithm, "lr": o.lr, "warmup_steps": o.warmup_steps,
                              "local_steps": o.local_steps, "micro_batches": o.micro_batches}}
@@ -106,7 +114,7 @@ def swarm_document(config: NodeConfig, epoch: float) -> dict[str, Any]:
     return {
         "version": SWARM_CONFIG_VERSION,
         "epoch": epoch,
-        "payload": recipe.to_doc() if recipe is not None else {"kind": "vector", "dim": config.dim},
+        "payload": recipe.to_doc() if recipe is not None else {"kind": PayloadKind.VECTOR.value, "dim": config.dim},
         "gossip": {
             "topology": {"name": topo.name, "weights": topo.weights, "degree": topo.degree, "seed": topo.seed,
                          "rows": topo.rows, "edges": [list(e) for e in topo.edges], "directed": topo.directed},
@@ -139,8 +147,9 @@ class SwarmSettings:
             g = doc["gossip"]
             t = g["topology"]
             payload = doc["payload"]
-            if payload["kind"] not in ("vector", "model"):
+            if payload["kind"] not in tuple(PayloadKind):
                 raise ValueError(f"unknown payload kind {payload['kind']!r}")
+            kind = PayloadKind(payload["kind"])
             return cls(
                 topology=TopologySpec(t["name"], weights=t["weights"], degree=t["degree"], seed=t["seed"],
                                       rows=t["rows"], edges=tuple(tuple(e) for e in t["edges"]), directed=t["directed"]),
@@ -148,8 +157,8 @@ class SwarmSettings:
                 clock=RoundClock(float(doc["epoch"]), float(g["round_interval_s"])),
                 max_staleness=int(g["max_staleness_rounds"]),
                 mixing=MixingRule(**g["mixing"]),
-                dim=int(payload["dim"]) if payload["kind"] == "vector" else 0,
-                training=TrainingRecipe.from_doc(payload) if payload["kind"] == "model" else None,
+                dim=int(payload["dim"]) if kind is PayloadKind.VECTOR else 0,
+                training=TrainingRecipe.from_doc(payload) if kind is PayloadKind.MODEL else None,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise RecipeInvalid(f"the swarm's config is invalid: {exc}") from None
