@@ -28,7 +28,7 @@ from topology import Topology, build_topology
 if TYPE_CHECKING:
     from node.net.discovery import PeerRecord
     from node.training.loop import SwarmTraining
-    from node.training.swarm_eval import PeerRecordLike
+    from node.training.swarm_eval import Average, PeerRecordLike
 
 logger = logging.getLogger("murmur.node")
 
@@ -86,6 +86,7 @@ async def start_training(runtime: NodeRuntime, recipe: TrainingRecipe, settings:
     # DHT records lag by up to a heartbeat: the window leaves room for that beyond the staleness bound
     lag_window = max(10, 2 * (settings.max_staleness + 1) * local_steps)
     training: SwarmTraining
+    average: Average | None = None  # how the swarm evaluation combines the members; None: uniformly
     if recipe.spes is not None:
         from node.spes.training import SpesSwarmTraining, saved_records
 
@@ -97,6 +98,7 @@ async def start_training(runtime: NodeRuntime, recipe: TrainingRecipe, settings:
                 saved=saved_records(checkpoint.meta) if checkpoint is not None and resumed else None)
         except ValueError as exc:  # a model without MoE layers
             raise StartupError(f"cannot train the swarm's model with SPES here: {exc}") from None
+        average = training.swarm_average
     else:
         training = SwarmTraining(trainer, peer, discovery, recipe, local, topology_for, connect, lag_window,
                                  record=runtime.record)
@@ -109,7 +111,7 @@ async def start_training(runtime: NodeRuntime, recipe: TrainingRecipe, settings:
 
     swarm_eval = runtime.swarm_eval = SwarmEvaluator(
         trainer, peer, discovery.view, connect=dial, count=runtime.count,
-        average=getattr(training, "swarm_average", None), save=functools.partial(save_swarm_average, runtime))
+        average=average, save=functools.partial(save_swarm_average, runtime))
     stack.push_async_callback(swarm_eval.close)
     return training
 
