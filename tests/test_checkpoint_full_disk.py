@@ -25,7 +25,9 @@ CHILD = textwrap.dedent("""
     import numpy as np
     from node.training.checkpoint import load_checkpoint, save_checkpoint
     from node.config import NodeConfig
-    from node.runtime.daemon import NodeRuntime, SWARM_AVERAGE_FILE, _save_swarm_average
+    from node.runtime.saving import SWARM_AVERAGE_FILE
+    from node.runtime.saving import save_swarm_average as _save_swarm_average
+    from node.runtime.status import NodeRuntime
     from node.training.swarm_eval import IncludedPeer, SwarmEvalResult
 
     disk = Path(sys.argv[1])

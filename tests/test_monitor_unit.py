@@ -17,7 +17,7 @@ import pytest
 from node.config import NodeConfig
 from node.monitor import Counters, EventLog, HistoryRecorder, MixingStepEstimate, round_graph, start_monitor
 from node.monitor.eventlog import LogCapture, Snapshot, log_changes
-from node.runtime.daemon import NodeRuntime
+from node.runtime.status import NodeRuntime
 from topology import MembershipView, build_topology
 
 pytestmark = pytest.mark.unit

@@ -25,7 +25,7 @@ from node.cli.eval import format_swarm_eval, run_eval
 from node.config import NodeConfig
 from node.monitor import Counters, EventLog, HistoryRecorder, start_monitor
 from node.monitor.schemas import schema
-from node.runtime.daemon import NodeRuntime
+from node.runtime.status import NodeRuntime
 from node.training.checkpoint import load_checkpoint
 from node.training.data import Corpus
 from node.training.models import build_model
@@ -195,7 +195,7 @@ def test_a_second_request_while_one_runs_is_refused_as_busy(corpus: Corpus):
 
 
 def test_a_saved_average_is_the_model_evaluated_and_a_failed_write_is_reported(corpus: Corpus, tmp_path):
-    from node.runtime.daemon import _save_swarm_average
+    from node.runtime.saving import save_swarm_average as _save_swarm_average
 
     async def main() -> None:
         net = InMemoryNetwork()

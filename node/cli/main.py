@@ -373,14 +373,14 @@ def status_url(args: argparse.Namespace, env: Mapping[str, str]) -> str:
 
 def _run_node(args: argparse.Namespace) -> int:
     config = node_config_from_args(args, os.environ)
-    from node.runtime.daemon import run_node
+    from node.runtime.serve import run_node
 
     return run_node(config, founding=args.command == "node")
 
 
 def _run_bootstrap(args: argparse.Namespace) -> int:
     config = node_config_from_args(args, os.environ)
-    from node.runtime.daemon import run_bootstrap
+    from node.runtime.serve import run_bootstrap
 
     return run_bootstrap(config)
 

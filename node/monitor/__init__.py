@@ -1,5 +1,5 @@
 """The node's local monitor: a web page, its JSON API, server-sent events and Prometheus metrics,
-served from the node's event loop; `NodeRuntime` (node.runtime.daemon) is its data source."""
+served from the node's event loop; `NodeRuntime` (node.runtime.status) is its data source."""
 
 from node.monitor.eventlog import EventLog, LogEntry
 from node.monitor.history import Counters, HistoryRecorder, MixingStepEstimate, Sample, TrainingFigures

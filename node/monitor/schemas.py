@@ -32,7 +32,8 @@ def schema(name: str) -> dict[str, Any]:
     if name not in SCHEMA_NAMES:
         raise KeyError(f"no schema named {name!r}; known: {', '.join(SCHEMA_NAMES)}")
     text = resources.files(__package__).joinpath("schemas", f"{name}.json").read_text(encoding="utf-8")
-    return json.loads(text)
+    loaded: dict[str, Any] = json.loads(text)
+    return loaded
 
 
 def openapi_document() -> dict[str, Any]:

@@ -8,12 +8,13 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from node.config import Boolean
 from node.monitor.eventlog import LogCapture, Snapshot, log_changes
@@ -157,7 +158,7 @@ class MonitorServer:
     runner: web.AppRunner
     url: str
     sampler: Sampler
-    task: asyncio.Task
+    task: asyncio.Task[None]
     capture: LogCapture
 
     async def close(self) -> None:
@@ -179,7 +180,7 @@ def build_app(source: MonitorSource, sampler: Sampler) -> web.Application:
     pages = {path: (_static(name), kind) for path, (name, kind) in STATIC_FILES.items()}
 
     @web.middleware
-    async def json_errors(request: web.Request, handler) -> web.StreamResponse:
+    async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
         except BadQuery as exc:
@@ -200,7 +201,8 @@ def build_app(source: MonitorSource, sampler: Sampler) -> web.Application:
         return web.Response(body=body, content_type=kind, charset="utf-8",
                             headers={"Content-Security-Policy": PAGE_POLICY, "Cache-Control": "no-cache"})
 
-    def endpoint(produce: Callable[[dict[str, Any]], object], query: Mapping[str, Callable[[str], Any]]):
+    def endpoint(produce: Callable[[dict[str, Any]], object],
+                 query: Mapping[str, Callable[[str], Any]]) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def handler(request: web.Request) -> web.Response:
             return _json(produce(_parse_query(request.query, query)))
         return handler
@@ -292,7 +294,8 @@ async def start_monitor(source: MonitorSource, host: str, port: int,
     except BaseException:
         await runner.cleanup()
         raise
-    bound_port = site._server.sockets[0].getsockname()[1]  # aiohttp exposes the bound port only here
+    server = cast(asyncio.Server, site._server)  # aiohttp exposes the bound port only here
+    bound_port = server.sockets[0].getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     capture = LogCapture(source.events)
     logging.getLogger().addHandler(capture)

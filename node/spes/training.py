@@ -8,13 +8,13 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from gossip.exchange import ExchangeSettings
+from gossip.exchange import ExchangeSettings, GossipPeer
 from gossip.spes import (
     ExpertKey,
     ExpertRecord,
@@ -27,8 +27,14 @@ from gossip.spes import (
 from gossip.transport import Transport
 from node.spes.directory import DhtExpertDirectory
 from node.spes.node import ModelPartition, SpesNode, spes_average
-from node.training.loop import SwarmTraining
+from node.training.loop import Connect, RecordSample, SwarmTraining
+from node.training.recipe import TrainingRecipe
+from node.training.settings import TrainingSettings
 from node.training.trainer import StepReport, Trainer, average_tensors
+from topology import Topology
+
+if TYPE_CHECKING:
+    from node.net.discovery import Discovery
 
 logger = logging.getLogger("murmur.spes")
 
@@ -71,10 +77,12 @@ class SpesSwarmTraining(SwarmTraining):
     GossipPeer) carries no SPES traffic: it serves the whole current model to joiners' downloads and
     swarm evaluations, refreshed after every sync."""
 
-    def __init__(self, *args: Any, transport: Transport, exchange: ExchangeSettings, heartbeat_s: float, ttl_s: float,
-                 swarm: str, capacity: int | None, saved: Mapping[ExpertKey, ExpertRecord] | None,
-                 **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, trainer: Trainer, peer: GossipPeer, discovery: Discovery, recipe: TrainingRecipe,
+                 settings: TrainingSettings, topology_for: Callable[[int], Topology], connect: Connect,
+                 lag_window: int, *, record: RecordSample | None = None, transport: Transport,
+                 exchange: ExchangeSettings, heartbeat_s: float, ttl_s: float, swarm: str, capacity: int | None,
+                 saved: Mapping[ExpertKey, ExpertRecord] | None) -> None:
+        super().__init__(trainer, peer, discovery, recipe, settings, topology_for, connect, lag_window, record=record)
         self._transport = transport
         assert self.recipe.spes is not None, "a SPES recipe"
         self.spes_config = self.recipe.spes
@@ -98,7 +106,8 @@ class SpesSwarmTraining(SwarmTraining):
         return assign_experts(capacities, capacities, self.partition.experts_per_layer, self.partition.layers,
                               self.spes_config.replication)
 
-    async def run(self, stop: asyncio.Event, save: Callable[[], Any], average: Callable[[], Any] | None = None) -> None:
+    async def run(self, stop: asyncio.Event, save: Callable[[], Awaitable[None]],
+                  average: Callable[[], None] | None = None) -> None:
         """Start the SpesNode (once), then train as SwarmTraining does while the directory keeps this
         node's records stored. A training failure propagates as itself, not wrapped in a group."""
         failure: Exception | None = None

@@ -1,1 +1,2 @@
-"""Training: the trainer and its loop in the daemon, checkpoints, data, models, the swarm recipe and rounds."""
+"""Training: the trainer and its loop in the daemon, the settings it takes, checkpoints, data, models,
+the swarm recipe and rounds."""

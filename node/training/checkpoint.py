@@ -41,7 +41,7 @@ def save_checkpoint(path: Path, tensors: Mapping[str, np.ndarray], meta: Mapping
     arrays.update({f"m/{k}": np.asarray(v) for k, v in meta.items()})
     try:
         with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
+            np.savez(f, **arrays)  # type: ignore[arg-type]  # the stub reads ** as its allow_pickle flag
             f.flush()
             os.fsync(f.fileno())
         if path.exists():

@@ -363,7 +363,7 @@ def validation_batches(
     starts = torch.arange(0, tokens.shape[0] - context, context)
     if starts.numel() == 0:
         raise ValueError(f"{tokens.shape[0]} tokens are too few for a context of {context}")
-    for number, batch_starts in enumerate(starts.split(batch_size)):
+    for number, batch_starts in enumerate(torch.split(starts, batch_size)):
         if max_batches is not None and number >= max_batches:
             return
         windows = tokens[batch_starts[:, None] + torch.arange(context + 1)].long()

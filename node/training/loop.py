@@ -7,23 +7,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from gossip.errors import WireError
 from gossip.exchange import GossipPeer, PeerRejected
-from node.config import NodeConfig
 from node.training.checkpoint import Checkpoint
 from node.training.data import load_corpus, peer_shard
 from node.training.models import build_named_model
 from node.training.recipe import TrainingRecipe
+from node.training.settings import TrainingSettings
 from node.training.trainer import GossipTrainer, StepReport, Trainer, TrainerConfig
 from topology import MembershipView, PeerRound, Topology, peer_round
+
+if TYPE_CHECKING:
+    from node.net.discovery import Discovery, PeerRecord
 
 logger = logging.getLogger("murmur.train")
 
@@ -37,6 +41,24 @@ EVAL_BATCH_SIZE = 32
 
 class TrainingSetupError(ValueError):
     """The swarm's recipe cannot be trained here (unknown model, context too long...): one line."""
+
+
+class StartedFrom(enum.StrEnum):
+    """Where a node's parameters came from; a download from a peer reads "peer <id> at step N"."""
+
+    INIT = "init"
+    CHECKPOINT = "checkpoint"
+
+
+class RecordSample(Protocol):
+    """The monitor's history (NodeRuntime.record): one call per step and per evaluation."""
+
+    def __call__(self, *, step: int, loss: float | None = None, val_loss: float | None = None,
+                 consensus_distance: float | None = None, tokens: int = 0) -> None: ...
+
+
+# dials the peers of a view this node has not dialled yet
+Connect = Callable[[Sequence["PeerRecord"]], Awaitable[None]]
 
 
 @dataclass
@@ -56,7 +78,7 @@ class TrainingStatus:
     consensus_distance: float | None = None
     optimizer_state_bytes: int = 0
     done: bool = False
-    started_from: str = "init"  # "init", "checkpoint" or "peer <id> at step N"
+    started_from: str = StartedFrom.INIT  # a StartedFrom, or "peer <id> at step N"
 
     def as_dict(self) -> dict[str, Any]:
         return {"model": self.model, "optimizer": self.optimizer, "steps_target": self.steps_target,
@@ -67,14 +89,14 @@ class TrainingStatus:
                 "started_from": self.started_from}
 
 
-def build_trainer(config: NodeConfig, recipe: TrainingRecipe, peer_id: str) -> Trainer:
+def build_trainer(settings: TrainingSettings, recipe: TrainingRecipe, peer_id: str) -> Trainer:
     """The model (seeded from the recipe, so every fresh peer starts from the same point), this peer's
     data shard and its optimizer. Blocking (builds a model, may read a corpus): call in a thread."""
-    if config.training.threads:
-        torch.set_num_threads(config.training.threads)
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
     try:
         model = build_named_model(recipe.model, seed=recipe.seed)
-        corpus = load_corpus(config.training.data, config.data_dir)
+        corpus = load_corpus(settings.data, settings.data_dir)
     except ValueError as exc:
         raise TrainingSetupError(str(exc)) from None
     model_context = getattr(getattr(model, "config", None), "context", None)
@@ -82,7 +104,7 @@ def build_trainer(config: NodeConfig, recipe: TrainingRecipe, peer_id: str) -> T
         raise TrainingSetupError(f"the swarm trains with context {recipe.context}, longer than the model's {model_context}")
     try:
         trainer_config = TrainerConfig(optimizer=recipe.optimizer, batch_size=recipe.batch_size, context=recipe.context,
-                                       device=config.training.device, precision=config.training.precision,
+                                       device=settings.device, precision=settings.precision,
                                        eval_batch_size=EVAL_BATCH_SIZE, eval_batches=EVAL_BATCHES, eval_every_rounds=None)
         return Trainer(model, trainer_config, peer_id=peer_id, train_tokens=peer_shard(corpus, peer_id), val_tokens=corpus.val)
     except ValueError as exc:
@@ -94,7 +116,7 @@ def checkpoint_matches(checkpoint: Checkpoint | None, config_hash: str) -> bool:
             and "trainer/step" in checkpoint.tensors)
 
 
-async def download_parameters(peer: GossipPeer, trainer: Trainer, sources: Sequence[Any]) -> str | None:
+async def download_parameters(peer: GossipPeer, trainer: Trainer, sources: Sequence[PeerRecord]) -> str | None:
     """Take parameters and step from the first of `sources` (peer records, best first) that answers a
     pull with a valid message (the wire format checks manifest, sizes and finiteness); None if none did."""
     for record in sources:
@@ -118,7 +140,7 @@ def last_round_at(step: int, recipe: TrainingRecipe) -> int:
     return max(0, step // recipe.optimizer.local_steps - 1)
 
 
-def peers_ahead(view: Sequence[Any], me: str, step: int, margin: int) -> list[Any]:
+def peers_ahead(view: Sequence[PeerRecord], me: str, step: int, margin: int) -> list[PeerRecord]:
     """Live peers more than `margin` steps ahead of `step`, the furthest first."""
     return sorted((p for p in view if p.peer_id != me and p.step > step + margin), key=lambda p: -p.step)
 
@@ -126,14 +148,14 @@ def peers_ahead(view: Sequence[Any], me: str, step: int, margin: int) -> list[An
 class SwarmTraining:
     """One node's training run inside the daemon (see the module docstring)."""
 
-    def __init__(self, trainer: Trainer, peer: GossipPeer, discovery, recipe: TrainingRecipe, config: NodeConfig,
-                 topology_for: Callable[[int], Topology], connect: Callable[[Sequence[Any]], Any], lag_window: int,
-                 record: Callable[..., None] | None = None) -> None:
+    def __init__(self, trainer: Trainer, peer: GossipPeer, discovery: Discovery, recipe: TrainingRecipe,
+                 settings: TrainingSettings, topology_for: Callable[[int], Topology], connect: Connect,
+                 lag_window: int, record: RecordSample | None = None) -> None:
         self.trainer = trainer
         self.peer = peer
         self.discovery = discovery
         self.recipe = recipe
-        self.config = config
+        self.settings = settings
         self._topology_for = topology_for
         self._connect = connect
         self._lag_window = lag_window
@@ -204,7 +226,7 @@ class SwarmTraining:
 
     async def wait_for_quorum(self, stop: asyncio.Event) -> None:
         """A fresh swarm starts together: wait until `min_peers` peers are in the view."""
-        wanted = self.config.gossip.min_peers
+        wanted = self.settings.min_peers
         logged = False
         while not stop.is_set() and len(self.discovery.view()) < wanted:
             if not logged:
@@ -214,11 +236,12 @@ class SwarmTraining:
                 async with asyncio.timeout(0.5):
                     await stop.wait()
 
-    async def run(self, stop: asyncio.Event, save: Callable[[], Any], average: Callable[[], Any] | None = None) -> None:
+    async def run(self, stop: asyncio.Event, save: Callable[[], Awaitable[None]],
+                  average: Callable[[], None] | None = None) -> None:
         """Train until the recipe's step budget is spent or `stop` is set; `save` writes a checkpoint;
         `average` starts writing the swarm average every `average_every` steps and at the end (0: never)."""
-        every_eval, every_ckpt = self.config.training.eval_every, self.config.training.checkpoint_every
-        every_average = self.config.training.average_every
+        every_eval, every_ckpt = self.settings.eval_every, self.settings.checkpoint_every
+        every_average = self.settings.average_every
         # where we start (restored or downloaded) must show in our record before the first round, or
         # neighbours would hold their rounds for us as if we were far behind
         self.discovery.update(step=self.trainer.step, round=self.peer.round)

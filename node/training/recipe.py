@@ -4,12 +4,14 @@ node reads back from it, so every peer of a swarm gossips and trains the same wa
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 from gossip.codecs import Codec, get_codec
 from gossip.mixing import MixingRule
-from gossip.optimizers import OptimizerConfig
+from gossip.optimizers import Algorithm, OptimizerConfig
 from gossip.spes import SpesConfig
 from node.config import EMBEDDED_MODEL_NAMES, VECTOR_MODEL, NodeConfig
 from node.training.rounds import RoundClock
@@ -20,6 +22,13 @@ SWARM_CONFIG_VERSION = 2
 
 class RecipeInvalid(ValueError):
     """The swarm's config document cannot be used by this murmur (one line, says why)."""
+
+
+class PayloadKind(enum.StrEnum):
+    """What a swarm gossips: a trained model, or a random vector of `dim` floats (vector mode)."""
+
+    MODEL = "model"
+    VECTOR = "vector"
 
 
 def check_model_allowed(swarm_model: str, own_model: str) -> None:
@@ -47,7 +56,7 @@ class TrainingRecipe:
 
     def to_doc(self) -> dict[str, Any]:
         o = self.optimizer
-        doc = {"kind": "model", "model": self.model, "seed": self.seed, "batch_size": self.batch_size,
+        doc = {"kind": PayloadKind.MODEL.value, "model": self.model, "seed": self.seed, "batch_size": self.batch_size,
                "context": self.context, "steps": self.steps,
                "optimizer": {"algorithm": o.algorithm, "lr": o.lr, "warmup_steps": o.warmup_steps,
                              "local_steps": o.local_steps, "micro_batches": o.micro_batches}}
@@ -79,7 +88,8 @@ def _spes_from_doc(doc: dict[str, Any]) -> SpesConfig:
 def optimizer_config(algorithm: str, lr: float, warmup_steps: int, steps: int, local_steps: int,
                      micro_batches: int) -> OptimizerConfig:
     """The optimizer of a recipe: warm-up, then a cosine to 0.1 lr at `steps` (flat when steps is 0)."""
-    return OptimizerConfig(algorithm=algorithm, lr=lr, warmup_steps=warmup_steps,
+    # OptimizerConfig refuses an unknown algorithm (ValueError)
+    return OptimizerConfig(algorithm=cast(Algorithm, algorithm), lr=lr, warmup_steps=warmup_steps,
                            decay="cosine" if steps else "constant", total_steps=steps or None,
                            local_steps=local_steps, micro_batches=micro_batches)
 
@@ -104,7 +114,7 @@ def swarm_document(config: NodeConfig, epoch: float) -> dict[str, Any]:
     return {
         "version": SWARM_CONFIG_VERSION,
         "epoch": epoch,
-        "payload": recipe.to_doc() if recipe is not None else {"kind": "vector", "dim": config.dim},
+        "payload": recipe.to_doc() if recipe is not None else {"kind": PayloadKind.VECTOR.value, "dim": config.dim},
         "gossip": {
             "topology": {"name": topo.name, "weights": topo.weights, "degree": topo.degree, "seed": topo.seed,
                          "rows": topo.rows, "edges": [list(e) for e in topo.edges], "directed": topo.directed},
@@ -129,7 +139,7 @@ class SwarmSettings:
     training: TrainingRecipe | None
 
     @classmethod
-    def from_doc(cls, doc: dict[str, Any]) -> SwarmSettings:
+    def from_doc(cls, doc: Mapping[str, Any]) -> SwarmSettings:
         if doc.get("version") != SWARM_CONFIG_VERSION:
             raise RecipeInvalid(f"the swarm's config has version {doc.get('version')!r}; "
                                 f"this murmur reads {SWARM_CONFIG_VERSION}")
@@ -137,8 +147,9 @@ class SwarmSettings:
             g = doc["gossip"]
             t = g["topology"]
             payload = doc["payload"]
-            if payload["kind"] not in ("vector", "model"):
+            if payload["kind"] not in tuple(PayloadKind):
                 raise ValueError(f"unknown payload kind {payload['kind']!r}")
+            kind = PayloadKind(payload["kind"])
             return cls(
                 topology=TopologySpec(t["name"], weights=t["weights"], degree=t["degree"], seed=t["seed"],
                                       rows=t["rows"], edges=tuple(tuple(e) for e in t["edges"]), directed=t["directed"]),
@@ -146,8 +157,8 @@ class SwarmSettings:
                 clock=RoundClock(float(doc["epoch"]), float(g["round_interval_s"])),
                 max_staleness=int(g["max_staleness_rounds"]),
                 mixing=MixingRule(**g["mixing"]),
-                dim=int(payload["dim"]) if payload["kind"] == "vector" else 0,
-                training=TrainingRecipe.from_doc(payload) if payload["kind"] == "model" else None,
+                dim=int(payload["dim"]) if kind is PayloadKind.VECTOR else 0,
+                training=TrainingRecipe.from_doc(payload) if kind is PayloadKind.MODEL else None,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise RecipeInvalid(f"the swarm's config is invalid: {exc}") from None

@@ -229,7 +229,7 @@ def _uniform_average(members: Mapping[str, Tensors]) -> dict[str, np.ndarray]:
     return average_tensors(list(members.values()))
 
 
-def _log_failure(task: asyncio.Task) -> None:
+def _log_failure(task: asyncio.Task[None]) -> None:
     # A background evaluation has no caller to raise to; its failure would otherwise go unseen.
     if not task.cancelled() and task.exception() is not None:
         exc = task.exception()

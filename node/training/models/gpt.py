@@ -101,7 +101,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(batch, time, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v))
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(batch, time, width))
+        out: torch.Tensor = self.proj(y.transpose(1, 2).reshape(batch, time, width))
+        return out
 
 
 class FeedForward(nn.Module):
@@ -113,7 +114,8 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden, width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.gelu(self.w1(x)))
+        out: torch.Tensor = self.w2(F.gelu(self.w1(x)))
+        return out
 
 
 @dataclass(frozen=True, eq=False)

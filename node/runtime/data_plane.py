@@ -1,0 +1,86 @@
+"""The data plane `--transport` selects for gossip streams: p2pd's own streams, or a py-libp2p child
+process under the node's identity (docs/architecture.md, "Data-plane backends"); and the addresses
+the node's record gives for it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from gossip.transport import Transport
+from node.config import NodeConfig
+from node.runtime.errors import StartupError
+
+if TYPE_CHECKING:
+    from hivemind.p2p import P2P
+
+    from node.net.discovery import PeerRecord
+    from node.net.identity import Identity
+    from node.net.transport.libp2p import LibP2PTransport
+
+logger = logging.getLogger("murmur.node")
+
+
+class DataPlane(Transport, Protocol):
+    """A gossip Transport the node can also dial peers with and ask where it listens."""
+
+    async def connect(self, peer_id: str, maddrs: Sequence[str]) -> None: ...
+
+    async def maddrs(self) -> tuple[str, ...]: ...
+
+
+async def start_data_plane(config: NodeConfig, identity: Identity, p2p: P2P, on_death: Callable[[], None],
+                           stack: contextlib.AsyncExitStack) -> DataPlane:
+    """The gossip transport `--transport` selects. `on_death` runs if the py-libp2p child dies; the
+    node then stops, and the exit reports why once its parts have stopped."""
+    if config.network.transport == "p2pd":
+        from node.net.transport.p2pd import P2PDTransport
+
+        return P2PDTransport(p2p)
+    from node.net.transport.libp2p import ChildFailed, LibP2PSettings, LibP2PTransport, data_listen_maddrs
+
+    if config.network.announce and not config.network.data_announce:
+        logger.warning("--announce covers the DHT only: peers will dial the py-libp2p data plane at its listen "
+                       "addresses; give --data-announce (and --data-listen) for NAT or port forwarding")
+    listen = config.network.data_listen or data_listen_maddrs(config.network.listen)
+    try:
+        transport = await LibP2PTransport.start(LibP2PSettings(identity.path, identity.peer_id, listen=listen),
+                                                on_death=on_death)
+    except ChildFailed as exc:
+        raise StartupError(str(exc)) from None
+    stack.push_async_callback(_stopped_by_dead_child, transport)  # runs once the node's parts have stopped
+    return transport
+
+
+async def _stopped_by_dead_child(transport: LibP2PTransport) -> None:
+    if transport.died:
+        raise StartupError(f"{transport.died}; the node stopped (its final checkpoint is written)")
+
+
+async def advertised_data_maddrs(config: NodeConfig, transport: DataPlane, peer_id: str) -> tuple[str, ...]:
+    """Where this node's record tells peers to open gossip streams: `--data-announce` when given,
+    else the data plane's own (for p2pd, the daemon's visible ones, `--announce` included)."""
+    if config.network.data_announce:
+        return tuple(f"{addr}/p2p/{peer_id}" for addr in config.network.data_announce)
+    return await transport.maddrs()
+
+
+async def connect_new(transport: DataPlane, view: Sequence[PeerRecord], me: str, connected: set[str]) -> None:
+    """Give the data plane the addresses of peers it has not dialled yet (from their DHT records)."""
+    new = [p for p in view if p.peer_id != me and p.peer_id not in connected]
+    if not new:
+        return
+
+    async def dial(record: PeerRecord) -> None:
+        try:
+            await transport.connect(record.peer_id, record.maddrs)
+            connected.add(record.peer_id)
+        except (ConnectionError, TimeoutError, ValueError) as exc:
+            logger.info("could not dial %s yet: %s", record.peer_id, exc)
+
+    async with asyncio.TaskGroup() as group:
+        for record in new:
+            group.create_task(dial(record))

@@ -1,0 +1,194 @@
+"""What a running node shows: `NodeRuntime` holds the node's parts and counters and answers the
+monitor (node.monitor.source.MonitorSource) and `murmur status` from them."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gossip.exchange import GossipPeer
+from node.config import NodeConfig
+from node.monitor import Counters, EventLog, HistoryRecorder, MixingStepEstimate, round_graph
+from node.training.recipe import SwarmSettings
+from node.training.rounds import PeerTiming, participants
+from topology import MembershipView, Topology, build_topology
+
+if TYPE_CHECKING:
+    from node.net.discovery import Discovery, PeerRecord
+    from node.runtime.data_plane import DataPlane
+    from node.training.loop import SwarmTraining
+    from node.training.swarm_eval import SwarmEvaluator
+
+logger = logging.getLogger("murmur.node")
+
+
+class NodeRuntime:
+    """A running node's parts and counters; `status()` is what the local API serves."""
+
+    def __init__(self, config: NodeConfig, founding: bool) -> None:
+        self.config = config
+        self.founding = founding
+        self.started = time.time()
+        self.peer: GossipPeer | None = None
+        self.discovery: Discovery | None = None
+        self.transport: DataPlane | None = None
+        self.maddrs: tuple[str, ...] = ()
+        self.config_hash = ""
+        self.swarm_doc: Mapping[str, Any] = {}
+        self.monitor_url = ""
+        self.node_errors: dict[str, int] = {}
+        self.gossip_from = 0
+        self.training: SwarmTraining | None = None  # while a model is trained
+        self.swarm_eval: SwarmEvaluator | None = None  # while a model is trained
+        self.history = HistoryRecorder()  # the monitor's charts; the trainer feeds it through record()
+        self.events = EventLog()  # the monitor's recent events and errors
+        self._mixing_step = MixingStepEstimate()
+        self._topologies: dict[tuple[str, int], Topology] = {}
+
+    def count(self, kind: str) -> None:
+        self.node_errors[kind] = self.node_errors.get(kind, 0) + 1
+
+    def record(self, *, step: int, loss: float | None = None, val_loss: float | None = None,
+               consensus_distance: float | None = None, tokens: int = 0) -> None:
+        """The trainer's report after each step, for the monitor's charts (see node.monitor.history).
+        A non-finite value is refused, counted as `monitor_bad_record` and logged; training goes on."""
+        try:
+            self.history.record(step=step, loss=loss, val_loss=val_loss,
+                                consensus_distance=consensus_distance, tokens=tokens)
+        except ValueError as exc:
+            self.count("monitor_bad_record")
+            logger.warning("monitor: step %d not recorded: %s", step, exc)
+
+    @property
+    def record_ttl_s(self) -> float:
+        from node.net.discovery import DiscoverySettings  # already imported by the running daemon
+
+        return DiscoverySettings(self.config.swarm, heartbeat_s=self.config.heartbeat_s).ttl_s
+
+    def _view(self) -> tuple[PeerRecord, ...]:
+        return self.discovery.view() if self.discovery else ()
+
+    def _me(self) -> str:
+        return self.transport.peer_id if self.transport else ""
+
+    def _training_figures(self) -> dict[str, float | None]:
+        """loss, val_loss, tokens_per_s and consensus_distance: what the trainer recorded, else what
+        its status says, else (vector mode) only the mixing step as the consensus estimate."""
+        latest, training = self.history.latest, self.training
+        if latest.recorded:
+            samples = self.history.samples(limit=1)
+            return {"loss": latest.loss, "val_loss": latest.val_loss, "consensus_distance": latest.consensus_distance,
+                    "tokens_per_s": latest.tokens_per_s if latest.tokens_per_s is not None
+                    else (samples[0].tokens_per_s if samples else None)}
+        if training is not None:
+            s = training.status
+            return {"loss": s.loss, "val_loss": s.val_loss, "consensus_distance": s.consensus_distance,
+                    "tokens_per_s": s.tokens_per_s if s.step else None}
+        peer = self.peer
+        vector = peer.tensors.get("params") if peer else None
+        distance = self._mixing_step.update(peer.stats.rounds, vector) if peer and vector is not None else None
+        return {"loss": None, "val_loss": None, "tokens_per_s": None, "consensus_distance": distance}
+
+    def _traffic(self) -> tuple[int, int]:
+        """Bytes sent and received: the main gossip peer's, plus SPES's own protocols when SPES trains."""
+        peer = self.peer
+        sent, received = (peer.stats.bytes_sent, peer.stats.bytes_received) if peer else (0, 0)
+        spes = self.training.spes_status() if self.training is not None else None
+        if spes and spes.get("started"):
+            sent, received = sent + spes["bytes_sent"], received + spes["bytes_received"]
+        return sent, received
+
+    def counters(self) -> Counters:
+        peer, view, me = self.peer, self._view(), self._me()
+        figures = self._training_figures()
+        sent, received = self._traffic()
+        return Counters(
+            step=peer.step if peer else 0, round=peer.round if peer else 0,
+            bytes_sent=sent, bytes_received=received,
+            peers_alive=len(view),
+            peer_loss={p.peer_id: p.loss for p in view if p.peer_id != me and p.loss is not None},
+            loss=figures["loss"], val_loss=figures["val_loss"], tokens_per_s=figures["tokens_per_s"],
+            consensus_distance=figures["consensus_distance"],
+        )
+
+    def peers(self) -> list[dict[str, Any]]:
+        """The membership view for the monitor: each peer's last record (its loss validated finite by
+        node.net.discovery)."""
+        me, now = self._me(), time.time()
+        return [{"peer_id": p.peer_id, "self": p.peer_id == me, "address": _address(p.maddrs), "maddrs": list(p.maddrs),
+                 "step": p.step, "round": p.round, "loss": p.loss, "experts": list(p.experts),
+                 "capacity": p.capacity, "version": p.version, "last_seen": p.heartbeat, "age_s": now - p.heartbeat,
+                 "gossip_from": p.gossip_from} for p in self._view()]
+
+    def topology(self) -> dict[str, Any]:
+        """The current round's graph as this node computes it from its view (see node.monitor.topology_view)."""
+        view, me = self._view(), self._me()
+        round_index = self.peer.round if self.peer else 0
+        if self.training is not None:  # a trained swarm's rounds mix over everyone in view (SwarmTraining.plan_for)
+            members = MembershipView.of(p.peer_id for p in view)
+        else:
+            timings = [PeerTiming(p.peer_id, p.gossip_from) for p in view if p.peer_id != me]
+            members = participants([*timings, PeerTiming(me, self.gossip_from)], round_index)
+        topo = None
+        if members.n and self.swarm_doc:
+            key = (self.config_hash, members.n)
+            if key not in self._topologies:
+                spec = SwarmSettings.from_doc(self.swarm_doc).topology
+                self._topologies[key] = build_topology(spec, members.n)
+            topo = self._topologies[key]
+        return round_graph((p.peer_id for p in view), members, topo, me, round_index)
+
+    async def evaluate_swarm_average(self, save: bool = False) -> dict[str, Any]:
+        """`POST /api/eval/average`: the swarm-average model's validation loss (node.training.swarm_eval), with
+        this node's latest own validation loss next to it; with `save`, the model is also written to
+        node.runtime.saving.SWARM_AVERAGE_FILE. Raises EvalUnavailable or EvalBusy."""
+        from node.training.swarm_eval import EvalUnavailable, finite_or_none
+
+        if self.swarm_eval is None or self.training is None:
+            raise EvalUnavailable("this node trains no model (vector mode): there is no validation loss to evaluate")
+        result = await self.swarm_eval.evaluate(save=save)
+        s = self.training.status
+        return {**result.as_dict(), "local": {"val_loss": finite_or_none(s.val_loss), "val_step": s.val_step,
+                                              "loss": finite_or_none(s.loss), "step": s.step}}
+
+    def status(self) -> dict[str, Any]:
+        peer, discovery, view = self.peer, self.discovery, self._view()
+        errors: dict[str, int] = dict(self.node_errors)
+        for source in (peer.stats.errors if peer else {}, discovery.errors if discovery else {}):
+            for kind, n in source.items():
+                errors[kind] = errors.get(kind, 0) + n
+        vector = peer.tensors.get("params", np.zeros(0, np.float32)) if peer else np.zeros(0, np.float32)
+        return {
+            "peer_id": self._me(),
+            "swarm": self.config.swarm,
+            "config_hash": self.config_hash,
+            "maddrs": list(self.maddrs),
+            "monitor_url": self.monitor_url,
+            "peers": [{"peer_id": p.peer_id, "maddrs": list(p.maddrs), "step": p.step, "round": p.round,
+                       "last_seen": p.heartbeat, "gossip_from": p.gossip_from} for p in view],
+            "step": peer.step if peer else 0,
+            "round": peer.round if peer else 0,
+            "gossip_from": self.gossip_from,
+            "rounds_run": peer.stats.rounds if peer else 0,
+            **dict(zip(("bytes_sent", "bytes_received"), self._traffic(), strict=True)),
+            "last_round_s": peer.stats.last_round_s if peer else 0.0,
+            "skipped": dict(peer.stats.skipped) if peer else {},
+            "errors": errors,
+            "payload": {"dim": int(vector.size), "mean": float(vector.mean()) if vector.size else 0.0,
+                        "norm": float(np.linalg.norm(vector))},
+            "training": self.training.status.as_dict() if self.training is not None else None,
+            "spes": self.training.spes_status() if self.training is not None else None,
+            **self._training_figures(),
+            "version": discovery.local_record.version if discovery else "",
+            "experts": list(discovery.local_record.experts) if discovery else [],
+            "uptime_s": time.time() - self.started,
+        }
+
+
+def _address(maddrs: Sequence[str]) -> str | None:
+    """A peer's host address: its first multiaddr without the /p2p/ part."""
+    return maddrs[0].split("/p2p/")[0] if maddrs else None

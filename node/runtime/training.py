@@ -1,0 +1,137 @@
+"""Training wiring: the runtime's side of a swarm that trains a model. It builds the trainer and its
+gossip peer from the swarm's recipe and this node's settings, restores this node's checkpoint, picks
+SPES or plain gossip training, and runs it until the node stops."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+from gossip.exchange import ExchangeSettings, GossipPeer
+from node.config import NodeConfig
+from node.runtime.data_plane import connect_new
+from node.runtime.errors import StartupError
+from node.runtime.saving import save_swarm_average, write_checkpoint
+from node.runtime.shutdown import close_in_thread
+from node.runtime.status import NodeRuntime
+from node.training.checkpoint import Checkpoint
+from node.training.recipe import SwarmSettings, TrainingRecipe
+from node.training.settings import TrainingSettings
+from node.training.trainer import Precision
+from topology import Topology, build_topology
+
+if TYPE_CHECKING:
+    from node.net.discovery import PeerRecord
+    from node.training.loop import SwarmTraining
+    from node.training.swarm_eval import Average, PeerRecordLike
+
+logger = logging.getLogger("murmur.node")
+
+
+def training_settings(config: NodeConfig) -> TrainingSettings:
+    """What training takes of the node's config (the swarm's recipe gives the rest)."""
+    t = config.training
+    # the config's precision is one of PRECISION_NAMES, the trainer's Precision; TrainerConfig checks it again
+    return TrainingSettings(data_dir=config.data_dir, data=t.data, device=t.device, precision=cast(Precision, t.precision),
+                            threads=t.threads, eval_every=t.eval_every, checkpoint_every=t.checkpoint_every,
+                            average_every=t.average_every, min_peers=config.gossip.min_peers)
+
+
+async def start_training(runtime: NodeRuntime, recipe: TrainingRecipe, settings: SwarmSettings,
+                         exchange: ExchangeSettings, checkpoint: Checkpoint | None,
+                         stack: contextlib.AsyncExitStack) -> SwarmTraining:
+    """Build the trainer and its gossip peer; restore this node's checkpoint when it is of this swarm."""
+    from node.training.loop import (
+        StartedFrom,
+        SwarmTraining,
+        TrainingSetupError,
+        build_trainer,
+        checkpoint_matches,
+        last_round_at,
+    )
+
+    config, transport, discovery = runtime.config, runtime.transport, runtime.discovery
+    assert transport is not None and discovery is not None, "the data plane and discovery are started"
+    me, local = transport.peer_id, training_settings(config)
+    try:
+        trainer = await asyncio.to_thread(build_trainer, local, recipe, me)
+    except TrainingSetupError as exc:
+        raise StartupError(f"cannot train the swarm's model here: {exc}") from None
+    stack.push_async_callback(close_in_thread, trainer, "trainer")
+    resumed = checkpoint is not None and checkpoint_matches(checkpoint, runtime.config_hash)
+    if checkpoint is not None and resumed:
+        await trainer.restore(checkpoint.tensors)
+        logger.info("resuming from checkpoint at step %d", trainer.step)
+    elif checkpoint is not None:
+        logger.warning("the checkpoint belongs to another swarm config; starting fresh (it stays as checkpoint.npz.prev)")
+    peer = runtime.peer = GossipPeer(transport, exchange, await trainer.tensors(), step=trainer.step)
+    peer.round = last_round_at(trainer.step, recipe)
+    topologies: dict[int, Topology] = {}
+    connected: set[str] = set()
+
+    def topology_for(n: int) -> Topology:
+        if n not in topologies:
+            topologies[n] = build_topology(settings.topology, n)
+        return topologies[n]
+
+    async def connect(view: Sequence[PeerRecord]) -> None:
+        await connect_new(transport, view, me, connected)
+
+    local_steps = recipe.optimizer.local_steps
+    # DHT records lag by up to a heartbeat: the window leaves room for that beyond the staleness bound
+    lag_window = max(10, 2 * (settings.max_staleness + 1) * local_steps)
+    training: SwarmTraining
+    average: Average | None = None  # how the swarm evaluation combines the members; None: uniformly
+    if recipe.spes is not None:
+        from node.spes.training import SpesSwarmTraining, saved_records
+
+        try:
+            training = SpesSwarmTraining(
+                trainer, peer, discovery, recipe, local, topology_for, connect, lag_window,
+                record=runtime.record, transport=transport, exchange=exchange, heartbeat_s=config.heartbeat_s,
+                ttl_s=runtime.record_ttl_s, swarm=config.swarm, capacity=config.training.experts,
+                saved=saved_records(checkpoint.meta) if checkpoint is not None and resumed else None)
+        except ValueError as exc:  # a model without MoE layers
+            raise StartupError(f"cannot train the swarm's model with SPES here: {exc}") from None
+        average = training.swarm_average
+    else:
+        training = SwarmTraining(trainer, peer, discovery, recipe, local, topology_for, connect, lag_window,
+                                 record=runtime.record)
+    training.status.started_from = StartedFrom.CHECKPOINT if resumed else StartedFrom.INIT
+    runtime.training = training
+    from node.training.swarm_eval import SwarmEvaluator
+
+    async def dial(record: PeerRecordLike) -> None:
+        await transport.connect(record.peer_id, record.maddrs)
+
+    swarm_eval = runtime.swarm_eval = SwarmEvaluator(
+        trainer, peer, discovery.view, connect=dial, count=runtime.count,
+        average=average, save=functools.partial(save_swarm_average, runtime))
+    stack.push_async_callback(swarm_eval.close)
+    return training
+
+
+async def train_until(stop: asyncio.Event, runtime: NodeRuntime, training: SwarmTraining, settings: SwarmSettings,
+                      ckpt_path: Path) -> None:
+    """Catch up with the swarm if it is ahead (a joiner, or a node that was down), wait for the quorum of
+    a fresh swarm, train, and keep serving parameters once the step budget is spent."""
+    swarm_eval = runtime.swarm_eval
+    assert swarm_eval is not None, "start_training made the evaluator"
+    await training.catch_up(stop, margin=settings.max_staleness * training.recipe.optimizer.local_steps,
+                            look=not (runtime.founding and training.trainer.step == 0))
+    if training.trainer.step == 0:
+        await training.wait_for_quorum(stop)
+    try:
+        # --average-every: the evaluator writes the swarm average in the background, training goes on
+        await training.run(stop, lambda: write_checkpoint(runtime, ckpt_path), average=swarm_eval.save_in_background)
+    except Exception as exc:
+        runtime.count("training_failed")
+        logger.error("training stopped at step %d: %s: %s; the node keeps serving its last parameters",
+                     training.trainer.step, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        training.peer.park()
+    await stop.wait()
