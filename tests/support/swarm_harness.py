@@ -40,7 +40,7 @@ T = TypeVar("T")
 
 
 def initial_vector(seed: int, dim: int) -> np.ndarray:
-    """The vector a fresh node with `--seed seed --dim dim` starts from (see node.runtime.daemon._initial_state)."""
+    """The vector a fresh node with `--seed seed --dim dim` starts from (see node.runtime.vector.initial_state)."""
     return np.random.default_rng(seed).standard_normal(dim).astype(np.float32)
 
 
