@@ -30,6 +30,7 @@ from node.config import (
     ResolvedConfig,
     Setting,
     check_environment,
+    default_in_words,
     merge_layers,
     read_config_file,
     read_environment,
@@ -269,7 +270,7 @@ def _add_setting_flag(
     """A flag whose default is SUPPRESS, so the namespace holds only the flags the user gave."""
     choices = f"; one of: {', '.join(setting.kind.choices)}" if isinstance(setting.kind, Choice) else ""
     note = "required: at least one, from this flag, the env var or the config file; " if required_note else ""
-    help_text = (f"{help or setting.help}{choices} ({note}default: {setting.default_in_words()}; "
+    help_text = (f"{help or setting.help}{choices} ({note}default: {default_in_words(setting)}; "
                  f"env {setting.env}; config key {setting.key})").replace("%", "%%")
     common = {"dest": setting.dest, "default": argparse.SUPPRESS, "help": help_text}
     if isinstance(setting.kind, Boolean):
