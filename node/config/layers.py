@@ -18,7 +18,7 @@ from node.config.table import SETTINGS_BY_KEY, TABLES, Model, Setting, Transport
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-ENV_CONFIG_FILE = "MURMUR_CONFIG"
+ENV_CONFIG_FILE = "MURMUR_CONFIG"  # names the config file when --config is not given
 _Config = TypeVar("_Config", bound="DataclassInstance")
 
 
