@@ -217,14 +217,14 @@ def test_docs_table_is_current():
 
 @pytest.fixture
 def fake_daemon(monkeypatch):
-    """node.runtime.daemon and node.cli.status as recording stand-ins, so dispatch is tested without a network."""
+    """node.runtime.serve and node.cli.status as recording stand-ins, so dispatch is tested without a network."""
     calls = []
-    daemon = types.ModuleType("node.runtime.daemon")
+    daemon = types.ModuleType("node.runtime.serve")
     daemon.run_node = lambda config, founding: calls.append(("run_node", config, founding)) or 0
     daemon.run_bootstrap = lambda config: calls.append(("run_bootstrap", config)) or 0
     status = types.ModuleType("node.cli.status")
     status.run_status = lambda url, as_json: calls.append(("run_status", url, as_json)) or 3
-    monkeypatch.setitem(sys.modules, "node.runtime.daemon", daemon)
+    monkeypatch.setitem(sys.modules, "node.runtime.serve", daemon)
     monkeypatch.setitem(sys.modules, "node.cli.status", status)
     return calls
 

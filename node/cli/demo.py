@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 
@@ -24,6 +24,9 @@ from node.cli.status import fetch_status
 from node.config import DEFAULTS
 from node.net.proc import popen
 from node.training.checkpoint import load_checkpoint
+
+if TYPE_CHECKING:
+    import torch
 
 READY_TIMEOUT_S = 180.0  # a loaded 2-core machine imports torch and hivemind in N processes at once
 STOP_TIMEOUT_S = 15.0
@@ -53,7 +56,7 @@ class DemoOptions:
 class DemoNode:
     name: str
     data_dir: Path
-    process: subprocess.Popen
+    process: subprocess.Popen[bytes]
     log: Path
     peer_id: str = ""
     monitor_url: str = ""
@@ -244,23 +247,20 @@ def summarize(options: DemoOptions, nodes: Sequence[DemoNode], workdir: Path) ->
             "steps": options.steps, "spes": options.spes}
 
 
-def _spes_average(model, nodes: Sequence[DemoNode], finals: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+def _spes_average(
+    model: torch.nn.Module, nodes: Sequence[DemoNode], finals: list[dict[str, np.ndarray]]
+) -> dict[str, np.ndarray]:
     """The SPES swarm average: shared weights over every node, each expert over the nodes that own it
     (by their last status; frozen copies are only caches)."""
+    from gossip.spes import Ownership
     from node.spes.node import ModelPartition, spes_average
 
     partition = ModelPartition.of(model)
     members = {n.peer_id: params for n, params in zip(nodes, finals, strict=True)}
     owned = {n.peer_id: set((n.status.get("spes") or {}).get("owned_experts", [])) for n in nodes}
     owners = {key: tuple(p for p in sorted(members) if key[1] in owned[p]) for key in partition.experts}
-    return spes_average(members, _Owners(owners), partition)
-
-
-@dataclass(frozen=True)
-class _Owners:
-    """The part of gossip.spes.Ownership that spes_average reads."""
-
-    owners: dict[tuple[int, int], tuple[str, ...]]
+    ownership = Ownership(tuple(sorted(members)), partition.experts_per_layer, partition.layers, owners)
+    return spes_average(members, ownership, partition)
 
 
 def summary_text(summary: dict[str, Any]) -> str:

@@ -25,13 +25,14 @@ def request_swarm_eval(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, save: boo
     request = urllib.request.Request(f"{url.rstrip('/')}/api/eval/average{query}", data=b"", method="POST")
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return json.load(response)
+            answer: dict[str, Any] = json.load(response)
     except urllib.error.HTTPError as exc:
         try:
             message = json.load(exc)["error"]
         except (ValueError, KeyError, TypeError):
             message = f"HTTP {exc.code} {exc.reason}"
         raise EvalRefused(message) from None
+    return answer
 
 
 def _loss(value: float | None) -> str:

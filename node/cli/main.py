@@ -14,22 +14,29 @@ import sys
 import urllib.parse
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
+from gossip.mixing import MIXING_KINDS
 from node.config import (
     DAEMONS,
+    EMBEDDED_MODEL_NAMES,
     ENV_CONFIG_FILE,
     NODE,
+    NODE_CODECS,
+    OPTIMIZERS,
     SETTINGS_BY_KEY,
     Boolean,
     Choice,
+    Command,
     ConfigError,
     EdgeList,
+    Model,
     Multiaddrs,
     NodeConfig,
     ResolvedConfig,
     Setting,
     check_environment,
+    default_in_words,
     merge_layers,
     read_config_file,
     read_environment,
@@ -57,8 +64,12 @@ class _ConfigErrorParser(OneLineErrorParser):
         raise ConfigError(message)
 
 
-def _number(kind: type, lo: float | None = None, hi: float | None = None, hi_open: bool = False) -> Callable[[str], object]:
-    def parse(text: str) -> object:
+def _number(
+    kind: type[int] | type[float], lo: float | None = None, hi: float | None = None, hi_open: bool = False
+) -> Callable[[str], float]:
+    """An argparse type: `kind` parsed from text, at least `lo` and at most (or below) `hi`."""
+
+    def parse(text: str) -> float:
         try:
             value = kind(text)
         except ValueError:
@@ -106,7 +117,7 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = OneLineErrorParse
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    topo = commands.add_parser("topology", help="describe a topology: degree, rho, spectral gap",
+    topo = commands.add_parser(Command.TOPOLOGY, help="describe a topology: degree, rho, spectral gap",
                                description="Describe a gossip topology over N peers: degree, rho = "
                                "||W - 11^T/n||_2 (per-round rate for time-varying schedules) and spectral gap.")
     topo.add_argument("name", choices=TOPOLOGY_NAMES, help="topology family")
@@ -115,7 +126,7 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = OneLineErrorParse
     _add_topology_options(topo)
     topo.set_defaults(run=_run_topology)
 
-    sim = commands.add_parser("sim", help="simulate gossip over a topology in one process",
+    sim = commands.add_parser(Command.SIM, help="simulate gossip over a topology in one process",
                               description="Simulate N peers gossiping random vectors over a topology, with "
                               "message loss, churn and a link model; print consensus error and bytes per round.")
     sim.add_argument("--peers", type=positive_int, required=True, help="number of peers N")
@@ -125,8 +136,8 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = OneLineErrorParse
     sim.add_argument("--churn", type=probability, default=0.0,
                      help="per-round probability that a peer leaves; as many new peers join (default 0)")
     sim.add_argument("--dim", type=positive_int, default=1000, help="parameters per peer (default 1000)")
-    sim.add_argument("--codec", choices=("fp32", "fp16", "bf16", "int8"), default="fp32", help="wire codec (default fp32)")
-    sim.add_argument("--mixing", choices=("weighted", "clipped", "median", "trimmed_mean"), default="weighted",
+    sim.add_argument("--codec", choices=NODE_CODECS, default="fp32", help="wire codec (default fp32)")
+    sim.add_argument("--mixing", choices=MIXING_KINDS, default="weighted",
                      help="mixing rule (default weighted)")
     sim.add_argument("--tau", type=_number(float, lo=1e-12), help="clipping radius for --mixing clipped")
     sim.add_argument("--trim", type=_number(float, lo=0.0, hi=0.5, hi_open=True), default=0.2,
@@ -142,9 +153,9 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = OneLineErrorParse
     return parser
 
 
-def _add_demo_command(commands: argparse._SubParsersAction) -> None:
+def _add_demo_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     demo = commands.add_parser(
-        "demo", help="train the embedded model with a local swarm of node processes",
+        Command.DEMO, help="train the embedded model with a local swarm of node processes",
         description="Start N node processes on loopback in one swarm training the embedded model (MoE by "
         "default), print the first node's monitor URL and the progress, stop them when every node has "
         "taken --steps steps, and print the validation loss of each node and of the averaged model next "
@@ -154,8 +165,8 @@ def _add_demo_command(commands: argparse._SubParsersAction) -> None:
     demo.add_argument("--steps", type=_number(int, lo=1), default=100, help="training steps per node (default 100)")
     demo.add_argument("--topology", choices=TOPOLOGY_NAMES, default="one-peer-exp",
                       help="gossip topology (default one-peer-exp)")
-    demo.add_argument("--optimizer", choices=("dsgd", "dadam"), default="dadam", help="optimizer (default dadam)")
-    demo.add_argument("--model", choices=("moe", "dense"), default="moe", help="embedded model (default moe)")
+    demo.add_argument("--optimizer", choices=OPTIMIZERS, default="dadam", help="optimizer (default dadam)")
+    demo.add_argument("--model", choices=EMBEDDED_MODEL_NAMES, default=Model.MOE, help="embedded model (default moe)")
     demo.add_argument("--lr", type=_number(float, lo=1e-12), help="peak learning rate (default: the node's, 3e-3)")
     demo.add_argument("--batch-size", type=_number(int, lo=1), default=16,
                       help="sequences per step on each node (default 16)")
@@ -168,7 +179,7 @@ def _add_demo_command(commands: argparse._SubParsersAction) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    if args.spes and args.model != "moe":
+    if args.spes and args.model != Model.MOE:
         raise UsageError(f"--spes: SPES syncs the experts of the MoE model; --model {args.model} has none")
     from node.cli.demo import DemoOptions, run_demo
 
@@ -187,35 +198,35 @@ _PRECEDENCE = (
 _SECTIONS = {"network": "network", "monitor": "monitor page", "gossip": "gossip", "training": "training"}
 
 
-def _add_node_commands(commands: argparse._SubParsersAction) -> None:
+def _add_node_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     node = commands.add_parser(
-        "node", help="found a new swarm and run a node in it", epilog=_PRECEDENCE,
+        Command.NODE, help="found a new swarm and run a node in it", epilog=_PRECEDENCE,
         description="Found a new swarm and run a node in it: join the DHT (through --peers if given, e.g. a "
         "bootstrap node), publish the swarm's config, gossip parameters with topology neighbours and serve "
         "the monitor page. SIGINT/SIGTERM stop it cleanly; restarting with the same identity and data dir resumes.",
     )
     join = commands.add_parser(
-        "join", help="join an existing swarm through one of its peers", epilog=_PRECEDENCE,
+        Command.JOIN, help="join an existing swarm through one of its peers", epilog=_PRECEDENCE,
         description="Join an existing swarm: read its config from the DHT through --peers (at least one, from "
         "the flag, MURMUR_PEERS or the config file), fetch the latest parameters from a live peer, then train "
         "and gossip with the swarm.",
     )
     bootstrap = commands.add_parser(
-        "bootstrap", help="run a DHT-only entry point for public swarms", epilog=_PRECEDENCE,
+        Command.BOOTSTRAP, help="run a DHT-only entry point for public swarms", epilog=_PRECEDENCE,
         description="Run a DHT-only entry point for public swarms: no training and no gossip. Other nodes pass "
         "its full multiaddr (printed at start) to --peers.",
     )
-    for command, parser in (("node", node), ("join", join), ("bootstrap", bootstrap)):
+    for command, parser in ((Command.NODE, node), (Command.JOIN, join), (Command.BOOTSTRAP, bootstrap)):
         _add_config_flag(parser)
         sections = {title: parser.add_argument_group(title) for title in ("general", *_SECTIONS.values())}
         for setting in settings_for(command):
             section = _SECTIONS.get(setting.key.partition(".")[0], "general")
-            required = command == "join" and setting.key == "network.initial_peers"
+            required = command == Command.JOIN and setting.key == "network.initial_peers"
             _add_setting_flag(sections[section], setting, required_note=required)
         parser.set_defaults(run=_run_node if command in NODE else _run_bootstrap)
 
     status = commands.add_parser(
-        "status", help="report a running node", epilog=_PRECEDENCE,
+        Command.STATUS, help="report a running node", epilog=_PRECEDENCE,
         description="Report a running node from its monitor's JSON API: peer id, swarm, multiaddrs, peers, "
         "step, round, bytes sent and received, errors. Without --url it asks the monitor at "
         "http://MONITOR-HOST:MONITOR-PORT.",
@@ -227,7 +238,7 @@ def _add_node_commands(commands: argparse._SubParsersAction) -> None:
     status.set_defaults(run=_run_status)
 
     evaluate = commands.add_parser(
-        "eval", help="validation loss of the swarm-average model, asked of a running node", epilog=_PRECEDENCE,
+        Command.EVAL, help="validation loss of the swarm-average model, asked of a running node", epilog=_PRECEDENCE,
         description="Ask a running node to pull every live peer's current parameters, average them uniformly "
         "with its own and evaluate the average on its validation split (POST /api/eval/average); print that "
         "loss next to the node's own latest validation loss, and which peers were in and out. Takes seconds "
@@ -269,9 +280,9 @@ def _add_setting_flag(
     """A flag whose default is SUPPRESS, so the namespace holds only the flags the user gave."""
     choices = f"; one of: {', '.join(setting.kind.choices)}" if isinstance(setting.kind, Choice) else ""
     note = "required: at least one, from this flag, the env var or the config file; " if required_note else ""
-    help_text = (f"{help or setting.help}{choices} ({note}default: {setting.default_in_words()}; "
+    help_text = (f"{help or setting.help}{choices} ({note}default: {default_in_words(setting)}; "
                  f"env {setting.env}; config key {setting.key})").replace("%", "%%")
-    common = {"dest": setting.dest, "default": argparse.SUPPRESS, "help": help_text}
+    common: dict[str, Any] = {"dest": setting.dest, "default": argparse.SUPPRESS, "help": help_text}
     if isinstance(setting.kind, Boolean):
         container.add_argument(setting.flag, action=argparse.BooleanOptionalAction, **common)
     elif isinstance(setting.kind, Multiaddrs):
@@ -332,7 +343,7 @@ def _resolve(args: argparse.Namespace, env: Mapping[str, str]) -> ResolvedConfig
 def node_config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> NodeConfig:
     """The checked config of a parsed `node`, `join` or `bootstrap` command line; raises ConfigError."""
     resolved = _resolve(args, env)
-    if args.command == "join" and not resolved.config.network.initial_peers:
+    if args.command == Command.JOIN and not resolved.config.network.initial_peers:
         raise ConfigError("no peer to join through: give --peers MULTIADDR (or MURMUR_PEERS, or "
                           "network.initial_peers in the config file)")
     check_environment(resolved, swarm=args.command in NODE, monitor=args.command in NODE)
@@ -363,7 +374,7 @@ def status_url(args: argparse.Namespace, env: Mapping[str, str]) -> str:
             raise ConfigError(f"--url: {args.url!r} has a bad port: {exc}") from None
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ConfigError(f"--url: {args.url!r} is not an http(s) URL like http://127.0.0.1:7690")
-        return args.url.rstrip("/")
+        return str(args.url).rstrip("/")
     resolved = _resolve(args, env)
     if resolved.config.monitor.port == 0:
         raise ConfigError(f"{resolved.source('monitor.port')}: port 0 means the node picked a free port; "
@@ -375,14 +386,16 @@ def _run_node(args: argparse.Namespace) -> int:
     config = node_config_from_args(args, os.environ)
     from node.runtime.serve import run_node
 
-    return run_node(config, founding=args.command == "node")
+    exit_status: int = run_node(config, founding=args.command == Command.NODE)
+    return exit_status
 
 
 def _run_bootstrap(args: argparse.Namespace) -> int:
     config = node_config_from_args(args, os.environ)
     from node.runtime.serve import run_bootstrap
 
-    return run_bootstrap(config)
+    exit_status: int = run_bootstrap(config)
+    return exit_status
 
 
 def _run_status(args: argparse.Namespace) -> int:
@@ -411,8 +424,9 @@ def _values_checked() -> Iterator[None]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    run: Callable[[argparse.Namespace], int] = args.run
     try:
-        return args.run(args)
+        return run(args)
     except (UsageError, ConfigError) as exc:
         print(f"murmur {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -12,9 +12,11 @@ from typing import Any
 TIMEOUT_S = 5.0
 
 
-def fetch_status(url: str) -> dict:
+def fetch_status(url: str) -> dict[str, Any]:
+    """The node's `/api/status` answer; raises URLError, OSError or ValueError."""
     with urllib.request.urlopen(f"{url.rstrip('/')}/api/status", timeout=TIMEOUT_S) as response:
-        return json.load(response)
+        status: dict[str, Any] = json.load(response)
+    return status
 
 
 def _figure(value: float | None, digits: int = 4) -> str:

@@ -2,6 +2,6 @@
 
 import sys
 
-from node.config.settings import settings_table
+from node.config.docs import settings_table
 
 sys.stdout.write(settings_table())

@@ -1,0 +1,182 @@
+"""The layers a config is resolved from, defaults < TOML file < `MURMUR_*` environment < flags, and
+their merge into one checked `NodeConfig` that remembers where each value came from."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+from collections.abc import Collection, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
+
+from node.config.kinds import toml_type
+from node.config.settings import DEFAULTS, ConfigError, NodeConfig, setting_value
+from node.config.table import SETTINGS_BY_KEY, TABLES, Model, Setting, Transport
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+ENV_CONFIG_FILE = "MURMUR_CONFIG"  # names the config file when --config is not given
+_Config = TypeVar("_Config", bound="DataclassInstance")
+
+
+class Sourced(NamedTuple):
+    """A setting's value and where it came from, for error messages."""
+
+    value: object
+    source: str
+
+
+Layer = Mapping[str, Sourced]
+
+
+def read_config_file(path: Path, source: str = "--config") -> dict[str, Sourced]:
+    """Read a TOML config file: nested tables whose dotted keys are the settings' keys.
+
+    Unknown keys and values of the wrong type are errors. Relative paths in the file are relative
+    to the file's directory, so a config and the files it names can move together.
+    """
+    try:
+        with open(path, "rb") as file:
+            document = tomllib.load(file)
+    except OSError as exc:
+        raise ConfigError(f"{source} {path}: cannot read the config file: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    layer: dict[str, Sourced] = {}
+    for key, raw in _flatten(path, document):
+        setting = SETTINGS_BY_KEY[key]
+        try:
+            value = setting.kind.from_toml(raw)
+        except ValueError as exc:
+            raise ConfigError(f"{path}:{key}: {exc}") from None
+        if isinstance(value, Path) and not value.is_absolute():
+            value = path.parent / value
+        layer[key] = Sourced(value, f"{path}:{key}")
+    return layer
+
+
+def _flatten(path: Path, table: Mapping[str, object], prefix: str = "") -> Iterator[tuple[str, object]]:
+    for name, raw in table.items():
+        key = prefix + name
+        if key in SETTINGS_BY_KEY:
+            yield key, raw
+        elif key in TABLES:
+            if not isinstance(raw, dict):
+                raise ConfigError(f"{path}:{key}: must be a table ([{key}]), got {toml_type(raw)}")
+            yield from _flatten(path, raw, key + ".")
+        else:
+            known = [*SETTINGS_BY_KEY, *TABLES]
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{path}: unknown key {key!r}{hint}")
+
+
+def read_environment(env: Mapping[str, str], settings: Collection[Setting]) -> dict[str, Sourced]:
+    """The `MURMUR_*` variables of `settings`; an empty variable counts as unset."""
+    layer: dict[str, Sourced] = {}
+    for setting in settings:
+        text = env.get(setting.env, "")
+        if not text.strip():
+            continue
+        try:
+            layer[setting.key] = Sourced(setting.kind.from_text(text), setting.env)
+        except ValueError as exc:
+            raise ConfigError(f"{setting.env}: {exc}") from None
+    return layer
+
+
+def read_flags(given: Mapping[Setting, object]) -> dict[str, Sourced]:
+    """The flags a user actually gave, as argparse left them: a string, a list of strings
+    (repeatable flags) or a bool (--x/--no-x)."""
+    layer: dict[str, Sourced] = {}
+    for setting, raw in given.items():
+        try:
+            if isinstance(raw, bool):
+                setting.kind.check(raw)
+                value: object = raw
+            else:
+                value = setting.kind.from_text(" ".join(raw) if isinstance(raw, list) else str(raw))
+        except ValueError as exc:
+            raise ConfigError(f"{setting.flag}: {exc}") from None
+        layer[setting.key] = Sourced(value, setting.flag)
+    return layer
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """A config and, for each setting not left at its default, where its value came from."""
+
+    config: NodeConfig
+    sources: Mapping[str, str] = field(default_factory=dict)
+
+    def source(self, key: str) -> str:
+        return self.sources.get(key) or default_source(key)
+
+
+def default_source(key: str) -> str:
+    """The source of a setting left at its default, as errors name it."""
+    return f"default {SETTINGS_BY_KEY[key].flag}"
+
+
+def merge_layers(*layers: Layer) -> ResolvedConfig:
+    """Later layers win: call as merge_layers(file, environment, flags). Paths become absolute."""
+    merged: dict[str, Sourced] = {}
+    for layer in layers:
+        merged.update(layer)
+    _check_combinations(merged)
+    values = {key: item.value for key, item in merged.items()}
+    for key, value in values.items():
+        if isinstance(value, Path):
+            values[key] = value.absolute()
+    if "data_dir" not in values:
+        values["data_dir"] = DEFAULTS.data_dir.absolute()
+    try:
+        config = _replaced(DEFAULTS, values)
+    except ValueError as exc:  # TopologySpec / MixingRule checks not covered above
+        raise ConfigError(str(exc)) from None
+    return ResolvedConfig(config, {key: item.source for key, item in merged.items()})
+
+
+def _check_combinations(merged: Mapping[str, Sourced]) -> None:
+    def current(key: str) -> object:
+        return merged[key].value if key in merged else setting_value(DEFAULTS, key)
+
+    def source(key: str) -> str:
+        return merged[key].source if key in merged else default_source(key)
+
+    if current("gossip.mixing.kind") == "clipped" and current("gossip.mixing.tau") is None:
+        raise ConfigError(f"{source('gossip.mixing.kind')}: mixing rule 'clipped' needs a clipping radius: "
+                          "set --tau, MURMUR_TAU or gossip.mixing.tau")
+    for key in ("network.data_listen", "network.data_announce"):
+        if current(key) and current("network.transport") != Transport.LIBP2P:
+            raise ConfigError(f"{source(key)}: only the libp2p data plane listens apart from p2pd; "
+                              "add --transport libp2p or drop it")
+    if current("training.spes") and current("training.model") in (Model.VECTOR, Model.DENSE):
+        raise ConfigError(f"{source('training.spes')}: SPES syncs the experts of a mixture-of-experts model; "
+                          f"--model {current('training.model')} has none (use --model moe)")
+    merge_every, sync_every = current("training.spes_merge_every"), current("training.spes_sync_every")
+    if current("training.spes") and merge_every % sync_every:  # type: ignore[operator]
+        raise ConfigError(f"{source('training.spes_merge_every')}: the merge interval "
+                          f"{current('training.spes_merge_every')} must be a multiple of the sync interval "
+                          f"{current('training.spes_sync_every')} (--spes-sync-every)")
+    if current("gossip.topology.name") == "custom" and not current("gossip.topology.edges"):
+        raise ConfigError(f"{source('gossip.topology.name')}: the custom topology needs an edge list: "
+                          "set --edges, MURMUR_EDGES or gossip.topology.edges")
+
+
+def _replaced(obj: _Config, values: Mapping[str, object]) -> _Config:
+    """`obj` with the values at dotted keys (relative to it) replaced, nested dataclasses included."""
+    direct: dict[str, object] = {}
+    nested: dict[str, dict[str, object]] = {}
+    for key, value in values.items():
+        head, _, rest = key.partition(".")
+        if rest:
+            nested.setdefault(head, {})[rest] = value
+        else:
+            direct[head] = value
+    for head, sub in nested.items():
+        direct[head] = _replaced(getattr(obj, head), sub)
+    return dataclasses.replace(obj, **direct)

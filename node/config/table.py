@@ -1,0 +1,240 @@
+"""The settings table: every setting declared once (TOML key, environment variable, flag, kind, help,
+commands), from which the CLI, the file and environment readers and the docs table all derive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+from gossip.mixing import MIXING_KINDS
+from node.config.kinds import Boolean, Choice, EdgeList, Integer, Kind, Multiaddrs, Named, Number, PathKind, Text
+from topology import TOPOLOGY_NAMES, WEIGHT_SCHEMES
+
+
+class Command(StrEnum):
+    """The `murmur` subcommands (their names on the command line)."""
+
+    NODE = "node"
+    JOIN = "join"
+    BOOTSTRAP = "bootstrap"
+    STATUS = "status"
+    EVAL = "eval"
+    TOPOLOGY = "topology"
+    SIM = "sim"
+    DEMO = "demo"
+
+
+NODE = frozenset({Command.NODE, Command.JOIN})
+DAEMONS = NODE | {Command.BOOTSTRAP}
+MONITOR_CLIENTS = NODE | {Command.STATUS, Command.EVAL}  # commands that find a node by its monitor
+
+
+class Transport(StrEnum):
+    """The data planes of --transport."""
+
+    P2PD = "p2pd"  # hivemind's daemon, shared with the DHT
+    LIBP2P = "libp2p"  # py-libp2p in a child process
+
+
+class Model(StrEnum):
+    """The models --model names without an import path."""
+
+    MOE = "moe"
+    DENSE = "dense"
+    VECTOR = "vector"  # no model: gossip a random vector of `dim` floats (tests, demos of the gossip alone)
+
+
+TRANSPORTS = tuple(Transport)
+EMBEDDED_MODEL_NAMES = (Model.MOE, Model.DENSE)
+VECTOR_MODEL = Model.VECTOR
+NODE_CODECS = ("fp32", "fp16", "bf16", "int8")
+SPES_REFRESH_CODECS = ("bf16", "int8")  # what --spes-refresh-codec offers (gossip.spes takes fp32/fp16 too)
+SPES_EXPERT_CODECS = ("fp32", "fp16", "bf16", "int8")  # what --spes-expert-codec offers
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+OPTIMIZERS = ("dsgd", "dadam")
+DEVICES_HELP = "auto, cpu, cuda or cuda:N"
+PRECISION_NAMES = ("auto", "fp32", "bf16", "fp16")
+
+# An embedded model, `vector`, or a user builder named by import path (imported when the node starts).
+MODEL_NAME = Named("model", "|".join((*EMBEDDED_MODEL_NAMES, VECTOR_MODEL, r"[\w.]+:[\w.]+")),
+                   hint="moe, dense, vector or package.module:callable",
+                   description="moe | dense | vector | package.module:callable", metavar="MODEL")
+DEVICE_NAME = Named("device", r"auto|cpu|cuda(:\d+)?", hint=DEVICES_HELP, description=DEVICES_HELP, metavar="DEVICE")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting: where it lives in NodeConfig and the TOML file, and how users set it."""
+
+    key: str  # dotted path in NodeConfig, also the TOML key
+    kind: Kind
+    env: str
+    flag: str
+    help: str
+    commands: frozenset[Command]  # commands that take the flag and read the environment variable
+    optional: bool = False  # None (unset) is a valid value
+    default_text: str | None = None  # the default in words, where the value itself says little
+
+    @property
+    def dest(self) -> str:
+        """The argparse destination of the flag."""
+        return f"setting:{self.key}"
+
+    @property
+    def metavar(self) -> str:
+        return self.kind.metavar
+
+
+_NONNEG = Integer(0)
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("swarm", Text(), "MURMUR_SWARM", "--swarm", "swarm name: namespaces the swarm's DHT keys; "
+            "1-64 letters, digits, '.', '_' or '-'", NODE),
+    Setting("data_dir", PathKind(metavar="DIR"), "MURMUR_DATA_DIR", "--data-dir",
+            "directory for the identity, checkpoints and logs; created if missing", DAEMONS,
+            default_text="./murmur-data"),
+    Setting("identity_file", PathKind(metavar="FILE"), "MURMUR_IDENTITY", "--identity",
+            "libp2p RSA key file that gives the node its peer id; created (mode 0600) if missing",
+            DAEMONS, optional=True, default_text="<data-dir>/identity.key"),
+    Setting("heartbeat_s", Number(0.0, lo_open=True, metavar="S"), "MURMUR_HEARTBEAT", "--heartbeat",
+            "seconds between DHT heartbeats; a peer's record expires after 3 missed ones", NODE),
+    Setting("dim", Integer(1, noun="dim"), "MURMUR_DIM", "--dim",
+            "floats in the random vector gossiped while no model is trained", NODE),
+    Setting("seed", _NONNEG, "MURMUR_SEED", "--seed", "seed of the node's own randomness", NODE),
+    Setting("log_level", Choice("log level", LOG_LEVELS, upper=True, metavar="LEVEL"), "MURMUR_LOG_LEVEL",
+            "--log-level", "log level, case-insensitive", DAEMONS),
+    Setting("network.listen", Multiaddrs(peer=False), "MURMUR_LISTEN", "--listen",
+            "multiaddr to listen on; repeatable. Loopback by default: listening on a "
+            "public interface is a choice", DAEMONS),
+    Setting("network.announce", Multiaddrs(peer=False), "MURMUR_ANNOUNCE", "--announce",
+            "multiaddr other peers should dial instead of the listen ones, behind NAT or port "
+            "forwarding; repeatable", DAEMONS),
+    Setting("network.initial_peers", Multiaddrs(peer=True), "MURMUR_PEERS", "--peers",
+            "full multiaddr (ending in /p2p/<peer id>) of a peer or bootstrap node to join the DHT "
+            "through; several may follow one flag", DAEMONS),
+    Setting("network.transport", Choice("transport", TRANSPORTS, metavar="TRANSPORT"), "MURMUR_TRANSPORT",
+            "--transport", "data-plane transport: p2pd (hivemind's daemon, shared with the DHT) or "
+            "libp2p (py-libp2p in a child process)", NODE),
+    Setting("network.data_listen", Multiaddrs(peer=False), "MURMUR_DATA_LISTEN", "--data-listen",
+            "with --transport libp2p: multiaddr the py-libp2p data plane listens on; repeatable "
+            "(default: the --listen hosts on a free port)", NODE),
+    Setting("network.data_announce", Multiaddrs(peer=False), "MURMUR_DATA_ANNOUNCE", "--data-announce",
+            "with --transport libp2p: multiaddr peers should dial for gossip instead of the data-plane "
+            "listen ones, behind NAT or port forwarding; repeatable (--announce covers the DHT only)", NODE),
+    Setting("network.nat_port_map", Boolean(), "MURMUR_UPNP", "--upnp",
+            "ask the router for a port mapping by UPnP; it multicasts on every interface, so "
+            "use it only in real deployments", DAEMONS),
+    Setting("monitor.host", Text(metavar="HOST", description="host name or IP address"), "MURMUR_MONITOR_HOST",
+            "--monitor-host", "address the monitor page listens on; 0.0.0.0 exposes it to the network",
+            MONITOR_CLIENTS),
+    Setting("monitor.port", Integer(0, 65535, noun="port", metavar="PORT"), "MURMUR_MONITOR_PORT",
+            "--monitor-port", "TCP port of the monitor page; 0 picks a free one", MONITOR_CLIENTS),
+    Setting("gossip.codec", Choice("codec", NODE_CODECS, metavar="CODEC"), "MURMUR_CODEC", "--codec",
+            "wire codec of the exchanged parameters", NODE),
+    Setting("gossip.round_interval_s", Number(0.0, lo_open=True, metavar="S"), "MURMUR_ROUND_INTERVAL",
+            "--round-interval", "seconds between the starts of two gossip rounds", NODE),
+    Setting("gossip.exchange_timeout_s", Number(0.0, lo_open=True, metavar="S"), "MURMUR_EXCHANGE_TIMEOUT",
+            "--exchange-timeout", "seconds one exchange with one neighbour may take before it counts "
+            "as missing", NODE),
+    Setting("gossip.min_peers", Integer(1, noun="peer count"), "MURMUR_MIN_PEERS", "--min-peers",
+            "gossip starts once this many peers (this one included) are in the view; all peers that see "
+            "the same quorum start in the same round", NODE),
+    Setting("gossip.max_staleness_rounds", _NONNEG, "MURMUR_MAX_STALENESS", "--max-staleness",
+            "mix a neighbour's parameters only if they are at most this many rounds old", NODE),
+    Setting("gossip.topology.name", Choice("topology", TOPOLOGY_NAMES, metavar="TOPOLOGY"), "MURMUR_TOPOLOGY",
+            "--topology", "gossip topology family", NODE),
+    Setting("gossip.topology.weights", Choice("weight scheme", WEIGHT_SCHEMES, metavar="SCHEME"),
+            "MURMUR_WEIGHTS", "--weights", "mixing-weight scheme", NODE, optional=True,
+            default_text="the family's own"),
+    Setting("gossip.topology.degree", Integer(1, noun="degree"), "MURMUR_DEGREE", "--degree",
+            "degree of the random-regular topology", NODE),
+    Setting("gossip.topology.seed", _NONNEG, "MURMUR_TOPOLOGY_SEED", "--topology-seed",
+            "seed of the random-regular topology; must be the same on every peer", NODE),
+    Setting("gossip.topology.rows", Integer(1, noun="rows"), "MURMUR_ROWS", "--rows",
+            "rows of the torus", NODE, optional=True, default_text="the most square shape"),
+    Setting("gossip.topology.edges", EdgeList(), "MURMUR_EDGES", "--edges",
+            "edge list of the custom topology over ranks, e.g. 0-1,1-2,2-0", NODE),
+    Setting("gossip.topology.directed", Boolean(), "MURMUR_DIRECTED", "--directed",
+            "treat the custom edge list as directed", NODE),
+    Setting("gossip.mixing.kind", Choice("mixing rule", MIXING_KINDS, metavar="RULE"), "MURMUR_MIXING", "--mixing",
+            "how a round combines the received parameters: weighted average, centered clipping, "
+            "coordinate-wise median or trimmed mean", NODE),
+    Setting("gossip.mixing.tau", Number(0.0, lo_open=True, metavar="TAU"), "MURMUR_TAU", "--tau",
+            "clipping radius of --mixing clipped", NODE, optional=True),
+    Setting("training.model", MODEL_NAME, "MURMUR_MODEL", "--model",
+            "what the swarm trains: the embedded MoE or dense GPT, `vector` (no model: gossip a random vector "
+            "of --dim floats), or a builder by import path; a joiner takes the swarm's, and runs a builder only "
+            "if its own --model names the same one", NODE),
+    Setting("training.optimizer", Choice("optimizer", OPTIMIZERS, metavar="OPTIMIZER"), "MURMUR_OPTIMIZER",
+            "--optimizer", "dsgd (adapt-then-combine) or dadam (decentralized Adam, exchange overlapped "
+            "with compute); a joiner takes the swarm's", NODE),
+    Setting("training.lr", Number(0.0, lo_open=True, metavar="LR"), "MURMUR_LR", "--lr",
+            "peak learning rate (the swarm's)", NODE),
+    Setting("training.warmup_steps", _NONNEG, "MURMUR_WARMUP", "--warmup-steps",
+            "linear learning-rate warm-up steps (the swarm's)", NODE),
+    Setting("training.steps", _NONNEG, "MURMUR_STEPS", "--steps",
+            "steps to train, where the cosine schedule ends; 0 trains until stopped. A node that is done "
+            "keeps serving its parameters until stopped (the swarm's)", NODE),
+    Setting("training.local_steps", Integer(1, noun="local steps"), "MURMUR_LOCAL_STEPS", "--local-steps",
+            "H: optimizer steps between gossip rounds (the swarm's)", NODE),
+    Setting("training.micro_batches", Integer(1, noun="micro-batches"), "MURMUR_MICRO_BATCHES",
+            "--micro-batches", "k: micro-batches accumulated per step (the swarm's)", NODE),
+    Setting("training.batch_size", Integer(1, noun="batch size"), "MURMUR_BATCH_SIZE", "--batch-size",
+            "sequences per micro-batch on each node (the swarm's)", NODE),
+    Setting("training.context", Integer(2, noun="context"), "MURMUR_CONTEXT", "--context",
+            "tokens per training sequence, at most the model's context (the swarm's)", NODE),
+    Setting("training.data", PathKind(metavar="DIR"), "MURMUR_DATA", "--data",
+            "a directory of *.txt files to train on (this node's own corpus; every node of a swarm "
+            "should have the same one)", NODE, optional=True, default_text="the embedded corpus"),
+    Setting("training.device", DEVICE_NAME, "MURMUR_DEVICE", "--device", "torch device of this node", NODE),
+    Setting("training.precision", Choice("precision", PRECISION_NAMES, metavar="PRECISION"), "MURMUR_PRECISION",
+            "--precision", "autocast precision; auto: bf16 (else fp16) on CUDA, fp32 on CPU", NODE),
+    Setting("training.threads", _NONNEG, "MURMUR_THREADS", "--threads",
+            "torch CPU threads of this node; 0: torch's default (all cores)", NODE),
+    Setting("training.eval_every", Integer(1, noun="steps"), "MURMUR_EVAL_EVERY", "--eval-every",
+            "steps between validation-loss evaluations of the local model", NODE),
+    Setting("training.checkpoint_every", Integer(1, noun="steps"), "MURMUR_CHECKPOINT_EVERY",
+            "--checkpoint-every", "steps between checkpoints; one is also written when training ends "
+            "and when the node stops", NODE),
+    Setting("training.average_every", _NONNEG, "MURMUR_AVERAGE_EVERY", "--average-every",
+            "steps between writes of the swarm-average model to swarm-average.npz in the data directory "
+            "(and one when training ends); each pulls every live peer's parameters; 0: only on request "
+            "(murmur eval --save)", NODE),
+    Setting("gossip.mixing.trim", Number(0.0, hi=0.5, hi_open=True, metavar="FRACTION"), "MURMUR_TRIM", "--trim",
+            "fraction trimmed per side by --mixing trimmed_mean", NODE),
+    Setting("training.spes", Boolean(), "MURMUR_SPES", "--spes",
+            "SPES: each node trains the shared weights and the experts it owns of the MoE model, and syncs "
+            "experts sparsely (docs/spes.md); needs --model moe or an MoE builder (the swarm's)", NODE),
+    Setting("training.spes_sync_every", Integer(1, noun="steps"), "MURMUR_SPES_SYNC_EVERY", "--spes-sync-every",
+            "S: steps between SPES syncs (the swarm's)", NODE),
+    Setting("training.spes_merge_every", Integer(1, noun="steps"), "MURMUR_SPES_MERGE_EVERY", "--spes-merge-every",
+            "M: steps between expert-merging warm-up merges, a multiple of S (the swarm's)", NODE),
+    Setting("training.spes_merge_until", _NONNEG, "MURMUR_SPES_MERGE_UNTIL", "--spes-merge-until",
+            "D: no warm-up merge from this step on; 0 turns the warm-up off (the swarm's)", NODE),
+    Setting("training.spes_alpha0", Number(0.0, hi=1.0, metavar="ALPHA"), "MURMUR_SPES_ALPHA0", "--spes-alpha0",
+            "warm-up merge strength at step 0, falling linearly to 0 at D (the swarm's)", NODE),
+    Setting("training.spes_replication", Integer(1, noun="replication"), "MURMUR_SPES_REPLICATION",
+            "--spes-replication", "r: owners per expert where peers and capacities allow (the swarm's)", NODE),
+    Setting("training.spes_refresh_codec", Choice("refresh codec", SPES_REFRESH_CODECS, metavar="CODEC"),
+            "MURMUR_SPES_REFRESH_CODEC", "--spes-refresh-codec",
+            "codec frozen expert copies travel and are hashed in (the swarm's)", NODE),
+    Setting("training.spes_expert_codec", Choice("expert codec", SPES_EXPERT_CODECS, metavar="CODEC"),
+            "MURMUR_SPES_EXPERT_CODEC", "--spes-expert-codec",
+            "codec co-owners mix their experts in; int8 or bf16 cut the traffic of r >= 2 (the swarm's)", NODE),
+    Setting("training.experts", Integer(1, noun="experts"), "MURMUR_EXPERTS", "--experts",
+            "SPES capacity: experts per MoE layer this node trains (this node's own)", NODE, optional=True,
+            default_text="all on CPU; on CUDA as many as fit in half the free GPU memory (docs/spes.md)"),
+)
+
+SETTINGS_BY_KEY: Mapping[str, Setting] = {setting.key: setting for setting in SETTINGS}
+# The TOML tables: every proper prefix of a setting's dotted key.
+TABLES = frozenset(
+    ".".join(parts[:i]) for parts in (key.split(".") for key in SETTINGS_BY_KEY) for i in range(1, len(parts))
+)
+
+
+def settings_for(command: str) -> tuple[Setting, ...]:
+    return tuple(setting for setting in SETTINGS if command in setting.commands)
+
