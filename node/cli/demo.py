@@ -247,7 +247,7 @@ def summarize(options: DemoOptions, nodes: Sequence[DemoNode], workdir: Path) ->
 def _spes_average(model, nodes: Sequence[DemoNode], finals: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """The SPES swarm average: shared weights over every node, each expert over the nodes that own it
     (by their last status; frozen copies are only caches)."""
-    from node.spes.node import ModelPartition, spes_average
+    from node.spes.partition import ModelPartition, spes_average
 
     partition = ModelPartition.of(model)
     members = {n.peer_id: params for n, params in zip(nodes, finals, strict=True)}
