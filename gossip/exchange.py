@@ -28,22 +28,24 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from enum import Enum, StrEnum
 
 import numpy as np
 
 from gossip.codecs import Codec
 from gossip.errors import BadSchema, ManifestMismatch, Truncated, WireError
 from gossip.mixing import IncrementalMix, MixingRule, effective_weights, mix
+from gossip.stream import Accounting, Frames, MessageStream, TensorsUnsendable
 from gossip.transport import GOSSIP_PROTOCOL, Stream, Transport
 from gossip.wire import (
     DEFAULT_LIMITS,
     Expectation,
     Message,
     MetaValue,
+    TensorSpec,
     ValuesSink,
     WireLimits,
     iter_message,
-    read_message,
     tensor_specs,
 )
 from topology import PeerRound
@@ -56,11 +58,27 @@ CURRENT = "current"
 # exchange requests held at once until their round begins; each holds one copy of the tensors
 MAX_WAITING_REQUESTS = 16
 
-# Why an exchange request was refused for its timing (the `error` of the `reject`; ExchangeStats.refused):
-LATE = "late"  # the round is over here, our wait for this asker ended, or the asker sent a later round since
-NOT_PARTNER = "not_partner"  # our plan for that round does not wait for this asker's exchange
-STALE = "stale"  # more than max_staleness rounds away from ours (the asker skips us as `stale`)
-BUSY = "busy"  # MAX_WAITING_REQUESTS requests already wait for their rounds
+
+
+class Refusal(StrEnum):
+    """Why an exchange request was refused for its timing (the `error` of the `reject`; ExchangeStats.refused)."""
+
+    LATE = "late"  # the round is over here, our wait for this asker ended, or the asker sent a later round since
+    NOT_PARTNER = "not_partner"  # our plan for that round does not wait for this asker's exchange
+    STALE = "stale"  # more than max_staleness rounds away from ours (the asker skips us as `stale`)
+    BUSY = "busy"  # MAX_WAITING_REQUESTS requests already wait for their rounds
+
+
+class Skip(StrEnum):
+    """Why a neighbour was left out of a round (RoundOutcome.skipped, ExchangeStats.skipped), besides
+    the `WireError.kind` of a refused answer."""
+
+    TIMEOUT = "timeout"
+    STALE = "stale"  # more than max_staleness rounds away, or it refused us as such
+    REJECTED = "rejected"  # it answered with a `reject`; the outcome says why: "rejected: <error>"
+    UNSENDABLE = "unsendable"  # our own tensors failed the wire's checks
+    UNREACHABLE = "unreachable"
+    MOVED_ON = "moved_on"  # a symmetric partner asked for a later round instead
 
 Tensors = Mapping[str, np.ndarray]
 
@@ -107,11 +125,11 @@ class _Received:
 
 
 class PeerRejected(Exception):
-    """The neighbour answered with a `reject` message."""
+    """The neighbour answered with a `reject` message; `reason` is the error it gave."""
 
-
-class TensorsUnsendable(Exception):
-    """Our own tensors failed the wire's checks halfway through a message (counted as `unsendable`)."""
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 class PartnerMissed(Exception):
@@ -122,30 +140,32 @@ class PartnerMissed(Exception):
         self.reason = reason
 
 
-@dataclass
-class _ReadProgress:
-    bytes: int = 0  # of the message being read
+class _SlotState(Enum):
+    OPEN = "open"
+    CLAIMED = "claimed"  # a handler is replying
+    DONE = "done"
+    FAILED = "failed"
+    CLOSED = "closed"  # the round stopped waiting first
 
 
 class _PartnerSlot:
     """Where a round waits for one symmetric partner's exchange request, and where the handler that
     answers the request leaves the outcome.
 
-    OPEN -> CLAIMED (a handler is replying) -> DONE | FAILED, or OPEN -> CLOSED (the round stopped
-    waiting first; a request arriving later is refused as LATE). Every change sets `changed`.
+    OPEN -> CLAIMED -> DONE | FAILED, or OPEN -> CLOSED (a request arriving later is refused as
+    LATE). Every change sets `changed`.
     """
 
-    OPEN, CLAIMED, DONE, FAILED, CLOSED = "open", "claimed", "done", "failed", "closed"
     __slots__ = ("changed", "failure", "received", "state")
 
     def __init__(self) -> None:
-        self.state = self.OPEN
+        self.state = _SlotState.OPEN
         self.received: _Received | None = None
-        self.failure = ""
+        self.failure = ""  # the skip reason when FAILED
         self.changed = asyncio.Event()
 
     def settle(self, received: _Received | None, failure: str = "") -> None:
-        self.state = self.DONE if received is not None else self.FAILED
+        self.state = _SlotState.DONE if received is not None else _SlotState.FAILED
         self.received, self.failure = received, failure
         self.changed.set()
 
@@ -172,6 +192,7 @@ class GossipPeer:
         self.round = 0  # the round in progress or last run; set by the daemon to place a fresh or resumed peer
         self.step = step
         self.stats = ExchangeStats()
+        self._accounting = Accounting(self.stats, logger, "rejected gossip message")
         self._parked = False  # see park()
         self._begun = -1  # the latest round whose run_round has begun
         # round -> our tensors as that round began, for the last max_staleness + 1 rounds (see _pull_answer);
@@ -222,7 +243,13 @@ class GossipPeer:
             self._latest_request = {p: r for p, r in self._latest_request.items() if r > round_index}
             self._round_began.notify_all()
         received: dict[str, _Received] = {}
-        skipped: dict[str, str] = {}
+        skipped: dict[str, str] = {}  # neighbour -> why, as the outcome shows it
+        counted: dict[str, str] = {}  # neighbour -> the ExchangeStats.skipped label
+
+        def skip(peer: str, label: str, detail: str = "") -> None:
+            # plain strings: they are logged and serialised, and an enum member's repr is not its value
+            skipped[peer] = f"{label}: {detail}" if detail else str(label)
+            counted[peer] = str(label)
         running = self._incremental_mix(own_snapshot, plan, awaited)
 
         async def one(peer: str) -> None:
@@ -235,22 +262,25 @@ class GossipPeer:
                     got = await self._request(peer, kind, own_snapshot, round_index, deadline,
                                               running.add if running is not None else None)
             except TimeoutError:
-                skipped[peer] = "timeout"
+                skip(peer, Skip.TIMEOUT)
             except PartnerMissed as exc:
-                skipped[peer] = exc.reason
+                skip(peer, exc.reason)
             except PeerRejected as exc:
-                skipped[peer] = STALE if str(exc) == STALE else f"rejected: {exc}"
+                if exc.reason == Refusal.STALE:
+                    skip(peer, Skip.STALE)
+                else:
+                    skip(peer, Skip.REJECTED, exc.reason)
             except WireError as exc:
-                self._count_error(exc, peer)
-                skipped[peer] = exc.kind
+                self._accounting.count_refused(exc, peer)
+                skip(peer, exc.kind)
             except TensorsUnsendable:
-                skipped[peer] = "unsendable"
+                skip(peer, Skip.UNSENDABLE)
             except ConnectionError as exc:
-                skipped[peer] = "unreachable"
+                skip(peer, Skip.UNREACHABLE)
                 logger.debug("round %d: %s unreachable: %s", round_index, peer, exc)
             else:
                 if abs(got.round - round_index) > self._settings.max_staleness:
-                    skipped[peer] = "stale"
+                    skip(peer, Skip.STALE)
                 else:
                     received[peer] = got
 
@@ -264,8 +294,8 @@ class GossipPeer:
         # values installed meanwhile (a trainer's step) win over this round's mix of older ones
         if self._tensors is own_snapshot:
             self._tensors = mixed
-        for reason in skipped.values():
-            self.stats.skipped[reason.split(":")[0]] += 1
+        for label in counted.values():
+            self.stats.skipped[label] += 1
         duration = time.monotonic() - started
         self.stats.rounds += 1
         self.stats.last_round_s = duration
@@ -294,22 +324,22 @@ class GossipPeer:
         wait ends early once `peer` has asked for a later round: it is done with this one.
         """
         slot = self._partner_slots[(peer, round_index)]
-        while slot.state == _PartnerSlot.OPEN:
+        while slot.state is _SlotState.OPEN:
             if self._latest_request.get(peer, -1) > round_index:
-                slot.state = _PartnerSlot.CLOSED
-                raise PartnerMissed("moved_on")
+                slot.state = _SlotState.CLOSED
+                raise PartnerMissed(str(Skip.MOVED_ON))
             slot.changed.clear()
             try:
                 async with asyncio.timeout_at(deadline):
                     await slot.changed.wait()
             except TimeoutError:
-                if slot.state == _PartnerSlot.OPEN:  # else a request claimed it just as time ran out
-                    slot.state = _PartnerSlot.CLOSED
+                if slot.state is _SlotState.OPEN:  # else a request claimed it just as time ran out
+                    slot.state = _SlotState.CLOSED
                     raise
         # Claimed: the handler settles the slot within its own reply deadline. This bound only
         # guards against a handler that never does (a bug), so it is generous.
         async with asyncio.timeout(2 * self._settings.exchange_timeout_s + 1.0):
-            while slot.state == _PartnerSlot.CLAIMED:
+            while slot.state is _SlotState.CLAIMED:
                 slot.changed.clear()
                 await slot.changed.wait()
         if slot.received is None:
@@ -331,10 +361,10 @@ class GossipPeer:
     async def _request(self, peer: str, kind: str, own: Tensors, round_index: int, deadline: float,
                        on_values: ValuesSink | None = None, meta: Mapping[str, MetaValue] | None = None) -> _Received:
         async with asyncio.timeout_at(deadline):
-            stream = await self._transport.open_stream(peer, self._protocol)
+            stream = MessageStream(await self._transport.open_stream(peer, self._protocol), self._accounting)
         try:
             async with asyncio.timeout_at(deadline):
-                await self._send(stream, own if kind == EXCHANGE else {}, round_index, kind, meta)
+                await stream.send(self._frames(own if kind == EXCHANGE else {}, round_index, kind, meta))
                 reply = await self._read_reply(stream, on_values)
                 if reply.header.kind == REJECT:
                     raise PeerRejected(str(reply.header.meta.get("error", "unspecified")))
@@ -345,33 +375,34 @@ class GossipPeer:
                 # The ack commits both sides to mixing: the answering peer mixes our tensors only if
                 # it reads the ack, so it is sent only once the reply is known to be good and in time.
                 async with asyncio.timeout(self._settings.exchange_timeout_s):
-                    await self._send(stream, {}, round_index, ACK)
+                    await stream.send(self._frames({}, round_index, ACK))
                 # Closing first could make p2pd reset the stream before the ack has left.
-                await self._linger(stream)
+                await stream.linger(self._settings.exchange_timeout_s)
             self.stats.exchanges_ok += 1
             return _Received(reply.header.round, reply.header.step, reply.tensors)
         finally:
             await stream.close()
 
-    async def _read_reply(self, stream: Stream, on_values: ValuesSink | None = None) -> Message:
+    async def _read_reply(self, stream: MessageStream, on_values: ValuesSink | None = None) -> Message:
         """The answer to our request; a peer that hangs up before sending a byte of it is not a
         truncated message (nothing was cut) but a peer that did not answer: ConnectionError."""
-        progress = _ReadProgress()
+        before = stream.received
         try:
-            return await self._read(stream, self._expect_peer, progress, on_values)
+            return await stream.read(self._request_limits, self._expect_peer, on_values)
         except Truncated:
-            if progress.bytes == 0:
+            if stream.received == before:
                 raise ConnectionError(f"{stream.remote_peer} hung up without answering") from None
             raise
 
     # ---- serving ---------------------------------------------------------------------------------
 
-    async def _serve(self, stream: Stream) -> None:
+    async def _serve(self, raw: Stream) -> None:
+        stream = MessageStream(raw, self._accounting)
         peer = stream.remote_peer
         deadline = asyncio.get_running_loop().time() + self._settings.exchange_timeout_s
         try:
             async with asyncio.timeout_at(deadline):
-                request = await self._read(stream, self._expect_peer)
+                request = await stream.read(self._request_limits, self._expect_peer)
             kind = request.header.kind
             if kind == EXCHANGE:
                 _check_manifest(request, self._specs)
@@ -381,6 +412,7 @@ class GossipPeer:
             elif kind == PULL:
                 if request.header.manifest:
                     raise BadSchema("a pull request carries no tensors")
+                answer: tuple[Tensors, int]
                 if request.header.meta.get(CURRENT) is True:
                     answer = (self._tensors, self.round)
                 else:
@@ -389,40 +421,40 @@ class GossipPeer:
                 # The reply gets its own deadline: one shared with the wait above could cut the reply
                 # halfway, and the asker, still within its deadline, would read a truncated message.
                 async with asyncio.timeout(self._settings.exchange_timeout_s):
-                    await self._send(stream, *answer, REPLY)
+                    await stream.send(self._frames(*answer, REPLY))
                 self.stats.exchanges_ok += 1
             else:
                 raise BadSchema(f"expected a pull or exchange request, got a {kind!r} message")
         except WireError as exc:
-            self._count_error(exc, peer)
+            stream.count_refused(exc)
             await self._try_reject(stream, exc.kind)
-            await self._linger(stream)
+            await stream.linger(self._settings.exchange_timeout_s)
             return
         except TensorsUnsendable:
-            return  # counted and logged by _send; closing the stream ends the message
+            return  # counted and logged by MessageStream.send; closing the stream ends the message
         except (TimeoutError, ConnectionError) as exc:
             self.stats.errors["timeout" if isinstance(exc, TimeoutError) else "disconnected"] += 1
             logger.info("gossip request from %s abandoned: %s", peer, exc or type(exc).__name__)
             return
-        await self._linger(stream)
+        await stream.linger(self._settings.exchange_timeout_s)
 
-    async def _answer_exchange(self, stream: Stream, request: Message, deadline: float) -> str | None:
+    async def _answer_exchange(self, stream: MessageStream, request: Message, deadline: float) -> Refusal | None:
         """Answer an exchange request: a reply with our input to its round and, once the asker's ack
         arrives, its tensors handed to that round; or a `reject` saying why not (returned)."""
         peer, round_index = stream.remote_peer, request.header.round
         claimed = await self._claim_partner_slot(peer, round_index, deadline)
-        if isinstance(claimed, str):
-            self.stats.refused[claimed] += 1
+        if isinstance(claimed, Refusal):
+            self.stats.refused[str(claimed)] += 1
             logger.debug("exchange request of round %d from %s refused: %s", round_index, peer, claimed)
-            await self._try_reject(stream, claimed)
+            await self._try_reject(stream, str(claimed))
             return claimed
         slot, inputs = claimed
         received = None
-        failure = "timeout"
+        failure = str(Skip.TIMEOUT)
         try:
             async with asyncio.timeout(self._settings.exchange_timeout_s):
-                await self._send(stream, inputs, round_index, REPLY)
-                ack = await self._read(stream, self._expect_peer)
+                await stream.send(self._frames(inputs, round_index, REPLY))
+                ack = await stream.read(self._request_limits, self._expect_peer)
             if ack.header.kind != ACK or ack.header.round != round_index or ack.header.manifest:
                 raise BadSchema(f"expected the ack of round {round_index}, got a {ack.header.kind!r} message "
                                 f"of round {ack.header.round}")
@@ -432,17 +464,17 @@ class GossipPeer:
             failure = exc.kind
             raise
         except TensorsUnsendable:
-            failure = "unsendable"
+            failure = str(Skip.UNSENDABLE)
             raise
         except ConnectionError:
-            failure = "unreachable"  # the asker hung up without an ack: it does not mix ours either
+            failure = str(Skip.UNREACHABLE)  # the asker hung up without an ack: it does not mix ours either
             raise
         finally:
             slot.settle(received, failure)
         return None
 
     async def _claim_partner_slot(self, peer: str, round_index: int,
-                                  deadline: float) -> tuple[_PartnerSlot, Tensors] | str:
+                                  deadline: float) -> tuple[_PartnerSlot, Tensors] | Refusal:
         """The slot where our round `round_index` waits for `peer`, and our input to that round; or
         why the request is refused.
 
@@ -459,16 +491,16 @@ class GossipPeer:
             if round_index >= self.round - bound and round_index > self._latest_request.get(peer, -1):
                 self._latest_request[peer] = round_index
                 self._round_began.notify_all()
-                for (partner, r), slot in self._partner_slots.items():
+                for (partner, r), waiting in self._partner_slots.items():
                     if partner == peer and r < round_index:
-                        slot.changed.set()
+                        waiting.changed.set()
             if stale:
-                return STALE
+                return Refusal.STALE
             if self._begun < round_index:
                 if not self._will_begin(round_index):
-                    return LATE  # a round this peer skipped
+                    return Refusal.LATE  # a round this peer skipped
                 if self._waiting_requests >= MAX_WAITING_REQUESTS:
-                    return BUSY
+                    return Refusal.BUSY
                 self._waiting_requests += 1
                 try:
                     async with asyncio.timeout_at(deadline):
@@ -477,11 +509,11 @@ class GossipPeer:
                 finally:
                     self._waiting_requests -= 1
             slot = self._partner_slots.get((peer, round_index))
-            if self._latest_request.get(peer, -1) > round_index or (slot is not None and slot.state != slot.OPEN):
-                return LATE
+            if self._latest_request.get(peer, -1) > round_index or (slot is not None and slot.state is not _SlotState.OPEN):
+                return Refusal.LATE
             if slot is None:
-                return LATE if self._begun > round_index else NOT_PARTNER
-            slot.state = slot.CLAIMED
+                return Refusal.LATE if self._begun > round_index else Refusal.NOT_PARTNER
+            slot.state = _SlotState.CLAIMED
             slot.changed.set()
             return slot, self._round_inputs[round_index]
 
@@ -492,18 +524,6 @@ class GossipPeer:
             return False
         last = max(self._begun, self.round - 1)
         return last < round_index <= self.round + max(1, self._settings.max_staleness)
-
-    async def _linger(self, stream: Stream) -> None:
-        """Keep our end open until the other end hangs up (it does once it has read what we sent).
-
-        p2pd resets a stream whose end closes first, and the reset can overtake the last bytes
-        written: the other end would then read a truncated message.
-        """
-        try:
-            async with asyncio.timeout(self._settings.exchange_timeout_s):
-                await stream.read_exactly(1)
-        except (TimeoutError, ConnectionError):
-            pass  # hung up (or never will): either way we are done
 
     async def _pull_answer(self, round_index: int) -> tuple[Tensors, int]:
         """The tensors (and their round) that answer a pull of round `round_index`.
@@ -518,62 +538,28 @@ class GossipPeer:
         began = self._round_inputs.get(round_index)
         return (began, round_index) if began is not None else (self._tensors, self.round)
 
-    async def _try_reject(self, stream: Stream, reason: str) -> None:
-        try:
-            async with asyncio.timeout(min(1.0, self._settings.exchange_timeout_s)):
-                await self._send(stream, {}, None, REJECT, meta={"error": reason})
-        except (TimeoutError, ConnectionError, WireError):
-            pass  # the peer is gone or broken; the error is already counted
+    async def _try_reject(self, stream: MessageStream, reason: str) -> None:
+        await stream.try_reject(lambda: self._frames({}, None, REJECT, meta={"error": reason}),
+                                min(1.0, self._settings.exchange_timeout_s))
 
-    # ---- framing ---------------------------------------------------------------------------------
-
-    async def _send(self, stream: Stream, tensors: Tensors, round_index: int | None, kind: str,
-                    meta: Mapping[str, MetaValue] | None = None) -> None:
-        # Encoded as written, so the first chunks are on their way while later ones are checked and
-        # converted. Header problems raise before a byte is written.
-        frames = iter_message(
+    def _frames(self, tensors: Tensors, round_index: int | None, kind: str,
+                meta: Mapping[str, MetaValue] | None = None) -> Frames:
+        """A message from this peer, encoded as it is written (header problems raise here, before a
+        byte is written; see MessageStream.send for the tensors' own)."""
+        return iter_message(
             tensors, self._settings.codec, swarm=self._settings.swarm, config_hash=self._settings.config_hash,
             sender=self.peer_id, round=self.round if round_index is None else round_index, step=self.step, kind=kind,
             meta=meta, limits=self._settings.limits,
         )
-        try:
-            for frame in frames:
-                await stream.write(frame)
-                self.stats.bytes_sent += len(frame)
-        except WireError as exc:
-            # Our own tensors failed their check (e.g. a NaN) after the header went out: the message
-            # cannot be finished, and a reject after part of it would be garbage to the receiver. The
-            # caller closes the stream, which the receiver reads as a truncated message.
-            self.stats.errors["unsendable"] += 1
-            logger.error("stopped sending our tensors to %s halfway: %s: %s", stream.remote_peer, exc.kind, exc)
-            raise TensorsUnsendable(str(exc)) from None
-
-    async def _read(self, stream: Stream, expected: Expectation, progress: _ReadProgress | None = None,
-                    on_values: ValuesSink | None = None) -> Message:
-        async def read_exactly(n: int) -> bytes:
-            data = await stream.read_exactly(n)
-            self.stats.bytes_received += len(data)
-            if progress is not None:
-                progress.bytes += len(data)
-            return data
-
-        message = await read_message(read_exactly, self._request_limits, expected, on_values=on_values)
-        if message.header.sender != stream.remote_peer:
-            raise BadSchema(f"header names sender {message.header.sender}, but the stream comes from {stream.remote_peer}")
-        return message
-
-    def _count_error(self, exc: WireError, peer: str) -> None:
-        self.stats.errors[exc.kind] += 1
-        logger.warning("rejected gossip message from %s: %s: %s", peer, exc.kind, exc)
 
 
-def _check_manifest(message: Message, specs: tuple) -> None:
+def _check_manifest(message: Message, specs: tuple[TensorSpec, ...]) -> None:
     got = tuple(entry.spec for entry in message.header.manifest)
     if got != specs:
         raise ManifestMismatch(f"{message.header.kind} manifest {_describe(got)} differs from the local {_describe(specs)}")
 
 
-def _describe(specs: tuple) -> str:
+def _describe(specs: tuple[TensorSpec, ...]) -> str:
     if len(specs) <= 3:
         return str([(s.name, s.dtype, list(s.shape)) for s in specs])
     return f"[{len(specs)} tensors, first {specs[0].name!r}]"

@@ -16,6 +16,7 @@ from gossip.exchange import ExchangeSettings, GossipPeer
 from gossip.memory import InMemoryNetwork, LinkModel
 from gossip.optimizers import OptimizerConfig
 from gossip.spes import (
+    FETCH_PROTOCOL,
     ExpertRecord,
     SpesConfig,
     assign_experts,
@@ -27,14 +28,8 @@ from gossip.spes import (
 )
 from gossip.transport import Stream
 from gossip.wire import Expectation, encode_message, message_nbytes, read_message
-from node.spes.node import (
-    FETCH_PROTOCOL,
-    InMemoryExpertDirectory,
-    ModelPartition,
-    SpesNode,
-    spes_average,
-    tensor_manifest,
-)
+from node.spes.node import InMemoryExpertDirectory, SpesNode
+from node.spes.partition import ModelPartition, spes_average, tensor_manifest
 from node.training.data import Corpus, peer_shard
 from node.training.models import ModelConfig, build_model
 from node.training.trainer import GossipTrainer, Trainer, TrainerConfig, average_tensors

@@ -14,7 +14,7 @@ import pytest
 
 from node.cli.main import parse_node_config
 from node.config import ConfigError
-from node.spes.node import ModelPartition
+from node.spes.partition import ModelPartition
 from node.spes.training import saved_records
 from node.training.checkpoint import load_checkpoint
 from node.training.recipe import SwarmSettings, swarm_document

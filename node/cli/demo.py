@@ -253,7 +253,7 @@ def _spes_average(
     """The SPES swarm average: shared weights over every node, each expert over the nodes that own it
     (by their last status; frozen copies are only caches)."""
     from gossip.spes import Ownership
-    from node.spes.node import ModelPartition, spes_average
+    from node.spes.partition import ModelPartition, spes_average
 
     partition = ModelPartition.of(model)
     members = {n.peer_id: params for n, params in zip(nodes, finals, strict=True)}

@@ -26,7 +26,8 @@ MAX_RECORDS_BYTES = 1 << 20  # a peer's records: ~80 bytes per expert copy; more
 
 
 def encode_records(records: Mapping[ExpertKey, ExpertRecord]) -> bytes:
-    return msgpack.packb(records_to_wire(records), use_bin_type=True)
+    packed: bytes = msgpack.packb(records_to_wire(records), use_bin_type=True)
+    return packed
 
 
 def decode_records(raw: bytes) -> dict[ExpertKey, ExpertRecord]:

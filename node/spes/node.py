@@ -2,8 +2,8 @@
 gossip transport — shared weights with topology neighbours, owned experts with their co-owners,
 frozen expert copies fetched from an owner only when the owner's published hash changed.
 
-The rules (ownership, records, merge warm-up, traffic) are gossip.spes; this module applies them to
-a `Trainer` and a `Transport`. The daemon drives a `SpesNode` (see docs/spes.md, "Daemon wiring").
+The rules (ownership, records, merge warm-up, traffic) and the fetch protocol are gossip.spes; this
+module applies them to a `Trainer` and a `Transport`. The daemon drives a `SpesNode` (see docs/spes.md, "Daemon wiring").
 """
 
 from __future__ import annotations
@@ -13,22 +13,27 @@ import collections
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
 import torch
 from torch import nn
 
-from gossip.codecs import Codec, get_codec
-from gossip.errors import BadSchema, WireError
+from gossip.codecs import get_codec
 from gossip.exchange import ExchangeSettings, GossipPeer, RoundOutcome
 from gossip.spes import (
-    ExpertHashMismatch,
+    EXPERT,
+    FETCH,
+    FETCH_PROTOCOL,
+    ExpertFetch,
     ExpertKey,
     ExpertRecord,
+    FetchSkip,
+    FetchStats,
     Ownership,
     RecordsByPeer,
+    RefreshFailed,
     SpesConfig,
     advance_record,
     codec_image,
@@ -37,31 +42,17 @@ from gossip.spes import (
     freshest_holder,
     merge_layer,
     needs_refresh,
-    parse_expert_label,
     refresh_source,
 )
-from gossip.transport import Stream, Transport
-from gossip.wire import (
-    DEFAULT_LIMITS,
-    Expectation,
-    Message,
-    WireLimits,
-    check_expectation,
-    encode_message,
-    read_message,
-)
-from node.training.models import MoE, expert_parameter_names, shared_parameter_names
-from node.training.trainer import PlanFor, StepStats, Tensors, Trainer, average_tensors
+from gossip.transport import Transport
+from node.spes.partition import ModelPartition, optimizer_state_covers, spes_average, tensor_manifest
+from node.training.models import MoE
+from node.training.trainer import PlanFor, StepStats, Tensors, Trainer
 from topology import PeerRound
 
 logger = logging.getLogger(__name__)
 
 SHARED_PROTOCOL = "/murmur/spes/shared/1"
-FETCH_PROTOCOL = "/murmur/spes/fetch/1"
-FETCH, EXPERT, REJECT = "fetch", "expert", "reject"
-# A fetch request is a header without tensors: small limits, so a hostile asker cannot make us read much.
-REQUEST_LIMITS = replace(DEFAULT_LIMITS, max_header_bytes=16 << 10, max_tensors=1, max_payload_bytes=1,
-                         max_decoded_bytes=1)
 
 
 def expert_protocol(key: ExpertKey) -> str:
@@ -95,28 +86,6 @@ class InMemoryExpertDirectory:
         self._records.pop(peer_id, None)
 
 
-@dataclass(frozen=True)
-class ModelPartition:
-    """A model's parameter names split the way SPES syncs them (flat float32 vectors, Trainer order)."""
-
-    shared: tuple[str, ...]
-    experts: Mapping[ExpertKey, tuple[str, ...]]  # first matrix (w1) first
-    experts_per_layer: int
-    layers: int
-
-    @classmethod
-    def of(cls, model: nn.Module) -> ModelPartition:
-        experts = {key: tuple(names) for key, names in expert_parameter_names(model).items()}
-        if not experts:
-            raise ValueError("SPES needs a mixture-of-experts model; this one has no MoE layer")
-        layers = 1 + max(layer for layer, _ in experts)
-        per_layer = 1 + max(e for _, e in experts)
-        return cls(tuple(shared_parameter_names(model)), experts, per_layer, layers)
-
-    def names_of(self, keys: set[ExpertKey] | frozenset[ExpertKey]) -> list[str]:
-        return [name for key in sorted(keys) for name in self.experts[key]]
-
-
 def install_expert_casts(model: nn.Module) -> None:
     """Let experts whose weights are stored in another dtype (bf16 frozen copies) run inside a float32
     model: the expert computes in its weights' dtype and hands back the caller's dtype. Idempotent."""
@@ -128,13 +97,13 @@ def install_expert_casts(model: nn.Module) -> None:
                 continue
             expert.register_forward_pre_hook(_cast_input)
             expert.register_forward_hook(_cast_output)
-            expert._spes_casts = True
+            expert._spes_casts = True  # type: ignore[assignment]  # torch types Module attributes as Tensor | Module
 
 
 def _cast_input(module: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
     (x,) = args
     weight_dtype = next(module.parameters()).dtype
-    module._spes_input_dtype = x.dtype
+    module._spes_input_dtype = x.dtype  # type: ignore[assignment]  # as above
     if x.dtype == weight_dtype or torch.is_autocast_enabled(x.device.type):
         return None
     return (x.to(weight_dtype),)
@@ -143,18 +112,6 @@ def _cast_input(module: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torc
 def _cast_output(module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor | None:
     wanted = getattr(module, "_spes_input_dtype", output.dtype)
     return None if output.dtype == wanted or torch.is_autocast_enabled(output.device.type) else output.to(wanted)
-
-
-@dataclass
-class FetchStats:
-    """Counters of the frozen-copy refresh protocol (both directions)."""
-
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    served: int = 0
-    fetched: int = 0
-    errors: collections.Counter[str] = field(default_factory=collections.Counter)  # refused input, by kind
-    skipped: collections.Counter[str] = field(default_factory=collections.Counter)  # refreshes not done, by reason
 
 
 @dataclass(frozen=True)
@@ -175,14 +132,6 @@ class SpesStepReport:
     sync: SyncReport | None = None
 
 
-class RefreshFailed(Exception):
-    """A frozen copy could not be fetched; `reason` is the skip counter label."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-
-
 class SpesNode:
     """One node of SPES training: its trainer, its view of ownership, its records, and the gossip
     peers and fetch protocol it syncs over. The daemon calls `start`, then `set_ownership` whenever
@@ -201,17 +150,20 @@ class SpesNode:
         self._settings = settings
         self._ownership = ownership
         self._directory = directory
-        self._refresh_codec = get_codec(config.refresh_codec)
+        self._fetcher = ExpertFetch(transport, settings, config.refresh_codec, lambda: self.trainer.step)
         self._records: dict[ExpertKey, ExpertRecord] = {}
         self._snapshots: dict[ExpertKey, dict[str, np.ndarray]] = {}  # owned experts as last published
         self._shared_peer: GossipPeer | None = None
         self._expert_peers: dict[ExpertKey, GossipPeer] = {}
         self._owned: frozenset[ExpertKey] = frozenset()
-        self.fetch_stats = FetchStats()
 
     @property
     def peer_id(self) -> str:
         return self._transport.peer_id
+
+    @property
+    def fetch_stats(self) -> FetchStats:
+        return self._fetcher.stats
 
     @property
     def ownership(self) -> Ownership:
@@ -263,7 +215,7 @@ class SpesNode:
                                        {n: tensors[n] for n in self.partition.shared}, step=self.trainer.step,
                                        protocol=SHARED_PROTOCOL)
         await self._shared_peer.start()
-        await self._transport.serve(FETCH_PROTOCOL, self._serve_fetch)
+        await self._fetcher.serve(self)
         await self.set_ownership(self._ownership, force=True)
 
     def _settings_for(self, group: str) -> ExchangeSettings:
@@ -405,7 +357,7 @@ class SpesNode:
         values = {**frozen, **current}
 
         def compute() -> dict[str, np.ndarray]:
-            out = {}
+            out: dict[str, np.ndarray] = {}
             for layer in layers:
                 keys = [(layer, e) for e in range(self.partition.experts_per_layer)]
                 experts = [[values[n] for n in self.partition.experts[key]] for key in keys]
@@ -432,7 +384,7 @@ class SpesNode:
                 continue
             source = refresh_source(key, self._ownership, published, self.peer_id)
             if source is None:
-                skipped[key] = "no_record"
+                skipped[key] = str(FetchSkip.NO_RECORD)
                 continue
             record = published[source][key]
             if needs_refresh(self._records[key], record):
@@ -467,81 +419,13 @@ class SpesNode:
         return {n: np.empty(sizes[n], np.float32) for n in self.partition.experts[key]}
 
     async def _fetch(self, source: str, key: ExpertKey, min_version: int) -> tuple[dict[str, np.ndarray], ExpertRecord]:
-        """Expert `key` from `source` in the refresh codec, checked against the hash it declares and
-        at least `min_version` (the version the directory showed)."""
-        like = self._expert_specs(key)
-        expected = Expectation(self._settings.swarm, self._settings.config_hash,
-                               tuple((n, "float32", a.shape) for n, a in like.items()),
-                               frozenset({self.config.refresh_codec}))
-        try:
-            async with asyncio.timeout(self._settings.exchange_timeout_s):
-                stream = await self._transport.open_stream(source, FETCH_PROTOCOL)
-                try:
-                    await self._send(stream, {}, FETCH, {"expert": expert_label(key)}, get_codec("fp32"))
-                    reply = await self._read(stream, _limits_for(like), None)
-                finally:
-                    await stream.close()
-        except TimeoutError:
-            raise RefreshFailed("timeout") from None
-        except ConnectionError as exc:
-            raise RefreshFailed("unreachable", str(exc)) from None
-        except WireError as exc:
-            self._count_error(exc, source)
-            raise RefreshFailed(exc.kind, str(exc)) from None
-        try:
-            if reply.header.kind == REJECT:
-                raise RefreshFailed("rejected", str(reply.header.meta.get("error", "unspecified")))
-            check_expectation(reply.header, expected)
-            if reply.header.kind != EXPERT or reply.header.meta.get("expert") != expert_label(key):
-                raise BadSchema(f"expected expert {expert_label(key)}, got a {reply.header.kind!r} message "
-                                f"for {reply.header.meta.get('expert')!r}")
-            version, declared = reply.header.meta.get("version"), reply.header.meta.get("hash")
-            if not isinstance(version, int) or not isinstance(declared, str):
-                raise BadSchema("an expert reply must carry an integer version and a string hash in meta")
-            got = content_hash([reply.tensors[n] for n in self.partition.experts[key]])
-            if got != declared:
-                raise ExpertHashMismatch(f"expert {expert_label(key)} hashes to {got[:12]}, declared {declared[:12]}")
-            record = ExpertRecord(version, declared, False)
-        except WireError as exc:
-            self._count_error(exc, source)
-            raise RefreshFailed(exc.kind, str(exc)) from None
-        except ValueError as exc:  # a malformed record (version < 0, hash not hex)
-            self._count_error(BadSchema(str(exc)), source)
-            raise RefreshFailed("bad_schema", str(exc)) from None
-        if record.version < min_version:
-            raise RefreshFailed("stale", f"{source} sent version {record.version}, the directory shows {min_version}")
-        self.fetch_stats.fetched += 1
-        return reply.tensors, record
+        return await self._fetcher.fetch(source, key, self._expert_specs(key), min_version)
 
-    async def _serve_fetch(self, stream: Stream) -> None:
-        peer = stream.remote_peer
-        try:
-            async with asyncio.timeout(self._settings.exchange_timeout_s):
-                request = await self._read(stream, REQUEST_LIMITS,
-                                           Expectation(self._settings.swarm, self._settings.config_hash))
-                if request.header.kind != FETCH or request.header.manifest:
-                    raise BadSchema(f"expected a fetch request without tensors, got a {request.header.kind!r} message")
-                label = request.header.meta.get("expert")
-                try:
-                    key = parse_expert_label(label) if isinstance(label, str) else None
-                except ValueError:
-                    key = None
-                if key not in self.partition.experts:
-                    raise BadSchema(f"fetch request for unknown expert {label!r}")
-                tensors, record = await self._served_copy(key)
-                await self._send(stream, tensors, EXPERT, {"expert": label, "version": record.version, "hash": record.hash},
-                                 self._refresh_codec)
-                self.fetch_stats.served += 1
-        except WireError as exc:
-            self._count_error(exc, peer)
-            await self._try_reject(stream, exc)
-        except (TimeoutError, ConnectionError) as exc:
-            self.fetch_stats.errors["timeout" if isinstance(exc, TimeoutError) else "disconnected"] += 1
-            logger.info("expert fetch from %s abandoned: %s", peer, exc or type(exc).__name__)
-            return
-        await _linger(stream, self._settings.exchange_timeout_s)
+    def holds(self, key: ExpertKey) -> bool:
+        """Whether this node has a copy of expert `key` to serve (every node holds every expert)."""
+        return key in self.partition.experts
 
-    async def _served_copy(self, key: ExpertKey) -> tuple[dict[str, np.ndarray], ExpertRecord]:
+    async def served_copy(self, key: ExpertKey) -> tuple[dict[str, np.ndarray], ExpertRecord]:
         """An owner serves what it last published; a holder of a frozen copy (asked on takeover) serves
         that copy, under its version, hashed as sent."""
         if key in self._snapshots:
@@ -551,81 +435,11 @@ class SpesNode:
         image = await asyncio.to_thread(codec_image, [tensors[n] for n in names], self.config.refresh_codec)
         return dict(zip(names, image)), replace(self._records[key], hash=content_hash(image))
 
-    async def _try_reject(self, stream: Stream, exc: WireError) -> None:
-        try:
-            async with asyncio.timeout(min(1.0, self._settings.exchange_timeout_s)):
-                await self._send(stream, {}, REJECT, {"error": exc.kind}, get_codec("fp32"))
-        except (TimeoutError, ConnectionError, WireError):
-            pass  # the asker is gone or broken; the error is already counted
-
-    async def _send(self, stream: Stream, tensors: Mapping[str, np.ndarray], kind: str,
-                    meta: Mapping[str, str | int], codec: Codec) -> None:
-        frames = encode_message(tensors, codec, swarm=self._settings.swarm, config_hash=self._settings.config_hash,
-                                sender=self.peer_id, round=0, step=self.trainer.step, kind=kind, meta=meta,
-                                limits=self._settings.limits)
-        for frame in frames:
-            await stream.write(frame)
-            self.fetch_stats.bytes_sent += len(frame)
-
-    async def _read(self, stream: Stream, limits: WireLimits, expected: Expectation | None) -> Message:
-        async def read_exactly(n: int) -> bytes:
-            data = await stream.read_exactly(n)
-            self.fetch_stats.bytes_received += len(data)
-            return data
-
-        message = await read_message(read_exactly, limits, expected)
-        if message.header.sender != stream.remote_peer:
-            raise BadSchema(f"header names sender {message.header.sender}, but the stream comes from {stream.remote_peer}")
-        return message
-
-    def _count_error(self, exc: WireError, peer: str) -> None:
-        self.fetch_stats.errors[exc.kind] += 1
-        logger.warning("refused expert message from %s: %s: %s", peer, exc.kind, exc)
-
 
 def _co_owner_plan(others: tuple[str, ...]) -> PeerRound:
     """Co-owners of an expert average it uniformly over a complete graph among themselves."""
     weight = 1.0 / (len(others) + 1)
     return PeerRound(weight, dict.fromkeys(others, weight), tuple(others))
-
-
-def _limits_for(like: Mapping[str, np.ndarray]) -> WireLimits:
-    elements = sum(a.size for a in like.values())
-    return replace(DEFAULT_LIMITS, max_tensors=max(1, len(like)), max_payload_bytes=8 * elements + 1024,
-                   max_decoded_bytes=4 * elements + 1024)
-
-
-async def _linger(stream: Stream, timeout_s: float) -> None:
-    """Keep the answering end open until the asker hangs up (p2pd resets a stream whose answering
-    end closes first, and the reset can overtake the answer; see gossip.exchange)."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            await stream.read_exactly(1)
-    except (TimeoutError, ConnectionError):
-        pass
-
-
-def spes_average(members: Mapping[str, Tensors], ownership: Ownership, partition: ModelPartition) -> dict[str, np.ndarray]:
-    """The swarm-average SPES model: shared weights averaged over every node, each expert over its
-    owners (the copies that are trained; frozen copies are only caches of them)."""
-    if not members:
-        raise ValueError("nothing to average")
-    out = average_tensors([{name: m[name] for name in partition.shared} for m in members.values()])
-    for key, names in partition.experts.items():
-        owners = [p for p in ownership.owners[key] if p in members] or list(members)
-        out.update(average_tensors([{name: members[p][name] for name in names} for p in owners]))
-    return out
-
-
-def optimizer_state_covers(trainer: Trainer, partition: ModelPartition, owned: frozenset[ExpertKey]) -> bool:
-    """Whether the optimizer holds state for shared + owned parameters only (what SPES promises)."""
-    return trainer.optimizer_parameter_names <= set(partition.shared) | set(partition.names_of(owned))
-
-
-def tensor_manifest(names: list[str], trainer: Trainer) -> dict[str, tuple[tuple[int], str]]:
-    """(shape, dtype) per flat gossip tensor, for gossip.wire.message_nbytes."""
-    sizes = {name: p.numel() for name, p in trainer.model.named_parameters()}
-    return {n: ((sizes[n],), "float32") for n in names}
 
 
 __all__ = [

@@ -26,7 +26,8 @@ from gossip.spes import (
 )
 from gossip.transport import Transport
 from node.spes.directory import DhtExpertDirectory
-from node.spes.node import ModelPartition, SpesNode, spes_average
+from node.spes.node import SpesNode
+from node.spes.partition import ModelPartition, spes_average
 from node.training.loop import Connect, RecordSample, SwarmTraining
 from node.training.recipe import TrainingRecipe
 from node.training.settings import TrainingSettings

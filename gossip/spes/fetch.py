@@ -1,0 +1,199 @@
+"""SPES's fetch protocol (`/murmur/spes/fetch/1`): one expert copy asked for by label and answered in
+the refresh codec with its version and hash, checked by the asker; over any `Transport`.
+
+docs/spes.md ("The fetch protocol") describes the messages; `node.spes.node.SpesNode` asks and serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import Protocol
+
+import numpy as np
+
+from gossip.codecs import Codec, get_codec
+from gossip.errors import BadSchema, WireError
+from gossip.exchange import ExchangeSettings
+from gossip.spes.rules import (
+    ExpertHashMismatch,
+    ExpertKey,
+    ExpertRecord,
+    content_hash,
+    expert_label,
+    parse_expert_label,
+)
+from gossip.stream import Accounting, Frames, MessageStream
+from gossip.transport import Stream, Transport
+from gossip.wire import (
+    DEFAULT_LIMITS,
+    Expectation,
+    MetaValue,
+    TensorSpec,
+    WireLimits,
+    check_expectation,
+    encode_message,
+)
+
+logger = logging.getLogger(__name__)
+
+FETCH_PROTOCOL = "/murmur/spes/fetch/1"
+FETCH, EXPERT, REJECT = "fetch", "expert", "reject"
+# A fetch request is a header without tensors: small limits, so a hostile asker cannot make us read much.
+REQUEST_LIMITS = replace(DEFAULT_LIMITS, max_header_bytes=16 << 10, max_tensors=1, max_payload_bytes=1,
+                         max_decoded_bytes=1)
+
+
+class FetchSkip(StrEnum):
+    """Why a frozen copy was not fetched (FetchStats.skipped), besides the `WireError.kind` of a refused answer."""
+
+    TIMEOUT = "timeout"
+    UNREACHABLE = "unreachable"
+    REJECTED = "rejected"  # the holder answered with a `reject`
+    STALE = "stale"  # the copy sent is older than the directory showed
+    NO_RECORD = "no_record"  # no owner published a record of the expert
+
+
+@dataclass
+class FetchStats:
+    """Counters of the frozen-copy refresh protocol (both directions)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    served: int = 0
+    fetched: int = 0
+    errors: collections.Counter[str] = field(default_factory=collections.Counter)  # refused input, by kind
+    skipped: collections.Counter[str] = field(default_factory=collections.Counter)  # refreshes not done, by reason
+
+
+class RefreshFailed(Exception):
+    """A frozen copy could not be fetched; `reason` is the skip counter label."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = str(reason)
+
+
+class ExpertHolder(Protocol):
+    """What the serving side asks of the node: which experts it has, and the copy it serves of one."""
+
+    def holds(self, key: ExpertKey) -> bool: ...
+
+    async def served_copy(self, key: ExpertKey) -> tuple[Mapping[str, np.ndarray], ExpertRecord]: ...
+
+
+class ExpertFetch:
+    """Both ends of the fetch protocol for one node; `stats` counts both directions."""
+
+    def __init__(self, transport: Transport, settings: ExchangeSettings, refresh_codec: str,
+                 step: Callable[[], int]) -> None:
+        self._transport = transport
+        self._settings = settings
+        self._refresh_codec_name = refresh_codec
+        self._refresh_codec = get_codec(refresh_codec)
+        self._step = step  # the node's current step, for the headers it sends
+        self.stats = FetchStats()
+        self._accounting = Accounting(self.stats, logger, "refused expert message")
+
+    async def serve(self, holder: ExpertHolder) -> None:
+        async def handler(stream: Stream) -> None:
+            await self._serve(MessageStream(stream, self._accounting), holder)
+
+        await self._transport.serve(FETCH_PROTOCOL, handler)
+
+    async def fetch(self, source: str, key: ExpertKey, like: Mapping[str, np.ndarray],
+                    min_version: int) -> tuple[dict[str, np.ndarray], ExpertRecord]:
+        """Expert `key` from `source` in the refresh codec, shaped as `like` (its float32 tensors, in
+        hash order), checked against the hash it declares and at least `min_version` (the version the
+        directory showed). RefreshFailed says why not."""
+        expected = Expectation(self._settings.swarm, self._settings.config_hash,
+                               tuple(TensorSpec(n, "float32", a.shape) for n, a in like.items()),
+                               frozenset({self._refresh_codec_name}))
+        try:
+            async with asyncio.timeout(self._settings.exchange_timeout_s):
+                stream = MessageStream(await self._transport.open_stream(source, FETCH_PROTOCOL), self._accounting)
+                try:
+                    await stream.send(self._frames({}, FETCH, {"expert": expert_label(key)}, get_codec("fp32")))
+                    reply = await stream.read(_limits_for(like), None)
+                finally:
+                    await stream.close()
+        except TimeoutError:
+            raise RefreshFailed(FetchSkip.TIMEOUT) from None
+        except ConnectionError as exc:
+            raise RefreshFailed(FetchSkip.UNREACHABLE, str(exc)) from None
+        except WireError as exc:
+            self._accounting.count_refused(exc, source)
+            raise RefreshFailed(exc.kind, str(exc)) from None
+        try:
+            if reply.header.kind == REJECT:
+                raise RefreshFailed(FetchSkip.REJECTED, str(reply.header.meta.get("error", "unspecified")))
+            check_expectation(reply.header, expected)
+            if reply.header.kind != EXPERT or reply.header.meta.get("expert") != expert_label(key):
+                raise BadSchema(f"expected expert {expert_label(key)}, got a {reply.header.kind!r} message "
+                                f"for {reply.header.meta.get('expert')!r}")
+            version, declared = reply.header.meta.get("version"), reply.header.meta.get("hash")
+            if not isinstance(version, int) or not isinstance(declared, str):
+                raise BadSchema("an expert reply must carry an integer version and a string hash in meta")
+            got = content_hash([reply.tensors[n] for n in like])
+            if got != declared:
+                raise ExpertHashMismatch(f"expert {expert_label(key)} hashes to {got[:12]}, declared {declared[:12]}")
+            record = ExpertRecord(version, declared, False)
+        except WireError as exc:
+            self._accounting.count_refused(exc, source)
+            raise RefreshFailed(exc.kind, str(exc)) from None
+        except ValueError as exc:  # a malformed record (version < 0, hash not hex)
+            self._accounting.count_refused(BadSchema(str(exc)), source)
+            raise RefreshFailed(BadSchema.kind, str(exc)) from None
+        if record.version < min_version:
+            raise RefreshFailed(FetchSkip.STALE,
+                                f"{source} sent version {record.version}, the directory shows {min_version}")
+        self.stats.fetched += 1
+        return reply.tensors, record
+
+    async def _serve(self, stream: MessageStream, holder: ExpertHolder) -> None:
+        peer = stream.remote_peer
+        try:
+            async with asyncio.timeout(self._settings.exchange_timeout_s):
+                request = await stream.read(REQUEST_LIMITS, Expectation(self._settings.swarm, self._settings.config_hash))
+                if request.header.kind != FETCH or request.header.manifest:
+                    raise BadSchema(f"expected a fetch request without tensors, got a {request.header.kind!r} message")
+                label = request.header.meta.get("expert")
+                try:
+                    key = parse_expert_label(label) if isinstance(label, str) else None
+                except ValueError:
+                    key = None
+                if key is None or not holder.holds(key):
+                    raise BadSchema(f"fetch request for unknown expert {label!r}")
+                tensors, record = await holder.served_copy(key)
+                await stream.send(self._frames(tensors, EXPERT,
+                                               {"expert": label, "version": record.version,
+                                                "hash": record.hash}, self._refresh_codec))
+                self.stats.served += 1
+        except WireError as exc:
+            stream.count_refused(exc)
+            reason = exc.kind
+            await stream.try_reject(lambda: self._frames({}, REJECT, {"error": reason}, get_codec("fp32")),
+                                    min(1.0, self._settings.exchange_timeout_s))
+        except (TimeoutError, ConnectionError) as exc:
+            self.stats.errors["timeout" if isinstance(exc, TimeoutError) else "disconnected"] += 1
+            logger.info("expert fetch from %s abandoned: %s", peer, exc or type(exc).__name__)
+            return
+        # the asker hangs up once it has read the answer (see MessageStream.linger)
+        await stream.linger(self._settings.exchange_timeout_s)
+
+    def _frames(self, tensors: Mapping[str, np.ndarray], kind: str, meta: Mapping[str, MetaValue],
+                codec: Codec) -> Frames:
+        # encoded whole before a byte is written: an expert copy that fails its check is refused as such
+        return encode_message(tensors, codec, swarm=self._settings.swarm, config_hash=self._settings.config_hash,
+                              sender=self._transport.peer_id, round=0, step=self._step(), kind=kind, meta=meta,
+                              limits=self._settings.limits)
+
+
+def _limits_for(like: Mapping[str, np.ndarray]) -> WireLimits:
+    elements = sum(a.size for a in like.values())
+    return replace(DEFAULT_LIMITS, max_tensors=max(1, len(like)), max_payload_bytes=8 * elements + 1024,
+                   max_decoded_bytes=4 * elements + 1024)

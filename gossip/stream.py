@@ -1,0 +1,117 @@
+"""One counted message stream: wire messages written to and read from a `Stream`, their bytes and
+refused messages counted where the protocol keeps its counters, one log line per refused message.
+
+Shared by the gossip exchange (`gossip.exchange`) and the SPES fetch protocol (`gossip.spes.fetch`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+from gossip.errors import BadSchema, WireError
+from gossip.transport import Stream
+from gossip.wire import Expectation, Message, ValuesSink, WireLimits, read_message
+
+Frames = Iterable[bytes | memoryview]
+
+
+class TensorsUnsendable(Exception):
+    """Our own tensors failed the wire's checks halfway through a message (counted as `unsendable`)."""
+
+
+class Counts(Protocol):
+    """The counters a protocol keeps for its streams (ExchangeStats, FetchStats)."""
+
+    bytes_sent: int
+    bytes_received: int
+    errors: collections.Counter[str]  # refused input (and unsendable output), by kind
+
+
+@dataclass(frozen=True)
+class Accounting:
+    """Where one protocol's streams count, and how they log: `refused` starts the warning logged for
+    each refused message ("rejected gossip message", "refused expert message")."""
+
+    counts: Counts
+    logger: logging.Logger
+    refused: str
+
+    def count_refused(self, exc: WireError, peer: str) -> None:
+        self.counts.errors[exc.kind] += 1
+        self.logger.warning("%s from %s: %s: %s", self.refused, peer, exc.kind, exc)
+
+
+class MessageStream:
+    """A `Stream` that moves whole wire messages and counts what it moves (see `Accounting`)."""
+
+    __slots__ = ("_accounting", "_stream", "received")
+
+    def __init__(self, stream: Stream, accounting: Accounting) -> None:
+        self._stream = stream
+        self._accounting = accounting
+        self.received = 0  # bytes read from this stream so far
+
+    @property
+    def remote_peer(self) -> str:
+        return self._stream.remote_peer
+
+    async def send(self, frames: Frames) -> None:
+        """Write a message's buffers as they are produced (`gossip.wire.iter_message`), so the first
+        are on their way while later ones are encoded. A buffer that fails its check after earlier
+        ones went out (e.g. a NaN) cannot be finished, and a reject after part of a message would be
+        garbage to the receiver: counted as `unsendable` and raised as TensorsUnsendable; the caller
+        closes the stream, which the receiver reads as a truncated message."""
+        try:
+            for frame in frames:
+                await self._stream.write(frame)
+                self._accounting.counts.bytes_sent += len(frame)
+        except WireError as exc:
+            self._accounting.counts.errors["unsendable"] += 1
+            self._accounting.logger.error("stopped sending our tensors to %s halfway: %s: %s", self.remote_peer,
+                                          exc.kind, exc)
+            raise TensorsUnsendable(str(exc)) from None
+
+    async def read(self, limits: WireLimits, expected: Expectation | None,
+                   on_values: ValuesSink | None = None) -> Message:
+        """One message, from the peer at the other end (BadSchema if its header names another sender)."""
+        async def read_exactly(n: int) -> bytes:
+            data = await self._stream.read_exactly(n)
+            self._accounting.counts.bytes_received += len(data)
+            self.received += len(data)
+            return data
+
+        message = await read_message(read_exactly, limits, expected, on_values=on_values)
+        if message.header.sender != self.remote_peer:
+            raise BadSchema(f"header names sender {message.header.sender}, but the stream comes from {self.remote_peer}")
+        return message
+
+    def count_refused(self, exc: WireError) -> None:
+        self._accounting.count_refused(exc, self.remote_peer)
+
+    async def try_reject(self, reject: Callable[[], Frames], timeout_s: float) -> None:
+        """Send the `reject` message `reject()` encodes, if the peer still listens within `timeout_s`."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.send(reject())
+        except (TimeoutError, ConnectionError, WireError, TensorsUnsendable):
+            pass  # the peer is gone or broken; the error is already counted
+
+    async def linger(self, timeout_s: float) -> None:
+        """Keep our end open until the other end hangs up (it does once it has read what we sent).
+
+        p2pd resets a stream whose end closes first, and the reset can overtake the last bytes
+        written: the other end would then read a truncated message.
+        """
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._stream.read_exactly(1)
+        except (TimeoutError, ConnectionError):
+            pass  # hung up (or never will): either way we are done
+
+    async def close(self) -> None:
+        await self._stream.close()
