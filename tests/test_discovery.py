@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
 import msgpack
+import msgspec
 import pytest
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
@@ -22,9 +23,10 @@ from hivemind.p2p import P2P
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
-from node.net.discovery import (
-    Discovery,
-    DiscoverySettings,
+from node.net.discovery import Discovery, DiscoverySettings
+from node.net.identity import ClaimedIdentity, Identity, claim_identity, create_identity
+from node.net.proc import create_subprocess_exec
+from node.net.records import (
     PeerRecord,
     Withdrawal,
     config_hash,
@@ -34,8 +36,6 @@ from node.net.discovery import (
     make_record_validator,
     peers_key,
 )
-from node.net.identity import ClaimedIdentity, Identity, claim_identity, create_identity
-from node.net.proc import create_subprocess_exec
 from node.net.transport.p2pd import P2PSettings, start_p2pd
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,7 +53,7 @@ def _record(peer_id: str, **changes: object) -> PeerRecord:
         version="0.1.0",
         heartbeat=1_700_000_000.5,
     )
-    return dataclasses.replace(record, **changes)
+    return msgspec.structs.replace(record, **changes)
 
 
 # ---- records and their validation (no network) ---------------------------------------------------
@@ -63,7 +63,7 @@ def _record(peer_id: str, **changes: object) -> PeerRecord:
 def test_peer_record_round_trips() -> None:
     record = _record("QmPeer")
     assert decode_peer_entry(encode_peer_record(record)) == record
-    with_loss = dataclasses.replace(record, loss=2.5)
+    with_loss = msgspec.structs.replace(record, loss=2.5)
     assert decode_peer_entry(encode_peer_record(with_loss)) == with_loss
     assert decode_peer_entry(encode_withdrawal("QmPeer")) == Withdrawal("QmPeer")
 

@@ -1,7 +1,7 @@
-"""The py-libp2p backend against real processes on loopback: gossip exchanges and bulk bytes in both
-directions between a py-libp2p child and a p2pd daemon, bounded failures (dead, unknown and frozen
-peers), the node noticing its child's death at once, the child dying with a SIGKILLed node, the
-control protocol refusing garbage, and no process importing both hivemind and libp2p."""
+"""The py-libp2p backend against real processes on loopback: gossip exchanges between a py-libp2p child
+and a p2pd daemon, a frozen peer costing one timeout, the node noticing its child's death at once, the
+child dying with a SIGKILLed node, the control protocol refusing garbage, and no process importing both
+hivemind and libp2p (bulk bytes and dead, unknown or unserved peers: tests/test_transport_contract.py)."""
 
 from __future__ import annotations
 
@@ -12,57 +12,24 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from test_transport_contract import libp2p_transport, transport_of
 
 from gossip.codecs import get_codec
 from gossip.exchange import ExchangeSettings, GossipPeer
-from gossip.transport import PeerUnreachable, Stream, StreamClosed
+from gossip.transport import Stream, StreamClosed
 from node.net.identity import claim_identity
 from node.net.transport import control
 from node.net.transport.libp2p import ChildFailed, LibP2PSettings, LibP2PTransport
-from node.net.transport.p2pd import P2PDTransport, P2PSettings, start_p2pd
 from topology import MembershipView, build_topology, peer_round
 
 pytestmark = pytest.mark.multiprocess
 
 REPO = Path(__file__).resolve().parents[1]
 PROTOCOL = "/murmur/test/1"
-PAYLOAD_BYTES = 8 * 1024 * 1024
-CHUNK = 1 << 20
-
-
-@contextlib.asynccontextmanager
-async def libp2p_transport(identity_path: Path, **options: object) -> AsyncIterator[LibP2PTransport]:
-    with claim_identity(identity_path) as claimed:
-        transport = await LibP2PTransport.start(
-            LibP2PSettings(identity_path=claimed.identity.path, peer_id=claimed.identity.peer_id, **options))
-        try:
-            yield transport
-        finally:
-            await transport.close()
-
-
-@contextlib.asynccontextmanager
-async def p2pd_transport(identity_path: Path) -> AsyncIterator[P2PDTransport]:
-    with claim_identity(identity_path) as claimed:
-        p2p = await start_p2pd(P2PSettings(identity_path=claimed.identity.path))
-        transport = P2PDTransport(p2p)
-        try:
-            yield transport
-        finally:
-            await transport.close()
-            await p2p.shutdown()
-
-
-@contextlib.asynccontextmanager
-async def transport_of(kind: str, identity_path: Path) -> AsyncIterator[LibP2PTransport | P2PDTransport]:
-    factory = libp2p_transport if kind == "libp2p" else p2pd_transport
-    async with factory(identity_path) as transport:
-        yield transport
 
 
 async def connect_all(transports) -> None:
@@ -114,64 +81,6 @@ def test_gossip_peers_on_both_backends_reach_the_exact_average(tmp_path: Path, k
 
 
 # ---- bytes, failures, timeouts ---------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("client_kind,server_kind", [("libp2p", "p2pd"), ("p2pd", "libp2p"), ("libp2p", "libp2p")])
-def test_bulk_round_trip_counts_every_byte(tmp_path: Path, client_kind: str, server_kind: str) -> None:
-    async def scenario() -> None:
-        saw_end_of_stream = asyncio.Event()
-
-        async def echo(stream: Stream) -> None:
-            size = int.from_bytes(await stream.read_exactly(8), "big")
-            for offset in range(0, size, CHUNK):
-                await stream.write(await stream.read_exactly(min(CHUNK, size - offset)))
-            with pytest.raises(StreamClosed):
-                await stream.read_exactly(1)
-            saw_end_of_stream.set()
-
-        payload = os.urandom(PAYLOAD_BYTES)
-        async with transport_of(server_kind, tmp_path / "s.key") as server, \
-                transport_of(client_kind, tmp_path / "c.key") as client:
-            await server.serve(PROTOCOL, echo)
-            await client.connect(server.peer_id, await server.maddrs())
-            async with asyncio.timeout(120):
-                stream = await client.open_stream(server.peer_id, PROTOCOL)
-                assert stream.remote_peer == server.peer_id
-                async with asyncio.TaskGroup() as group:
-                    group.create_task(stream.write(len(payload).to_bytes(8, "big") + payload))
-                    echoed = group.create_task(stream.read_exactly(len(payload)))
-                assert echoed.result() == payload
-                await stream.close()
-                await saw_end_of_stream.wait()
-            assert client.bytes_sent == server.bytes_received == PAYLOAD_BYTES + 8
-            assert server.bytes_sent == client.bytes_received == PAYLOAD_BYTES
-
-    asyncio.run(scenario())
-
-
-def test_dead_unknown_and_unserved_peers_fail_within_the_open_timeout(tmp_path: Path) -> None:
-    open_timeout_s = 3.0
-
-    async def scenario() -> None:
-        async with libp2p_transport(tmp_path / "client.key", open_timeout_s=open_timeout_s) as client:
-            async with libp2p_transport(tmp_path / "dead.key") as dead:
-                await dead.serve(PROTOCOL, lambda stream: stream.close())
-                await client.connect(dead.peer_id, await dead.maddrs())
-                dead_id = dead.peer_id
-            with claim_identity(tmp_path / "never.key") as never:
-                unknown_id = never.identity.peer_id
-            for peer_id in (dead_id, unknown_id):
-                started = time.monotonic()
-                with pytest.raises(PeerUnreachable, match=peer_id):
-                    await client.open_stream(peer_id, PROTOCOL)
-                assert time.monotonic() - started < open_timeout_s + 2.5
-            async with libp2p_transport(tmp_path / "alive.key") as alive:
-                await alive.serve(PROTOCOL, lambda stream: stream.close())
-                await client.connect(alive.peer_id, await alive.maddrs())
-                with pytest.raises(PeerUnreachable):
-                    await client.open_stream(alive.peer_id, "/murmur/not-served/1")
-
-    asyncio.run(scenario())
 
 
 def test_a_frozen_peer_costs_one_timeout_and_nothing_else(tmp_path: Path) -> None:

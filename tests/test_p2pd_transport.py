@@ -1,115 +1,32 @@
-"""The p2pd transport between real daemons on loopback: bulk round trip with exact byte counts, bounded
-failures for dead peers and stalled reads, and no daemon left behind when the node is SIGKILLed."""
+"""The p2pd transport between real daemons on loopback: stalled reads torn down on both ends, closing
+ends handlers and streams, and no daemon left behind when the node is SIGKILLed (the contract all
+transports keep is tests/test_transport_contract.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from test_transport_contract import p2pd_transport
 
 from gossip.transport import Stream, StreamClosed
 from node.net.identity import claim_identity
-from node.net.transport.p2pd import P2PDTransport, P2PSettings, PeerUnreachable, start_p2pd
+from node.net.transport.p2pd import P2PDTransport
 
 pytestmark = pytest.mark.multiprocess
 
 REPO = Path(__file__).resolve().parents[1]
 PROTOCOL = "/murmur/test/1"
-PAYLOAD_BYTES = 50 * 1024 * 1024
-CHUNK = 1 << 20
-
-
-@contextlib.asynccontextmanager
-async def p2pd_transport(identity_path: Path, **options: object) -> AsyncIterator[P2PDTransport]:
-    with claim_identity(identity_path) as claimed:
-        p2p = await start_p2pd(P2PSettings(identity_path=claimed.identity.path))
-        transport = P2PDTransport(p2p, **options)
-        try:
-            yield transport
-        finally:
-            await transport.close()
-            await p2p.shutdown()
 
 
 async def connect(client: P2PDTransport, server: P2PDTransport) -> None:
     await client.connect(server.peer_id, await server.maddrs())
-
-
-def test_50mb_round_trip_counts_every_byte(tmp_path: Path) -> None:
-    async def scenario() -> None:
-        saw_end_of_stream = asyncio.Event()
-
-        async def echo(stream: Stream) -> None:
-            size = int.from_bytes(await stream.read_exactly(8), "big")
-            for offset in range(0, size, CHUNK):
-                await stream.write(await stream.read_exactly(min(CHUNK, size - offset)))
-            with pytest.raises(StreamClosed):
-                await stream.read_exactly(1)
-            saw_end_of_stream.set()
-
-        payload = os.urandom(PAYLOAD_BYTES)
-        async with p2pd_transport(tmp_path / "a.key") as server, p2pd_transport(tmp_path / "b.key") as client:
-            await server.serve(PROTOCOL, echo)
-            await connect(client, server)
-            async with asyncio.timeout(60):
-                stream = await client.open_stream(server.peer_id, PROTOCOL)
-                assert stream.remote_peer == server.peer_id
-                async with asyncio.TaskGroup() as group:  # full duplex: the echo starts before we finish sending
-                    group.create_task(stream.write(len(payload).to_bytes(8, "big") + payload))
-                    echoed = group.create_task(stream.read_exactly(len(payload)))
-                assert echoed.result() == payload
-                await stream.close()
-                await saw_end_of_stream.wait()
-
-            assert client.bytes_sent == server.bytes_received == PAYLOAD_BYTES + 8
-            assert server.bytes_sent == client.bytes_received == PAYLOAD_BYTES
-
-    asyncio.run(scenario())
-
-
-def test_open_stream_to_dead_or_unknown_peer_fails_within_its_timeout(tmp_path: Path) -> None:
-    open_timeout_s = 3.0
-
-    async def scenario() -> None:
-        async with p2pd_transport(tmp_path / "client.key", open_timeout_s=open_timeout_s) as client:
-            # A peer we knew, now dead.
-            with claim_identity(tmp_path / "dead.key") as dead:
-                p2p = await start_p2pd(P2PSettings(identity_path=dead.identity.path))
-                dead_peer = P2PDTransport(p2p)
-                await dead_peer.serve(PROTOCOL, lambda stream: stream.close())
-                await connect(client, dead_peer)
-                await dead_peer.close()
-                await p2p.shutdown()
-            # A peer id nobody runs.
-            with claim_identity(tmp_path / "never.key") as never:
-                unknown_peer_id = never.identity.peer_id
-
-            for peer_id in (dead.identity.peer_id, unknown_peer_id):
-                started = time.monotonic()
-                with pytest.raises(PeerUnreachable, match=peer_id):
-                    await client.open_stream(peer_id, PROTOCOL)
-                assert time.monotonic() - started < open_timeout_s + 2.0
-
-    asyncio.run(scenario())
-
-
-def test_unserved_protocol_is_refused(tmp_path: Path) -> None:
-    async def scenario() -> None:
-        async with p2pd_transport(tmp_path / "a.key") as server, p2pd_transport(tmp_path / "b.key") as client:
-            await server.serve(PROTOCOL, lambda stream: stream.close())
-            await connect(client, server)
-            with pytest.raises(PeerUnreachable):
-                await client.open_stream(server.peer_id, "/murmur/not-served/1")
-
-    asyncio.run(scenario())
 
 
 def test_timed_out_read_tears_the_stream_down_on_both_ends(tmp_path: Path) -> None:

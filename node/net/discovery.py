@@ -1,5 +1,6 @@
-"""Swarm membership over hivemind's DHT: the swarm's config, one signed, expiring record per live peer,
-and a membership view (peers sorted by id) that tells its subscribers when the set of peers changes.
+"""Swarm membership over hivemind's DHT: the service that keeps this peer's signed, expiring record
+alive, keeps the swarm's config, and holds a membership view (peers sorted by id) that tells its
+subscribers when the set of peers changes. The records themselves are node.net.records.
 
 Runs hivemind's asyncio `DHTNode` in the node's own event loop on the node's `P2P` (one daemon, one
 identity). `hivemind.DHT` would instead fork a process that replicates the daemon connection and
@@ -13,238 +14,58 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-import hashlib
 import importlib.metadata
 import json
 import logging
 import math
-import re
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
+import msgspec
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
-from hivemind.dht.routing import DHTID
-from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
 from hivemind.p2p import P2P
-from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
-from node.net.identity import Identity, peer_id_of_ssh_key
+from node.net.identity import Identity
+from node.net.records import (
+    MAX_MADDRS,
+    DiscoveryError,
+    PeerRecord,
+    SwarmConfig,
+    SwarmConfigInvalid,
+    canonical_config_bytes,
+    config_hash,
+    config_key,
+    decode_config,
+    decode_peer_entry,
+    encode_config,
+    encode_peer_record,
+    encode_withdrawal,
+    experts_key,
+    make_record_validator,
+    owner_peer_id,
+    peers_key,
+    validate_swarm_name,
+)
 
 logger = logging.getLogger(__name__)
 
-_SWARM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-_OWNER_KEY = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
-
-# Bounds on what a peer record may hold, so a hostile record costs little to reject.
-_MAX_RECORD_BYTES = 64 * 1024
-_MAX_MADDRS = 16
-_MAX_MADDR_CHARS = 512
-_MAX_EXPERTS = 8192
-_MAX_VERSION_CHARS = 64
-_MAX_PEER_ID_CHARS = 128
-
-
-class DiscoveryError(Exception):
-    """Discovery could not do what was asked of the DHT."""
+__all__ = [
+    "BootstrapFailed",
+    "Discovery",
+    "DiscoveryError",
+    "DiscoverySettings",
+    "SwarmConfig",
+    "SwarmConfigInvalid",
+    "experts_key",
+    "validate_swarm_name",
+]
 
 
 class BootstrapFailed(DiscoveryError):
     """None of the initial peers answered."""
-
-
-class SwarmConfigInvalid(DiscoveryError):
-    """The swarm config found in the DHT is malformed or does not match its hash."""
-
-
-def validate_swarm_name(swarm: str) -> str:
-    if not _SWARM_NAME.fullmatch(swarm):
-        raise ValueError(
-            f"invalid swarm name {swarm!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
-        )
-    return swarm
-
-
-def config_key(swarm: str) -> str:
-    return f"{validate_swarm_name(swarm)}.config"
-
-
-def peers_key(swarm: str) -> str:
-    return f"{validate_swarm_name(swarm)}.peers"
-
-
-def experts_key(swarm: str) -> str:
-    """Reserved for SPES expert ownership."""
-    return f"{validate_swarm_name(swarm)}.experts"
-
-
-@dataclass(frozen=True)
-class PeerRecord:
-    """What a live peer says about itself in `<swarm>.peers`."""
-
-    peer_id: str
-    maddrs: tuple[str, ...]  # full multiaddrs others can dial, each ending in /p2p/<peer_id>
-    step: int
-    round: int
-    experts: tuple[int, ...]  # ids of the experts this peer owns
-    capacity: int  # how many experts this peer can own
-    version: str  # murmur software version
-    heartbeat: float  # DHT (unix) time when the record was published
-    gossip_from: int = 0  # first round this peer gossips in; 0 while it waits for a quorum (see node.training.rounds)
-    loss: float | None = None  # the peer's latest training loss, for the monitors of its peers
-
-
-@dataclass(frozen=True)
-class Withdrawal:
-    """A tombstone a peer publishes on clean shutdown; it outranks the peer's last record."""
-
-    peer_id: str
-
-
-@dataclass(frozen=True)
-class SwarmConfig:
-    """The swarm's training config as its founder published it, with the hash peers compare."""
-
-    config: Mapping[str, Any]
-    config_hash: str
-
-
-def canonical_config_bytes(config: Mapping[str, Any]) -> bytes:
-    """Key-sorted compact JSON: equal configs give equal bytes on every peer."""
-    return json.dumps(config, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
-
-
-def config_hash(config: Mapping[str, Any]) -> str:
-    return hashlib.sha256(canonical_config_bytes(config)).hexdigest()
-
-
-def encode_peer_record(record: PeerRecord) -> bytes:
-    fields = dataclasses.asdict(record)
-    fields["maddrs"] = list(record.maddrs)
-    fields["experts"] = list(record.experts)
-    return msgpack.packb(fields, use_bin_type=True)
-
-
-def encode_withdrawal(peer_id: str) -> bytes:
-    return msgpack.packb({"peer_id": peer_id, "withdrawn": True}, use_bin_type=True)
-
-
-def decode_peer_entry(raw: bytes) -> PeerRecord | Withdrawal:
-    """Parse and check a `<swarm>.peers` value; raises ValueError saying what is wrong."""
-    if len(raw) > _MAX_RECORD_BYTES:
-        raise ValueError(f"peer record of {len(raw)} bytes exceeds {_MAX_RECORD_BYTES}")
-    try:
-        fields = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except Exception as exc:
-        raise ValueError(f"peer record is not msgpack: {exc}") from None
-    if not isinstance(fields, dict):
-        raise ValueError("peer record is not a map")
-    peer_id = fields.get("peer_id")
-    if not isinstance(peer_id, str) or not 0 < len(peer_id) <= _MAX_PEER_ID_CHARS:
-        raise ValueError("peer record has no valid peer_id")
-    if fields.get("withdrawn", False) is True:
-        return Withdrawal(peer_id)
-    # Unknown fields are ignored so newer peers can add some; known ones must be well-formed.
-    maddrs = _list_of(fields, "maddrs", str, _MAX_MADDRS)
-    suffix = f"/p2p/{peer_id}"
-    if not maddrs or any(len(addr) > _MAX_MADDR_CHARS or not addr.endswith(suffix) for addr in maddrs):
-        raise ValueError(f"peer record maddrs must be 1-{_MAX_MADDRS} multiaddrs ending in {suffix}")
-    experts = _list_of(fields, "experts", int, _MAX_EXPERTS)
-    if any(expert < 0 for expert in experts):
-        raise ValueError("peer record has a negative expert id")
-    version = fields.get("version")
-    if not isinstance(version, str) or len(version) > _MAX_VERSION_CHARS:
-        raise ValueError("peer record has no valid version")
-    heartbeat = fields.get("heartbeat")
-    if not isinstance(heartbeat, (int, float)) or isinstance(heartbeat, bool) or not math.isfinite(heartbeat):
-        raise ValueError("peer record has no valid heartbeat")
-    return PeerRecord(
-        peer_id=peer_id,
-        maddrs=tuple(maddrs),
-        step=_count(fields, "step"),
-        round=_count(fields, "round"),
-        experts=tuple(experts),
-        capacity=_count(fields, "capacity"),
-        version=version,
-        heartbeat=float(heartbeat),
-        gossip_from=_count(fields, "gossip_from") if "gossip_from" in fields else 0,
-        loss=_optional_loss(fields),
-    )
-
-
-def _optional_loss(fields: dict) -> float | None:
-    loss = fields.get("loss")
-    if loss is None:
-        return None
-    if not isinstance(loss, (int, float)) or isinstance(loss, bool) or not math.isfinite(loss):
-        raise ValueError("peer record has a loss that is not a finite number")
-    return float(loss)
-
-
-def _list_of(fields: dict, name: str, kind: type, max_len: int) -> list:
-    items = fields.get(name)
-    if (
-        not isinstance(items, list)
-        or len(items) > max_len
-        or not all(isinstance(item, kind) and not isinstance(item, bool) for item in items)
-    ):
-        raise ValueError(f"peer record field {name} must be a list of at most {max_len} {kind.__name__}")
-    return items
-
-
-def _count(fields: dict, name: str) -> int:
-    value = fields.get(name)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"peer record field {name} must be a non-negative integer")
-    return value
-
-
-def owner_peer_id(subkey: bytes) -> str | None:
-    """The peer id whose RSA key is embedded (as `[owner:...]`) in a DHT subkey, if exactly one is."""
-    keys = set(_OWNER_KEY.findall(subkey))
-    if len(keys) != 1:
-        return None
-    try:
-        return peer_id_of_ssh_key(keys.pop())
-    except ValueError:
-        return None
-
-
-class PeerRecordValidator(RecordValidatorBase):
-    """Only a peer can speak for itself in `<swarm>.peers`.
-
-    hivemind's RSASignatureValidator (which runs first) checks that a subkey's value is signed by the
-    key in the subkey; this one requires that key to be there and the record to be about the peer
-    that key identifies, so a peer can neither overwrite another's record nor add one in its name.
-    """
-
-    def __init__(self, swarm: str) -> None:
-        self._peers_key_id = DHTID.generate(source=peers_key(swarm)).to_bytes()
-
-    def validate(self, record: DHTRecord) -> bool:
-        if record.key != self._peers_key_id:
-            return True
-        owner = owner_peer_id(record.subkey)
-        if owner is None:
-            return False
-        try:
-            value = MSGPackSerializer.loads(record.value)
-            return isinstance(value, bytes) and decode_peer_entry(value).peer_id == owner
-        except Exception:
-            return False
-
-    @property
-    def priority(self) -> int:
-        # Below RSASignatureValidator's 10: validated after it, on the value with its signature stripped.
-        return 5
-
-
-def make_record_validator(signer: RSASignatureValidator, swarm: str) -> CompositeValidator:
-    """What every murmur DHT node checks records with: signatures first, then peer-record ownership."""
-    return CompositeValidator([signer, PeerRecordValidator(swarm)])
 
 
 def _software_version() -> str:
@@ -305,8 +126,8 @@ class Discovery:
         # the DHT, under a key of its own: two hosts with one peer id would each get the other's
         # dials (see docs/architecture.md, "Data-plane backends").
         suffix = f"/p2p/{identity.peer_id}"
-        if any(not addr.endswith(suffix) for addr in data_maddrs) or len(data_maddrs) > _MAX_MADDRS:
-            raise ValueError(f"data-plane maddrs must be at most {_MAX_MADDRS} multiaddrs ending in {suffix}")
+        if any(not addr.endswith(suffix) for addr in data_maddrs) or len(data_maddrs) > MAX_MADDRS:
+            raise ValueError(f"data-plane maddrs must be at most {MAX_MADDRS} multiaddrs ending in {suffix}")
         if not data_maddrs and p2p.peer_id.to_base58() != identity.peer_id:
             raise ValueError("the P2P daemon was not started with this identity")
         self._data_maddrs = tuple(data_maddrs)
@@ -330,7 +151,7 @@ class Discovery:
             heartbeat=0.0,
         )
         self._dht: DHTNode | None = None
-        self._runner: asyncio.Task | None = None
+        self._runner: asyncio.Task[None] | None = None
         self._last_expiration = -math.inf
         self._view: tuple[PeerRecord, ...] = ()
         self._changed = asyncio.Event()
@@ -385,7 +206,7 @@ class Discovery:
             await self._shutdown_dht()
             raise BootstrapFailed(f"{exc} (initial peers: {', '.join(self._initial_peers)})") from None
         self._dht_maddrs = maddrs
-        self._local = dataclasses.replace(self._local, maddrs=self._data_maddrs or maddrs)
+        self._local = msgspec.structs.replace(self._local, maddrs=self._data_maddrs or maddrs)
         # Publish and read once before returning, so the caller starts with itself and its peers in view.
         await self._publish_record()
         await self._refresh_view()
@@ -451,7 +272,7 @@ class Discovery:
             changes["experts"] = tuple(experts)
         if capacity is not None:
             changes["capacity"] = capacity
-        self._local = dataclasses.replace(self._local, **changes)
+        self._local = msgspec.structs.replace(self._local, **changes)
 
     # ---- membership ---------------------------------------------------------------------------
 
@@ -498,7 +319,7 @@ class Discovery:
             ) from None
         if found is None:
             return None
-        config = _decode_config(found.value)
+        config = decode_config(found.value)
         self._config = config
         self._config_refreshed_at = asyncio.get_running_loop().time()
         return config
@@ -557,7 +378,7 @@ class Discovery:
     async def _publish_record(self) -> None:
         dht = self._require_started()
         now = get_dht_time()
-        self._local = dataclasses.replace(self._local, heartbeat=now)
+        self._local = msgspec.structs.replace(self._local, heartbeat=now)
         expiration = now + self._settings.ttl_s
         # Remember before storing: a store that times out may still have reached some replicas,
         # and the withdrawal must outrank every record that might be out there.
@@ -584,14 +405,12 @@ class Discovery:
 
     async def _store_config(self, config: SwarmConfig) -> bool:
         dht = self._require_started()
-        value = msgpack.packb(
-            {"config": canonical_config_bytes(config.config), "hash": config.config_hash}, use_bin_type=True
-        )
+        value = encode_config(config)
         self._config_refreshed_at = asyncio.get_running_loop().time()
         stored = False
         async with self._counting_failures("dht_store", "storing the swarm config"):
             expiration = get_dht_time() + self._settings.config_ttl_s
-            stored = await dht.store(config_key(self._settings.swarm), value, expiration)
+            stored = bool(await dht.store(config_key(self._settings.swarm), value, expiration))
             if not stored:
                 self._errors["dht_store_rejected"] += 1
                 logger.warning("no DHT peer accepted the swarm config")
@@ -611,7 +430,7 @@ class Discovery:
             self._errors[f"{kind}_failed"] += 1
             logger.warning("%s in the DHT failed: %s", doing, exc)
 
-    async def _read_entries(self, key: str, doing: str) -> dict | None:
+    async def _read_entries(self, key: str, doing: str) -> dict[Any, Any] | None:
         """The subkey entries under `key` (empty when there are none); None when the read failed (counted)."""
         dht = self._require_started()
         entries = None
@@ -657,17 +476,3 @@ class Discovery:
             changed, self._changed = self._changed, asyncio.Event()
             changed.set()
 
-
-def _decode_config(value: object) -> SwarmConfig:
-    try:
-        fields = msgpack.unpackb(value, raw=False) if isinstance(value, bytes) else None
-        raw_config, expected_hash = fields["config"], fields["hash"]
-        config = json.loads(raw_config)
-    except Exception:
-        raise SwarmConfigInvalid("the swarm config in the DHT is malformed") from None
-    if not isinstance(config, dict) or not isinstance(expected_hash, str):
-        raise SwarmConfigInvalid("the swarm config in the DHT is malformed")
-    actual_hash = hashlib.sha256(raw_config).hexdigest()
-    if actual_hash != expected_hash or canonical_config_bytes(config) != raw_config:
-        raise SwarmConfigInvalid(f"the swarm config in the DHT does not match its hash {expected_hash[:12]}")
-    return SwarmConfig(config=config, config_hash=expected_hash)

@@ -129,12 +129,6 @@ class ClaimedIdentity:
     def held(self) -> bool:
         return self._lock.held
 
-    def _forget(self) -> None:
-        """In a forked child: close the inherited descriptor without touching the parent's lock."""
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            os.close(fd)
-
     def release(self) -> None:
         self._lock.release()
 
@@ -226,7 +220,8 @@ def load_identity(path: Path) -> Identity:
 
 def _key_type_name(key_type: int) -> str:
     try:
-        return crypto_pb2.KeyType.Name(key_type)
+        name: str = crypto_pb2.KeyType.Name(key_type)
+        return name
     except ValueError:
         return f"unknown (type {key_type})"
 

@@ -50,7 +50,7 @@ def die_with_this_process(sig: signal.Signals = signal.SIGKILL) -> PreexecFn:
     return set_parent_death_signal
 
 
-def popen(args: list[str], **kwargs: Any) -> subprocess.Popen:
+def popen(args: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
     """subprocess.Popen whose child is SIGKILLed when this process dies."""
     if "preexec_fn" in kwargs:
         raise ValueError("popen sets preexec_fn itself")
@@ -95,4 +95,4 @@ def _install_preexec_wrapper() -> None:
 
     create_subprocess_exec.__wrapped__ = original  # type: ignore[attr-defined]
     create_subprocess_exec._murmur_preexec_wrapper = True  # type: ignore[attr-defined]
-    asyncio.subprocess.create_subprocess_exec = create_subprocess_exec  # type: ignore[assignment]
+    asyncio.subprocess.create_subprocess_exec = create_subprocess_exec

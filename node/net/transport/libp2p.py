@@ -85,12 +85,12 @@ class LibP2PTransport:
         self._process: asyncio.subprocess.Process | None = None
         self._control_writer: asyncio.StreamWriter | None = None
         self._server: asyncio.base_events.Server | None = None
-        self._watcher: asyncio.Task | None = None
+        self._watcher: asyncio.Task[None] | None = None
         self._pending: dict[int, asyncio.Future[None]] = {}
         self._next_id = 0
         self._maddrs: tuple[str, ...] = ()
         self._handlers: dict[str, StreamHandler] = {}
-        self._handler_tasks: set[asyncio.Task] = set()
+        self._handler_tasks: set[asyncio.Task[None]] = set()
         self._counts = _ByteCounts()
         self._streams: set[P2PDStream] = set()
         self._closed = False
@@ -128,15 +128,16 @@ class LibP2PTransport:
         reader, self._control_writer = await asyncio.open_unix_connection(sock=ours)
         try:
             async with asyncio.timeout(settings.startup_timeout_s):
-                ready = await read_frame(reader, ("ready",))
+                ready = await read_frame(reader, (control.Op.READY,))
         except TimeoutError:
             raise ChildFailed(f"the py-libp2p child did not start within {settings.startup_timeout_s:g} s") from None
         if ready is None:
             code = await self._exit_code()
             raise ChildFailed(f"the py-libp2p child exited with status {code} before it was ready (see its stderr)")
-        if ready["peer_id"] != settings.peer_id:
-            raise ChildFailed(f"the py-libp2p child runs as {ready['peer_id']}, not {settings.peer_id}")
-        self._maddrs = tuple(ready["maddrs"])
+        assert isinstance(ready, control.Ready)
+        if ready.peer_id != settings.peer_id:
+            raise ChildFailed(f"the py-libp2p child runs as {ready.peer_id}, not {settings.peer_id}")
+        self._maddrs = ready.maddrs
         self._watcher = asyncio.create_task(self._watch(reader), name="libp2p-child-watch")
         logger.info("py-libp2p child (pid %d) ready on %s", self._process.pid, " ".join(self._maddrs))
 
@@ -153,22 +154,24 @@ class LibP2PTransport:
         reason = "its control channel closed"
         try:
             while True:
-                frame = await read_frame(reader, ("result",))
+                frame = await read_frame(reader, (control.Op.RESULT,))
                 if frame is None:
                     break
-                future = self._pending.pop(frame["id"], None)
+                assert isinstance(frame, control.Result)
+                future = self._pending.pop(frame.id, None)
                 if future is None or future.done():
                     continue
-                if frame["ok"]:
+                if frame.ok:
                     future.set_result(None)
                 else:
-                    future.set_exception(PeerUnreachable(frame["error"]))
+                    future.set_exception(PeerUnreachable(frame.error))
         except (control.ControlError, ConnectionError, OSError) as exc:
             reason = f"it broke the control protocol: {exc}"
         if self._closed:
             return
         code = await self._exit_code()
-        self.died = f"the py-libp2p child (pid {self._process.pid}) is gone: {reason}, exit status {code}"
+        pid = self._process.pid if self._process is not None else None
+        self.died = f"the py-libp2p child (pid {pid}) is gone: {reason}, exit status {code}"
         logger.error("%s; the node's data plane is down", self.died)
         self._fail_everything(ChildFailed(self.died))
         if self._on_death is not None:
@@ -205,7 +208,7 @@ class LibP2PTransport:
             return
         if process.returncode is None and self._control_writer is not None:
             with contextlib.suppress(ConnectionError, OSError, TimeoutError):
-                self._control_writer.write(control.encode("stop"))
+                self._control_writer.write(control.encode(control.Op.STOP))
                 async with asyncio.timeout(1.0):
                     await self._control_writer.drain()
         if self._control_writer is not None:
@@ -243,28 +246,28 @@ class LibP2PTransport:
 
     async def connect(self, peer_id: str, maddrs: Sequence[str]) -> None:
         """Dial `peer_id` at `maddrs` (e.g. from its DHT record) so later streams find it."""
-        await self._request("connect", peer=peer_id, maddrs=list(maddrs), timeout=self._settings.open_timeout_s)
+        await self._request(control.Op.CONNECT, peer=peer_id, maddrs=list(maddrs), timeout=self._settings.open_timeout_s)
 
     async def serve(self, protocol: str, handler: StreamHandler) -> None:
         if protocol in self._handlers:
             raise ValueError(f"{protocol} is already served")
         self._handlers[protocol] = handler
         try:
-            await self._request("serve", protocol=protocol)
+            await self._request(control.Op.SERVE, protocol=protocol)
         except BaseException:
             del self._handlers[protocol]
             raise
 
-    async def _request(self, op: str, **fields: object) -> None:
-        self._require_running()
+    async def _request(self, op: control.Op, **fields: object) -> None:
+        writer = self._require_running()
         request_id = self._next_id
         self._next_id += 1
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
         try:
             async with asyncio.timeout(self._settings.open_timeout_s + 1.0):
-                self._control_writer.write(control.encode(op, id=request_id, **fields))
-                await self._control_writer.drain()
+                writer.write(control.encode(op, id=request_id, **fields))
+                await writer.drain()
                 await future
         except TimeoutError:
             raise PeerUnreachable(f"the py-libp2p child did not answer {op} in time") from None
@@ -277,9 +280,9 @@ class LibP2PTransport:
         try:
             async with asyncio.timeout(self._settings.open_timeout_s + 1.0):
                 reader, writer = await asyncio.open_unix_connection(str(self._stream_socket), limit=_READ_LIMIT)
-                writer.write(control.encode("open", peer=peer_id, protocol=protocol,
+                writer.write(control.encode(control.Op.OPEN, peer=peer_id, protocol=protocol,
                                             timeout=self._settings.open_timeout_s))
-                answer = await read_frame(reader, ("opened", "error"))
+                answer = await read_frame(reader, (control.Op.OPENED, control.Op.ERROR))
         except TimeoutError:
             _abort(writer)
             raise PeerUnreachable(f"no {protocol} stream to {peer_id}: timed out") from None
@@ -289,40 +292,44 @@ class LibP2PTransport:
         except BaseException:
             _abort(writer)
             raise
-        if answer is None or answer.op == "error":
+        if not isinstance(answer, control.Opened):
             _abort(writer)
-            why = answer["error"] if answer is not None else "the child hung up"
+            why = answer.error if isinstance(answer, control.Error) else "the child hung up"
             raise PeerUnreachable(f"no {protocol} stream to {peer_id}: {why}")
         return P2PDStream(peer_id, reader, writer, self._counts, self._streams, self._settings.close_timeout_s)
 
-    def _require_running(self) -> None:
-        if self._closed:
+    def _require_running(self) -> asyncio.StreamWriter:
+        """The control channel's writer; RuntimeError once closed, ChildFailed once the child is gone."""
+        if self._closed or self._control_writer is None:
             raise RuntimeError("transport is closed")
         if self.died is not None:
             raise ChildFailed(self.died)
+        return self._control_writer
 
     async def _on_incoming(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A stream the child accepted: an `incoming` frame, then the stream's bytes."""
         try:
             async with asyncio.timeout(self._settings.io_timeout_s):
-                frame = await read_frame(reader, ("incoming",))
+                frame = await read_frame(reader, (control.Op.INCOMING,))
         except (TimeoutError, control.ControlError, ConnectionError, OSError) as exc:
             self.errors["bad_local_stream"] = self.errors.get("bad_local_stream", 0) + 1
             logger.warning("dropping a local stream connection from the child: %s", exc or type(exc).__name__)
             writer.transport.abort()
             return
-        handler = self._handlers.get(frame["protocol"]) if frame is not None else None
-        if handler is None:
+        handler = self._handlers.get(frame.protocol) if isinstance(frame, control.Incoming) else None
+        if frame is None or handler is None:
             writer.transport.abort()
             return
-        stream = P2PDStream(frame["peer"], reader, writer, self._counts, self._streams, self._settings.close_timeout_s)
+        assert isinstance(frame, control.Incoming)
+        stream = P2PDStream(frame.peer, reader, writer, self._counts, self._streams, self._settings.close_timeout_s)
         task = asyncio.current_task()
+        assert task is not None  # asyncio runs each connection's callback in a task of its own
         self._handler_tasks.add(task)
         try:
             await handler(stream)
         except Exception:
             # A handler must deal with bad peers itself; this only keeps a bug from going silent.
-            logger.exception("%s handler failed on a stream from %s", frame["protocol"], stream.remote_peer)
+            logger.exception("%s handler failed on a stream from %s", frame.protocol, stream.remote_peer)
             stream.abort()
             return
         except BaseException:
@@ -333,7 +340,7 @@ class LibP2PTransport:
         await stream.close()
 
 
-async def read_frame(reader: asyncio.StreamReader, expect: tuple[str, ...]) -> control.Frame | None:
+async def read_frame(reader: asyncio.StreamReader, expect: tuple[control.Op, ...]) -> control.Frame | None:
     """One control frame, or None at a clean end of stream before it; ControlError if it is bad."""
     try:
         prefix = await reader.readexactly(control.LENGTH_BYTES)

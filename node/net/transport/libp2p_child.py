@@ -14,9 +14,10 @@ import logging
 import signal
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import multiaddr
 import trio
@@ -64,7 +65,7 @@ def load_key_pair(identity_path: Path) -> KeyPair:
     return KeyPair(private, private.get_public_key())
 
 
-def make_host(key_pair: KeyPair, settings: ChildSettings):
+def make_host(key_pair: KeyPair, settings: ChildSettings) -> Any:  # libp2p.abc.IHost, typed loosely upstream
     # Explicit security and muxer maps: new_host's defaults would also accept plaintext, SECIO and Mplex.
     security = {
         NOISE_PROTOCOL_ID: NoiseTransport(key_pair, noise_privkey=create_new_x25519_key_pair().private_key),
@@ -89,13 +90,13 @@ def make_host(key_pair: KeyPair, settings: ChildSettings):
 class Child:
     """The child's state: its host, the control channel, and the bridges between streams and sockets."""
 
-    def __init__(self, settings: ChildSettings, host, control_stream: trio.SocketStream) -> None:
+    def __init__(self, settings: ChildSettings, host: Any, control_stream: trio.SocketStream) -> None:
         self.settings = settings
         self.host = host
         self.control = control_stream
         self.send_lock = trio.Lock()
 
-    async def send_control(self, op: str, **fields: object) -> None:
+    async def send_control(self, op: control.Op, **fields: object) -> None:
         async with self.send_lock:
             with trio.fail_after(self.settings.io_timeout_s):
                 await self.control.send_all(control.encode(op, **fields))
@@ -103,21 +104,21 @@ class Child:
     async def control_loop(self, nursery: trio.Nursery) -> None:
         """Serve the node's requests until it says stop or its end closes (the node is gone)."""
         while True:
-            frame = await read_frame(self.control, None, ("connect", "serve", "stop"))
-            if frame is None or frame.op == "stop":
-                return
+            frame = await read_frame(self.control, None, (control.Op.CONNECT, control.Op.SERVE, control.Op.STOP))
+            if not isinstance(frame, control.Connect | control.Serve):
+                return  # stop, or the node's end closed
             nursery.start_soon(self.answer, frame)
 
-    async def answer(self, frame: control.Frame) -> None:
+    async def answer(self, frame: control.Connect | control.Serve) -> None:
         try:
-            if frame.op == "connect":
-                await self.connect(frame["peer"], frame["maddrs"], float(frame["timeout"]))
+            if isinstance(frame, control.Connect):
+                await self.connect(frame.peer, frame.maddrs, frame.timeout)
             else:
-                self.host.set_stream_handler(TProtocol(frame["protocol"]), self.on_incoming)
+                self.host.set_stream_handler(TProtocol(frame.protocol), self.on_incoming)
         except Exception as exc:
-            await self.send_control("result", id=frame["id"], ok=False, error=_reason(exc))
+            await self.send_control(control.Op.RESULT, id=frame.id, ok=False, error=_reason(exc))
         else:
-            await self.send_control("result", id=frame["id"], ok=True, error="")
+            await self.send_control(control.Op.RESULT, id=frame.id, ok=True, error="")
 
     async def connect(self, peer: str, maddrs: Sequence[str], timeout_s: float) -> None:
         peer_id = ID.from_base58(peer)
@@ -128,19 +129,19 @@ class Child:
     async def serve_outgoing(self, local: trio.SocketStream) -> None:
         """One connection to the stream socket: an `open` request, then the stream's bytes."""
         try:
-            frame = await read_frame(local, self.settings.io_timeout_s, ("open",))
-            if frame is None:
+            frame = await read_frame(local, self.settings.io_timeout_s, (control.Op.OPEN,))
+            if not isinstance(frame, control.Open):
                 return
             try:
-                with trio.fail_after(float(frame["timeout"])):
-                    stream = await self.host.new_stream(ID.from_base58(frame["peer"]), [TProtocol(frame["protocol"])])
+                with trio.fail_after(frame.timeout):
+                    stream = await self.host.new_stream(ID.from_base58(frame.peer), [TProtocol(frame.protocol)])
             except Exception as exc:
                 with trio.fail_after(self.settings.io_timeout_s):
-                    await local.send_all(control.encode("error", error=_reason(exc)))
+                    await local.send_all(control.encode(control.Op.ERROR, error=_reason(exc)))
                 return
             try:
                 with trio.fail_after(self.settings.io_timeout_s):
-                    await local.send_all(control.encode("opened", peer=frame["peer"]))
+                    await local.send_all(control.encode(control.Op.OPENED, peer=frame.peer))
             except BaseException:
                 await _reset(stream)
                 raise
@@ -150,14 +151,14 @@ class Child:
         finally:
             await local.aclose()
 
-    async def on_incoming(self, stream) -> None:
+    async def on_incoming(self, stream: Any) -> None:  # libp2p.abc.INetStream
         """libp2p handler: pass the stream to the node over a new local connection."""
         peer = str(stream.muxed_conn.peer_id)
         protocol = str(stream.get_protocol())
         try:
             with trio.fail_after(self.settings.io_timeout_s):
                 local = await trio.open_unix_socket(str(self.settings.node_socket))
-                await local.send_all(control.encode("incoming", peer=peer, protocol=protocol))
+                await local.send_all(control.encode(control.Op.INCOMING, peer=peer, protocol=protocol))
         except (trio.TooSlowError, OSError, trio.BrokenResourceError) as exc:
             logger.info("could not hand a %s stream from %s to the node: %s", protocol, peer, _reason(exc))
             await _reset(stream)
@@ -167,7 +168,7 @@ class Child:
         finally:
             await local.aclose()
 
-    async def bridge(self, stream, local: trio.SocketStream) -> None:
+    async def bridge(self, stream: Any, local: trio.SocketStream) -> None:
         """Pipe bytes both ways until both ends finished; any failure resets the libp2p stream."""
         timeout = self.settings.io_timeout_s
         failed = False
@@ -197,7 +198,7 @@ class Child:
                 with trio.fail_after(timeout):
                     await local.send_all(data)
 
-        async def guarded(pump) -> None:
+        async def guarded(pump: Callable[[], Awaitable[None]]) -> None:
             nonlocal failed
             try:
                 await pump()
@@ -217,7 +218,7 @@ class Child:
 
 
 async def read_frame(
-    local: trio.SocketStream, timeout_s: float | None, expect: tuple[str, ...]
+    local: trio.SocketStream, timeout_s: float | None, expect: tuple[control.Op, ...]
 ) -> control.Frame | None:
     """One control frame, or None on a clean end of stream before it; ControlError if it is bad."""
     with trio.fail_after(timeout_s) if timeout_s is not None else _no_deadline():
@@ -246,7 +247,7 @@ def _no_deadline() -> trio.CancelScope:
     return trio.CancelScope()
 
 
-async def _reset(stream) -> None:
+async def _reset(stream: Any) -> None:
     with trio.move_on_after(1.0):
         try:
             await stream.reset()
@@ -283,13 +284,13 @@ async def run(settings: ChildSettings) -> int:
     control_stream = trio.SocketStream(trio.socket.from_stdlib_socket(socket.socket(fileno=settings.control_fd)))
     child = Child(settings, host, control_stream)
     listener = await _unix_listener(settings.stream_socket)
-    async with host.run(listen_addrs=[multiaddr.Multiaddr(addr) for addr in settings.listen]):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(trio.serve_listeners, child.serve_outgoing, [listener])
-            maddrs = [f"{addr}/p2p/{peer_id}" if "/p2p/" not in str(addr) else str(addr) for addr in host.get_addrs()]
-            await child.send_control("ready", peer_id=peer_id, maddrs=maddrs)
-            await child.control_loop(nursery)
-            nursery.cancel_scope.cancel()
+    async with host.run(listen_addrs=[multiaddr.Multiaddr(addr) for addr in settings.listen]), \
+            trio.open_nursery() as nursery:
+        nursery.start_soon(trio.serve_listeners, child.serve_outgoing, [listener])
+        maddrs = [f"{addr}/p2p/{peer_id}" if "/p2p/" not in str(addr) else str(addr) for addr in host.get_addrs()]
+        await child.send_control(control.Op.READY, peer_id=peer_id, maddrs=maddrs)
+        await child.control_loop(nursery)
+        nursery.cancel_scope.cancel()
     return 0
 
 

@@ -184,12 +184,13 @@ class P2PDTransport:
         self._counts = _ByteCounts()
         self._streams: set[P2PDStream] = set()
         self._protocols: set[str] = set()
-        self._handler_tasks: set[asyncio.Task] = set()
+        self._handler_tasks: set[asyncio.Task[None]] = set()
         self._closed = False
 
     @property
     def peer_id(self) -> str:
-        return self._p2p.peer_id.to_base58()
+        peer_id: str = self._p2p.peer_id.to_base58()
+        return peer_id
 
     @property
     def bytes_sent(self) -> int:
@@ -273,6 +274,7 @@ class P2PDTransport:
                 info.peer_id.to_base58(), reader, writer, self._counts, self._streams, self._close_timeout_s
             )
             task = asyncio.current_task()
+            assert task is not None  # hivemind runs each stream's handler in a task of its own
             self._handler_tasks.add(task)
             try:
                 await handler(stream)
