@@ -191,7 +191,8 @@ def test_expert_directory_over_the_dht_publishes_signed_records_and_skips_malfor
     from test_discovery import member
 
     from gossip.spes import ExpertRecord
-    from node.net.discovery import DiscoverySettings, experts_key
+    from node.net.discovery import DiscoverySettings
+    from node.net.records import experts_key
     from node.spes.directory import DhtExpertDirectory
 
     heartbeat = 0.5

@@ -19,7 +19,7 @@ def check_environment(
     cost hivemind's import): the swarm name, the data dir and identity file, the monitor address."""
     config = resolved.config
     if swarm:
-        from node.net.discovery import validate_swarm_name  # imports hivemind
+        from node.net.records import validate_swarm_name  # imports hivemind
 
         try:
             validate_swarm_name(config.swarm)

@@ -17,8 +17,8 @@ from node.runtime.errors import StartupError
 if TYPE_CHECKING:
     from hivemind.p2p import P2P
 
-    from node.net.discovery import PeerRecord
     from node.net.identity import Identity
+    from node.net.records import PeerRecord
     from node.net.transport.libp2p import LibP2PTransport
 
 logger = logging.getLogger("murmur.node")

@@ -29,7 +29,8 @@ from node.training.checkpoint import Checkpoint, CheckpointUnreadable, load_chec
 from node.training.recipe import RecipeInvalid, SwarmSettings, check_model_allowed, same_payload, swarm_document
 
 if TYPE_CHECKING:
-    from node.net.discovery import Discovery, SwarmConfig
+    from node.net.discovery import Discovery
+    from node.net.records import SwarmConfig
 
 logger = logging.getLogger("murmur.node")
 

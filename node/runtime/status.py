@@ -18,7 +18,8 @@ from node.training.rounds import PeerTiming, participants
 from topology import MembershipView, Topology, build_topology
 
 if TYPE_CHECKING:
-    from node.net.discovery import Discovery, PeerRecord
+    from node.net.discovery import Discovery
+    from node.net.records import PeerRecord
     from node.runtime.data_plane import DataPlane
     from node.training.loop import SwarmTraining
     from node.training.swarm_eval import SwarmEvaluator

@@ -26,7 +26,7 @@ from node.training.trainer import Precision
 from topology import Topology, build_topology
 
 if TYPE_CHECKING:
-    from node.net.discovery import PeerRecord
+    from node.net.records import PeerRecord
     from node.training.loop import SwarmTraining
     from node.training.swarm_eval import Average, PeerRecordLike
 

@@ -18,7 +18,8 @@ from collections.abc import Mapping
 import msgpack
 
 from gossip.spes import ExpertKey, ExpertRecord, RecordsByPeer, records_from_wire, records_to_wire
-from node.net.discovery import Discovery, experts_key
+from node.net.discovery import Discovery
+from node.net.records import experts_key
 
 logger = logging.getLogger(__name__)
 

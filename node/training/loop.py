@@ -27,7 +27,8 @@ from node.training.trainer import GossipTrainer, StepReport, Trainer, TrainerCon
 from topology import MembershipView, PeerRound, Topology, peer_round
 
 if TYPE_CHECKING:
-    from node.net.discovery import Discovery, PeerRecord
+    from node.net.discovery import Discovery
+    from node.net.records import PeerRecord
 
 logger = logging.getLogger("murmur.train")
 
