@@ -3,7 +3,7 @@ gossip transport — shared weights with topology neighbours, owned experts with
 frozen expert copies fetched from an owner only when the owner's published hash changed.
 
 The rules (ownership, records, merge warm-up, traffic) and the fetch protocol are gossip.spes; this
-module applies them to a `Trainer` and a `Transport`. The daemon drives a `SpesNode` (see docs/spes.md, "Daemon wiring").
+module applies them to a `Trainer` and a `Transport`. The daemon drives a `SpesNode` (see docs/spes.md, "Running SPES").
 """
 
 from __future__ import annotations

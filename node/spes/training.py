@@ -172,7 +172,7 @@ class SpesSwarmTraining(SwarmTraining):
         return {CHECKPOINT_META_KEY: json.dumps(records_to_wire(self.node.records()))}
 
     def spes_status(self) -> dict[str, Any] | None:
-        """The `spes` section of the node's status (docs/spes.md, "What the monitor shows")."""
+        """The `spes` section of the node's status (docs/spes.md, "Running SPES")."""
         node = self.node
         base: dict[str, Any] = {"capacity": self.capacity, "experts_per_layer": self.partition.experts_per_layer,
                                 "layers": self.partition.layers, "replication": self.spes_config.replication}

@@ -1,21 +1,8 @@
 """A small GPT-style byte-level decoder, dense or with mixture-of-experts feed-forward layers (nanoGPT-like).
 
-Embedded defaults, measured on the 2-core CI machine (torch 2.13 CPU; one training step = forward,
-backward and an AdamW update on a batch of 16 x 128 bytes; median of 20 steps after 5 warm-up steps,
-on a machine shared with other jobs, so +-20%):
-
-    DEFAULT        MoE: 4 layers, width 128, 4 heads, 8 experts x 256 hidden, top-2, context 128
-                   2,447,616 parameters, 874,752 of them active per token
-                   0.38 s/step with torch.set_num_threads(1), 0.27 s/step with 2 threads
-    DENSE_DEFAULT  its compute-matched dense twin: one 512-wide MLP per layer
-                   870,656 parameters
-                   0.34 s/step with 1 thread, 0.19 s/step with 2 threads
-
-Trained alone with Adam (lr 3e-3, batch 16, one thread) on the embedded corpus, whose validation
-unigram loss is 3.07 nats, DEFAULT's validation cross-entropy is 2.43 after 100 steps, 1.84 after 300
-and 0.72 after 600 (about five minutes). Processes sharing the cores should use one thread each: with
-more intra-op threads than free cores every small op waits for a descheduled thread, and a run that
-takes 7 s on one thread took 90 s on two while other jobs were running.
+Embedded defaults: `DEFAULT`, an MoE of 4 layers, width 128, 4 heads, 8 experts x 256 hidden, top-2,
+context 128; `DENSE_DEFAULT`, its compute-matched dense twin (one 512-wide MLP per layer). Their sizes,
+step times and losses are in docs/benchmarks.md ("The embedded models").
 """
 
 from __future__ import annotations
