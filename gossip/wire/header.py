@@ -234,7 +234,7 @@ def _subject(parts: list[str], obj: dict[str, Any], key_at_fault: bool) -> tuple
         return "header", obj
     field, rest = parts[0], parts[1:]
     value: Any = obj.get(field)
-    if field in _MAP_VALUES and rest and type(value) is dict:
+    if field in _MAP_VALUES and (rest or key_at_fault) and type(value) is dict:
         key, is_key = _bad_item(field, value)
         is_key = is_key or key_at_fault
         what = "a meta key" if field == "meta" else "a codec_opts key"
