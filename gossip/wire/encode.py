@@ -4,7 +4,7 @@ and the exact size a message would take on the wire."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Unpack
 
 import numpy as np
 
@@ -13,6 +13,7 @@ from gossip.errors import FrameTooLarge, WireError
 from gossip.wire.frames import DEFAULT_CHUNK_BYTES, PREFIX_BYTES, frame_prefix
 from gossip.wire.header import (
     DEFAULT_LIMITS,
+    HeaderFields,
     ManifestEntry,
     MetaValue,
     TensorSpec,
@@ -88,32 +89,17 @@ def iter_message(
     tensors: Mapping[str, np.ndarray],
     codec: Codec,
     *,
-    swarm: str,
-    config_hash: str,
-    sender: str,
-    round: int,
-    step: int,
-    kind: str,
     meta: Mapping[str, MetaValue] | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     limits: WireLimits = DEFAULT_LIMITS,
+    **fields: Unpack[HeaderFields],
 ) -> Iterator[bytes | memoryview]:
     """The message's buffers, in order, encoded as they are asked for: a writer sends the first chunks
     while later ones are still being encoded. The header is checked before the first buffer is
     returned; a tensor's values are checked when its buffers are reached, so NonFiniteValues (or
     TypeError) can come after earlier buffers were taken. See `encode_message` for the rest."""
     _check_chunk_bytes(chunk_bytes, limits)
-    header = make_header(
-        tensor_specs(tensors),
-        codec,
-        swarm=swarm,
-        config_hash=config_hash,
-        sender=sender,
-        round=round,
-        step=step,
-        kind=kind,
-        meta=meta,
-    )
+    header = make_header(tensor_specs(tensors), codec, meta=meta, **fields)
     body = pack_header(header)
     if len(body) > limits.max_header_bytes:
         raise FrameTooLarge(f"header of {len(body)} bytes exceeds max_header_bytes ({limits.max_header_bytes})")
@@ -131,15 +117,10 @@ def encode_message(
     tensors: Mapping[str, np.ndarray],
     codec: Codec,
     *,
-    swarm: str,
-    config_hash: str,
-    sender: str,
-    round: int,
-    step: int,
-    kind: str,
     meta: Mapping[str, MetaValue] | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     limits: WireLimits = DEFAULT_LIMITS,
+    **fields: Unpack[HeaderFields],
 ) -> list[bytes | memoryview]:
     """The message as buffers to write in order (their concatenation is the message).
 
@@ -148,8 +129,7 @@ def encode_message(
     with the same `limits` would raise for this header (FrameTooLarge, BadSchema), NonFiniteValues
     for non-finite or unrepresentable values, TypeError for an unsupported dtype.
     """
-    return list(iter_message(tensors, codec, swarm=swarm, config_hash=config_hash, sender=sender, round=round,
-                             step=step, kind=kind, meta=meta, chunk_bytes=chunk_bytes, limits=limits))
+    return list(iter_message(tensors, codec, meta=meta, chunk_bytes=chunk_bytes, limits=limits, **fields))
 
 
 def _specs_of(tensors: Mapping[str, np.ndarray | tuple[Iterable[int], Any]] | Iterable[TensorSpec]) -> list[TensorSpec]:

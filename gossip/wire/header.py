@@ -7,7 +7,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, NamedTuple, cast
+from typing import Annotated, Any, Literal, NamedTuple, TypedDict, Unpack, cast
 
 import msgpack
 import msgspec
@@ -93,6 +93,17 @@ class Header(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         return sum(entry.nbytes for entry in self.manifest)
 
 
+class HeaderFields(TypedDict):
+    """The header fields a sender chooses per message (the rest follow from the codec and the tensors)."""
+
+    swarm: str
+    config_hash: str
+    sender: str
+    round: int
+    step: int
+    kind: str
+
+
 @dataclass(frozen=True)
 class Expectation:
     """What a receiver accepts: its swarm and config, optionally its model's exact manifest and codecs."""
@@ -136,13 +147,8 @@ def make_header(
     specs: Iterable[TensorSpec],
     codec: Codec,
     *,
-    swarm: str,
-    config_hash: str,
-    sender: str,
-    round: int,
-    step: int,
-    kind: str,
     meta: Mapping[str, MetaValue] | None,
+    **fields: Unpack[HeaderFields],
 ) -> Header:
     """The header `codec` gives these tensors (not validated: `parse_header(pack_header(...))` does that)."""
     manifest = tuple(
@@ -152,16 +158,11 @@ def make_header(
     )
     return Header(
         version=PROTOCOL_VERSION,
-        swarm=swarm,
-        config_hash=config_hash,
-        sender=sender,
-        round=round,
-        step=step,
-        kind=kind,
         codec=codec.name,
         codec_opts=dict(codec.options()),
         manifest=manifest,
         meta=dict(meta or {}),
+        **fields,
     )
 
 
