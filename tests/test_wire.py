@@ -36,6 +36,7 @@ from gossip.wire import (
     decode_message,
     encode_message,
     message_nbytes,
+    parse_header,
     read_message,
 )
 
@@ -551,3 +552,70 @@ def test_timeout_with_a_batch_being_decoded_is_a_timeout() -> None:
     with pytest.raises(TimeoutError):
         asyncio.run(read_message(read_exactly, timeout=1.0))
     assert stream.pos > 2 << 20
+
+
+# The header frame body the hand-checked encoder (gossip/wire.py before the msgspec schema, commit
+# 9a9f615) wrote for `_CAPTURED_ARGS`: old and new nodes must read each other's headers.
+_CAPTURED_HEADER = bytes.fromhex(
+    "8ba17601a5737761726da874696e792d6d6f65ab636f6e6669675f68617368a6633066666565a673656e646572ac3132"
+    "44334b6f6f5770656572a5726f756e6403a47374657078a46b696e64a865786368616e6765a5636f646563a4696e7438"
+    "aa636f6465635f6f70747381a5626c6f636b04a86d616e69666573749294a177a7666c6f617433329202030e94a162a7"
+    "666c6f61743136910000a46d65746185a6657870657274a3652e31a763757272656e74c3a16ec0a178cb3ff800000000"
+    "0000a16bfe"
+)
+_CAPTURED_META = {"expert": "e.1", "current": True, "n": None, "x": 1.5, "k": -2}
+
+
+def test_header_bytes_are_those_the_hand_checked_encoder_wrote() -> None:
+    tensors = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros(0, np.float16)}
+    head = bytes(encode_message(tensors, Int8Codec(block=4), meta=_CAPTURED_META, **FIELDS)[0])
+    assert head[8:] == _CAPTURED_HEADER
+    assert parse_header(_CAPTURED_HEADER)[0].meta == _CAPTURED_META
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    tensor_dicts,
+    st.dictionaries(
+        st.text(min_size=1, max_size=8),
+        st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8),
+        max_size=4,
+    ),
+)
+def test_header_bytes_are_the_msgpack_map_of_its_fields(tensors: dict, meta: dict) -> None:
+    """The Struct encodes as msgpack.packb of the same map did: keys in HEADER_KEYS order, same forms."""
+    from gossip.wire.header import pack_header
+
+    header = decode_message(message(tensors, Int8Codec(block=8), meta=meta)).header
+    as_map = {
+        "v": header.version, "swarm": header.swarm, "config_hash": header.config_hash, "sender": header.sender,
+        "round": header.round, "step": header.step, "kind": header.kind, "codec": header.codec,
+        "codec_opts": dict(header.codec_opts), "manifest": [[e.name, e.dtype, list(e.shape), e.nbytes]
+                                                            for e in header.manifest],
+        "meta": dict(header.meta),
+    }  # fmt: skip
+    assert list(as_map) == list(HEADER_KEYS)
+    assert pack_header(header) == msgpack.packb(as_map, use_bin_type=True)
+
+
+def test_declared_dtypes_are_the_wire_dtypes() -> None:
+    from typing import get_args
+
+    from gossip.codecs import WIRE_DTYPES
+    from gossip.wire.header import WireDtype
+
+    assert get_args(WireDtype) == tuple(WIRE_DTYPES)
+
+
+def test_schema_errors_name_the_field_at_fault() -> None:
+    cases = [
+        ({"codec_opts": {"": 1}}, "a codec_opts key is empty"),
+        ({"codec_opts": {"ratio": "x"}}, "codec option 'ratio' must be a number"),
+        ({"meta": {"": 1}}, "a meta key is empty"),
+        ({"manifest": [["w", 5, [2, 3], 24]]}, "manifest entry 0: dtype must be a string"),
+        ({"manifest": [["w", "float32", [2, 3], -1]]}, "manifest entry 0: nbytes must be an integer"),
+        ({"manifest": [["w", "float32", [2, 3], 24, 0]]}, r"\[name, dtype, shape, nbytes\]"),
+    ]
+    for changes, match in cases:
+        with pytest.raises(BadSchema, match=match):
+            decode_message(raw_message(header_dict(**changes), PAYLOAD_24))
