@@ -9,15 +9,24 @@ scratch, never a full-length temporary per neighbour.
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 
-MixingKind = Literal["weighted", "clipped", "median", "trimmed_mean"]
-MIXING_KINDS: tuple[MixingKind, ...] = ("weighted", "clipped", "median", "trimmed_mean")
+
+class MixingKind(enum.StrEnum):
+    """The mixing rules by the name configs, swarm documents and reports use."""
+
+    WEIGHTED = "weighted"
+    CLIPPED = "clipped"
+    MEDIAN = "median"
+    TRIMMED_MEAN = "trimmed_mean"
+
+
+MIXING_KINDS: tuple[str, ...] = tuple(kind.value for kind in MixingKind)
 
 # Weights come from float arithmetic elsewhere (Metropolis-Hastings, 1/degree): accept that rounding.
 WEIGHT_SUM_TOLERANCE = 1e-6
@@ -43,16 +52,18 @@ class MixingRule:
     ignored, so one config object can carry all of them.
     """
 
-    kind: MixingKind = "weighted"
+    kind: MixingKind = MixingKind.WEIGHTED
     tau: float | None = None
     trim: float = 0.2
 
     def __post_init__(self) -> None:
         if self.kind not in MIXING_KINDS:
             raise ValueError(f"unknown mixing kind {self.kind!r}; expected one of {MIXING_KINDS}")
+        # configs and swarm documents pass the plain name: store the member
+        object.__setattr__(self, "kind", MixingKind(self.kind))
         if self.tau is not None and not self.tau > 0:
             raise ValueError(f"clipping radius tau must be > 0, got {self.tau!r}")
-        if self.kind == "clipped" and self.tau is None:
+        if self.kind is MixingKind.CLIPPED and self.tau is None:
             raise ValueError("mixing kind 'clipped' needs a clipping radius tau")
         if not 0.0 <= self.trim < 0.5:
             raise ValueError(f"trim fraction must be in [0, 0.5), got {self.trim!r}")
@@ -103,13 +114,13 @@ def mix(
     vectors = [received[peer] for peer in senders]
     if not vectors:
         return own.copy()
-    if rule.kind == "weighted":
+    if rule.kind is MixingKind.WEIGHTED:
         return _weighted_sum(own, self_w, [weights[peer] for peer in senders], vectors)
-    if rule.kind == "clipped":
+    if rule.kind is MixingKind.CLIPPED:
         assert rule.tau is not None  # checked by MixingRule
         return _clipped(own, [weights[peer] for peer in senders], vectors, rule.tau)
     m = len(vectors) + 1
-    if rule.kind == "median":
+    if rule.kind is MixingKind.MEDIAN:
         return _trimmed_mean(own, vectors, (m - 1) // 2)
     # The epsilon keeps e.g. trim * m = 0.29999999999999998 * 10 from flooring to 2.
     return _trimmed_mean(own, vectors, math.floor(rule.trim * m + 1e-9))

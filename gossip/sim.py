@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gossip.codecs import get_codec
+from gossip.codecs import Codec, get_codec
 from gossip.memory import LinkModel
 from gossip.mixing import MixingRule, mix
 from gossip.wire import message_nbytes
@@ -136,8 +136,9 @@ def simulate(config: SimConfig) -> Iterator[RoundReport]:
         yield RoundReport(t + 1, consensus_error(list(state.values())), moved, view.n, delivered, dropped, sim_time)
 
 
-def _round_trip(codec, x: np.ndarray) -> np.ndarray:
-    return codec.decode(codec.encode(x), x.size).astype(x.dtype, copy=False)
+def _round_trip(codec: Codec, x: np.ndarray) -> np.ndarray:
+    decoded: np.ndarray = codec.decode(codec.encode(x), x.size).astype(x.dtype, copy=False)
+    return decoded
 
 
 def _churn(state: dict[str, np.ndarray], rng: np.random.Generator, churn: float, new_id: Callable[[], str]) -> int:

@@ -11,7 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from gossip import codecs
 from gossip.codecs import (
     CODEC_TYPES,
     Bf16Codec,
@@ -23,6 +22,7 @@ from gossip.codecs import (
     bfloat16_bits,
     codec_from_wire,
     get_codec,
+    kernels,
 )
 from gossip.errors import BadSchema, NonFiniteValues, UnknownCodec
 
@@ -379,14 +379,14 @@ def test_error_feedback_keeps_residuals_per_name_and_resets() -> None:
 @pytest.fixture
 def small_spans(monkeypatch: pytest.MonkeyPatch) -> int:
     """Make every array of more than 2 x 4096 elements split into up to 4 threads, whatever the machine."""
-    monkeypatch.setattr(codecs, "_PARALLEL_MIN", 4096)
-    monkeypatch.setattr(codecs, "_thread_budget", lambda: 4)
+    monkeypatch.setattr(kernels, "_PARALLEL_MIN", 4096)
+    monkeypatch.setattr(kernels, "_thread_budget", lambda: 4)
     return 4096
 
 
 def sequential(monkeypatch: pytest.MonkeyPatch, fn):
     with monkeypatch.context() as m:
-        m.setattr(codecs, "_MAX_THREADS", 1)
+        m.setattr(kernels, "_MAX_THREADS", 1)
         return fn()
 
 
