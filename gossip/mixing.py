@@ -298,7 +298,7 @@ def _trimmed_mean(own: np.ndarray, vectors: Sequence[np.ndarray], k: int) -> np.
     """Per coordinate, the mean of {own} U vectors without the k smallest and k largest values.
 
     Uses k passes of a bubble network (elementwise minimum/maximum over whole rows) instead of
-    np.sort along the stacking axis: about 10x faster for the handful of vectors a round has.
+    np.sort along the stacking axis, which costs far more for the handful of vectors a round has.
     """
     n = own.shape[0]
     m = len(vectors) + 1

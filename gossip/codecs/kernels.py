@@ -81,7 +81,7 @@ def _thread_budget() -> int:
     """Threads worth using now: this one plus the cores the 1-minute load average leaves idle.
 
     On a machine whose cores are all busy, a second thread only waits for a core (and the join
-    waits for the slowest span), which measured slower than one thread on the shared 2-core box.
+    waits for the slowest span), which is slower than one thread.
     """
     try:
         cpus = len(os.sched_getaffinity(0))
