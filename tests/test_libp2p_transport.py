@@ -246,7 +246,8 @@ def test_control_frames_round_trip_and_enforce_limits() -> None:
     frame = control.encode("open", peer="Qm123", protocol="/murmur/gossip/1", timeout=2.5)
     assert control.frame_length(frame[:4]) == len(frame) - 4
     decoded = control.decode_body(_body(frame), ("open",))
-    assert (decoded.op, decoded["peer"], decoded["timeout"]) == ("open", "Qm123", 2.5)
+    assert isinstance(decoded, control.Open)
+    assert (decoded.op, decoded.peer, decoded.timeout) == ("open", "Qm123", 2.5)
     with pytest.raises(control.ControlError, match="expected opened"):
         control.decode_body(_body(frame), ("opened",))
     with pytest.raises(control.ControlError, match="exceeds"):

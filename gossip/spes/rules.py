@@ -272,17 +272,26 @@ def records_from_wire(value: object, max_experts: int = 1 << 16) -> dict[ExpertK
         key = parse_expert_label(label)
         try:
             record = msgspec.convert(entry, WireRecord)
-        except msgspec.ValidationError as exc:
-            raise ValueError(_entry_error(label, entry, str(exc))) from None
+        except msgspec.ValidationError:
+            raise ValueError(_entry_error(label, entry)) from None
         out[key] = ExpertRecord(record.version, record.hash, record.owner)
     return out
 
 
-def _entry_error(label: str, entry: object, error: str) -> str:
-    """What is wrong with one entry, by the field msgspec's error points at (`... - at `$[i]``)."""
-    field_index = error.rpartition("$[")[2].rstrip("]`") if error.endswith("]`") else ""
-    if field_index == "0" and isinstance(entry, list | tuple):
-        return f"expert record: version must be an integer >= 0, got {entry[0]!r}"
-    if field_index == "1" and isinstance(entry, list | tuple):
-        return f"expert record: hash must be 64 lowercase hex digits, got {entry[1]!r}"
+# what each checked field of a WireRecord must be, in the words a refusal names it with
+_FIELD_RULES = {"version": "version must be an integer >= 0", "hash": "hash must be 64 lowercase hex digits"}
+
+
+def _entry_error(label: str, entry: object) -> str:
+    """What is wrong with one refused entry: the first field (in wire order, as msgspec checks them)
+    that fails its declared type on its own, else the entry's shape."""
+    fields = msgspec.structs.fields(WireRecord)
+    if isinstance(entry, list | tuple) and len(entry) == len(fields):
+        for field, value in zip(fields, entry, strict=True):
+            if field.name not in _FIELD_RULES:
+                continue
+            try:
+                msgspec.convert(value, field.type)
+            except msgspec.ValidationError:
+                return f"expert record: {_FIELD_RULES[field.name]}, got {value!r}"
     return f"expert records: entry for {label} must be [version, hash, owner], got {entry!r}"

@@ -57,10 +57,6 @@ class Frame(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     v: int = VERSION
     op: str
 
-    def __getitem__(self, name: str) -> Any:
-        """A field by name, as frames were read before they had a type per op."""
-        return getattr(self, name)
-
 
 class Ready(Frame, frozen=True, kw_only=True, forbid_unknown_fields=True):
     op: Literal["ready"] = "ready"
