@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 import urllib.parse
@@ -150,7 +151,112 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = OneLineErrorParse
     sim.set_defaults(run=_run_sim)
     _add_node_commands(commands)
     _add_demo_command(commands)
+    _add_plan_command(commands)
     return parser
+
+
+# diloco's inner steps per outer sync when --local-steps is not given (DiLoCo's own range is 100-500)
+PLAN_DILOCO_LOCAL_STEPS = 100
+PLAN_CODECS = (*NODE_CODECS, "topk")
+
+
+def _add_plan_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    plan = commands.add_parser(
+        Command.PLAN, help="predict per-step time and bytes of a configuration against ring all-reduce",
+        description="Predict, for a model, a link and a swarm, the time per step and the bytes per step and per "
+        "token of gossip training as murmur runs it, next to ring all-reduce with the same codec and sync period "
+        "and to data-parallel fp32 all-reduce every step, and say which wins and by how much (docs/plan.md). "
+        "Bytes are the exact message sizes of the wire format; times are a model checked against "
+        "bench/bench_wan.py. Without --step-time it measures a step of the model on this machine.")
+    size = plan.add_mutually_exclusive_group()
+    size.add_argument("--model", default=Model.MOE, metavar="MODEL",
+                      help="model whose parameters are counted: moe, dense or package.module:callable (default moe)")
+    size.add_argument("--params", type=positive_int, help="parameter count instead of a model (needs --step-time)")
+    plan.add_argument("--step-time", type=_number(float, lo=0.0), metavar="SECONDS",
+                      help="compute time of one step on one node (default: measured on this machine)")
+    plan.add_argument("--measure-steps", type=_number(int, lo=1, hi=100), default=3,
+                      help="steps timed when measuring the step time, after one warm-up (default 3)")
+    plan.add_argument("--threads", type=non_negative_int, default=1,
+                      help="torch threads when measuring; 0: torch's default (default 1, as murmur demo runs nodes)")
+    plan.add_argument("--bandwidth-mbit", type=_number(float, lo=1e-6), default=20.0,
+                      help="each node's link rate in Mbit/s, each way (default 20)")
+    plan.add_argument("--latency-ms", type=non_negative_float, default=25.0, help="one-way latency (default 25)")
+    plan.add_argument("--link-efficiency", type=_number(float, lo=1e-3, hi=1.0), default=None,
+                      help="share of the link rate that carries message bytes (default 0.93, measured)")
+    plan.add_argument("--peers", type=_number(int, lo=2), default=8, help="number of peers (default 8)")
+    plan.add_argument("--topology", choices=TOPOLOGY_NAMES, default="one-peer-exp",
+                      help="gossip topology (default one-peer-exp)")
+    plan.add_argument("--optimizer", choices=("dsgd", "dadam", "diloco"), default="dadam",
+                      help="dsgd, dadam (round overlapped with the step) or diloco (default dadam)")
+    plan.add_argument("--local-steps", type=positive_int,
+                      help=f"H: steps between syncs (default 1; {PLAN_DILOCO_LOCAL_STEPS} for diloco)")
+    plan.add_argument("--fragments", type=positive_int, default=1,
+                      help="P: diloco's streaming fragments, each synced once per H steps (default 1)")
+    plan.add_argument("--no-overlap", action="store_true", help="diloco: the outer sync does not overlap the next phase")
+    plan.add_argument("--codec", choices=PLAN_CODECS, default="fp32", help="wire codec (default fp32)")
+    plan.add_argument("--topk-ratio", type=_number(float, lo=1e-9, hi=1.0), default=0.01,
+                      help="share of the elements --codec topk sends (default 0.01)")
+    plan.add_argument("--gossip-compression", choices=("none", "choco"), default="none",
+                      help="choco: dsgd/dadam send compressed differences against per-neighbour estimates")
+    plan.add_argument("--batch-size", type=positive_int, default=16, help="sequences per micro-batch (default 16)")
+    plan.add_argument("--context", type=_number(int, lo=2), default=128, help="tokens per sequence (default 128)")
+    plan.add_argument("--micro-batches", type=positive_int, default=1, help="micro-batches per step (default 1)")
+    plan.add_argument("--json", action="store_true",
+                      help="print one JSON object: inputs, numel, gossip, allreduce, data_parallel (each: step_s, "
+                      "sync_s, syncs_per_step, sent_bytes_per_step, received_bytes_per_step, bytes_per_token, ...), "
+                      "winner, speedup, bytes_ratio, vs_data_parallel")
+    _add_topology_options(plan)
+    plan.set_defaults(run=_run_plan)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from gossip.choco import check_topology
+    from gossip.codecs import TopKCodec, get_codec
+    from gossip.plan import DEFAULT_LINK_EFFICIENCY, Algorithm, Compression, LinkSpec, PlanConfig
+    from node.cli.plan import StepTime, flat_specs, measure_step_time, model_specs, plan_and_print
+
+    algorithm, compression = Algorithm(args.optimizer), Compression(args.gossip_compression)
+    if args.params is not None and args.step_time is None:
+        raise UsageError("--params gives no model to measure a step of: pass --step-time SECONDS too")
+    # the combinations PlanConfig refuses, checked before a model is built (that imports torch)
+    if args.fragments > 1 and algorithm is not Algorithm.DILOCO:
+        raise UsageError("--fragments: streaming fragments are diloco's outer sync; use them with --optimizer diloco")
+    if compression is Compression.CHOCO and algorithm is Algorithm.DILOCO:
+        raise UsageError("--gossip-compression choco is for the per-step algorithms dsgd and dadam; diloco "
+                         "compresses its pseudo-gradients with --codec")
+    if args.codec == "topk" and algorithm is not Algorithm.DILOCO and compression is not Compression.CHOCO:
+        raise UsageError("--codec topk drops most of every message; it is sound on differences only: use it with "
+                         "--gossip-compression choco or --optimizer diloco")
+    topology = _topology_spec(args, args.topology)
+    with _values_checked():
+        if compression is Compression.CHOCO:
+            check_topology(topology)
+        codec = TopKCodec(args.topk_ratio) if args.codec == "topk" else get_codec(args.codec)
+        link = LinkSpec(args.bandwidth_mbit, args.latency_ms,
+                        DEFAULT_LINK_EFFICIENCY if args.link_efficiency is None else args.link_efficiency)
+        build_topology(topology, args.peers)  # a bad combination fails here, in one line
+    if args.params is not None:
+        specs, model = tuple(flat_specs(args.params)), f"{args.params:,} parameters"
+    else:
+        try:
+            specs, model = model_specs(args.model), args.model
+        except (ValueError, ImportError, AttributeError, TypeError) as exc:
+            raise UsageError(f"--model {args.model}: {exc}") from None
+    local_steps = args.local_steps or (PLAN_DILOCO_LOCAL_STEPS if algorithm is Algorithm.DILOCO else 1)
+    with _values_checked():
+        config = PlanConfig(specs, 0.0 if args.step_time is None else args.step_time, link, args.peers, topology,
+                            algorithm=algorithm, codec=codec, local_steps=local_steps, fragments=args.fragments,
+                            compression=compression, overlap=not args.no_overlap,
+                            tokens_per_step=args.batch_size * args.context * args.micro_batches)
+    if args.step_time is not None:
+        step = StepTime(args.step_time, "given")
+    else:
+        step = measure_step_time(args.model, steps=args.measure_steps, batch_size=args.batch_size,
+                                 context=args.context, micro_batches=args.micro_batches, optimizer=args.optimizer,
+                                 threads=args.threads)
+        config = dataclasses.replace(config, step_time_s=step.seconds)
+    plan_and_print(config, step, model, as_json=args.json)
+    return 0
 
 
 def _add_demo_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

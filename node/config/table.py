@@ -24,6 +24,7 @@ class Command(StrEnum):
     TOPOLOGY = "topology"
     SIM = "sim"
     DEMO = "demo"
+    PLAN = "plan"
 
 
 NODE = frozenset({Command.NODE, Command.JOIN})

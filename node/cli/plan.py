@@ -1,0 +1,133 @@
+"""`murmur plan`: predict per-step time and bytes of a training configuration against ring all-reduce
+(the model is `gossip.plan`; this module counts the model's parameters, measures a step's compute when
+it is not given, and prints the result)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gossip.plan import Estimate, Plan, PlanConfig, make_plan
+from gossip.wire import TensorSpec
+
+# steps run before the timed ones: the first step allocates and warms the allocator
+WARMUP_STEPS = 1
+
+
+@dataclass(frozen=True)
+class StepTime:
+    seconds: float
+    source: str  # "given", or how it was measured
+
+
+def model_specs(model: str, seed: int = 0) -> tuple[TensorSpec, ...]:
+    """The gossip manifest of a model by name (embedded or import path): one flat float32 tensor per
+    named parameter, as a node exchanges them. Builds the model (imports torch)."""
+    from node.training.models import build_named_model
+
+    built = build_named_model(model, seed=seed)
+    return tuple(TensorSpec(name, "float32", (int(p.numel()),)) for name, p in built.named_parameters())
+
+
+def measure_step_time(model: str, *, steps: int, batch_size: int, context: int, micro_batches: int,
+                      optimizer: str, threads: int) -> StepTime:
+    """Median compute time of `steps` training steps of `model` on the embedded corpus on this machine
+    (after a warm-up step), with the recipe's batch, on `threads` torch threads (0: torch's default)."""
+    import asyncio
+
+    import torch
+
+    from gossip.optimizers import OptimizerConfig
+    from node.training.data import embedded_corpus
+    from node.training.models import build_named_model
+    from node.training.trainer import Trainer, TrainerConfig
+
+    if threads:
+        torch.set_num_threads(threads)
+    corpus = embedded_corpus()
+    # DiLoCo's inner steps are Adam steps; the outer step costs a few vector operations per sync
+    algorithm = "dsgd" if optimizer == "dsgd" else "dadam"
+    config = TrainerConfig(optimizer=OptimizerConfig(algorithm=algorithm, micro_batches=micro_batches),  # type: ignore[arg-type]
+                           batch_size=batch_size, context=context, device="cpu", precision="fp32")
+
+    async def run() -> list[float]:
+        async with Trainer(build_named_model(model, seed=0), config, peer_id="plan", train_tokens=corpus.train,
+                           val_tokens=corpus.val) as trainer:
+            times = [(await trainer.train_step()).compute_s for _ in range(WARMUP_STEPS + steps)]
+        return times[WARMUP_STEPS:]
+
+    times = asyncio.run(run())
+    threads_text = f"{threads} thread{'s' if threads != 1 else ''}" if threads else "torch's default threads"
+    return StepTime(statistics.median(times), f"measured: median of {steps} steps of {model} on this machine, "
+                                              f"{threads_text}")
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:,.3f}"
+
+
+def _row(e: Estimate) -> str:
+    bound = "communication" if e.communication_bound else "compute"
+    return (f"| {e.name} | {e.step_s:.3f} | {e.sync_s:.3f} | {e.syncs_per_step:.3g} | {_mb(e.sent_bytes_per_step)} | "
+            f"{_mb(e.received_bytes_per_step)} | {e.bytes_per_token:,.1f} | {bound} |")
+
+
+def describe(plan: Plan, config: PlanConfig, step: StepTime, model: str) -> list[str]:
+    """The text report: inputs, one row per way of synchronising, and the verdict."""
+    c = config
+    codec = c.codec.name + (f" (ratio {c.codec.options()['ratio']:g})" if c.codec.name == "topk" else "")
+    lines = [
+        f"model: {model}, {plan.numel:,} parameters ({_mb(4 * plan.numel)} MB in fp32), {len(c.specs)} tensors",
+        f"compute per step: {step.seconds:.3f} s ({step.source}); {c.tokens_per_step:,} tokens per node per step",
+        f"link: {c.link.bandwidth_mbit:g} Mbit/s each way, {c.link.latency_ms:g} ms one-way, "
+        f"{c.link.efficiency:.0%} of the rate for messages",
+        f"swarm: {c.peers} peers, {c.topology.name}; {c.algorithm}, codec {codec}, H = {c.local_steps}"
+        + (f", P = {c.fragments} fragments" if c.fragments > 1 else "")
+        + (", compressed gossip (choco)" if c.compression == "choco" else "")
+        + ("" if c.algorithm != "diloco" else (", outer sync overlapped" if c.overlap else ", outer sync not overlapped")),
+        "",
+        "| synchronisation | step s | sync s | syncs/step | MB sent/step | MB received/step | bytes sent/token | bound by |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+        _row(plan.gossip), _row(plan.allreduce), _row(plan.data_parallel), "",
+    ]
+    if plan.winner == "tie":
+        lines.append(f"tie: gossip and ring all-reduce take the same time per step ({plan.gossip.step_s:.3f} s); "
+                     f"gossip sends {plan.bytes_ratio:.2f}x the bytes")
+    elif plan.winner == "gossip":
+        lines.append(f"gossip wins: {plan.speedup:.2f}x faster per step than ring all-reduce with the same codec and "
+                     f"sync period, sending {plan.bytes_ratio:.2f}x its bytes")
+    else:
+        lines.append(f"ring all-reduce wins: {1 / plan.speedup:.2f}x faster per step than gossip, which sends "
+                     f"{plan.bytes_ratio:.2f}x its bytes")
+    dp = plan.data_parallel
+    lines.append(f"against data-parallel fp32 all-reduce every step: {dp.step_s / plan.gossip.step_s:.2f}x faster, "
+                 f"{plan.gossip.sent_bytes_per_step / dp.sent_bytes_per_step:.4f}x the bytes")
+    return lines
+
+
+def print_plan(plan: Plan, config: PlanConfig, step: StepTime, model: str, *, as_json: bool) -> None:
+    if as_json:
+        inputs = {"model": model, "params": plan.numel, "tensors": len(config.specs), "step_time_s": step.seconds,
+                  "step_time_source": step.source, "bandwidth_mbit": config.link.bandwidth_mbit,
+                  "latency_ms": config.link.latency_ms, "link_efficiency": config.link.efficiency,
+                  "peers": config.peers, "topology": config.topology.name, "algorithm": str(config.algorithm),
+                  "codec": config.codec.name, "codec_options": config.codec.options(),
+                  "local_steps": config.local_steps, "fragments": config.fragments,
+                  "compression": str(config.compression), "overlap": config.overlap,
+                  "tokens_per_step": config.tokens_per_step}
+        print(json.dumps({"inputs": inputs, **plan.as_json()}))
+        return
+    print("\n".join(describe(plan, config, step, model)))
+
+
+def plan_and_print(config: PlanConfig, step: StepTime, model: str, *, as_json: bool) -> Plan:
+    plan = make_plan(config)
+    print_plan(plan, config, step, model, as_json=as_json)
+    return plan
+
+
+def flat_specs(params: int) -> Sequence[TensorSpec]:
+    """A model given only by its size: one flat tensor (a real manifest adds a few bytes of header per tensor)."""
+    return (TensorSpec("params", "float32", (params,)),)
