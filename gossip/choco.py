@@ -41,7 +41,10 @@ from topology import TopologySpec
 META_EDGE = "choco_edge"  # completed exchanges on the edge, as the sender counts them
 META_ANCHOR = "choco_anchor"  # digest of the sender's anchor
 ANCHOR_DIGEST_CHARS = 16
-DEFAULT_MAX_EDGES = 8
+DEFAULT_MAX_EDGES = 16
+# default consensus step for top-k: TOPK_GAMMA_PER_RATIO x its ratio, at most MAX_TOPK_GAMMA (see default_gamma)
+TOPK_GAMMA_PER_RATIO = 10.0
+MAX_TOPK_GAMMA = 0.5
 # mixing rules CHOCO can apply to an edge's difference (theirs - mine); the others need whole vectors
 CHOCO_RULES = (MixingKind.WEIGHTED, MixingKind.CLIPPED)
 
@@ -96,10 +99,10 @@ class ChocoSettings:
 
 def default_gamma(codec: Codec) -> float:
     """The consensus step when the recipe leaves it open: 1 for codecs that keep every element (the
-    estimates then catch up in about one exchange); for top-k, twice its ratio, which kept consensus
-    converging in the simulations of docs/training.md where larger steps diverged."""
+    estimates then catch up in about one exchange); for top-k, 10 times its ratio, at most 1/2: the
+    step that trained best in the measurements of docs/training.md (larger steps diverged with DAdam)."""
     ratio = codec.options().get("ratio") if codec.name == "topk" else None
-    return 1.0 if ratio is None else min(1.0, 2.0 * float(ratio))
+    return 1.0 if ratio is None else min(MAX_TOPK_GAMMA, TOPK_GAMMA_PER_RATIO * float(ratio))
 
 
 def anchor_digest(anchor: Tensors) -> str:

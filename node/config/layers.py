@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import tomllib
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
@@ -162,9 +162,36 @@ def _check_combinations(merged: Mapping[str, Sourced]) -> None:
         raise ConfigError(f"{source('training.spes_merge_every')}: the merge interval "
                           f"{current('training.spes_merge_every')} must be a multiple of the sync interval "
                           f"{current('training.spes_sync_every')} (--spes-sync-every)")
+    _check_compression(current, source)
     if current("gossip.topology.name") == "custom" and not current("gossip.topology.edges"):
         raise ConfigError(f"{source('gossip.topology.name')}: the custom topology needs an edge list: "
                           "set --edges, MURMUR_EDGES or gossip.topology.edges")
+
+
+def _check_compression(current: Callable[[str], object], source: Callable[[str], str]) -> None:
+    """--codec topk and --gossip-compression choco: where they are sound (docs/training.md)."""
+    from gossip.choco import CHOCO_RULES, check_topology
+    from topology import TopologySpec
+
+    choco = current("gossip.compression") == "choco"
+    if current("gossip.codec") == "topk" and not choco:
+        raise ConfigError(f"{source('gossip.codec')}: top-k drops most of every message, so it is sound on "
+                          "differences only: add --gossip-compression choco")
+    if not choco:
+        return
+    try:
+        check_topology(TopologySpec(str(current("gossip.topology.name")), weights=current("gossip.topology.weights"),  # type: ignore[arg-type]
+                                    edges=current("gossip.topology.edges") or ((0, 1),),  # type: ignore[arg-type]
+                                    directed=bool(current("gossip.topology.directed"))))
+    except ValueError as exc:
+        raise ConfigError(f"{source('gossip.compression')}: {exc}") from None
+    if current("gossip.mixing.kind") not in CHOCO_RULES:
+        raise ConfigError(f"{source('gossip.mixing.kind')}: compressed gossip moves along per-edge differences; "
+                          f"mixing rule {current('gossip.mixing.kind')} needs whole vectors: use "
+                          f"{' or '.join(CHOCO_RULES)}")
+    if current("training.spes"):
+        raise ConfigError(f"{source('gossip.compression')}: compressed gossip does not cover SPES's expert syncs; "
+                          "drop --spes or --gossip-compression choco")
 
 
 def _replaced(obj: _Config, values: Mapping[str, object]) -> _Config:

@@ -50,7 +50,8 @@ class Model(StrEnum):
 TRANSPORTS = tuple(Transport)
 EMBEDDED_MODEL_NAMES = (Model.MOE, Model.DENSE)
 VECTOR_MODEL = Model.VECTOR
-NODE_CODECS = ("fp32", "fp16", "bf16", "int8")
+NODE_CODECS = ("fp32", "fp16", "bf16", "int8", "topk")
+GOSSIP_COMPRESSIONS = ("none", "choco")
 SPES_REFRESH_CODECS = ("bf16", "int8")  # what --spes-refresh-codec offers (gossip.spes takes fp32/fp16 too)
 SPES_EXPERT_CODECS = ("fp32", "fp16", "bf16", "int8")  # what --spes-expert-codec offers
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -133,7 +134,17 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("monitor.port", Integer(0, 65535, noun="port", metavar="PORT"), "MURMUR_MONITOR_PORT",
             "--monitor-port", "TCP port of the monitor page; 0 picks a free one", MONITOR_CLIENTS),
     Setting("gossip.codec", Choice("codec", NODE_CODECS, metavar="CODEC"), "MURMUR_CODEC", "--codec",
-            "wire codec of the exchanged parameters", NODE),
+            "wire codec of the exchanged parameters; with --gossip-compression choco, of the differences. topk "
+            "only with choco (it drops most of a whole parameter vector)", NODE),
+    Setting("gossip.topk_ratio", Number(0.0, hi=1.0, lo_open=True, metavar="RATIO"), "MURMUR_TOPK_RATIO",
+            "--topk-ratio", "share of the elements --codec topk sends, the largest in magnitude (the swarm's)", NODE),
+    Setting("gossip.compression", Choice("gossip compression", GOSSIP_COMPRESSIONS, metavar="KIND"),
+            "MURMUR_GOSSIP_COMPRESSION", "--gossip-compression",
+            "choco: dsgd/dadam rounds send --codec-compressed differences against per-neighbour estimates "
+            "(CHOCO-SGD) instead of whole parameters; symmetric topologies only (the swarm's)", NODE),
+    Setting("gossip.choco_gamma", Number(0.0, hi=1.0, lo_open=True, metavar="GAMMA"), "MURMUR_CHOCO_GAMMA",
+            "--choco-gamma", "consensus step of --gossip-compression choco (the swarm's)", NODE, optional=True,
+            default_text="1 for fp32/fp16/bf16/int8; for topk 10 x --topk-ratio, at most 0.5"),
     Setting("gossip.round_interval_s", Number(0.0, lo_open=True, metavar="S"), "MURMUR_ROUND_INTERVAL",
             "--round-interval", "seconds between the starts of two gossip rounds", NODE),
     Setting("gossip.exchange_timeout_s", Number(0.0, lo_open=True, metavar="S"), "MURMUR_EXCHANGE_TIMEOUT",

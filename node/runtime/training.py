@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
+from gossip.choco import ChocoState
 from gossip.exchange import ExchangeSettings, GossipPeer
 from node.config import NodeConfig
 from node.runtime.data_plane import connect_new
@@ -63,13 +64,15 @@ async def start_training(runtime: NodeRuntime, recipe: TrainingRecipe, settings:
     except TrainingSetupError as exc:
         raise StartupError(f"cannot train the swarm's model here: {exc}") from None
     stack.push_async_callback(close_in_thread, trainer, "trainer")
+    # compressed gossip's anchor: the seeded initial parameters, the same bits on every fresh peer
+    choco = ChocoState(settings.choco, await trainer.tensors()) if settings.choco is not None else None
     resumed = checkpoint is not None and checkpoint_matches(checkpoint, runtime.config_hash)
     if checkpoint is not None and resumed:
         await trainer.restore(checkpoint.tensors)
         logger.info("resuming from checkpoint at step %d", trainer.step)
     elif checkpoint is not None:
         logger.warning("the checkpoint belongs to another swarm config; starting fresh (it stays as checkpoint.npz.prev)")
-    peer = runtime.peer = GossipPeer(transport, exchange, await trainer.tensors(), step=trainer.step)
+    peer = runtime.peer = GossipPeer(transport, exchange, await trainer.tensors(), step=trainer.step, choco=choco)
     peer.round = last_round_at(trainer.step, recipe)
     topologies: dict[int, Topology] = {}
     connected: set[str] = set()

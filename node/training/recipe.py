@@ -9,7 +9,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, cast
 
-from gossip.codecs import Codec, get_codec
+from gossip.choco import ChocoSettings, check_topology, default_gamma
+from gossip.codecs import Codec, Fp32Codec, get_codec
 from gossip.mixing import MixingRule
 from gossip.optimizers import Algorithm, OptimizerConfig
 from gossip.spes import SpesConfig
@@ -111,7 +112,7 @@ def swarm_document(config: NodeConfig, epoch: float) -> dict[str, Any]:
     """What the founder publishes under `<swarm>.config`; joiners take these settings from it."""
     topo = config.gossip.topology
     recipe = training_recipe(config)
-    return {
+    doc: dict[str, Any] = {
         "version": SWARM_CONFIG_VERSION,
         "epoch": epoch,
         "payload": recipe.to_doc() if recipe is not None else {"kind": PayloadKind.VECTOR.value, "dim": config.dim},
@@ -124,6 +125,23 @@ def swarm_document(config: NodeConfig, epoch: float) -> dict[str, Any]:
             "mixing": asdict(config.gossip.mixing),
         },
     }
+    # absent when unused, so a swarm without them keeps its config hash
+    if config.gossip.codec == "topk":
+        doc["gossip"]["codec_options"] = {"ratio": config.gossip.topk_ratio}
+    if config.gossip.compression == "choco":
+        doc["gossip"]["compression"] = {"kind": "choco", "gamma": config.gossip.choco_gamma}
+    return doc
+
+
+def _compression(g: Mapping[str, Any], codec: Codec, mixing: MixingRule) -> ChocoSettings | None:
+    """The swarm's compressed-gossip settings, if any (ValueError names what is wrong)."""
+    doc = g.get("compression")
+    if doc is None:
+        return None
+    if doc.get("kind") != "choco":
+        raise ValueError(f"unknown gossip compression {doc.get('kind')!r}")
+    gamma = doc.get("gamma")
+    return ChocoSettings(codec=codec, gamma=default_gamma(codec) if gamma is None else float(gamma), rule=mixing)
 
 
 @dataclass(frozen=True)
@@ -131,12 +149,13 @@ class SwarmSettings:
     """The shared settings read back from a swarm document (validated by `from_doc`)."""
 
     topology: TopologySpec
-    codec: Codec
+    codec: Codec  # of whole tensors: rounds, downloads (fp32 under compressed gossip)
     clock: RoundClock
     max_staleness: int
     mixing: MixingRule
     dim: int  # floats of the vector payload; 0 when a model is trained
     training: TrainingRecipe | None
+    choco: ChocoSettings | None = None  # compressed gossip: its codec is the one of the differences
 
     @classmethod
     def from_doc(cls, doc: Mapping[str, Any]) -> SwarmSettings:
@@ -150,15 +169,24 @@ class SwarmSettings:
             if payload["kind"] not in tuple(PayloadKind):
                 raise ValueError(f"unknown payload kind {payload['kind']!r}")
             kind = PayloadKind(payload["kind"])
+            codec = get_codec(g["codec"], **g.get("codec_options", {}))
+            mixing = MixingRule(**g["mixing"])
+            topology = TopologySpec(t["name"], weights=t["weights"], degree=t["degree"], seed=t["seed"],
+                                    rows=t["rows"], edges=tuple(tuple(e) for e in t["edges"]), directed=t["directed"])
+            choco = _compression(g, codec, mixing)
+            if choco is not None:
+                check_topology(topology)
+            elif codec.name == "topk":
+                raise ValueError("codec topk is sound on differences only, and the swarm gossips whole parameters")
             return cls(
-                topology=TopologySpec(t["name"], weights=t["weights"], degree=t["degree"], seed=t["seed"],
-                                      rows=t["rows"], edges=tuple(tuple(e) for e in t["edges"]), directed=t["directed"]),
-                codec=get_codec(g["codec"]),
+                topology=topology,
+                codec=Fp32Codec() if choco is not None else codec,
                 clock=RoundClock(float(doc["epoch"]), float(g["round_interval_s"])),
                 max_staleness=int(g["max_staleness_rounds"]),
-                mixing=MixingRule(**g["mixing"]),
+                mixing=mixing,
                 dim=int(payload["dim"]) if kind is PayloadKind.VECTOR else 0,
                 training=TrainingRecipe.from_doc(payload) if kind is PayloadKind.MODEL else None,
+                choco=choco,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise RecipeInvalid(f"the swarm's config is invalid: {exc}") from None
