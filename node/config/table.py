@@ -172,7 +172,8 @@ SETTINGS: tuple[Setting, ...] = (
             "treat the custom edge list as directed", NODE),
     Setting("gossip.mixing.kind", Choice("mixing rule", MIXING_KINDS, metavar="RULE"), "MURMUR_MIXING", "--mixing",
             "how a round combines the received parameters: weighted average, centered clipping, "
-            "coordinate-wise median or trimmed mean", NODE),
+            "coordinate-wise median, trimmed mean, or variance_corrected (CORE: the average rescaled to the members' "
+            "variance, for members that started from different initialisations)", NODE),
     Setting("gossip.mixing.tau", Number(0.0, lo_open=True, metavar="TAU"), "MURMUR_TAU", "--tau",
             "clipping radius of --mixing clipped", NODE, optional=True),
     Setting("training.model", MODEL_NAME, "MURMUR_MODEL", "--model",
