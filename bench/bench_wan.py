@@ -351,7 +351,7 @@ def evaluate(trace: Trace, workdir: Path, args: argparse.Namespace) -> None:
     import torch
 
     from node.training.data import embedded_corpus, validation_batches
-    from node.training.loop import EVAL_BATCH_SIZE, EVAL_BATCHES
+    from node.training.loop import EVAL_BATCH_SIZE
     from node.training.models import build_named_model, mean_cross_entropy
 
     corpus = embedded_corpus(workdir, 0)
@@ -367,7 +367,8 @@ def evaluate(trace: Trace, workdir: Path, args: argparse.Namespace) -> None:
         with torch.no_grad():
             for name, p in params.items():
                 p.copy_(torch.from_numpy((total[name] / args.nodes).astype(np.float32)).view_as(p))
-        trace.losses[step] = mean_cross_entropy(model, validation_batches(corpus.val, EVAL_BATCH_SIZE, 128, EVAL_BATCHES))
+        trace.losses[step] = mean_cross_entropy(model, validation_batches(corpus.val, EVAL_BATCH_SIZE, 128,
+                                                                          args.eval_batches))
 
 
 # ---- plan accuracy ----------------------------------------------------------------------------------
@@ -442,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--steps", type=int, default=100, help="steps every configuration takes (default 100)")
     parser.add_argument("--snapshot-every", type=int, default=10)
+    parser.add_argument("--eval-batches", type=int, default=8, help="validation batches of 32 x 128 (default 8, "
+                        "as a node evaluates)")
     parser.add_argument("--target", type=float, default=2.6, help="validation loss to reach (default 2.6)")
     parser.add_argument("--max-minutes", type=float, default=20.0, help="per configuration (default 20)")
     parser.add_argument("--exchange-timeout", type=float, default=30.0)
