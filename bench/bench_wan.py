@@ -63,7 +63,7 @@ class Config:
 def configs(args: argparse.Namespace) -> dict[str, Config]:
     common = {"model": args.model, "batch_size": args.batch_size, "lr": args.lr, "warmup_steps": args.warmup}
     return {
-        "compute": Config("compute: local steps only (no gossip)", "murmur", {**common, "local_steps": 1_000_000}),
+        "compute": Config("compute: local steps only (no gossip)", "murmur", {**common, "local_steps": 10_000}),
         "dadam-fp32": Config("murmur DAdam, fp32, one-peer-exp", "murmur", {**common, "topology": "one-peer-exp"},
                              {"optimizer": "dadam", "topology": "one-peer-exp", "codec": "fp32"}),
         "choco-topk": Config("murmur DAdam + choco top-k 5%, hypercube", "murmur",
@@ -99,7 +99,7 @@ class Trace:
     losses: dict[int, float] = field(default_factory=dict)  # step -> validation loss of the average
     note: str = ""
 
-    def step_time(self, warm_steps: int = 3) -> float | None:
+    def step_time(self, warm_steps: int) -> float | None:
         """Median over nodes of the mean wall time per step after the first `warm_steps` steps."""
         per_node = []
         for polls in self.polls:
@@ -254,7 +254,7 @@ def run_hivemind(net, config: Config, args: argparse.Namespace, workdir: Path) -
     processes: list[subprocess.Popen] = []
     spec = {"workdir": str(workdir), "nodes": args.nodes, "model": args.model, "batch_size": args.batch_size,
             "lr": args.lr, "warmup": args.warmup, "snapshot_every": args.snapshot_every, "every": args.hivemind_every,
-            "steps": args.steps, "max_minutes": args.max_minutes + 5}
+            "max_minutes": args.max_minutes + 5}
     try:
         for i in range(args.nodes):
             role = {**spec, "index": i, "listen": net.listen_maddr(i), "announce": net.announce_maddr(i)}
@@ -314,7 +314,9 @@ def hivemind_role(spec: dict) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)  # hivemind's averager set it to ignored
     deadline = time.monotonic() + 60 * spec["max_minutes"]
     step = 0
-    while not (workdir / "stop").exists() and time.monotonic() < deadline and step < spec["steps"]:
+    # like a murmur node, a peer trains until it is stopped: peers past --steps keep the swarm's epochs going
+    # for one that lags (a hivemind peer alone cannot find an averaging group and stalls)
+    while not (workdir / "stop").exists() and time.monotonic() < deadline:
         lr = spec["lr"] * min(1.0, (step + 1) / spec["warmup"]) if spec["warmup"] else spec["lr"]
         for group in opt.opt.param_groups:  # the inner torch optimizer's groups (opt.param_groups are copies)
             group["lr"] = lr
@@ -331,8 +333,6 @@ def hivemind_role(spec: dict) -> None:
                              for name, p in model.named_parameters()})
             tmp.rename(workdir / f"snap-n{index}-{step}.npz")
         _write_json(workdir / f"progress{index}.json", {"t": time.time(), "step": step, "epoch": opt.local_epoch})
-    while not (workdir / "stop").exists() and time.monotonic() < deadline:
-        time.sleep(0.5)  # stay in the swarm (as a murmur node does) until the bench stops everyone
     opt.shutdown()
     dht.shutdown()
 
@@ -374,22 +374,31 @@ def evaluate(trace: Trace, workdir: Path, args: argparse.Namespace) -> None:
 # ---- plan accuracy ----------------------------------------------------------------------------------
 
 
-def predicted_step(config: Config, args: argparse.Namespace, step_time: float) -> float:
-    """`murmur plan`'s step time for this configuration, given the compute-only step time measured here."""
+def predicted_step(config: Config, args: argparse.Namespace, step_time: float) -> tuple[float, float]:
+    """`murmur plan`'s step time for this configuration given the compute-only step time measured in the
+    run, and the round's local CPU work it counted. That work is measured by `murmur plan` itself next to
+    a step of the model, and scaled by the run's step over that step: both ran on the same (shared) cores."""
     assert config.plan is not None
-    argv = [MURMUR, "plan", "--model", args.model, "--step-time", f"{step_time:.6f}", "--peers", str(args.nodes),
-            "--bandwidth-mbit", str(args.rate_mbit), "--latency-ms", str(args.delay_ms), "--batch-size",
-            str(args.batch_size), "--json", *_flag_args(config.plan)]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=REPO)
-    if out.returncode != 0:
-        raise RuntimeError(f"murmur plan failed: {out.stderr}")
-    return float(json.loads(out.stdout)["gossip"]["step_s"])
+    common = [MURMUR, "plan", "--model", args.model, "--peers", str(args.nodes), "--bandwidth-mbit", str(args.rate_mbit),
+              "--latency-ms", str(args.delay_ms), "--batch-size", str(args.batch_size), "--json",
+              *_flag_args(config.plan)]
+
+    def plan(*extra: str) -> dict:
+        out = subprocess.run([*common, *extra], capture_output=True, text=True, timeout=600, cwd=REPO)
+        if out.returncode != 0:
+            raise RuntimeError(f"murmur plan failed: {out.stderr}")
+        return json.loads(out.stdout)
+
+    here = plan("--round-cpu", "measure")["inputs"]
+    round_cpu = here["round_cpu_s"] * step_time / here["step_time_s"]
+    return plan("--step-time", f"{step_time:.6f}", "--round-cpu", f"{round_cpu:.6f}")["gossip"]["step_s"], round_cpu
 
 
 # ---- report -----------------------------------------------------------------------------------------
 
 
 def report(traces: dict[str, Trace], cfgs: dict[str, Config], args: argparse.Namespace) -> list[str]:
+    warm = max(3, args.steps // 5)  # step times leave out the start (quorum, first dials, lag waits)
     base = traces.get("dadam-fp32")
     base_hit = base.to_target(args.target) if base else None
     lines = [f"### Time to validation loss {args.target:g}: {args.nodes} nodes, {args.rate_mbit:g} Mbit/s each way, "
@@ -398,7 +407,7 @@ def report(traces: dict[str, Trace], cfgs: dict[str, Config], args: argparse.Nam
              "time to target vs DAdam fp32 |", "|---|---:|---:|---:|---:|---:|"]
     for key, trace in traces.items():
         hit = trace.to_target(args.target)
-        step, moved = trace.step_time(), trace.bytes_per_step()
+        step, moved = trace.step_time(warm), trace.bytes_per_step()
         ratio = f"{base_hit[1] / hit[1]:.2f}x faster" if base_hit and hit and key != "dadam-fp32" else "-"
         lines.append(f"| {cfgs[key].name} | {f'{hit[1]:.0f}' if hit else 'not reached'} | {hit[0] if hit else '-'} | "
                      f"{f'{step:.2f}' if step else '-'} | {f'{moved / 1e6:.3f}' if moved else '-'} | {ratio} |")
@@ -407,20 +416,20 @@ def report(traces: dict[str, Trace], cfgs: dict[str, Config], args: argparse.Nam
         curve = ", ".join(f"{step}: {loss:.3f} ({trace.snapshots[step]:.0f} s)" for step, loss in sorted(trace.losses.items()))
         lines.append(f"- {key}: {curve or '-'}{f' ({trace.note})' if trace.note else ''}")
     compute = traces.get("compute")
-    compute_step = compute.step_time() if compute else None
+    compute_step = compute.step_time(warm) if compute else None
     planned = [key for key in traces if cfgs[key].plan is not None]
     if compute_step and planned:
         lines += ["", f"### Plan accuracy: predicted against measured step time (compute-only step {compute_step:.3f} s, "
                   "measured in the same command)", "",
-                  "| configuration | measured s / step | predicted s / step | predicted / measured | within 25% |",
-                  "|---|---:|---:|---:|---|"]
+                  "| configuration | measured s / step | predicted s / step | of which a round's CPU work | "
+                  "predicted / measured | within 25% |", "|---|---:|---:|---:|---:|---|"]
         for key in planned:
-            measured = traces[key].step_time()
+            measured = traces[key].step_time(warm)
             if measured is None:
                 continue
-            predicted = predicted_step(cfgs[key], args, compute_step)
+            predicted, round_cpu = predicted_step(cfgs[key], args, compute_step)
             ratio = predicted / measured
-            lines.append(f"| {cfgs[key].name} | {measured:.3f} | {predicted:.3f} | {ratio:.2f} | "
+            lines.append(f"| {cfgs[key].name} | {measured:.3f} | {predicted:.3f} | {round_cpu:.3f} | {ratio:.2f} | "
                          f"{'yes' if abs(ratio - 1) <= 0.25 else 'NO'} |")
     return lines
 
@@ -451,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--diloco-h", type=int, default=25)
     parser.add_argument("--hivemind-every", type=int, default=10, help="steps of the swarm between averagings")
     parser.add_argument("--json-out", type=Path, help="also write the traces here")
+    parser.add_argument("--report", type=Path, help="print the report of traces written by --json-out (same other "
+                        "flags), without running anything")
     parser.add_argument("--role", choices=("hivemind",), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -460,6 +471,13 @@ def main(argv: list[str] | None = None) -> int:
     from bench.wan_net import wan
     from node.net.proc import popen
 
+    if args.report is not None:
+        saved = json.loads(args.report.read_text())
+        traces = {key: Trace(**{**value, "snapshots": {int(k): v for k, v in value["snapshots"].items()},
+                                "losses": {int(k): v for k, v in value["losses"].items()}})
+                  for key, value in saved.items()}
+        print("\n".join(report(traces, configs(args), args)))
+        return 0
     signal.signal(signal.SIGTERM, _interrupted)
     signal.signal(signal.SIGINT, _interrupted)  # a background job's SIGINT is ignored otherwise
     cfgs = configs(args)
@@ -487,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
                     run = run_hivemind if cfgs[key].kind == "hivemind" else run_murmur
                     traces[key] = run(net, cfgs[key], args, Path(tmp) / key)
                     t = traces[key]
-                    print(f"{key}: step time {t.step_time()}, {len(t.snapshots)} snapshots {t.note} "
+                    print(f"{key}: step time {t.step_time(3)}, {len(t.snapshots)} snapshots {t.note} "
                           f"({time.monotonic() - started:.0f} s, load average {os.getloadavg()[0]:.1f})", flush=True)
             finally:
                 _stop_all([relay])

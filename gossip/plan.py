@@ -116,6 +116,9 @@ class PlanConfig:
     header: HeaderValues = HeaderValues()
     # meta a round's tensor messages carry (CHOCO's edge state); None: what `compression` implies
     meta: Mapping[str, MetaValue] | None = None
+    # CPU seconds of one sync's local work on one node (encoding, validating and decoding messages, mixing,
+    # compressed gossip's estimates), on the cores that compute the steps (see docs/plan.md)
+    round_cpu_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.specs:
@@ -136,6 +139,8 @@ class PlanConfig:
             raise ValueError("compressed gossip (choco) is for the per-step algorithms dsgd and dadam")
         if self.tokens_per_step < 1:
             raise ValueError(f"tokens per step must be >= 1, got {self.tokens_per_step}")
+        if not (math.isfinite(self.round_cpu_s) and self.round_cpu_s >= 0):
+            raise ValueError(f"round CPU time must be a finite number of seconds >= 0, got {self.round_cpu_s!r}")
 
     @property
     def numel(self) -> int:
@@ -322,15 +327,19 @@ class Estimate:
                 "tokens_per_step": self.tokens_per_step, "communication_bound": self.communication_bound}
 
 
-def _step_time(algorithm: Algorithm, compute_s: float, sync_s: float, steps_per_sync: float, overlap: bool) -> float:
-    """Wall time per step when a sync of `sync_s` happens every `steps_per_sync` steps."""
+def _step_time(algorithm: Algorithm, compute_s: float, sync_s: float, steps_per_sync: float, overlap: bool,
+               cpu_s: float = 0.0) -> float:
+    """Wall time per step when a sync of `sync_s` (its transfers and round trips) happens every
+    `steps_per_sync` steps, and costs `cpu_s` of work on the cores that also compute: that work is in
+    the sync's own time and adds to the compute it overlaps."""
+    k = steps_per_sync
     if algorithm is Algorithm.DADAM:
         # the round overlaps the one step it belongs to; the other H-1 steps are compute alone
-        return ((steps_per_sync - 1) * compute_s + max(compute_s, sync_s)) / steps_per_sync
+        return ((k - 1) * compute_s + max(compute_s + cpu_s, sync_s + cpu_s)) / k
     if algorithm is Algorithm.DILOCO and overlap:
-        # the sync runs during the next steps_per_sync steps; compute waits only for what does not fit
-        return max(compute_s, sync_s / steps_per_sync)
-    return compute_s + sync_s / steps_per_sync
+        # the sync runs during the next k steps; compute waits only for what does not fit
+        return max(compute_s + cpu_s / k, (sync_s + cpu_s) / k)
+    return compute_s + (sync_s + cpu_s) / k
 
 
 def round_messages(config: PlanConfig) -> list[MessageSizes]:
@@ -358,7 +367,8 @@ def gossip_estimate(config: PlanConfig) -> Estimate:
     # P fragments each sync once per H steps, staggered: one fragment's sync every H/P steps
     sync_s = sum(c.time_s for c in costs) / p
     steps_per_sync = h / p
-    step_s = _step_time(config.algorithm, config.step_time_s, sync_s, steps_per_sync, config.overlap)
+    step_s = _step_time(config.algorithm, config.step_time_s, sync_s, steps_per_sync, config.overlap,
+                        config.round_cpu_s / p)
     name = f"gossip {config.algorithm}" + (" + choco" if config.compression is Compression.CHOCO else "")
     return Estimate(name, step_s, sync_s, 1 / steps_per_sync, sum(c.sent_bytes for c in costs) / h,
                     sum(c.received_bytes for c in costs) / h, config.tokens_per_step)
@@ -377,7 +387,9 @@ def allreduce_estimate(config: PlanConfig, *, codec: Codec | None = None, every:
     p = len(costs)
     sync_s = sum(c.time_s for c in costs) / p
     steps_per_sync = h / p
-    step_s = _step_time(algorithm, config.step_time_s, sync_s, steps_per_sync, config.overlap)
+    # the collective's local work (encoding, summing, decoding the same tensors) costs about what a round's does
+    step_s = _step_time(algorithm, config.step_time_s, sync_s, steps_per_sync, config.overlap,
+                        config.round_cpu_s / p if every is None else 0.0)
     return Estimate(name, step_s, sync_s, 1 / steps_per_sync, sum(c.sent_bytes for c in costs) / h,
                     sum(c.received_bytes for c in costs) / h, config.tokens_per_step)
 

@@ -130,6 +130,28 @@ def test_step_times_by_algorithm():
     assert serial.step_s == pytest.approx(0.5 + sync / 2)
 
 
+def test_a_rounds_local_work_adds_to_the_step():
+    sync = gossip_estimate(config("hypercube")).sync_s
+    dadam = gossip_estimate(config("hypercube", round_cpu_s=0.3))
+    assert dadam.step_s == pytest.approx(max(0.5, sync) + 0.3)  # on the cores that compute, not hidden
+    dsgd = gossip_estimate(config("hypercube", algorithm=Algorithm.DSGD, local_steps=4, round_cpu_s=0.3))
+    assert dsgd.step_s == pytest.approx(0.5 + (sync + 0.3) / 4)
+    diloco = gossip_estimate(config("hypercube", algorithm=Algorithm.DILOCO, local_steps=10, round_cpu_s=0.3))
+    assert diloco.step_s == pytest.approx(max(0.5 + 0.03, (sync + 0.3) / 10))
+
+
+def test_measured_local_work_of_a_round():
+    from node.cli.plan import measure_round_cpu
+
+    specs = specs_for_vectors({"w": 200_000})
+    ring, hypercube = build_topology("ring", 8), build_topology("hypercube", 8)
+    seconds = measure_round_cpu(specs, get_codec("fp32"), Compression.NONE, hypercube, repeats=1)
+    assert 0 < seconds < 30
+    # the same work per edge: a ring round has two edges per node, a hypercube round one
+    assert measure_round_cpu(specs, get_codec("fp32"), Compression.NONE, ring, repeats=1) > 0
+    assert 0 < measure_round_cpu(specs, TopKCodec(0.05), Compression.CHOCO, hypercube, repeats=1) < 30
+
+
 def test_fragments_split_bytes_and_syncs():
     specs = specs_for_vectors({f"t{i}": 1000 * (i + 1) for i in range(6)})
     groups = split_fragments(specs, 3)
@@ -249,6 +271,7 @@ def test_plan_counts_the_models_parameters():
     (["--step-time", "1", "--fragments", "2"], "diloco"),
     (["--step-time", "1", "--optimizer", "diloco", "--gossip-compression", "choco", "--topology", "ring"], "dsgd and dadam"),
     (["--step-time", "1", "--bandwidth-mbit", "0"], "--bandwidth-mbit"),
+    (["--step-time", "1", "--round-cpu", "soon"], "--round-cpu"),
     (["--step-time", "1", "--peers", "1"], "--peers"),
     (["--step-time", "1", "--topology", "mesh"], "invalid choice"),
     (["--step-time", "1", "--model", "nope.module:build"], "--model"),

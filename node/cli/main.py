@@ -176,6 +176,9 @@ def _add_plan_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
                       help="compute time of one step on one node (default: measured on this machine)")
     plan.add_argument("--measure-steps", type=_number(int, lo=1, hi=100), default=3,
                       help="steps timed when measuring the step time, after one warm-up (default 3)")
+    plan.add_argument("--round-cpu", type=_round_cpu, metavar="SECONDS|measure",
+                      help="CPU seconds of one sync's local work on a node (encoding, decoding, mixing), or 'measure' "
+                      "to time it here (default: measured when the step time is, else 0)")
     plan.add_argument("--threads", type=non_negative_int, default=1,
                       help="torch threads when measuring; 0: torch's default (default 1, as murmur demo runs nodes)")
     plan.add_argument("--bandwidth-mbit", type=_number(float, lo=1e-6), default=20.0,
@@ -209,11 +212,16 @@ def _add_plan_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
     plan.set_defaults(run=_run_plan)
 
 
+def _round_cpu(text: str) -> float | str:
+    """--round-cpu: seconds, or 'measure'."""
+    return text if text == "measure" else _number(float, lo=0.0)(text)
+
+
 def _run_plan(args: argparse.Namespace) -> int:
     from gossip.choco import check_topology
     from gossip.codecs import TopKCodec, get_codec
     from gossip.plan import DEFAULT_LINK_EFFICIENCY, Algorithm, Compression, LinkSpec, PlanConfig
-    from node.cli.plan import StepTime, flat_specs, measure_step_time, model_specs, plan_and_print
+    from node.cli.plan import StepTime, flat_specs, measure_round_cpu, measure_step_time, model_specs, plan_and_print
 
     algorithm, compression = Algorithm(args.optimizer), Compression(args.gossip_compression)
     if args.params is not None and args.step_time is None:
@@ -255,6 +263,13 @@ def _run_plan(args: argparse.Namespace) -> int:
                                  context=args.context, micro_batches=args.micro_batches, optimizer=args.optimizer,
                                  threads=args.threads)
         config = dataclasses.replace(config, step_time_s=step.seconds)
+    # a step time given from elsewhere (say a GPU) says nothing of this machine's CPU: then 0 unless asked
+    measure_cpu = args.round_cpu == "measure" or (args.round_cpu is None and args.step_time is None)
+    if isinstance(args.round_cpu, float):
+        config = dataclasses.replace(config, round_cpu_s=args.round_cpu)
+    elif measure_cpu:
+        config = dataclasses.replace(config, round_cpu_s=measure_round_cpu(
+            specs, codec, compression, build_topology(topology, args.peers)))
     plan_and_print(config, step, model, as_json=args.json)
     return 0
 

@@ -5,12 +5,16 @@ it is not given, and prints the result)."""
 from __future__ import annotations
 
 import json
+import math
 import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gossip.plan import Estimate, Plan, PlanConfig, make_plan
+from gossip.codecs import Codec
+from gossip.plan import Compression, Estimate, Plan, PlanConfig, make_plan, round_roles
 from gossip.wire import TensorSpec
+from topology import Topology
 
 # steps run before the timed ones: the first step allocates and warms the allocator
 WARMUP_STEPS = 1
@@ -64,6 +68,50 @@ def measure_step_time(model: str, *, steps: int, batch_size: int, context: int, 
                                               f"{threads_text}")
 
 
+def measure_round_cpu(specs: Sequence[TensorSpec], codec: Codec, compression: Compression, topology: Topology,
+                      repeats: int = 3) -> float:
+    """CPU seconds one node spends on one round's local work with these tensors on this machine: a
+    symmetric exchange between two GossipPeers over the in-memory transport (no link, so its wall time is
+    the two peers' encoding, validation, decoding and mixing, and compressed gossip's estimates), halved,
+    times the edges a node has per round (a pull or a served pull counting half an exchange)."""
+    import asyncio
+
+    import numpy as np
+
+    from gossip.choco import ChocoSettings, ChocoState, default_gamma
+    from gossip.codecs import Fp32Codec
+    from gossip.exchange import ExchangeSettings, GossipPeer
+    from gossip.memory import InMemoryNetwork
+    from topology import PeerRound
+
+    rng = np.random.default_rng(0)
+    tensors = [{s.name: rng.standard_normal(math.prod(s.shape)).astype(np.float32) for s in specs} for _ in range(2)]
+    choco = compression is Compression.CHOCO
+    settings = ExchangeSettings(swarm="plan", config_hash="0" * 64, codec=Fp32Codec() if choco else codec,
+                                exchange_timeout_s=600.0)
+
+    async def run() -> list[float]:
+        net = InMemoryNetwork()
+        anchor = {name: np.zeros_like(x) for name, x in tensors[0].items()}
+        peers = [GossipPeer(net.transport(pid), settings, t,
+                            choco=ChocoState(ChocoSettings(codec, default_gamma(codec)), anchor) if choco else None)
+                 for pid, t in zip(("a", "b"), tensors)]
+        for peer in peers:
+            await peer.start()
+        plans = (PeerRound(0.5, {"b": 0.5}, ("b",)), PeerRound(0.5, {"a": 0.5}, ("a",)))
+        times = []
+        for r in range(repeats + 1):  # the first round warms up (and starts compressed gossip's edges)
+            started = time.perf_counter()
+            await asyncio.gather(*(peer.run_round(r, plan) for peer, plan in zip(peers, plans)))
+            times.append(time.perf_counter() - started)
+        return times[1:]
+
+    pair = statistics.median(asyncio.run(run()))
+    roles = [r for t in range(topology.period) for r in round_roles(topology, t)]
+    edges = statistics.mean(r.asks + r.answers + (r.pulls + r.serves) / 2 for r in roles)
+    return pair / 2 * edges
+
+
 def _mb(nbytes: float) -> str:
     return f"{nbytes / 1e6:,.3f}"
 
@@ -81,6 +129,8 @@ def describe(plan: Plan, config: PlanConfig, step: StepTime, model: str) -> list
     lines = [
         f"model: {model}, {plan.numel:,} parameters ({_mb(4 * plan.numel)} MB in fp32), {len(c.specs)} tensors",
         f"compute per step: {step.seconds:.3f} s ({step.source}); {c.tokens_per_step:,} tokens per node per step",
+        f"local work of a sync (encode, decode, mix): {c.round_cpu_s:.3f} s of CPU"
+        + (" (not counted: --round-cpu measure counts it)" if c.round_cpu_s == 0 else ""),
         f"link: {c.link.bandwidth_mbit:g} Mbit/s each way, {c.link.latency_ms:g} ms one-way, "
         f"{c.link.efficiency:.0%} of the rate for messages",
         f"swarm: {c.peers} peers, {c.topology.name}; {c.algorithm}, codec {codec}, H = {c.local_steps}"
@@ -116,7 +166,7 @@ def print_plan(plan: Plan, config: PlanConfig, step: StepTime, model: str, *, as
                   "codec": config.codec.name, "codec_options": config.codec.options(),
                   "local_steps": config.local_steps, "fragments": config.fragments,
                   "compression": str(config.compression), "overlap": config.overlap,
-                  "tokens_per_step": config.tokens_per_step}
+                  "tokens_per_step": config.tokens_per_step, "round_cpu_s": config.round_cpu_s}
         print(json.dumps({"inputs": inputs, **plan.as_json()}))
         return
     print("\n".join(describe(plan, config, step, model)))

@@ -390,6 +390,8 @@ class SwarmSettings:
             choco = None
             if g.compression is not None:
                 check_topology(topology)
+                if isinstance(payload, ModelPayload) and payload.spes is not None:
+                    raise ValueError("compressed gossip does not cover SPES's expert syncs")
                 gamma = default_gamma(codec) if g.compression.gamma is None else g.compression.gamma
                 choco = ChocoSettings(codec=codec, gamma=gamma, rule=mixing)
             elif codec.name == "topk":
