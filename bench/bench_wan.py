@@ -460,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--diloco-h", type=int, default=25)
     parser.add_argument("--hivemind-every", type=int, default=10, help="steps of the swarm between averagings")
     parser.add_argument("--json-out", type=Path, help="also write the traces here")
+    parser.add_argument("--keep", type=Path, help="work in this directory (node logs, snapshots) and keep it")
     parser.add_argument("--report", type=Path, help="print the report of traces written by --json-out (same other "
                         "flags), without running anything")
     parser.add_argument("--role", choices=("hivemind",), help=argparse.SUPPRESS)
@@ -492,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"python {platform.python_version()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start",
           flush=True)
     traces: dict[str, Trace] = {}
-    with tempfile.TemporaryDirectory(prefix="murmur-wan-") as tmp:
+    with (contextlib.nullcontext(str(args.keep)) if args.keep else tempfile.TemporaryDirectory(prefix="murmur-wan-")) as tmp:
         with wan("wan", args.nodes, rate_mbit=args.rate_mbit, delay_ms=args.delay_ms) as net:
             routes = [arg for lh, lp, th, tp in net.routes() for arg in ("--route", f"{lh}:{lp}={th}:{tp}")]
             relay = popen(net.hub_command([sys.executable, "-m", "bench.wan_relay", "--delay-ms", str(args.delay_ms),

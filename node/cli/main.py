@@ -221,7 +221,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     from gossip.choco import check_topology
     from gossip.codecs import TopKCodec, get_codec
     from gossip.plan import DEFAULT_LINK_EFFICIENCY, Algorithm, Compression, LinkSpec, PlanConfig
-    from node.cli.plan import StepTime, flat_specs, measure_round_cpu, measure_step_time, model_specs, plan_and_print
+    from node.cli.plan import Measure, StepTime, flat_specs, measure_costs, model_specs, plan_and_print
 
     algorithm, compression = Algorithm(args.optimizer), Compression(args.gossip_compression)
     if args.params is not None and args.step_time is None:
@@ -256,20 +256,15 @@ def _run_plan(args: argparse.Namespace) -> int:
                             algorithm=algorithm, codec=codec, local_steps=local_steps, fragments=args.fragments,
                             compression=compression, overlap=not args.no_overlap,
                             tokens_per_step=args.batch_size * args.context * args.micro_batches)
-    if args.step_time is not None:
-        step = StepTime(args.step_time, "given")
-    else:
-        step = measure_step_time(args.model, steps=args.measure_steps, batch_size=args.batch_size,
-                                 context=args.context, micro_batches=args.micro_batches, optimizer=args.optimizer,
-                                 threads=args.threads)
-        config = dataclasses.replace(config, step_time_s=step.seconds)
     # a step time given from elsewhere (say a GPU) says nothing of this machine's CPU: then 0 unless asked
     measure_cpu = args.round_cpu == "measure" or (args.round_cpu is None and args.step_time is None)
-    if isinstance(args.round_cpu, float):
-        config = dataclasses.replace(config, round_cpu_s=args.round_cpu)
-    elif measure_cpu:
-        config = dataclasses.replace(config, round_cpu_s=measure_round_cpu(
-            specs, codec, compression, build_topology(topology, args.peers)))
+    costs = measure_costs(Measure(None if args.step_time is not None else args.model, args.measure_steps,
+                                  args.batch_size, args.context, args.micro_batches, args.optimizer, args.threads,
+                                  round_repeats=args.measure_steps if measure_cpu else 0),
+                          specs, codec, compression, build_topology(topology, args.peers))
+    step = costs.step if costs.step is not None else StepTime(args.step_time, "given")
+    round_cpu = args.round_cpu if isinstance(args.round_cpu, float) else costs.round_cpu_s or 0.0
+    config = dataclasses.replace(config, step_time_s=step.seconds, round_cpu_s=round_cpu)
     plan_and_print(config, step, model, as_json=args.json)
     return 0
 

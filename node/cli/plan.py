@@ -4,11 +4,13 @@ it is not given, and prints the result)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from gossip.codecs import Codec
@@ -35,12 +37,68 @@ def model_specs(model: str, seed: int = 0) -> tuple[TensorSpec, ...]:
     return tuple(TensorSpec(name, "float32", (int(p.numel()),)) for name, p in built.named_parameters())
 
 
-def measure_step_time(model: str, *, steps: int, batch_size: int, context: int, micro_batches: int,
-                      optimizer: str, threads: int) -> StepTime:
-    """Median compute time of `steps` training steps of `model` on the embedded corpus on this machine
-    (after a warm-up step), with the recipe's batch, on `threads` torch threads (0: torch's default)."""
+@dataclass(frozen=True)
+class LocalCosts:
+    """What this machine measured: one training step's compute, and one sync's local CPU work (None when
+    not measured)."""
+
+    step: StepTime | None
+    round_cpu_s: float | None
+
+
+@dataclass(frozen=True)
+class Measure:
+    """What to time here: steps of `model` (None: none), rounds over these tensors (repeats 0: none)."""
+
+    model: str | None
+    steps: int
+    batch_size: int
+    context: int
+    micro_batches: int
+    optimizer: str
+    threads: int
+    round_repeats: int = 0
+
+
+def measure_costs(measure: Measure, specs: Sequence[TensorSpec], codec: Codec, compression: Compression,
+                  topology: Topology) -> LocalCosts:
+    """Time training steps of the model (on the embedded corpus, with the recipe's batch, on `threads` torch
+    threads) and the local work of a sync, interleaved so that both see the same load: medians after a
+    warm-up of each. A sync's work is a symmetric exchange between two GossipPeers over the in-memory
+    transport (no link, so its wall time is the two peers' encoding, validation, decoding and mixing, and
+    compressed gossip's estimates), halved, times the edges a node has per round (a pull or a served
+    pull counting half an exchange)."""
     import asyncio
 
+    async def run() -> LocalCosts:
+        async with contextlib.AsyncExitStack() as stack:
+            step = await _stepper(measure, stack) if measure.model is not None else None
+            pair = await _pair_round(specs, codec, compression) if measure.round_repeats else None
+            steps: list[float] = []
+            rounds: list[float] = []
+            for i in range(WARMUP_STEPS + max(measure.steps if step else 0, measure.round_repeats if pair else 0)):
+                if step is not None and i < WARMUP_STEPS + measure.steps:
+                    steps.append(await step())
+                if pair is not None and i < WARMUP_STEPS + measure.round_repeats:
+                    rounds.append(await pair(i))
+        step_time = None
+        if steps:
+            threads = f"{measure.threads} thread{'s' if measure.threads != 1 else ''}" if measure.threads else \
+                "torch's default threads"
+            step_time = StepTime(statistics.median(steps[WARMUP_STEPS:]), f"measured: median of {measure.steps} steps "
+                                 f"of {measure.model} on this machine, {threads}")
+        round_cpu = None
+        if rounds:
+            roles = [r for t in range(topology.period) for r in round_roles(topology, t)]
+            edges = statistics.mean(r.asks + r.answers + (r.pulls + r.serves) / 2 for r in roles)
+            round_cpu = statistics.median(rounds[WARMUP_STEPS:]) / 2 * edges
+        return LocalCosts(step_time, round_cpu)
+
+    return asyncio.run(run())
+
+
+async def _stepper(measure: Measure, stack: contextlib.AsyncExitStack) -> Callable[[], Awaitable[float]]:
+    """A function that takes one training step of the model and returns its compute time."""
     import torch
 
     from gossip.optimizers import OptimizerConfig
@@ -48,34 +106,26 @@ def measure_step_time(model: str, *, steps: int, batch_size: int, context: int, 
     from node.training.models import build_named_model
     from node.training.trainer import Trainer, TrainerConfig
 
-    if threads:
-        torch.set_num_threads(threads)
+    assert measure.model is not None
+    if measure.threads:
+        torch.set_num_threads(measure.threads)
     corpus = embedded_corpus()
     # DiLoCo's inner steps are Adam steps; the outer step costs a few vector operations per sync
-    algorithm = "dsgd" if optimizer == "dsgd" else "dadam"
-    config = TrainerConfig(optimizer=OptimizerConfig(algorithm=algorithm, micro_batches=micro_batches),  # type: ignore[arg-type]
-                           batch_size=batch_size, context=context, device="cpu", precision="fp32")
+    algorithm = "dsgd" if measure.optimizer == "dsgd" else "dadam"
+    config = TrainerConfig(optimizer=OptimizerConfig(algorithm=algorithm, micro_batches=measure.micro_batches),  # type: ignore[arg-type]
+                           batch_size=measure.batch_size, context=measure.context, device="cpu", precision="fp32")
+    trainer = await stack.enter_async_context(Trainer(build_named_model(measure.model, seed=0), config, peer_id="plan",
+                                                      train_tokens=corpus.train, val_tokens=corpus.val))
 
-    async def run() -> list[float]:
-        async with Trainer(build_named_model(model, seed=0), config, peer_id="plan", train_tokens=corpus.train,
-                           val_tokens=corpus.val) as trainer:
-            times = [(await trainer.train_step()).compute_s for _ in range(WARMUP_STEPS + steps)]
-        return times[WARMUP_STEPS:]
+    async def step() -> float:
+        return (await trainer.train_step()).compute_s
 
-    times = asyncio.run(run())
-    threads_text = f"{threads} thread{'s' if threads != 1 else ''}" if threads else "torch's default threads"
-    return StepTime(statistics.median(times), f"measured: median of {steps} steps of {model} on this machine, "
-                                              f"{threads_text}")
+    return step
 
 
-def measure_round_cpu(specs: Sequence[TensorSpec], codec: Codec, compression: Compression, topology: Topology,
-                      repeats: int = 3) -> float:
-    """CPU seconds one node spends on one round's local work with these tensors on this machine: a
-    symmetric exchange between two GossipPeers over the in-memory transport (no link, so its wall time is
-    the two peers' encoding, validation, decoding and mixing, and compressed gossip's estimates), halved,
-    times the edges a node has per round (a pull or a served pull counting half an exchange)."""
-    import asyncio
-
+async def _pair_round(specs: Sequence[TensorSpec], codec: Codec, compression: Compression
+                      ) -> Callable[[int], Awaitable[float]]:
+    """A function that runs round r of a symmetric exchange between two in-process peers; returns its wall time."""
     import numpy as np
 
     from gossip.choco import ChocoSettings, ChocoState, default_gamma
@@ -89,27 +139,21 @@ def measure_round_cpu(specs: Sequence[TensorSpec], codec: Codec, compression: Co
     choco = compression is Compression.CHOCO
     settings = ExchangeSettings(swarm="plan", config_hash="0" * 64, codec=Fp32Codec() if choco else codec,
                                 exchange_timeout_s=600.0)
+    net = InMemoryNetwork()
+    anchor = {name: np.zeros_like(x) for name, x in tensors[0].items()}
+    peers = [GossipPeer(net.transport(pid), settings, t,
+                        choco=ChocoState(ChocoSettings(codec, default_gamma(codec)), anchor) if choco else None)
+             for pid, t in zip(("a", "b"), tensors)]
+    for peer in peers:
+        await peer.start()
+    plans = (PeerRound(0.5, {"b": 0.5}, ("b",)), PeerRound(0.5, {"a": 0.5}, ("a",)))
 
-    async def run() -> list[float]:
-        net = InMemoryNetwork()
-        anchor = {name: np.zeros_like(x) for name, x in tensors[0].items()}
-        peers = [GossipPeer(net.transport(pid), settings, t,
-                            choco=ChocoState(ChocoSettings(codec, default_gamma(codec)), anchor) if choco else None)
-                 for pid, t in zip(("a", "b"), tensors)]
-        for peer in peers:
-            await peer.start()
-        plans = (PeerRound(0.5, {"b": 0.5}, ("b",)), PeerRound(0.5, {"a": 0.5}, ("a",)))
-        times = []
-        for r in range(repeats + 1):  # the first round warms up (and starts compressed gossip's edges)
-            started = time.perf_counter()
-            await asyncio.gather(*(peer.run_round(r, plan) for peer, plan in zip(peers, plans)))
-            times.append(time.perf_counter() - started)
-        return times[1:]
+    async def pair(r: int) -> float:
+        started = time.perf_counter()
+        await asyncio.gather(*(peer.run_round(r, plan) for peer, plan in zip(peers, plans)))
+        return time.perf_counter() - started
 
-    pair = statistics.median(asyncio.run(run()))
-    roles = [r for t in range(topology.period) for r in round_roles(topology, t)]
-    edges = statistics.mean(r.asks + r.answers + (r.pulls + r.serves) / 2 for r in roles)
-    return pair / 2 * edges
+    return pair
 
 
 def _mb(nbytes: float) -> str:
