@@ -147,10 +147,10 @@ def test_spes_swarm_trains_only_owned_experts_and_survives_losing_both_owners(sw
     assert swarm.stop_all(everyone) == [0] * len(everyone), swarm.logs()
     # the final checkpoint carries the node's expert records with the trainer state
     for node in everyone:
-        saved = saved_records(load_checkpoint(node.data_dir / "checkpoint.npz").meta)
+        saved = saved_records(load_checkpoint(node.data_dir / "checkpoint.safetensors").meta)
         assert saved is not None and len(saved) == EXPERTS * TINY_MOE.layers
         assert sum(r.owner for r in saved.values()) >= CAPACITY * TINY_MOE.layers
-    saved = saved_records(load_checkpoint(new_owner.data_dir / "checkpoint.npz").meta)
+    saved = saved_records(load_checkpoint(new_owner.data_dir / "checkpoint.safetensors").meta)
     assert saved[(0, int(target))].version > record[0]  # trained on after the takeover
 
 

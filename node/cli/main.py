@@ -249,8 +249,8 @@ def _add_node_commands(commands: argparse._SubParsersAction[argparse.ArgumentPar
     evaluate.add_argument("--timeout", type=_number(float, lo=1.0), default=300.0, metavar="SECONDS",
                           help="how long to wait for the node's answer (default 300)")
     evaluate.add_argument("--save", action="store_true",
-                          help="the node also writes the average model to swarm-average.npz in its data "
-                          "directory (atomically; the previous one is kept as swarm-average.npz.prev)")
+                          help="the node also writes the average model to swarm-average.safetensors in its data "
+                          "directory (atomically; the previous one is kept as swarm-average.safetensors.prev)")
     evaluate.add_argument("--json", action="store_true",
                           help="print the node's JSON answer: loss, self, peers (peer_id, step, self), failed "
                           "(peer id -> reason), min_step, max_step, elapsed_s, saved, save_error, "

@@ -199,7 +199,7 @@ SETTINGS: tuple[Setting, ...] = (
             "--checkpoint-every", "steps between checkpoints; one is also written when training ends "
             "and when the node stops", NODE),
     Setting("training.average_every", _NONNEG, "MURMUR_AVERAGE_EVERY", "--average-every",
-            "steps between writes of the swarm-average model to swarm-average.npz in the data directory "
+            "steps between writes of the swarm-average model to swarm-average.safetensors in the data directory "
             "(and one when training ends); each pulls every live peer's parameters; 0: only on request "
             "(murmur eval --save)", NODE),
     Setting("gossip.mixing.trim", Number(0.0, hi=0.5, hi_open=True, metavar="FRACTION"), "MURMUR_TRIM", "--trim",

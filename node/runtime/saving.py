@@ -15,15 +15,13 @@ import numpy as np
 
 from node.runtime.shutdown import bounded_cleanup
 from node.runtime.status import NodeRuntime
-from node.training.checkpoint import save_checkpoint
+from node.training.checkpoint import CHECKPOINT_FILE, SWARM_AVERAGE_FILE, save_checkpoint
 
 if TYPE_CHECKING:
     from node.training.swarm_eval import SwarmEvalResult
 
 logger = logging.getLogger("murmur.node")
 
-CHECKPOINT_FILE = "checkpoint.npz"  # in the data directory
-SWARM_AVERAGE_FILE = "swarm-average.npz"  # in the data directory, beside checkpoint.npz
 
 
 def checkpoint_path(runtime: NodeRuntime) -> Path:

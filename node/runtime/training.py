@@ -68,7 +68,7 @@ async def start_training(runtime: NodeRuntime, recipe: TrainingRecipe, settings:
         await trainer.restore(checkpoint.tensors)
         logger.info("resuming from checkpoint at step %d", trainer.step)
     elif checkpoint is not None:
-        logger.warning("the checkpoint belongs to another swarm config; starting fresh (it stays as checkpoint.npz.prev)")
+        logger.warning("the checkpoint belongs to another swarm config; starting fresh (it stays as checkpoint.safetensors.prev)")
     peer = runtime.peer = GossipPeer(transport, exchange, await trainer.tensors(), step=trainer.step)
     peer.round = last_round_at(trainer.step, recipe)
     topologies: dict[int, Topology] = {}
