@@ -59,7 +59,7 @@ def previous_path(path: Path) -> Path:
 
 def _raw(array: np.ndarray) -> memoryview:
     """The bytes of a C-contiguous array without a copy (an empty or 0-d one too)."""
-    return memoryview(array.reshape(-1).view(np.uint8))
+    return array.reshape(-1).view(np.uint8).data
 
 
 def tensors_digest(tensors: Mapping[str, np.ndarray]) -> str:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Literal, TypeVar
+from typing import Literal, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -48,6 +48,15 @@ LOSS_SCALE_GROWTH_INTERVAL = 1000
 # Checkpoint entry prefixes of Trainer.state().
 _PARAM, _OPT, _COUNT = "param/", "optimizer/", "optimizer_count/"
 _STEP, _SCALE = "trainer/step", "trainer/loss_scale"
+
+
+class TrainBatches(Protocol):
+    """A stream of training batches taken in order (node.training.shards.ShardStream), instead of
+    random windows of an in-memory token tensor."""
+
+    def train_batch(self, batch_size: int, context: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -132,8 +141,10 @@ class Trainer:
     model's own dtype; buffers are not exchanged. Call `close()` (or use `async with`) to stop the thread.
     """
 
-    def __init__(self, model: nn.Module, config: TrainerConfig, *, peer_id: str, train_tokens: torch.Tensor,
-                 val_tokens: torch.Tensor, step: int = 0) -> None:
+    def __init__(self, model: nn.Module, config: TrainerConfig, *, peer_id: str, train_tokens: torch.Tensor | None = None,
+                 val_tokens: torch.Tensor, step: int = 0, stream: TrainBatches | None = None) -> None:
+        if (train_tokens is None) == (stream is None):
+            raise ValueError("a trainer takes its training data from train_tokens or from a stream, one of them")
         self.config = config
         self.peer_id = peer_id
         self.step = step
@@ -143,6 +154,7 @@ class Trainer:
         self._params = dict(self.model.named_parameters())
         self._param_dtypes = {name: p.dtype for name, p in self._params.items()}  # restored when unfrozen
         self._train_tokens = train_tokens
+        self._stream = stream
         self._val_tokens = val_tokens
         self._amp_dtype = autocast_dtype(config.precision, self.device)
         self._loss_scale = INITIAL_LOSS_SCALE if self._amp_dtype == torch.float16 else None
@@ -161,11 +173,19 @@ class Trainer:
         await asyncio.to_thread(self.close)
 
     def close(self) -> None:
-        """Stop the worker thread, after the operation it is running, if any (this call waits for it)."""
+        """Stop the worker thread, after the operation it is running, if any (this call waits for it),
+        and the data stream's reader."""
+        if self._stream is not None:
+            self._stream.close()  # first: a step waiting for data ends (DataInvalid) instead of waiting on
         self._worker.shutdown(wait=True)
 
     async def _on_worker(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._worker, functools.partial(fn, *args))
+
+    @property
+    def stream(self) -> TrainBatches | None:
+        """Where training batches come from when they are streamed (--data), else None."""
+        return self._stream
 
     # ---- parameters ------------------------------------------------------------------------------
 
@@ -285,8 +305,12 @@ class Trainer:
         self.model.zero_grad(set_to_none=True)
         total = 0.0
         for micro in range(micro_batches):
-            x, y = training_batch(self._train_tokens, self.peer_id, self.step * micro_batches + micro,
-                                  self.config.batch_size, self.config.context)
+            if self._stream is not None:
+                x, y = self._stream.train_batch(self.config.batch_size, self.config.context)
+            else:
+                assert self._train_tokens is not None
+                x, y = training_batch(self._train_tokens, self.peer_id, self.step * micro_batches + micro,
+                                      self.config.batch_size, self.config.context)
             with self._autocast():
                 _, loss = self.model(x.to(self.device), y.to(self.device))
             scale = self._loss_scale or 1.0
