@@ -21,6 +21,8 @@ class Command(StrEnum):
     BOOTSTRAP = "bootstrap"
     STATUS = "status"
     EVAL = "eval"
+    EXPORT = "export"
+    TOKENIZER = "tokenizer"
     TOPOLOGY = "topology"
     SIM = "sim"
     DEMO = "demo"

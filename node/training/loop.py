@@ -22,7 +22,7 @@ from gossip.exchange import GossipPeer, PeerRejected
 from node.training.checkpoint import Checkpoint
 from node.training.data import load_corpus, peer_shard
 from node.training.models import build_named_model, model_context, model_vocab_size
-from node.training.recipe import TrainingRecipe
+from node.training.recipe import TrainingRecipe, embedded_options
 from node.training.settings import TrainingSettings
 from node.training.shards import ShardStream, open_dataset
 from node.training.tokenizer import SwarmTokenizer, TextTokenizer
@@ -145,7 +145,7 @@ def build_swarm_model(settings: TrainingSettings, recipe: TrainingRecipe) -> tor
     to fit in this machine's memory first, from pretrained weights where this node's own --model holds
     the ones the swarm starts from; otherwise seeded."""
     if recipe.model_config is None:
-        return build_named_model(recipe.model, seed=recipe.seed)
+        return build_named_model(recipe.model, seed=recipe.seed, options=embedded_options(recipe))
     from node.training.models.hf import build_hf_model, check_fits
 
     check_fits(recipe.model_config, resolve_device(settings.device))

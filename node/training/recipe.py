@@ -95,6 +95,13 @@ class TrainingRecipe:
                    tokenizer=TokenizerSpec.from_doc(doc["tokenizer"]) if doc.get("tokenizer") is not None else None)
 
 
+def embedded_options(recipe: TrainingRecipe) -> dict[str, Any] | None:
+    """The embedded GPT's config overrides a recipe implies: a tokenizer's vocabulary instead of bytes."""
+    if recipe.model in EMBEDDED_MODEL_NAMES and recipe.tokenizer is not None:
+        return {"vocab_size": recipe.tokenizer.vocab_size}
+    return None
+
+
 def _model_config_from_doc(doc: object) -> dict[str, Any] | None:
     """A Hugging Face config from the network, bounded before anything reads it (ValueError says why)."""
     if doc is None:

@@ -65,7 +65,8 @@ class HfModelInvalid(ValueError):
     """A Hugging Face model config or checkpoint that cannot be used (one line, says why)."""
 
 
-def _transformers() -> Any:
+def transformers_module() -> Any:
+    """`transformers`, imported on first use (it takes seconds), typed loosely: its API is not annotated."""
     try:
         import transformers
     except ImportError as exc:  # pragma: no cover - a dependency; this names it if an install lacks it
@@ -100,7 +101,7 @@ def check_config_doc(doc: Mapping[str, Any]) -> None:
 def hf_config(doc: Mapping[str, Any]) -> PreTrainedConfig:
     """A transformers config from a checked document; only model types transformers itself knows."""
     check_config_doc(doc)
-    transformers = _transformers()
+    transformers = transformers_module()
     values = {k: v for k, v in doc.items() if k != "model_type"}
     try:
         config = transformers.AutoConfig.for_model(doc["model_type"], **values)
@@ -181,7 +182,7 @@ def parameter_count(doc: Mapping[str, Any]) -> int:
     """Parameters of the model a config builds, counted on the meta device (nothing is allocated)."""
     config = hf_config(doc)
     with torch.device("meta"):
-        model = _transformers().AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+        model = transformers_module().AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -265,7 +266,7 @@ def build_hf_model(doc: Mapping[str, Any], seed: int, weights: Path | None = Non
     """The model of a config document: from `weights` (a local checkpoint directory) when given, else
     randomly initialised from `seed`, identically on every machine. float32, on the CPU."""
     config = hf_config(doc)
-    transformers = _transformers()
+    transformers = transformers_module()
     if weights is not None:
         try:
             lm = transformers.AutoModelForCausalLM.from_pretrained(
@@ -303,5 +304,6 @@ __all__ = [
     "hf_config",
     "parameter_count",
     "read_source",
+    "transformers_module",
     "weights_digest",
 ]
