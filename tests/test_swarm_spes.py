@@ -242,6 +242,7 @@ async def _absent(directory, peer_id: str) -> bool:
 
 @pytest.mark.unit
 def test_capacity_defaults_to_every_expert_on_cpu_and_saved_records_parse_or_are_ignored(tmp_path):
+    import asyncio
     import json
 
     from gossip.spes import ExpertRecord, records_to_wire
@@ -256,9 +257,9 @@ def test_capacity_defaults_to_every_expert_on_cpu_and_saved_records_parse_or_are
     trainer = Trainer(build(), config, peer_id="p", train_tokens=corpus.train, val_tokens=corpus.val)
     try:
         partition = ModelPartition.of(trainer.model)
-        assert capacity_for(trainer, partition, None) == EXPERTS  # CPU: every expert
-        assert capacity_for(trainer, partition, 3) == 3
-        assert capacity_for(trainer, partition, 99) == EXPERTS  # at most the experts of a layer
+        assert asyncio.run(capacity_for(trainer, partition, None)) == EXPERTS  # CPU: every expert
+        assert asyncio.run(capacity_for(trainer, partition, 3)) == 3
+        assert asyncio.run(capacity_for(trainer, partition, 99)) == EXPERTS  # at most the experts of a layer
     finally:
         trainer.close()
     records = {(0, 1): ExpertRecord(4, "ab" * 32, True)}

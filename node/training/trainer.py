@@ -28,7 +28,8 @@ from torch import nn
 from gossip.exchange import GossipPeer, RoundOutcome
 from gossip.optimizers import LocalOptimizer, OptimizerConfig, clip_factor, consensus_distance, global_norm
 from node.training.data import training_batch, validation_batches
-from node.training.models import mean_cross_entropy
+from node.training.models import mean_cross_entropy, model_vocab_size
+from node.training.staging import HostStaging
 from topology import PeerRound
 
 logger = logging.getLogger(__name__)
@@ -164,6 +165,8 @@ class Trainer:
         self._pending: StepStats | None = None  # computed by compute_update, not yet applied
         self._state_bytes = 0
         self._eval_model: nn.Module | None = None
+        # a CUDA model's gossip tensors go through pinned host buffers (node.training.staging)
+        self._staging = HostStaging(pin=True) if self.device.type == "cuda" else None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"trainer-{peer_id}")
 
     async def __aenter__(self) -> Trainer:
@@ -244,6 +247,8 @@ class Trainer:
 
     def _tensors_now(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
         chosen = self._params if names is None else {name: self._params[name] for name in names}
+        if self._staging is not None:
+            return self._staging.to_host(chosen.items())
         with torch.no_grad():
             return {name: p.detach().to("cpu", torch.float32, copy=True).reshape(-1).numpy()
                     for name, p in chosen.items()}
@@ -254,6 +259,9 @@ class Trainer:
         if not partial and tensors.keys() != self._params.keys():
             missing, extra = sorted(self._params.keys() - tensors.keys()), sorted(tensors.keys() - self._params.keys())
             raise ValueError(f"parameters do not match the model: missing {missing[:3]}, unknown {extra[:3]}")
+        if self._staging is not None:
+            self._staging.to_device(self._params, {name: tensors[name] for name in self._params if name in tensors})
+            return
         with torch.no_grad():
             for name, p in self._params.items():
                 if name in tensors:
@@ -358,6 +366,30 @@ class Trainer:
         else:
             with torch.autocast(device_type=self.device.type, dtype=self._amp_dtype):
                 yield
+
+    async def measure_activation_bytes(self) -> int:
+        """CUDA: the GPU memory one micro-batch's forward and backward take beyond the parameters and
+        their gradients (peak allocated), measured on random tokens so no training data is used."""
+        return await self._on_worker(self._measure_activation_bytes_now)
+
+    def _measure_activation_bytes_now(self) -> int:
+        if self.device.type != "cuda":
+            raise ValueError("activation memory is measured on a CUDA device only")
+        vocab = model_vocab_size(self.model) or 256
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randint(vocab, (self.config.batch_size, self.config.context), generator=generator).to(self.device)
+        self.model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        with self._autocast():
+            _, loss = self.model(x, x)
+        loss.backward()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in self._params.values() if p.grad is not None)
+        self.model.zero_grad(set_to_none=True)
+        return max(0, peak - before - grads)
 
     # ---- evaluation ------------------------------------------------------------------------------
 
