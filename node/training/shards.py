@@ -5,8 +5,9 @@ docs/training.md "Data").
 - A **unit** is a byte range of a text or jsonl file (a line belongs to the unit it starts in) or one
   row group of a parquet file. The unit size is a function of the files' total size only, so peers
   with the same files cut the same units.
-- Every twentieth unit (by a hash of its file and index; at least one) is **validation**: the same
-  on every peer, never trained on.
+- **Validation** is the first units in the order of a hash of (file, index) that hold a twentieth of
+  the data (bytes; row groups for parquet), at least one unless there is only one: the same on every
+  peer, never trained on.
 - **Epoch e** orders the training units by a hash of (e, unit) and gives unit i to the peer of rank
   i mod n among the n training peers of the membership view (peers sorted by id, as the topology's
   ranks). Peers with the same view read disjoint units, so no sample is read twice in an epoch;
@@ -25,6 +26,7 @@ import glob
 import hashlib
 import json
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -45,7 +47,7 @@ PARQUET_SUFFIXES = (".parquet",)
 MIN_UNIT_BYTES = 16 << 10
 MAX_UNIT_BYTES = 4 << 20
 UNITS_PER_DATASET = 512  # unit size ~ total / this, within the bounds above
-VAL_EVERY = 20  # one unit in this many is validation
+VAL_EVERY = 20  # validation holds at least 1/VAL_EVERY of the data
 MAX_VAL_TOKENS = 1 << 20
 TOKENIZE_BATCH = 256  # records per encode_batch call
 QUEUE_CHUNKS = 8  # tokenized chunks buffered ahead of the training step
@@ -107,7 +109,8 @@ def resolve_files(spec: Path) -> list[DataFile]:
     elif spec.is_dir():
         root, paths = spec, [p for p in spec.rglob("*") if p.is_file()]
     elif glob.has_magic(text):
-        root, paths = Path(text.split("*")[0]).parent, [Path(p) for p in glob.glob(text, recursive=True)]
+        prefix = min((text.split(c)[0] for c in "*?["), key=len)
+        root, paths = Path(os.path.dirname(prefix)), [Path(p) for p in glob.glob(text, recursive=True)]
         paths = [p for p in paths if p.is_file()]
     else:
         raise DataInvalid(f"--data {spec}: no such file, directory or glob match")
@@ -163,11 +166,16 @@ class ShardPlan:
     @classmethod
     def of(cls, files: Sequence[DataFile]) -> ShardPlan:
         units = cut_units(files)
-        val = [u for u in units if _hash("val", files[u.file].name, u.index) % VAL_EVERY == 0]
-        if not val and len(units) > 1:
-            val = [units[-1]]
-        train = [u for u in units if u not in set(val)] or units
-        return cls(tuple(files), tuple(train), tuple(val))
+        by_hash = sorted(units, key=lambda u: (_hash("val", files[u.file].name, u.index), u))
+        total, chosen, val = sum(u.end - u.start for u in units), 0, list[Unit]()
+        for unit in by_hash[:-1]:  # at least one unit is left to train on
+            if val and chosen * VAL_EVERY >= total:
+                break
+            val.append(unit)
+            chosen += unit.end - unit.start
+        taken = set(val)
+        train = [u for u in units if u not in taken]
+        return cls(tuple(files), tuple(train), tuple(sorted(val)))
 
     def epoch_order(self, epoch: int) -> list[Unit]:
         return sorted(self.train, key=lambda u: (_hash("epoch", epoch, self.files[u.file].name, u.index), u))
@@ -328,7 +336,7 @@ class ShardStream:
     def val_tokens(self) -> torch.Tensor:
         """The validation units' tokens (the first MAX_VAL_TOKENS), the same on every peer."""
         if self._val_tokens is None:
-            skips = SkipCounter()  # every peer reads these: counted once, by the training stream
+            skips = self.skips  # every peer reads these, and counts what it skips
             parts, total = [], 0
             for unit in self.plan.val:
                 for tokens in tokenize_unit(self.plan, unit, self.text_field, self.tokenizer, skips):

@@ -442,13 +442,18 @@ class Trainer:
             if key.startswith(_OPT):
                 name = key[len(_OPT):].rpartition("/")[0]
                 moments[key[len(_OPT):]] = _as_torch(value, name, self._params[name]).clone()
-        counts = {key[len(_COUNT):]: int(value) for key, value in state.items() if key.startswith(_COUNT)}
+        counts = {key[len(_COUNT):]: int(_scalar(value)) for key, value in state.items() if key.startswith(_COUNT)}
         self._optimizer.load_state(moments, counts)
         self._state_bytes = self._optimizer.state_bytes()
-        self.step = int(state[_STEP])
+        self.step = int(_scalar(state[_STEP]))
         if self._loss_scale is not None and _SCALE in state:
-            self._loss_scale = float(state[_SCALE])
+            self._loss_scale = float(_scalar(state[_SCALE]))
         self._pending = None
+
+
+def _scalar(value: np.ndarray) -> np.generic:
+    """A checkpoint's scalar: 0-d, or of shape (1,) in the .npz checkpoints of murmur 0.1."""
+    return np.asarray(value).reshape(-1)[0]  # type: ignore[no-any-return]
 
 
 def _as_torch(vector: np.ndarray, name: str, like: torch.Tensor) -> torch.Tensor:
