@@ -88,12 +88,14 @@ def split_fused_experts(model: nn.Module) -> int:
     same forward); remember the unsupported ones (class names) for `unsupported_expert_layouts`.
     Returns how many were split."""
     split, unsupported = 0, []
+    family = getattr(getattr(model, "config", None), "model_type", None)
     for prefix, module in list(model.named_modules()):
         if not prefix or isinstance(module, SplitExperts) or not _looks_fused(module):
             continue
         if not _is_supported_fused(module):
             params = ", ".join(f"{n} {tuple(p.shape)}" for n, p in _fused_parameters(module).items())
-            unsupported.append(f"{type(module).__name__} at {prefix} ({params})")
+            where = f"{type(module).__name__} of model type {family!r}" if family else type(module).__name__
+            unsupported.append(f"{where} at {prefix} ({params})")
             continue
         parent_name, _, child = prefix.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
