@@ -81,8 +81,8 @@ def main(argv: list[str]) -> int:
         (root / "data").mkdir()
         records = write_jsonl(root / "data", args.mib)
         started = time.perf_counter()
-        train_bpe((json.loads(line)["text"] for line in open(root / "data" / "data.jsonl")), args.vocab,
-                  root / "tokenizer.json")
+        with open(root / "data" / "data.jsonl") as lines:
+            train_bpe((json.loads(line)["text"] for line in lines), args.vocab, root / "tokenizer.json")
         train_s = time.perf_counter() - started
         bpe = BpeTokenizer((root / "tokenizer.json").read_bytes())
         budget = 400_000
