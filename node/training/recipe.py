@@ -365,13 +365,13 @@ def _model_and_tokenizer(model: str, tokenizer: Path | None) -> tuple[dict[str, 
                                                                         TokenizerSpec | None]:
     """A founder's model config, weights hash and tokenizer entry. A pretrained hf:PATH checkpoint with
     a tokenizer.json of its own trains with that tokenizer unless --tokenizer names another."""
-    from node.training.models import is_hf_model
-    from node.training.models.hf import read_source, weights_digest
     from node.training.tokenizer import read_tokenizer_file, spec_of
 
     spec = spec_of(read_tokenizer_file(tokenizer)) if tokenizer is not None else None
-    if not is_hf_model(model):
+    if model not in HF_PRESET_NAMES and not model.startswith("hf:"):
         return None, None, spec
+    from node.training.models.hf import read_source, weights_digest
+
     source = read_source(model, spec.vocab_size if spec is not None else None)
     if spec is None and source.weights is not None and source.tokenizer is not None:
         spec = spec_of(read_tokenizer_file(source.tokenizer))
