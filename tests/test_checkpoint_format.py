@@ -76,6 +76,7 @@ def test_an_old_npz_checkpoint_is_still_read_from_its_path_or_beside_the_new_nam
     assert load_checkpoint(tmp_path / CHECKPOINT_FILE).meta["step"] == 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("writer", ["safetensors", "npz"])
 def test_a_trainer_restored_from_either_format_continues_exactly(tmp_path, writer) -> None:
     corpus = load_corpus(None, tmp_path)
