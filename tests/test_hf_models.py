@@ -305,3 +305,24 @@ def test_an_embedded_model_exports_one_safetensors_tensor_per_parameter_in_its_s
     assert all(np.array_equal(weights[n].reshape(-1), tensors[n]) for n in shapes)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["murmur_model"] == "moe" and config["config"]["experts"] == 8 and config["vocab"] == "bytes"
+
+
+@pytest.mark.unit
+def test_export_and_tokenizer_commands_refuse_bad_input_with_exit_2_and_one_line(tmp_path, capsys) -> None:
+    from node.cli.main import main
+
+    (tmp_path / "empty").mkdir()
+    assert main(["export", "--to", str(tmp_path / "out"), "--data-dir", str(tmp_path / "empty")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"murmur export: error: {tmp_path / 'empty'} has no swarm-average.safetensors or checkpoint.safetensors "
+        "(is it a node's --data-dir?)"]
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "file").write_text("x")
+    assert main(["export", "--to", str(tmp_path / "taken"), "--data-dir", str(tmp_path / "empty")]) == 2
+    assert "exists and is not empty (add --force" in capsys.readouterr().err
+    assert main(["tokenizer", "train", "--data", str(tmp_path / "missing"), "--vocab", "300"]) == 2
+    assert capsys.readouterr().err.strip() == (f"murmur tokenizer: error: --data {tmp_path / 'missing'}: no such file, "
+                                               "directory or glob match")
+    with pytest.raises(SystemExit) as exited:
+        main(["tokenizer", "train", "--data", str(tmp_path), "--vocab", "100"])
+    assert exited.value.code == 2 and "100 is below the minimum 257" in capsys.readouterr().err
