@@ -127,4 +127,5 @@ def test_three_nodes_train_hf_tiny_llama_with_a_trained_tokenizer_and_export_wha
     assert generated.shape[1] > prompt.input_ids.shape[1] and text.strip(), text
     manifest = json.loads((exported / "murmur.json").read_text())
     assert manifest["kind"] == "average" and manifest["model"] == "hf-tiny-llama"
-    assert manifest["max_step"] == average.meta["max_step"] >= STEPS - 1  # a DAdam node offers x_t before its last update
+    # the steps the peers offered their parameters at, as the swarm average recorded them
+    assert manifest["max_step"] == average.meta["max_step"] >= STEPS - 1
