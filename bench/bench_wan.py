@@ -193,15 +193,21 @@ def run_murmur(net, config: Config, args: argparse.Namespace, workdir: Path) -> 
             return int((status.get("training") or {}).get("step", 0)), int(status["bytes_sent"]) + int(status["bytes_received"])
 
         def snapshot(i: int, seen: set[int]) -> list[tuple[int, float]]:
-            """Hard-link node i's newest checkpoint under its step, if that step is new: (step, written at)."""
-            path = workdir / f"n{i}" / "checkpoint.npz"
-            with contextlib.suppress(OSError, ValueError, KeyError):
-                with np.load(path) as saved:
-                    step = int(saved["m/step"])
+            """Hard-link node i's newest checkpoint under its step, if that step is new: (step, written at).
+            The checkpoint is replaced by a rename, so the link keeps the file of that step."""
+            import safetensors
+
+            from node.training.checkpoint import CHECKPOINT_FILE, META_KEY
+
+            path = workdir / f"n{i}" / CHECKPOINT_FILE
+            with contextlib.suppress(OSError, ValueError, KeyError, safetensors.SafetensorError):
+                kept = workdir / f"snap-n{i}-new.safetensors"
+                kept.unlink(missing_ok=True)
+                os.link(path, kept)
+                with safetensors.safe_open(str(kept), "np") as f:
+                    step = int(json.loads(f.metadata()[META_KEY])["step"])
                 if step not in seen:
-                    kept = workdir / f"snap-n{i}-{step}.npz"
-                    os.link(path, kept)
-                    return [(step, kept.stat().st_mtime)]
+                    return [(step, kept.rename(workdir / f"snap-n{i}-{step}.safetensors").stat().st_mtime)]
             return []
 
         return _follow(config.name, args, poll, snapshot, processes)
@@ -360,15 +366,27 @@ def evaluate(trace: Trace, workdir: Path, args: argparse.Namespace) -> None:
     for step in trace.snapshots:
         total: dict[str, np.ndarray] = {}
         for i in range(args.nodes):
-            with np.load(workdir / f"snap-n{i}-{step}.npz") as saved:
-                for name in params:
-                    value = saved[f"t/param/{name}"].astype(np.float64)
-                    total[name] = total[name] + value if name in total else value
+            saved = _snapshot_params(workdir, i, step)
+            for name in params:
+                value = saved[name].astype(np.float64)
+                total[name] = total[name] + value if name in total else value
         with torch.no_grad():
             for name, p in params.items():
                 p.copy_(torch.from_numpy((total[name] / args.nodes).astype(np.float32)).view_as(p))
         trace.losses[step] = mean_cross_entropy(model, validation_batches(corpus.val, EVAL_BATCH_SIZE, 128,
                                                                           args.eval_batches))
+
+
+def _snapshot_params(workdir: Path, i: int, step: int) -> dict[str, np.ndarray]:
+    """Node i's parameters at `step`: a murmur checkpoint's, or a hivemind peer's own snapshot."""
+    from node.training.checkpoint import read_checkpoint_file
+
+    npz = workdir / f"snap-n{i}-{step}.npz"
+    if npz.exists():
+        with np.load(npz) as saved:
+            return {k[len("t/param/"):]: saved[k] for k in saved.files}
+    tensors = read_checkpoint_file(workdir / f"snap-n{i}-{step}.safetensors").tensors
+    return {k[len("param/"):]: v for k, v in tensors.items() if k.startswith("param/")}
 
 
 # ---- plan accuracy ----------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import pytest
 from gossip.choco import typical_meta
 from gossip.codecs import TopKCodec
 from gossip.plan import Compression, HeaderValues, LinkSpec, PlanConfig, bytes_per_node, specs_for_vectors
-from node.training.checkpoint import load_checkpoint
+from node.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
 from node.training.data import load_corpus
 from node.training.loop import EVAL_BATCH_SIZE, EVAL_BATCHES
 from node.training.recipe import optimizer_config
@@ -61,7 +61,7 @@ def test_a_compressed_gossip_swarm_trains_to_parity_with_the_planned_bytes(tmp_p
         statuses = swarm.statuses(nodes)
         assert swarm.stop_all(nodes) == [0] * NODES
 
-    final = [{k[len("param/"):]: v for k, v in load_checkpoint(n.data_dir / "checkpoint.npz").tensors.items()
+    final = [{k[len("param/"):]: v for k, v in load_checkpoint(n.data_dir / CHECKPOINT_FILE).tensors.items()
               if k.startswith("param/")} for n in nodes]
     swarm_loss, baseline = val_loss(average_tensors(final), tmp_path), val_loss(None, tmp_path)
     assert swarm_loss <= PARITY * baseline, f"swarm average {swarm_loss:.4f} vs {NODES}-node baseline {baseline:.4f}"
