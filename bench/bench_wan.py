@@ -58,6 +58,7 @@ class Config:
     flags: dict[str, object] = field(default_factory=dict)  # the founder's recipe flags
     # what `murmur plan` is told about it (None: not predicted)
     plan: dict[str, object] | None = None
+    steps: int | None = None  # a row that only checks the plan's step time: fewer steps than --steps
 
 
 def configs(args: argparse.Namespace) -> dict[str, Config]:
@@ -75,6 +76,9 @@ def configs(args: argparse.Namespace) -> dict[str, Config]:
                              {**common, "topology": "hypercube", "gossip_compression": "choco", "codec": "int8"},
                              {"optimizer": "dadam", "topology": "hypercube", "codec": "int8",
                               "gossip_compression": "choco"}),
+        "dadam-bf16-ring": Config("murmur DAdam, bf16, ring (step time only)", "murmur",
+                                  {**common, "topology": "ring", "codec": "bf16"},
+                                  {"optimizer": "dadam", "topology": "ring", "codec": "bf16"}, steps=30),
         "diloco": Config(f"murmur gossip DiLoCo H={args.diloco_h}, int8, one-peer-exp", "murmur",
                          {**common, "optimizer": "diloco", "local_steps": args.diloco_h, "codec": "int8",
                           "topology": "one-peer-exp"},
@@ -210,14 +214,14 @@ def run_murmur(net, config: Config, args: argparse.Namespace, workdir: Path) -> 
                     return [(step, kept.rename(workdir / f"snap-n{i}-{step}.safetensors").stat().st_mtime)]
             return []
 
-        return _follow(config.name, args, poll, snapshot, processes)
+        return _follow(config.name, args, poll, snapshot, processes, config.steps or args.steps)
     finally:
         _stop_all(processes)
 
 
 def _follow(name: str, args: argparse.Namespace, poll: Callable[[int], tuple[int, int] | None],
             snapshot: Callable[[int, set[int]], list[tuple[int, float]]],
-            processes: Sequence[subprocess.Popen]) -> Trace:
+            processes: Sequence[subprocess.Popen], steps: int) -> Trace:
     """Poll every node until all have a snapshot of step --steps or the time is up; time (wall clock, which
     the snapshots' modification times share) counts from the first poll that saw a node past step 0."""
     polls: list[list[tuple[float, int, int]]] = [[] for _ in range(args.nodes)]
@@ -244,7 +248,7 @@ def _follow(name: str, args: argparse.Namespace, poll: Callable[[int], tuple[int
                 polls[i].append((now - start, *got))
             for step, written in snapshot(i, set(seen[i])):
                 seen[i][step] = max(0.0, written - start)
-        last = args.steps - args.steps % args.snapshot_every
+        last = steps - steps % args.snapshot_every
         if start is not None and all(last in s for s in seen):
             break
         time.sleep(POLL_S)
@@ -277,7 +281,7 @@ def run_hivemind(net, config: Config, args: argparse.Namespace, workdir: Path) -
             found = ((int(path.stem.rsplit("-", 1)[1]), path) for path in workdir.glob(f"snap-n{i}-*.npz"))
             return [(step, path.stat().st_mtime) for step, path in found if step not in seen]
 
-        return _follow(config.name, args, poll, snapshot, processes)
+        return _follow(config.name, args, poll, snapshot, processes, args.steps)
     finally:
         (workdir / "stop").touch()
         _stop_all(processes)
@@ -416,7 +420,11 @@ def predicted_step(config: Config, args: argparse.Namespace, step_time: float) -
 
 
 def report(traces: dict[str, Trace], cfgs: dict[str, Config], args: argparse.Namespace) -> list[str]:
-    warm = max(3, args.steps // 5)  # step times leave out the start (quorum, first dials, lag waits)
+    # step times leave out the start (quorum, first dials, lag waits): the first fifth of the steps
+    def warm_of(key: str) -> int:
+        return max(3, (cfgs[key].steps or args.steps) // 5)
+
+    warm = warm_of("compute")
     base = traces.get("dadam-fp32")
     base_hit = base.to_target(args.target) if base else None
     lines = [f"### Time to validation loss {args.target:g}: {args.nodes} nodes, {args.rate_mbit:g} Mbit/s each way, "
@@ -425,7 +433,7 @@ def report(traces: dict[str, Trace], cfgs: dict[str, Config], args: argparse.Nam
              "time to target vs DAdam fp32 |", "|---|---:|---:|---:|---:|---:|"]
     for key, trace in traces.items():
         hit = trace.to_target(args.target)
-        step, moved = trace.step_time(warm), trace.bytes_per_step()
+        step, moved = trace.step_time(warm_of(key)), trace.bytes_per_step()
         ratio = f"{base_hit[1] / hit[1]:.2f}x faster" if base_hit and hit and key != "dadam-fp32" else "-"
         lines.append(f"| {cfgs[key].name} | {f'{hit[1]:.0f}' if hit else 'not reached'} | {hit[0] if hit else '-'} | "
                      f"{f'{step:.2f}' if step else '-'} | {f'{moved / 1e6:.3f}' if moved else '-'} | {ratio} |")
@@ -442,7 +450,7 @@ def report(traces: dict[str, Trace], cfgs: dict[str, Config], args: argparse.Nam
                   "| configuration | measured s / step | predicted s / step | of which a round's CPU work | "
                   "predicted / measured | within 25% |", "|---|---:|---:|---:|---:|---|"]
         for key in planned:
-            measured = traces[key].step_time(warm)
+            measured = traces[key].step_time(warm_of(key))
             if measured is None:
                 continue
             predicted, round_cpu = predicted_step(cfgs[key], args, compute_step)
