@@ -43,6 +43,7 @@ from node.config import (
     read_flags,
     settings_for,
 )
+from node.config.settings import MONITOR_TOKEN_FILE
 from topology import TOPOLOGY_NAMES, WEIGHT_SCHEMES, TopologySpec, build_topology
 
 
@@ -259,13 +260,18 @@ def _add_node_commands(commands: argparse._SubParsersAction[argparse.ArgumentPar
 
 
 def _add_monitor_target(parser: argparse.ArgumentParser) -> None:
-    """The flags that find a running node (`status`, `eval`): its monitor's port and host, or --url."""
+    """The flags that find a running node (`status`, `eval`): its monitor's port and host, or --url;
+    and its monitor token (from its data dir, or --token)."""
     _add_config_flag(parser)
     target = parser.add_mutually_exclusive_group()
     _add_setting_flag(target, SETTINGS_BY_KEY["monitor.port"], help="TCP port of the node's monitor page")
     target.add_argument("--url", help="monitor URL of the node, e.g. http://127.0.0.1:7690 (instead of "
                         "--monitor-host/--monitor-port)")
     _add_setting_flag(parser, SETTINGS_BY_KEY["monitor.host"], help="host of the node's monitor page")
+    _add_setting_flag(parser, SETTINGS_BY_KEY["data_dir"], help="the node's data directory, where its monitor "
+                      "token is (monitor.token)")
+    parser.add_argument("--token", help="the node's monitor token (default: read from <data-dir>/monitor.token; "
+                        "a node's POST endpoints need it)")
 
 
 def _add_config_flag(parser: argparse.ArgumentParser) -> None:
@@ -398,18 +404,35 @@ def _run_bootstrap(args: argparse.Namespace) -> int:
     return exit_status
 
 
+def monitor_token(args: argparse.Namespace, env: Mapping[str, str], url: str) -> str | None:
+    """The monitor token a parsed `status` or `eval` command line sends: --token, else the one in the
+    data directory. The data directory's token goes only to a loopback URL unless the data directory
+    was named (flag, environment, config file): a node elsewhere must not learn this machine's token."""
+    if args.token is not None:
+        return str(args.token).strip()
+    resolved = _resolve(args, env)
+    named = "data_dir" in resolved.sources
+    host = (urllib.parse.urlsplit(url).hostname or "").lower()
+    if not named and host not in ("localhost", "127.0.0.1", "::1") and not host.startswith("127."):
+        return None
+    try:
+        return (resolved.config.data_dir / MONITOR_TOKEN_FILE).read_text().strip() or None
+    except OSError:
+        return None
+
+
 def _run_status(args: argparse.Namespace) -> int:
     url = status_url(args, os.environ)
     from node.cli.status import run_status
 
-    return run_status(url, args.json)
+    return run_status(url, args.json, token=monitor_token(args, os.environ, url))
 
 
 def _run_eval(args: argparse.Namespace) -> int:
     url = status_url(args, os.environ)
     from node.cli.eval import run_eval
 
-    return run_eval(url, args.json, args.timeout, save=args.save)
+    return run_eval(url, args.json, args.timeout, save=args.save, token=monitor_token(args, os.environ, url))
 
 
 @contextlib.contextmanager

@@ -93,7 +93,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("swarm", Text(), "MURMUR_SWARM", "--swarm", "swarm name: namespaces the swarm's DHT keys; "
             "1-64 letters, digits, '.', '_' or '-'", NODE),
     Setting("data_dir", PathKind(metavar="DIR"), "MURMUR_DATA_DIR", "--data-dir",
-            "directory for the identity, checkpoints and logs; created if missing", DAEMONS,
+            "directory for the identity, checkpoints, logs and the monitor's per-run token (monitor.token); "
+            "created if missing. status and eval read the token there", DAEMONS | {Command.STATUS, Command.EVAL},
             default_text="./murmur-data"),
     Setting("identity_file", PathKind(metavar="FILE"), "MURMUR_IDENTITY", "--identity",
             "libp2p RSA key file that gives the node its peer id; created (mode 0600) if missing",

@@ -49,6 +49,7 @@ from node.net.records import (
     peers_key,
     validate_swarm_name,
 )
+from node.net.view import MAX_VIEW, cap_view
 
 logger = logging.getLogger(__name__)
 
@@ -86,11 +87,14 @@ class DiscoverySettings:
     bootstrap_timeout_s: float = 10.0
     config_ttl_s: float = 600.0
     version: str = dataclasses.field(default_factory=_software_version)
+    max_view: int = MAX_VIEW  # peers in the view at most, this one included (node.net.view)
 
     def __post_init__(self) -> None:
         validate_swarm_name(self.swarm)
         if self.heartbeat_s <= 0 or self.ttl_heartbeats < 1:
             raise ValueError("heartbeat_s must be positive and ttl_heartbeats at least 1")
+        if self.max_view < 2:
+            raise ValueError("max_view must be at least 2")
 
     @property
     def ttl_s(self) -> float:
@@ -159,6 +163,9 @@ class Discovery:
         self._config: SwarmConfig | None = None
         self._config_refreshed_at = -math.inf
         self._errors: collections.Counter[str] = collections.Counter()
+        self.view_overflow = 0  # live records left out of the view by its cap at the last refresh
+        self._refreshing: asyncio.Task[None] | None = None
+        self._refreshed_at = -math.inf  # loop time of the last view refresh
 
     @property
     def peer_id(self) -> str:
@@ -217,6 +224,8 @@ class Discovery:
         if self._closed:
             return
         self._closed = True
+        if self._refreshing is not None:
+            self._refreshing.cancel()
         if self._runner is not None:
             self._runner.cancel()
             try:
@@ -439,7 +448,19 @@ class Discovery:
             entries = found.value if found is not None and isinstance(found.value, dict) else {}
         return entries
 
+    async def refresh_now(self, min_interval_s: float) -> None:
+        """Re-read the view unless it was read less than `min_interval_s` ago; concurrent callers share
+        one read (an unknown peer's stream asks this, node.net.membership)."""
+        if self._closed or self._dht is None:
+            return
+        if self._refreshing is None or self._refreshing.done():
+            if asyncio.get_running_loop().time() - self._refreshed_at < min_interval_s:
+                return
+            self._refreshing = asyncio.create_task(self._refresh_view(), name="discovery view refresh")
+        await asyncio.shield(self._refreshing)
+
     async def _refresh_view(self) -> None:
+        self._refreshed_at = asyncio.get_running_loop().time()
         entries = await self._read_entries(peers_key(self._settings.swarm), "reading the swarm's peers")
         if entries is None:
             return  # keep the last view rather than report everyone gone after one failed read
@@ -449,6 +470,12 @@ class Discovery:
             record = self._live_record(subkey, item.value, item.expiration_time, now)
             if record is not None and record.peer_id != self.peer_id:
                 records[record.peer_id] = record
+        records, left_out = cap_view(records, self.peer_id, {r.peer_id for r in self._view}, self._settings.max_view,
+                                     self._settings.swarm)
+        if left_out and not self.view_overflow:
+            logger.warning("%d live peer records left out of the view: it holds at most %d peers", left_out,
+                           self._settings.max_view)
+        self.view_overflow = left_out
         self._set_view(tuple(records[peer_id] for peer_id in sorted(records)))
 
     def _live_record(self, subkey: object, value: object, expiration: float, now: float) -> PeerRecord | None:

@@ -196,6 +196,15 @@ class SpesNode:
                 total.update(peer.stats.errors)
         return dict(total)
 
+    @property
+    def refused(self) -> dict[str, int]:
+        """Requests refused for their rate or timing, by reason: the fetch protocol's and every gossip peer's."""
+        total = collections.Counter(self.fetch_stats.refused)
+        for peer in (self._shared_peer, *self._expert_peers.values()):
+            if peer is not None:
+                total.update(peer.stats.refused)
+        return dict(total)
+
     # ---- set-up and ownership ------------------------------------------------------------------------
 
     async def start(self, saved: Mapping[ExpertKey, ExpertRecord] | None = None) -> None:
