@@ -206,7 +206,9 @@ def build_app(source: MonitorSource, sampler: Sampler, *, host: str = "127.0.0.1
             logger.info("monitor: 403 for Host %r (%s %s)", request.headers.get("Host"), request.method, request.path)
             return _error(403, f"this monitor answers to loopback names and {host!r}, not to the Host "
                                f"{request.headers.get('Host')!r}")
-        if request.method == "POST" and not token_matches(request.headers.get("Authorization"), secret):
+        # (a path or method that does not exist gets its 404/405 from the router, token or not)
+        routed = request.match_info.http_exception is None
+        if routed and request.method == "POST" and not token_matches(request.headers.get("Authorization"), secret):
             refused[AccessRefusal.TOKEN] += 1
             logger.info("monitor: 401 for %s %s without this run's token", request.method, request.path)
             response = _error(401, "POST needs this run's monitor token (Authorization: Bearer <token>, from "

@@ -16,7 +16,7 @@ from node.config import NodeConfig
 from node.runtime.saving import write_checkpoint
 from node.runtime.status import NodeRuntime
 from node.training.checkpoint import Checkpoint
-from node.training.progress import PeerProgress, leave_out_stalled, stalled_after
+from node.training.progress import PeerProgress, leave_out_stalled, record_lag_rounds, stalled_after
 from node.training.recipe import SwarmSettings
 from node.training.rounds import PeerTiming, announce_round, participants, start_round
 from topology import TopologyCache, peer_round
@@ -50,6 +50,7 @@ async def gossip_until(stop: asyncio.Event, runtime: NodeRuntime, settings: Swar
     start: int | None = None
     topologies = TopologyCache(settings.topology)
     progress = PeerProgress(stalled_after(config.heartbeat_s, config.gossip.exchange_timeout_s))
+    lag_rounds = record_lag_rounds(config.heartbeat_s, config.gossip.exchange_timeout_s, clock.interval_s)
     last_round = -1
     while not stop.is_set():
         next_round = clock.next_round(time.time(), last_round, settings.max_staleness)
@@ -83,7 +84,7 @@ async def gossip_until(stop: asyncio.Event, runtime: NodeRuntime, settings: Swar
         if me not in members.peer_ids:
             continue
         plan, stalled = leave_out_stalled(peer_round(topologies.get(members.n), members, me, next_round), view,
-                                          progress, next_round, settings.max_staleness)
+                                          progress, next_round, settings.max_staleness, lag_rounds)
         for _ in stalled:
             peer.stats.skipped["stalled"] += 1
         outcome = await peer.run_round(next_round, plan)
