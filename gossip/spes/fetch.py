@@ -17,7 +17,7 @@ from typing import Protocol
 import numpy as np
 
 from gossip.codecs import Codec, get_codec
-from gossip.errors import BadSchema, WireError
+from gossip.errors import BadSchema, Truncated, WireError
 from gossip.exchange import ExchangeSettings
 from gossip.limits import LruTable, ThrottledLog
 from gossip.spes.rules import (
@@ -129,7 +129,12 @@ class ExpertFetch:
                 stream = MessageStream(await self._transport.open_stream(source, FETCH_PROTOCOL), self._accounting)
                 try:
                     await stream.send(self._frames({}, FETCH, {"expert": expert_label(key)}, get_codec("fp32")))
-                    reply = await stream.read(_limits_for(like), None)
+                    try:
+                        reply = await stream.read(_limits_for(like), None)
+                    except Truncated:
+                        if stream.received == 0:  # closed unanswered (e.g. by its stream limits): no message cut
+                            raise ConnectionError(f"{source} hung up without answering") from None
+                        raise
                 finally:
                     await stream.close()
         except TimeoutError:

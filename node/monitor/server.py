@@ -338,14 +338,14 @@ async def _write(response: web.StreamResponse, text: str) -> None:
 
 
 async def start_monitor(source: MonitorSource, host: str, port: int, interval_s: float = SAMPLE_INTERVAL_S, *,
-                        token: str | None = None) -> MonitorServer:
+                        token: str | None = None, max_event_clients: int = MAX_EVENT_CLIENTS) -> MonitorServer:
     """Start serving and sampling; port 0 picks a free port, reported in the returned url. POSTs need
     `token` (a fresh one when None: `MonitorServer.token`)."""
     token = token if token is not None else new_token()
     sampler = Sampler(source, interval_s)
     await sampler.refresh_safely()
     sampler.sample_safely()  # the page has something to show from its first request
-    runner = web.AppRunner(build_app(source, sampler, host=host, token=token), access_log=None, handle_signals=False,
+    runner = web.AppRunner(build_app(source, sampler, host=host, token=token, max_event_clients=max_event_clients), access_log=None, handle_signals=False,
                            shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     try:

@@ -53,10 +53,10 @@ def address_scope(maddr: str) -> Scope:
         return Scope.NOWHERE
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
+    if ip.is_loopback:  # before "reserved": ::1 lies in IPv6's reserved ::/8
+        return Scope.LOOPBACK
     if ip.is_unspecified or ip.is_multicast or ip.is_reserved or any(ip in net for net in _DOCUMENTATION):
         return Scope.NOWHERE
-    if ip.is_loopback:
-        return Scope.LOOPBACK
     if ip.is_link_local:
         return Scope.LINK_LOCAL
     if ip.is_global:
