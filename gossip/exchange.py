@@ -61,8 +61,8 @@ logger = logging.getLogger(__name__)
 PULL, EXCHANGE, REPLY, REJECT, ACK = "pull", "exchange", "reply", "reject", "ack"
 # meta flag of a pull outside any round (`fetch`): answered at once with the current tensors
 CURRENT = "current"
-# exchange requests held at once until their round begins; each holds one copy of the tensors
-MAX_WAITING_REQUESTS = 16
+# exchange requests held at once until their round begins
+MAX_WAITING_REQUESTS = 16  # each holds the request's header: its tensors are read once its round claims it
 
 
 class Refusal(StrEnum):
