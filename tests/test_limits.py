@@ -320,3 +320,26 @@ def test_a_flood_of_records_does_not_push_incumbents_out():
     flood = {f"flood{i:04d}": i for i in range(1000)}
     kept, left_out = cap_view({**honest, **flood}, "honest0", set(honest), 256, "swarm")
     assert set(honest) <= set(kept) and len(kept) == 256 and left_out == 749
+
+
+def test_blobs_are_served_at_the_rate_of_current_pulls():
+    from gossip.blob import BlobFailed, fetch_blob, serve_blobs
+
+    async def main() -> None:
+        import hashlib
+
+        net = Net()
+        data = b"tokenizer" * 100
+        sha = hashlib.sha256(data).hexdigest()
+
+        async def source(sha256: str) -> bytes | None:
+            return data if sha256 == sha else None
+
+        await serve_blobs(net("server"), source, limits=IncomingLimits(current_pulls_burst=2, current_pulls_per_s=0.01))
+        for _ in range(2):
+            assert await fetch_blob(net("asker"), "server", sha, len(data)) == data
+        with pytest.raises(BlobFailed, match="rate_limited"):
+            await fetch_blob(net("asker"), "server", sha, len(data))
+        assert await fetch_blob(net("other"), "server", sha, len(data)) == data  # per asker
+
+    asyncio.run(main())
