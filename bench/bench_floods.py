@@ -14,6 +14,7 @@ Run from the repository root: .venv/bin/python -m bench.bench_floods [--nodes 4]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import tempfile
@@ -43,19 +44,21 @@ def rss_mb(nodes: list[Node]) -> list[float]:
 def run(root: Path, args: argparse.Namespace, attack: bool) -> dict[str, object]:
     flags = dict(dim=args.dim, heartbeat=1, round_interval=args.round_interval, exchange_timeout=args.exchange_timeout,
                  min_peers=args.nodes)
-    with Swarm(root, **flags) as swarm:
+    # started with the swarm, so its start-up overlaps the nodes'; it attacks only once told to
+    hostile = HostileProcess(root / "hostile", args.extra_ids) if attack else None
+    with Swarm(root, **flags) as swarm, contextlib.ExitStack() as stack:
+        if hostile:
+            stack.callback(hostile.kill)
         nodes = swarm.start(args.nodes)
         swarm.wait_rounds(nodes, 3)
         memory_before = rss_mb(nodes)
-        hostile = None
-        if attack:
+        if hostile:
             first = nodes[0].status()
-            target = Target(swarm=first["swarm"], config_hash=first["config_hash"], dim=args.dim,
-                            victims=tuple(Victim(n.peer_id, n.maddrs) for n in nodes), workdir=root / "hostile",
-                            modes=tuple(Mode), gossip_from=first["gossip_from"], heartbeat_s=2.0,
-                            duration_s=args.window, streams_per_id=args.streams, pullers=args.pullers,
-                            extra_ids=args.extra_ids, extra_streams=args.extra_streams)
-            hostile = HostileProcess(target)
+            hostile.attack(Target(swarm=first["swarm"], config_hash=first["config_hash"], dim=args.dim,
+                                  victims=tuple(Victim(n.peer_id, n.maddrs) for n in nodes), workdir=root / "hostile",
+                                  modes=tuple(Mode), gossip_from=first["gossip_from"], heartbeat_s=2.0,
+                                  duration_s=args.window, streams_per_id=args.streams, pullers=args.pullers,
+                                  extra_ids=args.extra_ids, extra_streams=args.extra_streams))
             hostile_id = hostile.ready()["ready"]
             wait_for(lambda: all(any(p["peer_id"] == hostile_id for p in n.status()["peers"]) for n in nodes),
                      60, "the hostile record in every view")

@@ -23,6 +23,7 @@ DIM = 1_000_000  # 4 MB a vector: a receiver that read each flooded request whol
 EXCHANGE_TIMEOUT_S = 2.0
 ROUND_INTERVAL_S = 0.5
 WINDOW_S = 5.0
+ATTACK_S = 7.0
 RSS_GROWTH_BOUND = 150 << 20  # generous: 64 flooded requests read whole would be 256 MB per node
 
 
@@ -55,25 +56,32 @@ def rss(node: Node) -> int:
 
 
 def test_a_hostile_peer_costs_honest_nodes_neither_cadence_nor_memory_and_is_counted(tmp_path):
-    with Swarm(tmp_path, dim=DIM, heartbeat=1, round_interval=ROUND_INTERVAL_S,
-               exchange_timeout=EXCHANGE_TIMEOUT_S, min_peers=3) as swarm:
+    began = time.monotonic()
+    phases: dict[str, float] = {}
+    # started first: its imports, keys and daemons take seconds, while the swarm starts
+    with HostileProcess(tmp_path / "hostile", extra_ids=2) as hostile, \
+            Swarm(tmp_path, dim=DIM, heartbeat=1, round_interval=ROUND_INTERVAL_S,
+                  exchange_timeout=EXCHANGE_TIMEOUT_S, min_peers=3) as swarm:
         nodes = swarm.start(3)
         swarm.wait_rounds(nodes, 3)
+        phases["swarm up"] = time.monotonic() - began
         control, control_longest = watch(nodes, WINDOW_S)
         memory_before = [rss(n) for n in nodes]
         first = nodes[0].status()
         target = Target(swarm=first["swarm"], config_hash=first["config_hash"], dim=DIM,
                         victims=tuple(Victim(n.peer_id, n.maddrs) for n in nodes), workdir=tmp_path / "hostile",
-                        modes=tuple(Mode), gossip_from=first["gossip_from"], heartbeat_s=2.0, duration_s=10.0,
+                        modes=tuple(Mode), gossip_from=first["gossip_from"], heartbeat_s=2.0, duration_s=ATTACK_S,
                         streams_per_id=64, pullers=3, extra_ids=2, extra_streams=8)
-        hostile = HostileProcess(target)
         try:
+            hostile.attack(target)
             ready = hostile.ready()
             hostile_id = ready["ready"]
+            phases["hostile ready"] = time.monotonic() - began
             # it is a member: its record is in every view (step 0, announcing the swarm's first round)
             wait_for(lambda: all(any(p["peer_id"] == hostile_id for p in n.status()["peers"]) for n in nodes),
                      30, "the hostile record in every view")
-            attacked, attacked_longest = watch(nodes, 8.0)
+            phases["hostile in views"] = time.monotonic() - began
+            attacked, attacked_longest = watch(nodes, ATTACK_S)
             report = hostile.report(30.0)
             memory_after = [rss(n) for n in nodes]
             hostile.freeze()  # SIGSTOP: a frozen peer whose daemon still accepts streams
@@ -82,7 +90,8 @@ def test_a_hostile_peer_costs_honest_nodes_neither_cadence_nor_memory_and_is_cou
             statuses = [n.status() for n in nodes]
         finally:
             hostile.kill()
-        summary = (f"control {control} (longest round {control_longest:.2f} s), attacked {attacked} "
+        phases["done"] = time.monotonic() - began
+        summary = (f"phases {phases}\ncontrol {control} (longest round {control_longest:.2f} s), attacked {attacked} "
                    f"({attacked_longest:.2f} s), frozen {frozen} ({frozen_longest:.2f} s)\nhostile {report}\n"
                    + "\n".join(f"{n.name}: {s['limits']} skipped {s['skipped']}" for n, s in zip(nodes, statuses)))
 
@@ -107,3 +116,4 @@ def test_a_hostile_peer_costs_honest_nodes_neither_cadence_nor_memory_and_is_cou
             assert counter(v, "murmur_skipped_total", reason="stalled") > 0, summary  # left out, not waited for
             assert s["limits"]["open_streams"] < 200, summary
         assert swarm.stop_all(nodes) == [0, 0, 0], swarm.logs()
+        print(summary)

@@ -1,5 +1,6 @@
 """A hostile peer process for the resource-limit attacks (issue 14, item 6): run as
-`python tests/support/hostile_flood.py TARGET.json`, it joins a swarm of real `murmur` nodes through
+`python tests/support/hostile_flood.py WORKDIR EXTRA_IDS` (it starts its hosts, then waits for
+WORKDIR/target.json, a `Target`), it joins a swarm of real `murmur` nodes through
 their DHT and attacks them with the modes the target file names, for a bounded time, then writes a
 report (JSON, one line on stdout) and stays, its record live, until it is signalled.
 
@@ -13,7 +14,8 @@ Modes (`Mode`):
 - `unroutable`: its record names only addresses that route nowhere or into a blackhole;
 - `stalled-record`: its record stays at step 0 and round 0 while announcing the swarm's first round,
   and every gossip stream to it hangs as to a frozen peer (the test SIGSTOPs the process too).
-Not a test module: tests/test_limits_swarm.py and bench/bench_floods.py start it. Every loop is
+Not a test module: tests/test_limits_swarm.py and bench/bench_floods.py start it (`HostileProcess`:
+started early, told its target once the swarm runs). Every loop is
 bounded by `duration_s`; it sends only to the loopback addresses in the target file.
 """
 
@@ -227,21 +229,32 @@ async def frozen_handler(stream: Any) -> None:
     await asyncio.Event().wait()
 
 
-async def main(target: Target) -> None:
+async def main(workdir: Path, extra_ids: int) -> None:
+    """Start the hosts (imports, keys and daemons take seconds), then wait for `workdir/target.json`:
+    the swarm can start meanwhile."""
     from node.net.discovery import Discovery, DiscoverySettings
 
     # An attacker's CPU is its own, elsewhere: on one shared machine it yields to the nodes under test
     # (its p2pd daemons inherit this), so what is measured is what its traffic costs them.
     os.nice(19)
 
-    bootstrap = tuple(a for v in target.victims for a in v.maddrs)[:2]
-    identity, p2p, transport = await _start_host(target.workdir, "hostile", bootstrap)
-    extra = [await _start_host(target.workdir, f"extra{i}", ()) for i in range(target.extra_ids)]
+    identity, p2p, transport = await _start_host(workdir, "hostile", ())
+    extra = [await _start_host(workdir, f"extra{i}", ()) for i in range(extra_ids)]
     stack = contextlib.AsyncExitStack()
     async with stack:
         for _, other_p2p, other in [(identity, p2p, transport), *extra]:
             stack.push_async_callback(other_p2p.shutdown)
             stack.push_async_callback(other.close)
+        print(json.dumps({"started": identity.peer_id}), flush=True)
+        target_file = workdir / "target.json"
+        while not target_file.exists():
+            await asyncio.sleep(0.1)
+        target = Target.load(target_file)
+        extra = extra[:target.extra_ids]
+        bootstrap = tuple(a for v in target.victims for a in v.maddrs)[:2]
+        for victim in target.victims:  # where they are, before the DHT asks for them
+            with contextlib.suppress(ConnectionError, TimeoutError):
+                await transport.connect(victim.peer_id, victim.maddrs)
         me = identity.peer_id
         data_maddrs = tuple(f"{a}/p2p/{me}" for a in UNROUTABLE_MADDRS) if Mode.UNROUTABLE in target.modes else ()
         discovery = Discovery(p2p, identity, DiscoverySettings(target.swarm, heartbeat_s=target.heartbeat_s),
@@ -286,20 +299,31 @@ async def main(target: Target) -> None:
 
 
 class HostileProcess:
-    """The hostile peer as a process of its own (its p2pd daemons die with it): started by `start`, read
-    by `ready` and `report`, frozen by `freeze` (SIGSTOP, as a frozen peer), killed by `kill`."""
+    """The hostile peer as a process of its own (its p2pd daemons die with it). Started early (its
+    imports, keys and daemons take seconds) and told its target by `attack`; read by `ready` and
+    `report`, frozen by `freeze` (SIGSTOP, as a frozen peer), killed by `kill`."""
 
-    def __init__(self, target: Target) -> None:
-        self.target = target
-        target.workdir.mkdir(parents=True, exist_ok=True)
-        self.target_file = target.workdir / "target.json"
-        target.dump(self.target_file)
-        self.out = target.workdir / "hostile.out"
-        self.err = target.workdir / "hostile.err"
+    def __init__(self, workdir: Path, extra_ids: int) -> None:
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.out = workdir / "hostile.out"
+        self.err = workdir / "hostile.err"
         with open(self.out, "wb") as out, open(self.err, "wb") as err:
             # its own session and process group: kill() takes its p2pd daemons with it
-            self.process = subprocess.Popen([sys.executable, __file__, str(self.target_file)], stdout=out,
+            self.process = subprocess.Popen([sys.executable, __file__, str(workdir), str(extra_ids)], stdout=out,
                                             stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def __enter__(self) -> HostileProcess:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.kill()
+
+    def attack(self, target: Target) -> None:
+        """Give the process its target (written whole: it waits for the file)."""
+        temp = self.workdir / ".target.json"
+        target.dump(temp)
+        temp.rename(self.workdir / "target.json")
 
     def _line(self, key: str, timeout_s: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s
@@ -333,4 +357,4 @@ class HostileProcess:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(Target.load(Path(sys.argv[1]))))
+    asyncio.run(main(Path(sys.argv[1]), int(sys.argv[2])))
