@@ -18,23 +18,12 @@ import contextlib
 import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import psutil
 
-from tests.support.hostile_flood import HostileProcess, Mode, Target, Victim
+from tests.support.hostile_flood import HostileProcess, Mode, Target, Victim, watch_rounds
 from tests.support.swarm_harness import Node, Swarm, wait_for
-
-
-def watch(nodes: list[Node], seconds: float) -> tuple[list[float], float]:
-    before = [n.status()["rounds_run"] for n in nodes]
-    started, longest = time.monotonic(), 0.0
-    while time.monotonic() - started < seconds:
-        longest = max([longest, *(n.status()["last_round_s"] for n in nodes)])
-        time.sleep(0.5)
-    elapsed = time.monotonic() - started
-    return [(n.status()["rounds_run"] - b) / elapsed for n, b in zip(nodes, before)], longest
 
 
 def rss_mb(nodes: list[Node]) -> list[float]:
@@ -63,12 +52,12 @@ def run(root: Path, args: argparse.Namespace, attack: bool) -> dict[str, object]
             wait_for(lambda: all(any(p["peer_id"] == hostile_id for p in n.status()["peers"]) for n in nodes),
                      60, "the hostile record in every view")
         try:
-            rates, longest = watch(nodes, args.window)
+            rates, longest = watch_rounds(nodes, args.window)
             memory_after = rss_mb(nodes)
             report = hostile.report(args.window + 30) if hostile else {}
             if hostile:
                 hostile.freeze()
-            frozen, frozen_longest = watch(nodes, args.frozen)
+            frozen, frozen_longest = watch_rounds(nodes, args.frozen)
             limits = [n.status()["limits"] for n in nodes]
             skipped = [n.status()["skipped"] for n in nodes]
         finally:

@@ -14,7 +14,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from support.hostile_flood import HostileProcess, Mode, Target, Victim
+from support.hostile_flood import HostileProcess, Mode, Target, Victim, watch_rounds
 from support.swarm_harness import Node, Swarm, wait_for
 
 pytestmark = pytest.mark.multiprocess
@@ -40,17 +40,6 @@ def counter(values: dict, name: str, **labels: str) -> float:
     return values.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-def watch(nodes: list[Node], seconds: float) -> tuple[list[float], float]:
-    """Rounds run per second by each node over `seconds`, and the longest round any of them reported."""
-    before = [n.status()["rounds_run"] for n in nodes]
-    started, longest = time.monotonic(), 0.0
-    while time.monotonic() - started < seconds:
-        longest = max([longest, *(n.status()["last_round_s"] for n in nodes)])
-        time.sleep(0.3)
-    elapsed = time.monotonic() - started
-    return [(n.status()["rounds_run"] - b) / elapsed for n, b in zip(nodes, before)], longest
-
-
 def rss(node: Node) -> int:
     return psutil.Process(node.pid).memory_info().rss
 
@@ -65,7 +54,7 @@ def test_a_hostile_peer_costs_honest_nodes_neither_cadence_nor_memory_and_is_cou
         nodes = swarm.start(3)
         swarm.wait_rounds(nodes, 3)
         phases["swarm up"] = time.monotonic() - began
-        control, control_longest = watch(nodes, WINDOW_S)
+        control, control_longest = watch_rounds(nodes, WINDOW_S)
         memory_before = [rss(n) for n in nodes]
         first = nodes[0].status()
         target = Target(swarm=first["swarm"], config_hash=first["config_hash"], dim=DIM,
@@ -81,11 +70,11 @@ def test_a_hostile_peer_costs_honest_nodes_neither_cadence_nor_memory_and_is_cou
             wait_for(lambda: all(any(p["peer_id"] == hostile_id for p in n.status()["peers"]) for n in nodes),
                      30, "the hostile record in every view")
             phases["hostile in views"] = time.monotonic() - began
-            attacked, attacked_longest = watch(nodes, ATTACK_S)
+            attacked, attacked_longest = watch_rounds(nodes, ATTACK_S)
             report = hostile.report(30.0)
             memory_after = [rss(n) for n in nodes]
             hostile.freeze()  # SIGSTOP: a frozen peer whose daemon still accepts streams
-            frozen, frozen_longest = watch(nodes, WINDOW_S)
+            frozen, frozen_longest = watch_rounds(nodes, WINDOW_S)
             values = [metrics(n) for n in nodes]
             statuses = [n.status() for n in nodes]
         finally:
@@ -116,4 +105,3 @@ def test_a_hostile_peer_costs_honest_nodes_neither_cadence_nor_memory_and_is_cou
             assert counter(v, "murmur_skipped_total", reason="stalled") > 0, summary  # left out, not waited for
             assert s["limits"]["open_streams"] < 200, summary
         assert swarm.stop_all(nodes) == [0, 0, 0], swarm.logs()
-        print(summary)

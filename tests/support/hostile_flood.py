@@ -298,6 +298,18 @@ async def main(workdir: Path, extra_ids: int) -> None:
         await stop.wait()
 
 
+def watch_rounds(nodes: list[Any], seconds: float) -> tuple[list[float], float]:
+    """Rounds run per second by each node (support.swarm_harness.Node) over `seconds`, and the longest
+    round any of them reported meanwhile."""
+    before = [n.status()["rounds_run"] for n in nodes]
+    started, longest = time.monotonic(), 0.0
+    while time.monotonic() - started < seconds:
+        longest = max([longest, *(n.status()["last_round_s"] for n in nodes)])
+        time.sleep(0.3)
+    elapsed = time.monotonic() - started
+    return [(n.status()["rounds_run"] - b) / elapsed for n, b in zip(nodes, before)], longest
+
+
 class HostileProcess:
     """The hostile peer as a process of its own (its p2pd daemons die with it). Started early (its
     imports, keys and daemons take seconds) and told its target by `attack`; read by `ready` and
