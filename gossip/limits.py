@@ -45,6 +45,10 @@ class IncomingLimits:
     per_protocol_streams: int = 2
     # A peer's header must arrive this soon after its stream opens; the payload has the exchange deadline.
     header_timeout_s: float = 5.0
+    # Streams from peers not in the view as last read, held at once while the view is read again (a
+    # joiner's record can be newer than that read); beyond, refused at once: floods from ids without
+    # records cannot hold the node's stream slots.
+    unknown_streams: int = 16
     # Pulls of the current parameters outside any round (a joiner's download, the swarm-average
     # evaluation): a token bucket per peer. Each costs a whole model of upload.
     current_pulls_burst: int = 4
@@ -58,7 +62,7 @@ class IncomingLimits:
 
     def __post_init__(self) -> None:
         if min(self.per_peer_streams, self.total_streams, self.current_pulls_burst, self.round_pulls,
-               self.fetches_per_version, self.tracked_peers) < 1:
+               self.fetches_per_version, self.tracked_peers, self.unknown_streams) < 1:
             raise ValueError("every limit must be at least 1")
         if self.per_protocol_streams < 0 or self.header_timeout_s <= 0 or self.current_pulls_per_s <= 0:
             raise ValueError("per_protocol_streams must be >= 0, header_timeout_s and current_pulls_per_s > 0")
@@ -70,7 +74,14 @@ DEFAULT_INCOMING = IncomingLimits()
 class Membership(Protocol):
     """Who may open streams to this node: the peers with a live record in its view."""
 
-    async def admits(self, peer: str) -> bool: ...
+    def knows(self, peer: str) -> bool:
+        """In the view as last read (no waiting)."""
+        ...
+
+    async def admits(self, peer: str) -> bool:
+        """In the view, once a read of it that began after this call has ended (a joiner's record may
+        be newer than the last read); within a bounded wait."""
+        ...
 
 
 class ThrottledLog:
@@ -108,6 +119,7 @@ class IncomingGate:
         self.admitted = 0
         self._open: collections.Counter[str] = collections.Counter()  # peer -> its open streams; 0s removed
         self._total = 0
+        self._unknown = 0  # streams waiting for a read of the view (`unknown_streams`)
         self._log = ThrottledLog(logger, "incoming stream")
 
     @property
@@ -163,13 +175,14 @@ class IncomingGate:
     @contextlib.asynccontextmanager
     async def admit(self, peer: str) -> AsyncIterator[StreamRefusal | None]:
         """`async with gate.admit(peer) as refusal:` serve the stream if `refusal` is None, else close
-        it unread. The slot is held (and membership asked) for the whole block."""
+        it unread. The slot is held (and membership asked) for the whole block; a peer not in the
+        view as last read waits for the next read in one of `unknown_streams` places, or is refused."""
         refusal = self.try_open(peer)
         if refusal is not None:
             yield refusal
             return
         try:
-            if self.membership is not None and not await self.membership.admits(peer):
+            if not await self._member(peer):
                 refusal = StreamRefusal.NOT_MEMBER
                 self._refuse(refusal, peer)
             else:
@@ -177,6 +190,18 @@ class IncomingGate:
             yield refusal
         finally:
             self.close(peer)
+
+    async def _member(self, peer: str) -> bool:
+        membership = self.membership
+        if membership is None or membership.knows(peer):
+            return True
+        if self._unknown >= self.limits.unknown_streams:
+            return False
+        self._unknown += 1
+        try:
+            return await membership.admits(peer)
+        finally:
+            self._unknown -= 1
 
 
 class LruTable(Generic[K, V]):

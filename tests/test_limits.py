@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -34,12 +35,22 @@ def settings(**kw: object) -> ExchangeSettings:
 
 
 class Members:
+    """A view as last read (`peers`) and as the next read will show it (`next_read`)."""
+
     def __init__(self, *peers: str) -> None:
         self.peers = set(peers)
+        self.next_read: set[str] = set()
         self.asked: list[str] = []
+        self.read = asyncio.Event()
+        self.read.set()
+
+    def knows(self, peer: str) -> bool:
+        return peer in self.peers
 
     async def admits(self, peer: str) -> bool:
         self.asked.append(peer)
+        await self.read.wait()
+        self.peers |= self.next_read
         return peer in self.peers
 
 
@@ -101,6 +112,63 @@ def test_streams_beyond_a_peers_cap_and_from_non_members_are_closed_unread():
         assert gate.open_streams == 0
 
     asyncio.run(main())
+
+
+def test_a_peer_not_in_the_view_waits_for_the_next_read_in_a_bounded_number_of_places():
+    async def main() -> None:
+        members = Members("member")
+        members.read.clear()  # the next read of the view takes a while
+        members.next_read = {"joiner"}  # and will show a joiner whose record is newer than the last read
+        gate = IncomingGate(IncomingLimits(unknown_streams=2), members)
+        outcomes: dict[str, StreamRefusal | None] = {}
+
+        async def arrive(name: str, peer: str) -> None:
+            async with gate.admit(peer) as refusal:
+                outcomes[name] = refusal
+
+        waiting = [asyncio.create_task(arrive("joiner", "joiner")), asyncio.create_task(arrive("stranger", "stranger"))]
+        await asyncio.sleep(0.01)
+        await arrive("flood", "flooder")  # both places taken: refused at once, without waiting
+        await arrive("member", "member")  # a member in the last read never waits
+        assert outcomes == {"flood": StreamRefusal.NOT_MEMBER, "member": None}
+        members.read.set()
+        await asyncio.gather(*waiting)
+        assert outcomes["joiner"] is None and outcomes["stranger"] is StreamRefusal.NOT_MEMBER
+        assert gate.refused == {"not_member": 2} and gate.open_streams == 0 and gate._unknown == 0
+
+    asyncio.run(main())
+
+
+def test_view_membership_waits_for_a_read_that_began_after_the_stream():
+    from node.net.membership import ViewMembership
+
+    class View:
+        def __init__(self) -> None:
+            self.records: tuple[SimpleRecord, ...] = (SimpleRecord("a"),)
+            self.asked: list[float] = []
+
+        def view(self) -> tuple[SimpleRecord, ...]:
+            return self.records
+
+        async def read_after(self, since: float, min_interval_s: float) -> None:
+            self.asked.append(since)
+            await asyncio.sleep(0.01)
+            self.records = (*self.records, SimpleRecord("joiner"))
+
+    async def main() -> None:
+        view = View()
+        membership = ViewMembership(view)
+        assert membership.knows("a") and not membership.knows("joiner")
+        assert await membership.admits("a") and view.asked == []  # no read for a known member
+        assert await membership.admits("joiner") and len(view.asked) == 1
+        assert not await membership.admits("stranger")
+
+    asyncio.run(main())
+
+
+@dataclass(frozen=True)
+class SimpleRecord:
+    peer_id: str
 
 
 # ---- bookkeeping that a flood cannot grow -----------------------------------------------------------

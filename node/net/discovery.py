@@ -164,8 +164,10 @@ class Discovery:
         self._config_refreshed_at = -math.inf
         self._errors: collections.Counter[str] = collections.Counter()
         self.view_overflow = 0  # live records left out of the view by its cap at the last refresh
-        self._refreshing: asyncio.Task[None] | None = None
-        self._refreshed_at = -math.inf  # loop time of the last view refresh
+        self._refreshing: asyncio.Task[None] | None = None  # a read of the view started by read_after
+        self._refreshed_at = -math.inf  # loop time the latest read of the view began
+        self._last_read_began = -math.inf  # ... of the latest read that has ended
+        self._read_done = asyncio.Condition()  # notified as each read ends
 
     @property
     def peer_id(self) -> str:
@@ -448,19 +450,35 @@ class Discovery:
             entries = found.value if found is not None and isinstance(found.value, dict) else {}
         return entries
 
-    async def refresh_now(self, min_interval_s: float) -> None:
-        """Re-read the view unless it was read less than `min_interval_s` ago; concurrent callers share
-        one read (an unknown peer's stream asks this, node.net.membership)."""
-        if self._closed or self._dht is None:
-            return
-        if self._refreshing is None or self._refreshing.done():
-            if asyncio.get_running_loop().time() - self._refreshed_at < min_interval_s:
-                return
-            self._refreshing = asyncio.create_task(self._refresh_view(), name="discovery view refresh")
-        await asyncio.shield(self._refreshing)
+    async def read_after(self, since: float, min_interval_s: float) -> None:
+        """Return once a read of the view that began at or after loop time `since` has ended (the
+        background reads count); start one if none is running and none began in the last
+        `min_interval_s`. Concurrent callers share the reads (an unknown peer's stream asks this,
+        node.net.membership)."""
+        loop = asyncio.get_running_loop()
+        while not self._closed and self._dht is not None and self._last_read_began < since:
+            if self._refreshing is None or self._refreshing.done():
+                wait = self._refreshed_at + min_interval_s - loop.time()
+                if wait <= 0:
+                    self._refreshing = asyncio.create_task(self._refresh_view(), name="discovery view read")
+                else:
+                    async with self._read_done:
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(wait):
+                                await self._read_done.wait()
+                    continue
+            await asyncio.shield(self._refreshing)
 
     async def _refresh_view(self) -> None:
-        self._refreshed_at = asyncio.get_running_loop().time()
+        began = self._refreshed_at = asyncio.get_running_loop().time()
+        try:
+            await self._read_view()
+        finally:
+            self._last_read_began = max(self._last_read_began, began)
+            async with self._read_done:
+                self._read_done.notify_all()
+
+    async def _read_view(self) -> None:
         entries = await self._read_entries(peers_key(self._settings.swarm), "reading the swarm's peers")
         if entries is None:
             return  # keep the last view rather than report everyone gone after one failed read
