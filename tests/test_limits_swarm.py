@@ -24,6 +24,9 @@ EXCHANGE_TIMEOUT_S = 2.0
 ROUND_INTERVAL_S = 0.5
 WINDOW_S = 5.0
 ATTACK_S = 7.0
+# The hostile record lives 3 of its heartbeats: past the frozen window, so that window measures a frozen
+# peer still in every view (a departure's churn is test_swarm_faults' subject)
+HOSTILE_HEARTBEAT_S = 5.0
 RSS_GROWTH_BOUND = 150 << 20  # generous: 64 flooded requests read whole would be 256 MB per node
 
 
@@ -59,7 +62,8 @@ def test_a_hostile_peer_costs_honest_nodes_neither_cadence_nor_memory_and_is_cou
         first = nodes[0].status()
         target = Target(swarm=first["swarm"], config_hash=first["config_hash"], dim=DIM,
                         victims=tuple(Victim(n.peer_id, n.maddrs) for n in nodes), workdir=tmp_path / "hostile",
-                        modes=tuple(Mode), gossip_from=first["gossip_from"], heartbeat_s=2.0, duration_s=ATTACK_S,
+                        modes=tuple(Mode), gossip_from=first["gossip_from"], heartbeat_s=HOSTILE_HEARTBEAT_S,
+                        duration_s=ATTACK_S,
                         streams_per_id=64, pullers=3, extra_ids=2, extra_streams=8)
         try:
             hostile.attack(target)

@@ -259,13 +259,13 @@ async def main(workdir: Path, extra_ids: int) -> None:
         data_maddrs = tuple(f"{a}/p2p/{me}" for a in UNROUTABLE_MADDRS) if Mode.UNROUTABLE in target.modes else ()
         discovery = Discovery(p2p, identity, DiscoverySettings(target.swarm, heartbeat_s=target.heartbeat_s),
                               initial_peers=bootstrap, data_maddrs=data_maddrs)
-        await discovery.start()
-        stack.push_async_callback(discovery.close)
         if Mode.STALLED_RECORD in target.modes:
-            discovery.update(gossip_from=target.gossip_from)  # a participant that never runs a round
+            discovery.update(gossip_from=target.gossip_from)  # in its first record: a participant that never runs a round
             from gossip.transport import GOSSIP_PROTOCOL
 
             await transport.serve(GOSSIP_PROTOCOL, frozen_handler)
+        await discovery.start()
+        stack.push_async_callback(discovery.close)
         for victim in target.victims:
             for _, _, t in [(identity, p2p, transport), *extra]:
                 with contextlib.suppress(ConnectionError, TimeoutError):
