@@ -114,6 +114,7 @@ class Node:
     peer_id: str = ""
     monitor_url: str = ""
     maddrs: tuple[str, ...] = ()
+    invite: str = ""  # NAME@FOUNDER_PEER_ID, from the ready line
     # the node's child processes (p2pd), recorded once it is ready, so they can be checked and killed
     children: list[psutil.Process] = field(default_factory=list)
 
@@ -140,6 +141,16 @@ class Node:
 
     def status(self) -> dict:
         return fetch_status(self.monitor_url)
+
+    def reread_ready_line(self) -> bool:
+        """Take the node's latest ready line (a node that follows a new config prints another); whether
+        it changed."""
+        ready = find_ready_line(self.stdout(), latest=True)
+        if ready is None or ready.monitor_url == self.monitor_url:
+            return False
+        self.peer_id, self.monitor_url, self.maddrs, self.invite = ready.peer_id, ready.monitor_url, ready.maddrs, \
+            ready.invite
+        return True
 
     def checkpoint(self) -> tuple[np.ndarray, int]:
         """(vector, round) from the node's checkpoint.npz."""
@@ -188,7 +199,7 @@ class Swarm:
         argv = [str(MURMUR), "node" if join is None else "join", "--data-dir", str(data_dir), "--monitor-port", "0",
                 "--seed", str(seed), *_flag_args(merged), *extra_args]
         if join is not None:
-            argv += ["--peers", join.maddrs[0]]
+            argv += ["--peers", join.maddrs[0], "--invite", join.invite]
         suffix = sum(1 for n in self.nodes if n.name == name or n.name.startswith(f"{name}~"))
         log_name = name if suffix == 0 else f"{name}~{suffix}"  # a restarted node keeps its old logs
         with open(self.log_dir / f"{log_name}.out", "wb") as out, open(self.log_dir / f"{log_name}.err", "wb") as err:
@@ -206,6 +217,7 @@ class Swarm:
                 ready = find_ready_line(node.stdout())
                 if ready:
                     node.peer_id, node.monitor_url, node.maddrs = ready.peer_id, ready.monitor_url, ready.maddrs
+                    node.invite = ready.invite
                     with contextlib.suppress(psutil.NoSuchProcess):
                         node.children = psutil.Process(node.pid).children(recursive=True)
                     pending.remove(node)
