@@ -143,7 +143,8 @@ class Admission:
     def with_key(cls, swarm: str, key: bytes, expected_check: str | None) -> Admission:
         """A key swarm's admission; SwarmKeyError if `key` is not the one the signed config names."""
         if expected_check is None or not hmac.compare_digest(key_check(key, swarm), expected_check):
-            raise SwarmKeyError(f"this swarm key is not swarm {swarm!r}'s (the founder's config names another one)")
+            raise SwarmKeyError(f"this swarm key is not the key of swarm {swarm!r} (the founder's config names another "
+                                "one)")
         return cls(AdmissionMode.KEY, swarm, key=key)
 
     @classmethod
