@@ -173,3 +173,14 @@ def test_a_checkpoint_of_another_config_is_kept_and_taken_back(tmp_path, ids):
     assert restored is not None and restored.meta["config_hash"] == a.config_hash
     assert float(restored.tensors["params"][0]) == 1.5
     assert kept_path(path, b.config_hash).exists()
+
+
+def test_murmur_status_names_the_invite_the_config_version_and_why_it_is_not_followed():
+    from node.cli.status import format_status
+
+    status = {"peer_id": "p", "swarm": "s", "maddrs": [], "round": 1, "step": 2, "peers": [], "bytes_sent": 0,
+              "bytes_received": 0, "errors": {}, "invite": "s@QmFounder", "config_version": 2, "admission": "key",
+              "config_not_followed": None}
+    assert "invite   s@QmFounder   (config version 2, admission key)" in format_status(status).splitlines()
+    behind = format_status({**status, "config_not_followed": "version 3: a reason"})
+    assert "invite   s@QmFounder   (config version 2, admission key; not following version 3: a reason)" in behind
