@@ -330,3 +330,23 @@ def test_the_spes_fetch_protocol_serves_members_only(ids):
         assert owner.stats.errors["not_member"] == 1 and owner.stats.served == 1
 
     asyncio.run(main())
+
+
+def test_murmur_invite_writes_the_founders_certificate_or_exits_2(ids, tmp_path, capsys):
+    from node.cli.main import main
+
+    founder, a = ids["founder"], ids["a"]
+    out = tmp_path / "a.cert"
+    assert main(["invite", a.peer_id, "--swarm", SWARM, "--identity", str(founder.path), "--out", str(out),
+                 "--valid-days", "2"]) == 0
+    certificate = read_certificate(out)
+    assert (certificate.swarm, certificate.peer_id) == (SWARM, a.peer_id)
+    assert 86400 < certificate.expires - time.time() <= 2 * 86400
+    verify_membership(certificate.token, SWARM, a.peer_id, founder.signing_key.get_public_key().to_bytes())
+    assert f"murmur join --invite {SWARM}@{founder.peer_id} --certificate FILE" in capsys.readouterr().err
+    assert main(["invite", "not-a-peer", "--identity", str(founder.path)]) == 2
+    assert main(["invite", a.peer_id, "--data-dir", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("murmur invite: error: 'not-a-peer' is not a peer id")
+    assert err[1].startswith("murmur invite: error: no founder identity at") and len(err) == 2
+    assert not (tmp_path / "nowhere" / "identity.key").exists()  # it never makes a founder up

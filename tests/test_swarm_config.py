@@ -50,6 +50,9 @@ class DhtStandIn:
         self.latest = latest
         self.published: list[SwarmConfig] = []
 
+    def pin_founder(self, founder: str) -> None:
+        self.pinned = founder
+
     async def read_config(self, founder: str | None) -> ConfigRead:
         return ConfigRead(self.latest)
 

@@ -277,7 +277,7 @@ class Discovery:
         self._membership.admission = admission
         self._watch_config = watch_config
         self._local = msgspec.structs.replace(self._local, config_hash=config.config_hash)
-        if config.signed:
+        if config.signed and self._config_refreshed_at == -math.inf:  # a founder has just stored it
             await self._store_config(config)
         await self._begin()
 

@@ -73,6 +73,7 @@ async def found_swarm(discovery: Discovery, config: NodeConfig, identity: Identi
     from node.net.records import config_hash
 
     admission = _admission_document(config)
+    discovery.pin_founder(identity.peer_id)  # its DHT node keeps no one else's config of this swarm
     read = await discovery.read_config(identity.peer_id)
     # (version, document) of every config this founder published, as far as it knows
     earlier = [(read.config.version, dict(read.config.config))] if read.config is not None else []
