@@ -27,7 +27,14 @@ from node.runtime.swarm_config import (
     pinned_founder,
     why_not_follow,
 )
-from node.training.checkpoint import kept_metas, kept_path, load_checkpoint, save_checkpoint, switch_checkpoint
+from node.training.checkpoint import (
+    CHECKPOINT_FILE,
+    kept_metas,
+    kept_path,
+    load_checkpoint,
+    save_checkpoint,
+    switch_checkpoint,
+)
 from node.training.recipe import swarm_document
 
 pytestmark = pytest.mark.unit
@@ -71,7 +78,7 @@ def _save(path: Path, config: SwarmConfig, swarm: str, value: float) -> None:
 
 def test_a_founder_numbers_its_configs_and_keeps_a_recipes_hash(tmp_path, ids):
     founder = ids["founder"]
-    checkpoint = tmp_path / "checkpoint.npz"
+    checkpoint = tmp_path / CHECKPOINT_FILE
     dht = DhtStandIn()
     config_a = vector_config(tmp_path)
     first = asyncio.run(found_swarm(dht, config_a, founder, checkpoint))
@@ -94,10 +101,10 @@ def test_a_founder_numbers_its_configs_and_keeps_a_recipes_hash(tmp_path, ids):
 def test_a_founder_refuses_a_key_swarm_without_a_key_file(tmp_path, ids):
     with pytest.raises(StartupError, match="--admission key needs --swarm-key-file"):
         asyncio.run(found_swarm(DhtStandIn(), vector_config(tmp_path, admission="key"), ids["founder"],
-                                tmp_path / "checkpoint.npz"))
+                                tmp_path / CHECKPOINT_FILE))
     created = asyncio.run(found_swarm(DhtStandIn(), vector_config(tmp_path, admission="key",
                                                                   swarm_key_file=tmp_path / "k"),
-                                      ids["founder"], tmp_path / "checkpoint.npz"))
+                                      ids["founder"], tmp_path / CHECKPOINT_FILE))
     assert created.config["admission"]["mode"] == "key" and (tmp_path / "k").exists()
 
 
@@ -156,7 +163,7 @@ def test_a_joiner_follows_a_newer_version_it_can_run_and_says_why_not_otherwise(
 
 
 def test_a_checkpoint_of_another_config_is_kept_and_taken_back(tmp_path, ids):
-    path = tmp_path / "checkpoint.npz"
+    path = tmp_path / CHECKPOINT_FILE
     founder = ids["founder"]
     a = sign_config(founder.signing_key, "sc", 1, swarm_document(vector_config(tmp_path), 1.0))
     b = sign_config(founder.signing_key, "sc", 2, swarm_document(vector_config(tmp_path), 2.0))

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from node.net.identity import create_identity
+from node.training.checkpoint import CHECKPOINT_FILE, kept_path, read_checkpoint_file
 from support.swarm_harness import MURMUR, Node, Swarm, check_consensus, summary, wait_for
 
 pytestmark = pytest.mark.multiprocess
@@ -179,8 +180,8 @@ def test_an_allowlist_swarm_admits_certificate_holders_only(tmp_path):
 
 
 def _checkpoint(path: Path) -> tuple[np.ndarray, int, str]:
-    with np.load(path) as ckpt:
-        return ckpt["t/params"].copy(), int(ckpt["m/round"]), str(ckpt["m/config_hash"])
+    checkpoint = read_checkpoint_file(path)
+    return checkpoint.tensors["params"], int(checkpoint.meta["round"]), str(checkpoint.meta["config_hash"])
 
 
 def test_a_new_config_keeps_the_old_checkpoint_and_joiners_follow_it(tmp_path):
@@ -191,7 +192,7 @@ def test_a_new_config_keeps_the_old_checkpoint_and_joiners_follow_it(tmp_path):
         swarm.wait_rounds([founder, joiner], 3)
         hash_a = founder.status()["config_hash"]
         assert founder.stop()[0] == 0
-        params_a, round_a, saved = _checkpoint(founder.data_dir / "checkpoint.npz")
+        params_a, round_a, saved = _checkpoint(founder.data_dir / CHECKPOINT_FILE)
         assert saved == hash_a
 
         # the founder restarts with another recipe: a new version; its checkpoint of A is kept, not rotated away
@@ -200,14 +201,14 @@ def test_a_new_config_keeps_the_old_checkpoint_and_joiners_follow_it(tmp_path):
         swarm.wait_ready([founder_b])
         status_b = founder_b.status()
         assert status_b["config_version"] == 2 and status_b["config_hash"] != hash_a
-        kept_a = founder.data_dir / f"checkpoint-{hash_a[:16]}.npz"
+        kept_a = kept_path(founder.data_dir / CHECKPOINT_FILE, hash_a)
         kept_params, kept_round, _ = _checkpoint(kept_a)
         assert kept_round == round_a and np.array_equal(kept_params, params_a)
         # the joiner follows: a new session under version 2, its own checkpoint of A kept too
         wait_for(joiner.reread_ready_line, 60, "the joiner to follow the founder's version 2")
         wait_for(lambda: joiner.status()["config_version"] == 2, 30, "the joiner under version 2")
         assert joiner.status()["config_hash"] == status_b["config_hash"]
-        assert (joiner.data_dir / f"checkpoint-{hash_a[:16]}.npz").exists()
+        assert kept_path(joiner.data_dir / CHECKPOINT_FILE, hash_a).exists()
 
         # the founder's old recipe again: its hash again (version 3), and both resume from their kept checkpoints
         assert founder_b.stop()[0] == 0
