@@ -194,3 +194,37 @@ def test_murmur_status_names_the_invite_the_config_version_and_why_it_is_not_fol
     assert "invite   s@QmFounder   (config version 2, admission key)" in format_status(status).splitlines()
     behind = format_status({**status, "config_not_followed": "version 3: a reason"})
     assert "invite   s@QmFounder   (config version 2, admission key; not following version 3: a reason)" in behind
+
+
+@pytest.mark.parametrize("read, message", [
+    (ConfigRead(None, failed="timed out after 5 s"), "reading the swarm config from the DHT failed (timed out after 5 s)"),
+    (ConfigRead(None, refused={"not_founder": 2}), "no config for swarm 'sc' signed by its founder"),
+])
+def test_a_joiner_tells_a_failed_dht_read_from_a_missing_config(tmp_path, ids, monkeypatch, read, message):
+    import node.runtime.swarm_config as swarm_config
+
+    monkeypatch.setattr(swarm_config, "JOIN_CONFIG_TIMEOUT_S", 0.0)
+    dht = DhtStandIn()
+    dht.read_config = lambda founder: asyncio.sleep(0, read)  # type: ignore[method-assign]
+    config = vector_config(tmp_path, founder=ids["founder"].peer_id, network=replace(NodeConfig().network))
+    with pytest.raises(StartupError) as refused:
+        asyncio.run(swarm_config.join_swarm(dht, config))
+    assert str(refused.value).startswith(message), str(refused.value)
+    if read.refused:
+        assert "(2 config(s) signed otherwise or invalid were ignored)" in str(refused.value)
+
+
+def test_trusting_the_first_founder_needs_exactly_one(tmp_path, ids, caplog):
+    import node.runtime.swarm_config as swarm_config
+
+    founder = ids["founder"]
+    found = sign_config(founder.signing_key, "sc", 1, swarm_document(vector_config(tmp_path), 1.0))
+    dht = DhtStandIn(found)
+    config = vector_config(tmp_path, trust_first_founder=True)
+    assert asyncio.run(swarm_config.join_swarm(dht, config)).founder == founder.peer_id
+    assert dht.pinned == founder.peer_id and pinned_founder(tmp_path, "sc") == founder.peer_id
+    assert "trusting founder" in caplog.text
+    dht.read_config = lambda f: asyncio.sleep(0, ConfigRead(None, founders=frozenset({"QmA", "QmB"})))  # type: ignore
+    (tmp_path / FOUNDERS_FILE).unlink()
+    with pytest.raises(StartupError, match="has configs signed by 2 founders"):
+        asyncio.run(swarm_config.join_swarm(dht, config))
