@@ -31,7 +31,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from node.net.admission import Admission
 from node.net.founder import MAX_CONFIG_BYTES as _MAX_CONFIG_DOC_BYTES
-from node.net.founder import ConfigRefused, verify_config
+from node.net.founder import ConfigRefused, NotAdmitted, verify_config
 from node.net.identity import owner_key_bits
 from node.net.records import (
     MAX_EXPERT_RECORDS_BYTES,
@@ -165,7 +165,7 @@ class SwarmRules(RecordValidatorBase):  # type: ignore[misc]  # hivemind is unty
         if isinstance(entry, PeerRecord) and admission is not None and not admission.is_open:
             try:
                 admission.check_record(entry.peer_id, entry.heartbeat, entry.credential)
-            except Exception:
+            except NotAdmitted:
                 return self._refused.refuse(RecordRefusal.NOT_MEMBER)
         return True
 
