@@ -2,11 +2,11 @@
 `murmur bootstrap`, and hostile processes (tests/support/hostile_dht.py forging configs and flooding
 records; tests/support/hostile_intruder.py, a real node that claims a membership it lacks).
 
-- an open swarm: forged `<swarm>.config` values (plain, far expiration, the attacker's own signature,
-  one claiming the founder's key) never replace the founder's, for its nodes nor for a joiner arriving
-  after them, and the DHT nodes, `murmur bootstrap` included, refuse what their rules let them see is
-  forged (counted); a flood of 1000 fake peer records leaves only real-keyed ones (valid in an open
-  swarm) for the honest nodes, which keep gossiping;
+- an open swarm: forged `<swarm>.config` values (plain, far expiration, oversized, the attacker's own
+  signature, one claiming the founder's key) never replace the founder's, for its nodes nor for a
+  joiner arriving after them, and the DHT nodes, `murmur bootstrap` included, refuse what their rules
+  let them see is forged (counted); a flood of 1000 fake peer records leaves only real-keyed ones
+  (valid in an open swarm) for the honest nodes, which keep gossiping;
 - a key swarm and an allowlist swarm: a node without the key (or the certificate) does not start; one
   that tries anyway (a wrong key, a stolen certificate) is in nobody's view, its streams are refused and
   counted, and nothing it sends is mixed: the members' average is exactly their own;
@@ -44,9 +44,9 @@ def start_bootstrap(swarm: Swarm) -> tuple[Node, str]:
     return node, found[2]
 
 
-def run_hostile_dht(swarm: Swarm, name: str, mode: str, *args: str) -> dict:
+def run_hostile_dht(swarm: Swarm, name: str, modes: list[str], *args: str) -> dict:
     report = swarm.root / f"{name}.json"
-    node = swarm.launch(name, [*HOSTILE_DHT, "--mode", mode, "--identity", str(swarm.root / f"{name}.key"),
+    node = swarm.launch(name, [*HOSTILE_DHT, "--mode", *modes, "--identity", str(swarm.root / f"{name}.key"),
                                "--report", str(report), *args])
     assert node.process.wait(180) == 0, node.log_tail()
     return json.loads(report.read_text())
@@ -70,53 +70,55 @@ def test_forged_configs_and_a_record_flood_do_not_take_an_open_swarm(tmp_path):
         founder = swarm.found(peers=entry)
         member = swarm.spawn("n1", seed=1, join=founder)
         swarm.wait_ready([member])
-        honest = [founder, member]
+        before = {n.name: s["rounds_run"] for n, s in zip([founder, member], swarm.statuses([founder, member]),
+                                                           strict=True)}
 
-        forger = run_hostile_dht(swarm, "forger", "forge-config", "--swarm", "open1", "--peers", entry,
-                                 "--founder", founder.peer_id, "--probe", entry, founder.maddrs[0],
-                                 "--duration", "2", "--every", "1")
-        assert forger["found_founder_key"]
-        tried = forger["forged"][0]
+        # forged configs (repeated for 2 s), then 1000 fake peer records, from one hostile DHT peer
+        hostile = run_hostile_dht(swarm, "hostile", ["forge-config", "flood-records"], "--swarm", "open1", "--peers",
+                                  entry, "--founder", founder.peer_id, "--probe", entry, founder.maddrs[0],
+                                  "--duration", "2", "--every", "1", "--count", "1000", "--keys", "5")
+        assert hostile["found_founder_key"]
+        tried = hostile["forged"][0]
         # nobody keeps what any DHT node can see is forged: a plain value, a far expiration, an oversized value
         assert not tried["plain"] and not tried["own_key_far_expiration"] and not tried["oversized"], tried
-        at_bootstrap, at_founder = forger["held"][entry], forger["held"][founder.maddrs[0]]
+        at_bootstrap, at_founder = hostile["held"]["config"][entry], hostile["held"]["config"][founder.maddrs[0]]
         assert "plain" not in at_bootstrap and "plain" not in at_founder
         assert all(item["expires_in"] < 700 for item in at_bootstrap.values()), at_bootstrap
         # a bootstrap knows no swarm's founder: it keeps the attacker's own signed config; the founder does not
-        assert forger["peer_id"] in at_bootstrap and forger["peer_id"] not in at_founder
+        assert hostile["peer_id"] in at_bootstrap and hostile["peer_id"] not in at_founder
         assert founder.peer_id in at_founder
 
         # a node joining after the forgery, through the bootstrap that holds a forged config, takes the founder's
         late = swarm.spawn("n2", seed=2, join=founder, extra_args=["--peers", entry])
         swarm.wait_ready([late])
-        honest.append(late)
+        honest = [founder, member, late]
         statuses = swarm.statuses(honest)
         assert {s["config_hash"] for s in statuses} == {founder.status()["config_hash"]}
+        # the member, which watched the DHT all along, did not take the forged version 10^6 for a new one
         assert {(s["invite"], s["config_version"]) for s in statuses} == {(founder.invite, 1)}
         errors = errors_of(honest)
         for refused in ("dht_refused_unsigned", "dht_refused_expiration", "dht_refused_too_large"):
             assert errors.get(refused, 0) >= 1, errors
         assert errors.get("dht_refused_config_not_founder", 0) + errors.get("dht_refused_config_bad_signature", 0) >= 1
         wait_for(lambda: "refused DHT values:" in bootstrap.stderr(), 30, "the bootstrap to report its refusals")
+        wait_for(lambda: "weak_key=" in bootstrap.stderr(), 30, "the bootstrap to report the weak keys")
         report = bootstrap.stderr().rsplit("refused DHT values:", 1)[1].splitlines()[0]
-        for refused in ("unsigned=", "expiration=", "too_large="):
+        for refused in ("unsigned=", "expiration=", "too_large=", "weak_key="):
             assert refused in report, report
 
-        # 1000 fake peer records: only those of real keys of their own get in (an open swarm admits anyone)
-        before = {n.name: s["rounds_run"] for n, s in zip(honest, swarm.statuses(honest), strict=True)}
-        flood = run_hostile_dht(swarm, "flooder", "flood-records", "--swarm", "open1", "--peers", entry,
-                                "--count", "1000", "--keys", "5")["flood"]
+        # of the 1000 fake peer records only those of real keys of their own get in (an open swarm admits anyone)
+        flood = hostile["flood"]
         assert sum(v for k, v in flood.items() if k.startswith("tried_")) == 1000
         assert flood["accepted_weak_key"] == 0, flood
         honest_ids = {n.peer_id for n in honest}
         for node in honest:
             fakes = view_of(node) - honest_ids
             assert len(fakes) <= 5, fakes  # the 5 real-keyed fakes at most: no weak-keyed or misattributed one
-        errors = errors_of(honest)
         assert errors.get("dht_refused_weak_key", 0) >= 1 and errors.get("dht_refused_not_owner", 0) >= 1, errors
         # the honest nodes keep gossiping (a fake's dead address costs a skipped exchange, not the round)
         wait_for(lambda: all(s["rounds_run"] >= before[n.name] + 3 for n, s in
-                             zip(honest, swarm.statuses(honest), strict=True)), 60, "rounds after the flood")
+                             zip([founder, member], swarm.statuses([founder, member]), strict=True)), 60,
+                 "rounds after the flood")
         assert swarm.stop_all(honest) == [0, 0, 0], swarm.logs()
 
 
@@ -132,8 +134,6 @@ def test_a_key_swarm_admits_holders_of_its_key_only(tmp_path):
         assert "admits holders of its swarm key only: give --swarm-key-file" in keyless.stderr()
         intruder = swarm.spawn("intruder", seed=6, join=founder, launcher=[*INTRUDER, "--wrong-key", "--"])
         swarm.wait_ready([intruder])
-        flood = run_hostile_dht(swarm, "flooder", "flood-records", "--swarm", "keyed", "--peers", founder.maddrs[0],
-                                "--count", "100", "--keys", "3")["flood"]
         members = [founder, member]
         # the intruder sees the members and asks them for their parameters; they refuse it from its header
         wait_for(lambda: errors_of(members).get("not_member", 0) >= 2, 60, "the intruder's streams refused")
@@ -141,9 +141,9 @@ def test_a_key_swarm_admits_holders_of_its_key_only(tmp_path):
         for node in members:
             assert view_of(node) == {founder.peer_id, member.peer_id}
         assert {founder.peer_id, member.peer_id} <= view_of(intruder)
+        # its own record, signed with its own real key, is refused by the members' DHT nodes and their views
         errors = errors_of(members)
         assert errors.get("dht_refused_not_member", 0) + errors.get("peer_record_not_member", 0) >= 1, errors
-        assert flood["accepted_real_key"] == 0 or errors.get("dht_refused_not_member", 0) >= 1, flood
         report = summary(members, swarm.statuses(members))
         assert swarm.stop_all(members) == [0, 0], swarm.logs()
         # nothing the intruder sent was mixed: the members' average is their own initial average

@@ -12,9 +12,10 @@ writes what an attacker would, in one of these modes (each bounded in count and 
 It signs with its own keys and accepts anything itself; its DHT node runs in client mode and never
 stores locally, so what it wrote lives only on the honest nodes (and `murmur bootstrap`) that accepted it. At the end it asks each
 `--probe` peer directly (one DHT find RPC) what that peer holds under the key, and writes a JSON report:
-what it tried, and for each probed peer which of its values that peer kept.
+what it tried, and for each probed peer which of its values that peer kept. Several modes run one
+after the other in one process.
 
-Usage: python -m tests.support.hostile_dht --mode forge-config --swarm S --peers MADDR... --identity FILE
+Usage: python -m tests.support.hostile_dht --mode forge-config [flood-records] --swarm S --peers MADDR... --identity FILE
        --report FILE [--probe MADDR...] [--founder PEER_ID] [--count N --keys K] [--duration S --every S]
 """
 
@@ -211,22 +212,25 @@ async def main(args: argparse.Namespace) -> int:
                 dht = await DHTNode.create(p2p=p2p, initial_peers=list(args.peers), record_validator=validator,
                                            client_mode=True, wait_timeout=5.0)
             try:
-                if args.mode == "forge-config":
-                    founder_key = await founder_key_of(dht, args.swarm, args.founder) if args.founder else None
-                    report["found_founder_key"] = founder_key is not None
-                    rounds = []
-                    deadline = time.monotonic() + args.duration
-                    while True:
-                        rounds.append(await forge_config(dht, own, args.swarm, founder_key))
-                        if time.monotonic() + args.every > deadline:
-                            break
-                        await asyncio.sleep(args.every)
-                    report["forged"] = rounds
-                    key = config_key(args.swarm)
-                else:
-                    report["flood"] = await flood_records(dht, validator, own, args.swarm, args.count, args.keys)
-                    key = peers_key(args.swarm)
-                report["held"] = {maddr: await probe(dht, maddr, key) for maddr in args.probe}
+                held: dict[str, dict[str, object]] = {}
+                for mode in args.mode:  # in the order given
+                    if mode == "forge-config":
+                        founder_key = await founder_key_of(dht, args.swarm, args.founder) if args.founder else None
+                        report["found_founder_key"] = founder_key is not None
+                        rounds = []
+                        deadline = time.monotonic() + args.duration
+                        while True:
+                            rounds.append(await forge_config(dht, own, args.swarm, founder_key))
+                            if time.monotonic() + args.every > deadline:
+                                break
+                            await asyncio.sleep(args.every)
+                        report["forged"] = rounds
+                        key, what = config_key(args.swarm), "config"
+                    else:
+                        report["flood"] = await flood_records(dht, validator, own, args.swarm, args.count, args.keys)
+                        key, what = peers_key(args.swarm), "peers"
+                    held[what] = {maddr: await probe(dht, maddr, key) for maddr in args.probe}
+                report["held"] = held
             finally:
                 await dht.shutdown()
         finally:
@@ -238,7 +242,7 @@ async def main(args: argparse.Namespace) -> int:
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="hostile_dht")
-    parser.add_argument("--mode", choices=MODES, required=True)
+    parser.add_argument("--mode", choices=MODES, nargs="+", required=True, help="one or more, run in this order")
     parser.add_argument("--swarm", required=True)
     parser.add_argument("--peers", nargs="+", required=True)
     parser.add_argument("--identity", type=Path, required=True)
