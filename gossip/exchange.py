@@ -35,6 +35,7 @@ from enum import Enum, StrEnum
 
 import numpy as np
 
+from gossip.admission import OPEN, StreamAdmission
 from gossip.codecs import Codec
 from gossip.errors import BadSchema, ManifestMismatch, Truncated, WireError
 from gossip.limits import DEFAULT_INCOMING, CountPerKey, IncomingLimits, PeerBuckets
@@ -45,6 +46,7 @@ from gossip.wire import (
     DEFAULT_LIMITS,
     Expectation,
     Header,
+    HeaderFields,
     Message,
     MetaValue,
     TensorSpec,
@@ -99,6 +101,8 @@ class ExchangeSettings:
     rule: MixingRule = field(default_factory=MixingRule)
     limits: WireLimits = DEFAULT_LIMITS
     incoming: IncomingLimits = DEFAULT_INCOMING
+    # who may send to us, and the proof our own messages carry (key and allowlist swarms)
+    admission: StreamAdmission = OPEN
 
 
 @dataclass
@@ -193,8 +197,9 @@ class GossipPeer:
         self._tensors: dict[str, np.ndarray] = dict(tensors)
         self._specs = tensor_specs(self._tensors)
         # A request's header is read and checked first (its kind says whether tensors follow, and
-        # their manifest must be ours) within limits sized to our own tensors and header.
-        self._expect_peer = Expectation(settings.swarm, settings.config_hash)
+        # their manifest must be ours; the sender's admission) within limits sized to our own tensors
+        # and header.
+        self._expect_peer = Expectation(settings.swarm, settings.config_hash, admit=settings.admission.admit)
         self._request_limits = _limits_for(self._tensors, settings)
         self.round = 0  # the round in progress or last run; set by the daemon to place a fresh or resumed peer
         self.step = step
@@ -595,11 +600,12 @@ class GossipPeer:
                 meta: Mapping[str, MetaValue] | None = None) -> Frames:
         """A message from this peer, encoded as it is written (header problems raise here, before a
         byte is written; see MessageStream.send for the tensors' own)."""
-        return iter_message(
-            tensors, self._settings.codec, swarm=self._settings.swarm, config_hash=self._settings.config_hash,
-            sender=self.peer_id, round=self.round if round_index is None else round_index, step=self.step, kind=kind,
-            meta=meta, limits=self._settings.limits,
-        )
+        fields: HeaderFields = {"swarm": self._settings.swarm, "config_hash": self._settings.config_hash,
+                                "sender": self.peer_id, "round": self.round if round_index is None else round_index,
+                                "step": self.step, "kind": kind}
+        proof = self._settings.admission.credentials(fields)
+        return iter_message(tensors, self._settings.codec, meta={**(meta or {}), **proof},
+                            limits=self._settings.limits, **fields)
 
 
 def _check_manifest(header: Header, specs: tuple[TensorSpec, ...]) -> None:
@@ -618,14 +624,16 @@ def _limits_for(tensors: Tensors, settings: ExchangeSettings) -> WireLimits:
     """Limits sized to our own tensors, so a message we read before knowing its kind stays that small.
 
     Top-k can take up to 8 bytes per element; every other codec takes at most 8. A header may be at
-    most twice our own (with the most meta entries allowed) plus 4 KiB: names and ids differ in length.
+    most twice our own (with the most and longest meta entries allowed: admission proofs ride there)
+    plus 4 KiB: names and ids differ in length.
     """
     limits = settings.limits
     elements = sum(int(t.size) for t in tensors.values())
     decoded = sum(int(t.nbytes) for t in tensors.values())
     longest = "x" * limits.max_name_len
     own = make_header(tensor_specs(tensors), settings.codec,
-                      meta={f"{i:0{limits.max_name_len}d}": longest for i in range(limits.max_meta_entries)},
+                      meta={f"{i:0{limits.max_name_len}d}": "x" * limits.max_meta_value_len
+                            for i in range(limits.max_meta_entries)},
                       swarm=settings.swarm, config_hash=settings.config_hash, sender=longest, round=0, step=0,
                       kind=longest)
     return replace(
