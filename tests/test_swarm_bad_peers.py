@@ -13,6 +13,7 @@ from gossip.codecs import get_codec
 from gossip.errors import WIRE_ERROR_KINDS
 from gossip.transport import GOSSIP_PROTOCOL
 from gossip.wire import encode_message
+from support.hostile_flood import join_open_swarm
 from support.swarm_harness import Node, Swarm, initial_vector, mean_vector, wait_for
 
 pytestmark = pytest.mark.multiprocess
@@ -64,7 +65,6 @@ async def attack(victim: Node, identity_path, swarm_name: str, config_hash: str,
                  dht_maddrs: tuple[str, ...] | None = None) -> None:
     """`dht_maddrs`: where the victim's DHT listens, if not at `victim.maddrs` (a py-libp2p data plane)."""
     # hivemind is imported here, not at collection, so `pytest -m unit` does not pay for it
-    from node.net.discovery import Discovery, DiscoverySettings
     from node.net.identity import create_identity
     from node.net.transport.p2pd import P2PDTransport, P2PSettings, start_p2pd
 
@@ -84,8 +84,7 @@ async def attack(victim: Node, identity_path, swarm_name: str, config_hash: str,
                                 "a stream from a peer without a record refused")
         await stream.close()
         assert wire_errors(victim) == {}
-        discovery = Discovery(p2p, identity, DiscoverySettings(swarm_name, heartbeat_s=2), initial_peers=dht)
-        await discovery.start()
+        discovery = await join_open_swarm(p2p, identity, swarm_name, dht, heartbeat_s=2)
         await asyncio.to_thread(wait_for, lambda: any(p["peer_id"] == identity.peer_id for p in victim.status()["peers"]),
                                 20, "the attacker's record in the victim's view")
         stale_before = victim.status()["limits"]["requests_refused"].get("stale", 0)

@@ -106,6 +106,29 @@ class Report:
                 "exchanges_far_ahead": dict(self.exchanges_far_ahead)}
 
 
+async def join_open_swarm(p2p: Any, identity: Any, swarm: str, bootstrap: tuple[str, ...], heartbeat_s: float, *,
+                          data_maddrs: tuple[str, ...] = (), gossip_from: int = 0, timeout_s: float = 30.0) -> Any:
+    """A `Discovery` that has entered the open swarm `swarm` (its founder's signed config read from the
+    DHT, as a joiner does): this peer's record is live, with `gossip_from` and `data_maddrs` if given,
+    so the swarm's nodes count it a member. The caller closes it."""
+    from node.net.admission import Admission
+    from node.net.discovery import Discovery, DiscoverySettings
+
+    discovery = Discovery(p2p, identity, DiscoverySettings(swarm, heartbeat_s=heartbeat_s), initial_peers=bootstrap,
+                          data_maddrs=data_maddrs)
+    if gossip_from:
+        discovery.update(gossip_from=gossip_from)  # in its first record
+    await discovery.start(publish=False)
+    deadline = time.monotonic() + timeout_s
+    while (read := await discovery.read_config(None)).config is None:
+        if time.monotonic() > deadline:
+            await discovery.close()
+            raise RuntimeError(f"no config of swarm {swarm!r} found: {read.failed or read.refused}")
+        await asyncio.sleep(0.5)
+    await discovery.enter(read.config, Admission.open(swarm))
+    return discovery
+
+
 async def _start_host(workdir: Path, name: str, initial: tuple[str, ...]) -> tuple[Any, Any, Any]:
     """p2pd with a new identity (loopback, no UPnP), and the data-plane transport over it."""
     from node.net.identity import create_identity
@@ -232,8 +255,6 @@ async def frozen_handler(stream: Any) -> None:
 async def main(workdir: Path, extra_ids: int) -> None:
     """Start the hosts (imports, keys and daemons take seconds), then wait for `workdir/target.json`:
     the swarm can start meanwhile."""
-    from node.net.discovery import Discovery, DiscoverySettings
-
     # An attacker's CPU is its own, elsewhere: on one shared machine it yields to the nodes under test
     # (its p2pd daemons inherit this), so what is measured is what its traffic costs them.
     os.nice(19)
@@ -257,14 +278,14 @@ async def main(workdir: Path, extra_ids: int) -> None:
                 await transport.connect(victim.peer_id, victim.maddrs)
         me = identity.peer_id
         data_maddrs = tuple(f"{a}/p2p/{me}" for a in UNROUTABLE_MADDRS) if Mode.UNROUTABLE in target.modes else ()
-        discovery = Discovery(p2p, identity, DiscoverySettings(target.swarm, heartbeat_s=target.heartbeat_s),
-                              initial_peers=bootstrap, data_maddrs=data_maddrs)
-        if Mode.STALLED_RECORD in target.modes:
-            discovery.update(gossip_from=target.gossip_from)  # in its first record: a participant that never runs a round
+        stalled = Mode.STALLED_RECORD in target.modes
+        if stalled:
             from gossip.transport import GOSSIP_PROTOCOL
 
             await transport.serve(GOSSIP_PROTOCOL, frozen_handler)
-        await discovery.start()
+        # a participant that never runs a round: it announces the swarm's first round from its first record
+        discovery = await join_open_swarm(p2p, identity, target.swarm, bootstrap, target.heartbeat_s,
+                                          data_maddrs=data_maddrs, gossip_from=target.gossip_from if stalled else 0)
         stack.push_async_callback(discovery.close)
         for victim in target.victims:
             for _, _, t in [(identity, p2p, transport), *extra]:
