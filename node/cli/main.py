@@ -1,5 +1,5 @@
 """The `murmur` command line: argument parsing, validation and dispatch to the commands
-(node, join, bootstrap, status, eval, topology, sim, demo, export, tokenizer).
+(node, join, bootstrap, status, eval, invite, topology, sim, demo, export, tokenizer).
 
 Bad flags and values exit with status 2 and one line saying what is wrong. Heavy imports (torch,
 hivemind) happen inside the commands that need them, so `murmur topology` and `--help` stay quick.
@@ -45,6 +45,7 @@ from node.config import (
     read_flags,
     settings_for,
 )
+from node.config.settings import MONITOR_TOKEN_FILE
 from topology import TOPOLOGY_NAMES, WEIGHT_SCHEMES, TopologySpec, build_topology
 
 
@@ -151,6 +152,7 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = OneLineErrorParse
     _add_topology_options(sim)
     sim.set_defaults(run=_run_sim)
     _add_node_commands(commands)
+    _add_invite_command(commands)
     _add_demo_command(commands)
     _add_plan_command(commands)
     _add_hf_commands(commands)
@@ -271,6 +273,56 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_invite_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    invite = commands.add_parser(
+        Command.INVITE, help="admit a peer to an allowlist swarm: issue its membership certificate (founder)",
+        epilog=_PRECEDENCE,
+        description="Issue the membership certificate of PEER_ID in the swarm, signed with the founder's identity "
+        "key: run it where the founder's node runs (its --data-dir or --identity; the running node may keep "
+        "running). The peer joins with `murmur join --invite SWARM@FOUNDER --certificate FILE`. Only an allowlist "
+        "swarm (`murmur node --admission allowlist`) asks for certificates.")
+    _add_config_flag(invite)
+    invite.add_argument("peer_id", metavar="PEER_ID", help="peer id of the node to admit (its `murmur status` shows it)")
+    for setting in settings_for(Command.INVITE):
+        _add_setting_flag(invite, setting)
+    invite.add_argument("--valid-days", type=_number(float, lo=0.001, hi=36500), default=365.0, metavar="DAYS",
+                        help="days until the certificate expires (default 365)")
+    invite.add_argument("--out", type=Path, metavar="FILE", help="write the certificate to FILE instead of stdout")
+    invite.set_defaults(run=_run_invite)
+
+
+def _run_invite(args: argparse.Namespace) -> int:
+    import time
+
+    from node.net.founder import check_peer_id, issue_certificate
+    from node.net.identity import IdentityError, load_identity
+
+    config = _resolve(args, os.environ).config
+    try:
+        peer_id = check_peer_id(args.peer_id)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if not config.identity_path.exists():
+        raise UsageError(f"no founder identity at {config.identity_path}: run `murmur invite` with the founder "
+                         "node's --data-dir or --identity")
+    try:
+        identity = load_identity(config.identity_path)
+    except IdentityError as exc:
+        raise UsageError(str(exc)) from None
+    certificate = issue_certificate(identity.signing_key, config.swarm, peer_id,
+                                    int(time.time() + args.valid_days * 86400))
+    if args.out is None:
+        sys.stdout.write(certificate.text)
+    else:
+        try:
+            args.out.write_text(certificate.text)
+        except OSError as exc:
+            raise UsageError(f"--out {args.out}: {exc.strerror}") from None
+    print(f"murmur invite: {peer_id} may join swarm {config.swarm!r} until "
+          f"{time.strftime('%Y-%m-%d', time.gmtime(certificate.expires))} with `murmur join --invite "
+          f"{config.swarm}@{identity.peer_id} --certificate FILE`", file=sys.stderr)
+    return 0
+
 def _add_hf_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     export = commands.add_parser(
         Command.EXPORT, help="write the swarm's model as a directory transformers (or safetensors) loads",
@@ -290,6 +342,8 @@ def _add_hf_commands(commands: argparse._SubParsersAction[argparse.ArgumentParse
     export.add_argument("--force", action="store_true", help="replace --to if it exists")
     export.add_argument("--timeout", type=_number(float, lo=1.0), default=300.0, metavar="SECONDS",
                         help="with --url: how long to wait for the node's swarm average (default 300)")
+    export.add_argument("--token", help="with --url: the node's monitor token (default: read from "
+                        "./murmur-data/monitor.token for a loopback URL; its POST endpoints need it)")
     export.set_defaults(run=_run_export)
 
     tokenizer = commands.add_parser(
@@ -318,8 +372,13 @@ def _run_export(args: argparse.Namespace) -> int:
 
     if args.source is not None and args.url is not None:
         raise UsageError("--from applies to --data-dir; with --url the node writes and exports its swarm average")
+    if args.token is not None and args.url is None:
+        raise UsageError("--token applies to --url")
+    token = None
+    if args.url is not None:
+        token = args.token.strip() if args.token is not None else _loopback_token(args.url, NodeConfig().data_dir)
     try:
-        return run_export(args.to, args.data_dir, args.url, args.source, args.force, args.timeout)
+        return run_export(args.to, args.data_dir, args.url, args.source, args.force, args.timeout, token=token)
     except ExportUsage as exc:
         raise UsageError(str(exc)) from None
 
@@ -441,13 +500,18 @@ def _add_node_commands(commands: argparse._SubParsersAction[argparse.ArgumentPar
 
 
 def _add_monitor_target(parser: argparse.ArgumentParser) -> None:
-    """The flags that find a running node (`status`, `eval`): its monitor's port and host, or --url."""
+    """The flags that find a running node (`status`, `eval`): its monitor's port and host, or --url;
+    and its monitor token (from its data dir, or --token)."""
     _add_config_flag(parser)
     target = parser.add_mutually_exclusive_group()
     _add_setting_flag(target, SETTINGS_BY_KEY["monitor.port"], help="TCP port of the node's monitor page")
     target.add_argument("--url", help="monitor URL of the node, e.g. http://127.0.0.1:7690 (instead of "
                         "--monitor-host/--monitor-port)")
     _add_setting_flag(parser, SETTINGS_BY_KEY["monitor.host"], help="host of the node's monitor page")
+    _add_setting_flag(parser, SETTINGS_BY_KEY["data_dir"], help="the node's data directory, where its monitor "
+                      "token is (monitor.token)")
+    parser.add_argument("--token", help="the node's monitor token (default: read from <data-dir>/monitor.token; "
+                        "a node's POST endpoints need it)")
 
 
 def _add_config_flag(parser: argparse.ArgumentParser) -> None:
@@ -531,7 +595,29 @@ def node_config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> N
     check_environment(resolved, swarm=args.command in NODE, monitor=args.command in NODE)
     if args.command == Command.NODE:
         _check_founders_recipe(resolved)
+        return resolved.config
+    if args.command == Command.JOIN:
+        return _with_invite(resolved)
     return resolved.config
+
+
+def _with_invite(resolved: ResolvedConfig) -> NodeConfig:
+    """A joiner's config with its invite's swarm name and founder (which must agree with --swarm and
+    --founder where those are given too)."""
+    config = resolved.config
+    if config.invite is None:
+        return config
+    from node.net.founder import parse_invite
+
+    try:
+        invite = parse_invite(config.invite)
+    except ValueError as exc:
+        raise ConfigError(f"{resolved.source('invite')}: {exc}") from None
+    for key, given, wanted in (("swarm", config.swarm, invite.swarm), ("founder", config.founder, invite.founder)):
+        if key in resolved.sources and given != wanted:
+            raise ConfigError(f"{resolved.source(key)}: {given!r} differs from the invite's {wanted!r} "
+                              f"({resolved.source('invite')}); give one of them")
+    return dataclasses.replace(config, swarm=invite.swarm, founder=invite.founder)
 
 
 def _check_founders_recipe(resolved: ResolvedConfig) -> None:
@@ -539,8 +625,12 @@ def _check_founders_recipe(resolved: ResolvedConfig) -> None:
     naming the setting, rather than publish a document its own swarm would refuse."""
     from node.training.recipe import SETTING_OF_FIELD, RecipeInvalid, field_at_fault, swarm_document
 
+    config = resolved.config
+    if config.training.trains_model:  # the flags' bounds, without reading a model's or tokenizer's files here
+        config = dataclasses.replace(config, training=dataclasses.replace(config.training, model="moe",
+                                                                            tokenizer=None))
     try:
-        swarm_document(resolved.config, 0.0)
+        swarm_document(config, 0.0)
     except RecipeInvalid as exc:
         fault = field_at_fault(exc)
         key = SETTING_OF_FIELD.get(fault[0]) if fault is not None else None
@@ -597,18 +687,45 @@ def _run_bootstrap(args: argparse.Namespace) -> int:
     return exit_status
 
 
+def monitor_token(args: argparse.Namespace, env: Mapping[str, str], url: str) -> str | None:
+    """The monitor token a parsed `status` or `eval` command line sends: --token, else the one in the
+    data directory. The data directory's token goes only to a loopback URL unless the data directory
+    was named (flag, environment, config file): a node elsewhere must not learn this machine's token."""
+    if args.token is not None:
+        return str(args.token).strip()
+    resolved = _resolve(args, env)
+    if "data_dir" in resolved.sources:
+        return _read_token(resolved.config.data_dir)
+    return _loopback_token(url, resolved.config.data_dir)
+
+
+def _loopback_token(url: str, data_dir: Path) -> str | None:
+    """The token in `data_dir`, if `url` is on this machine's loopback (else None: not sent elsewhere)."""
+    host = (urllib.parse.urlsplit(url).hostname or "").lower()
+    if host not in ("localhost", "::1") and not host.startswith("127."):
+        return None
+    return _read_token(data_dir)
+
+
+def _read_token(data_dir: Path) -> str | None:
+    try:
+        return (data_dir / MONITOR_TOKEN_FILE).read_text().strip() or None
+    except OSError:
+        return None
+
+
 def _run_status(args: argparse.Namespace) -> int:
     url = status_url(args, os.environ)
     from node.cli.status import run_status
 
-    return run_status(url, args.json)
+    return run_status(url, args.json, token=monitor_token(args, os.environ, url))
 
 
 def _run_eval(args: argparse.Namespace) -> int:
     url = status_url(args, os.environ)
     from node.cli.eval import run_eval
 
-    return run_eval(url, args.json, args.timeout, save=args.save)
+    return run_eval(url, args.json, args.timeout, save=args.save, token=monitor_token(args, os.environ, url))
 
 
 @contextlib.contextmanager
