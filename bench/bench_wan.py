@@ -182,8 +182,10 @@ def run_murmur(net, config: Config, args: argparse.Namespace, workdir: Path) -> 
         ready = [_ready_line(workdir / "n0.out", processes[0], time.monotonic() + READY_TIMEOUT_S)]
         entry = f"{net.announce_maddr(0)}/p2p/{ready[0].peer_id}"
         for i in range(1, args.nodes):
-            argv = [MURMUR, "join", "--peers", entry, "--data-dir", str(workdir / f"n{i}"), "--listen",
-                    net.listen_maddr(i), "--announce", net.announce_maddr(i), *_flag_args(own)]
+            # the invite names the swarm and the founder whose signed config the joiner trusts
+            joiner = {k: v for k, v in own.items() if k != "swarm"}
+            argv = [MURMUR, "join", "--peers", entry, "--invite", ready[0].invite, "--data-dir", str(workdir / f"n{i}"),
+                    "--listen", net.listen_maddr(i), "--announce", net.announce_maddr(i), *_flag_args(joiner)]
             processes.append(_start(net, i, argv, workdir, f"n{i}"))
         deadline = time.monotonic() + READY_TIMEOUT_S
         ready += [_ready_line(workdir / f"n{i}.out", processes[i], deadline) for i in range(1, args.nodes)]
