@@ -36,10 +36,12 @@ def rows() -> list[tuple[str, PlanConfig]]:
         ("DAdam fp32, one-peer-exp", {"topology": TopologySpec("one-peer-exp")}),
         ("DAdam + choco top-k 1%, hypercube", {"topology": TopologySpec("hypercube"), "codec": TopKCodec(0.01),
                                                 "compression": Compression.CHOCO}),
+        # DiLoCo's outer step and int8 anchors at every sync (the defaults): two int8 rounds per sync
         ("DiLoCo H=100 int8, one-peer-exp", {"topology": TopologySpec("one-peer-exp"), "algorithm": Algorithm.DILOCO,
                                              "codec": get_codec("int8"), "local_steps": 100}),
-        ("DiLoCo H=100 int8, P=4 fragments", {"topology": TopologySpec("one-peer-exp"), "algorithm": Algorithm.DILOCO,
-                                              "codec": get_codec("int8"), "local_steps": 100, "fragments": 4}),
+        ("DiLoCo H=100 int8, overlapped, P=4 fragments", {"topology": TopologySpec("one-peer-exp"),
+                                                          "algorithm": Algorithm.DILOCO, "codec": get_codec("int8"),
+                                                          "local_steps": 100, "fragments": 4, "overlap": True}),
     ]
     out = []
     for model in (moe, big):

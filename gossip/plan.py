@@ -12,10 +12,10 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gossip.codecs import Codec, Fp32Codec
+from gossip.codecs import Codec, Fp32Codec, Int8Codec
 from gossip.wire import MetaValue, TensorSpec, message_nbytes
 from topology import MembershipView, Topology, TopologySpec, build_topology, peer_round
 
@@ -29,6 +29,8 @@ DEFAULT_LINK_EFFICIENCY = 0.93
 # (a pull); an exchange adds the ack and the answerer's hang-up that the asker waits for.
 PULL_ROUND_TRIPS = 2
 EXCHANGE_ROUND_TRIPS = 3
+# DiLoCo's anchors are mixed on their own peer, whose messages carry the config hash with this suffix
+ANCHOR_HASH_SUFFIX = "/anchor"
 # Round trips of one ring all-reduce step (send a chunk, the next peer has it): one latency each way.
 ALLREDUCE_STEP_LATENCIES = 1
 
@@ -99,7 +101,9 @@ class PlanConfig:
     """One configuration to predict. `specs` are the gossip tensors (names, dtypes, shapes: the manifest),
     `step_time_s` one optimizer step's compute on one node, `tokens_per_step` the tokens one node's step
     consumes. `local_steps` is H (steps between rounds; DiLoCo's inner steps), `fragments` is P
-    (DiLoCo's streaming fragments, each synced once per H steps)."""
+    (DiLoCo's streaming fragments, each synced once per H steps). DiLoCo's outer step and anchors
+    (`outer_lr`, `outer_momentum`, `anchor_every`, `anchor_codec`, as gossip.diloco.DilocoConfig has
+    them) decide how many rounds a fragment's sync runs (`diloco_rounds`)."""
 
     specs: tuple[TensorSpec, ...]
     step_time_s: float
@@ -112,7 +116,11 @@ class PlanConfig:
     fragments: int = 1
     compression: Compression = Compression.NONE
     tokens_per_step: int = 16 * 128
-    overlap: bool = True  # DiLoCo's outer sync runs during the next inner phase
+    overlap: bool = False  # DiLoCo's outer sync runs during the next inner phase (--overlap)
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    anchor_every: int = 1  # DiLoCo mixes the anchors too at every this-many-th sync; 0: never
+    anchor_codec: Codec = field(default_factory=Int8Codec)
     header: HeaderValues = HeaderValues()
     # meta a round's tensor messages carry (CHOCO's edge state); None: what `compression` implies
     meta: Mapping[str, MetaValue] | None = None
@@ -141,6 +149,21 @@ class PlanConfig:
             raise ValueError(f"tokens per step must be >= 1, got {self.tokens_per_step}")
         if not (math.isfinite(self.round_cpu_s) and self.round_cpu_s >= 0):
             raise ValueError(f"round CPU time must be a finite number of seconds >= 0, got {self.round_cpu_s!r}")
+        if self.anchor_every < 0:
+            raise ValueError(f"anchor_every must be >= 0, got {self.anchor_every}")
+        if self.anchor_codec.name == "topk":
+            raise ValueError("anchors are whole parameters: top-k is sound on differences only")
+
+    @property
+    def diloco_fused(self) -> bool:
+        """Whether a DiLoCo sync that mixes anchors sends one message (anchor - pseudo-gradient) instead of
+        two: outer lr 1, no momentum and one codec (as node.training.outer_group.OuterGroup decides)."""
+        return self.outer_lr == 1.0 and self.outer_momentum == 0.0 and self.anchor_codec.name == self.codec.name
+
+    @property
+    def anchor_share(self) -> float:
+        """The share of DiLoCo's syncs that mix anchors (gossip.diloco.DilocoConfig.mixes_anchors)."""
+        return 1 / self.anchor_every if self.algorithm is Algorithm.DILOCO and self.anchor_every > 0 else 0.0
 
     @property
     def numel(self) -> int:
@@ -227,16 +250,19 @@ class RoundCost:
         return {"sent_bytes": self.sent_bytes, "received_bytes": self.received_bytes, "time_s": self.time_s}
 
 
-def gossip_round(topology: Topology, sizes: MessageSizes, link: LinkSpec) -> RoundCost:
-    """Bytes and time of one round over `topology` with these message sizes, averaged over one period."""
+def gossip_round(topology: Topology, sizes: MessageSizes, link: LinkSpec, *alongside: MessageSizes) -> RoundCost:
+    """Bytes and time of one round over `topology` with these message sizes, averaged over one period;
+    with `alongside`, as many more rounds of the same plan run at once on their own streams (DiLoCo's
+    anchors next to its pseudo-gradients): their bytes share the link, their round trips overlap."""
     sent = received = time_s = 0.0
+    groups = (sizes, *alongside)
     for t in range(topology.period):
         roles = round_roles(topology, t)
-        sent += sum(r.sent(sizes) for r in roles) / len(roles)
-        received += sum(r.received(sizes) for r in roles) / len(roles)
+        sent += sum(r.sent(m) for r in roles for m in groups) / len(roles)
+        received += sum(r.received(m) for r in roles for m in groups) / len(roles)
         # the slowest rank paces the swarm: its neighbours wait for it to begin the next round
         slowest = max(roles, key=RoleCounts.transfers)
-        tensor_bytes = max(sizes.exchange, sizes.reply)
+        tensor_bytes = sum(max(m.exchange, m.reply) for m in groups)
         trips = (EXCHANGE_ROUND_TRIPS if any(r.asks or r.answers for r in roles)
                  else PULL_ROUND_TRIPS if any(r.pulls for r in roles) else 0)
         time_s += slowest.transfers() * link.transfer_s(tensor_bytes) + trips * 2 * link.latency_s
@@ -269,30 +295,6 @@ def collective_sync(payload: int, codec: Codec, peers: int, link: LinkSpec) -> R
 def payload_bytes(specs: Sequence[TensorSpec], codec: Codec) -> int:
     """The tensors' encoded bytes alone, as an all-reduce moves them (no message headers)."""
     return sum(codec.encoded_nbytes(math.prod(spec.shape)) for spec in specs)
-
-
-def split_fragments(specs: Sequence[TensorSpec], fragments: int) -> list[tuple[TensorSpec, ...]]:
-    """P contiguous groups of whole tensors of about equal element counts, in manifest order: how the
-    plan cuts a model into streaming fragments unless the caller gives its own cut."""
-    if not 1 <= fragments <= len(specs):
-        raise ValueError(f"cannot cut {len(specs)} tensors into {fragments} fragments")
-    sizes = [math.prod(spec.shape) for spec in specs]
-    total = sum(sizes)
-    groups: list[tuple[TensorSpec, ...]] = []
-    start, done = 0, 0
-    for k in range(fragments):
-        left = fragments - k
-        if left == 1:
-            groups.append(tuple(specs[start:]))
-            break
-        target = done + (total - done) / left
-        stop = start + 1
-        while stop < len(specs) - (left - 1) and done + sum(sizes[start:stop]) + sizes[stop] / 2 <= target:
-            stop += 1
-        groups.append(tuple(specs[start:stop]))
-        done += sum(sizes[start:stop])
-        start = stop
-    return groups
 
 
 @dataclass(frozen=True)
@@ -345,10 +347,42 @@ def _step_time(algorithm: Algorithm, compute_s: float, sync_s: float, steps_per_
 def round_messages(config: PlanConfig) -> list[MessageSizes]:
     """The message sizes of each tensor group a sync moves: the whole model, or each DiLoCo fragment."""
     meta = config.meta if config.meta is not None else _default_meta(config.compression)
-    groups = split_fragments(config.specs, config.fragments) if config.fragments > 1 else [config.specs]
     # compressed gossip: the exchange's own codec (fp32, what downloads use) names the header-only messages
     control = Fp32Codec() if config.compression is Compression.CHOCO else None
-    return [MessageSizes.of(group, config.codec, config.header, meta, control) for group in groups]
+    return [MessageSizes.of(group, config.codec, config.header, meta, control) for group in fragment_groups(config)]
+
+
+def anchor_messages(config: PlanConfig) -> list[MessageSizes]:
+    """DiLoCo: the message sizes of each fragment's anchor round (its own peer: the anchor codec, and a
+    config hash suffixed `/anchor`, as node.training.outer_group.OuterGroup sends them)."""
+    header = replace(config.header, config_hash=f"{config.header.config_hash}{ANCHOR_HASH_SUFFIX}")
+    return [MessageSizes.of(group, config.anchor_codec, header) for group in fragment_groups(config)]
+
+
+def fragment_groups(config: PlanConfig) -> list[tuple[TensorSpec, ...]]:
+    """The tensor groups a sync moves: the whole model, or DiLoCo's fragments as the daemon cuts them
+    (gossip.diloco.fragment_partition)."""
+    if config.fragments == 1:
+        return [config.specs]
+    from gossip.diloco import fragment_partition
+
+    by_name = {spec.name: spec for spec in config.specs}
+    cut = fragment_partition({spec.name: math.prod(spec.shape) for spec in config.specs}, config.fragments)
+    return [tuple(by_name[name] for name in group) for group in cut]
+
+
+def diloco_sync(topology: Topology, config: PlanConfig, grads: MessageSizes, anchors: MessageSizes) -> RoundCost:
+    """One fragment's DiLoCo sync, averaged over syncs: the pseudo-gradients' round, and at every
+    `anchor_every`-th sync the anchors' round beside it, or (fused) in its place."""
+    share = config.anchor_share
+    plain = gossip_round(topology, grads, config.link)
+    if share == 0.0:
+        return plain
+    with_anchors = (gossip_round(topology, anchors, config.link) if config.diloco_fused
+                    else gossip_round(topology, grads, config.link, anchors))
+    return RoundCost(*((1 - share) * a + share * b for a, b in zip(
+        (plain.sent_bytes, plain.received_bytes, plain.time_s),
+        (with_anchors.sent_bytes, with_anchors.received_bytes, with_anchors.time_s), strict=True)))
 
 
 def _default_meta(compression: Compression) -> Mapping[str, MetaValue] | None:
@@ -362,7 +396,11 @@ def _default_meta(compression: Compression) -> Mapping[str, MetaValue] | None:
 def gossip_estimate(config: PlanConfig) -> Estimate:
     """Per-step time and bytes of the configuration as murmur runs it."""
     topology = build_topology(config.topology, config.peers)
-    costs = [gossip_round(topology, sizes, config.link) for sizes in round_messages(config)]
+    if config.algorithm is Algorithm.DILOCO:
+        costs = [diloco_sync(topology, config, grads, anchors)
+                 for grads, anchors in zip(round_messages(config), anchor_messages(config), strict=True)]
+    else:
+        costs = [gossip_round(topology, sizes, config.link) for sizes in round_messages(config)]
     h, p = config.local_steps, len(costs)
     # P fragments each sync once per H steps, staggered: one fragment's sync every H/P steps
     sync_s = sum(c.time_s for c in costs) / p
@@ -382,7 +420,7 @@ def allreduce_estimate(config: PlanConfig, *, codec: Codec | None = None, every:
     codec = codec or config.codec
     h = config.local_steps if every is None else every
     algorithm = config.algorithm if every is None else Algorithm.DSGD
-    groups = split_fragments(config.specs, config.fragments) if config.fragments > 1 and every is None else [config.specs]
+    groups = fragment_groups(config) if every is None else [config.specs]
     costs = [collective_sync(payload_bytes(group, codec), codec, config.peers, config.link) for group in groups]
     p = len(costs)
     sync_s = sum(c.time_s for c in costs) / p

@@ -2,6 +2,7 @@
 real exchanges count, and the `murmur plan` command line (JSON shape, bad flags)."""
 
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -26,12 +27,12 @@ from gossip.plan import (
     allgather_sync,
     allreduce_sync,
     bytes_per_node,
+    fragment_groups,
     gossip_estimate,
     gossip_round,
     make_plan,
     round_roles,
     specs_for_vectors,
-    split_fragments,
 )
 from gossip.wire import encode_message
 from topology import MembershipView, TopologySpec, build_topology, peer_round
@@ -124,10 +125,13 @@ def test_step_times_by_algorithm():
     assert dsgd.step_s == pytest.approx(0.5 + sync / 4)
     dadam_h = gossip_estimate(config("hypercube", local_steps=4))
     assert dadam_h.step_s == pytest.approx((3 * 0.5 + max(0.5, sync)) / 4)
-    diloco = gossip_estimate(config("hypercube", algorithm=Algorithm.DILOCO, local_steps=2))
+    # DiLoCo without anchor rounds: one round of the pseudo-gradients per sync, in the same codec
+    diloco = gossip_estimate(config("hypercube", algorithm=Algorithm.DILOCO, local_steps=2, anchor_every=0,
+                                    overlap=True))
+    assert diloco.sync_s == pytest.approx(sync)
     assert diloco.step_s == pytest.approx(max(0.5, sync / 2))  # overlapped with the next inner phase
-    serial = gossip_estimate(config("hypercube", algorithm=Algorithm.DILOCO, local_steps=2, overlap=False))
-    assert serial.step_s == pytest.approx(0.5 + sync / 2)
+    serial = gossip_estimate(config("hypercube", algorithm=Algorithm.DILOCO, local_steps=2, anchor_every=0))
+    assert serial.step_s == pytest.approx(0.5 + sync / 2)  # the daemon's default: not overlapped
 
 
 def test_a_rounds_local_work_adds_to_the_step():
@@ -136,7 +140,8 @@ def test_a_rounds_local_work_adds_to_the_step():
     assert dadam.step_s == pytest.approx(max(0.5, sync) + 0.3)  # on the cores that compute, not hidden
     dsgd = gossip_estimate(config("hypercube", algorithm=Algorithm.DSGD, local_steps=4, round_cpu_s=0.3))
     assert dsgd.step_s == pytest.approx(0.5 + (sync + 0.3) / 4)
-    diloco = gossip_estimate(config("hypercube", algorithm=Algorithm.DILOCO, local_steps=10, round_cpu_s=0.3))
+    diloco = gossip_estimate(config("hypercube", algorithm=Algorithm.DILOCO, local_steps=10, round_cpu_s=0.3,
+                                    anchor_every=0, overlap=True))
     assert diloco.step_s == pytest.approx(max(0.5 + 0.03, (sync + 0.3) / 10))
 
 
@@ -153,12 +158,13 @@ def test_measured_local_work_of_a_round():
 
 def test_fragments_split_bytes_and_syncs():
     specs = specs_for_vectors({f"t{i}": 1000 * (i + 1) for i in range(6)})
-    groups = split_fragments(specs, 3)
-    assert [s for g in groups for s in g] == list(specs) and all(groups)
-    one = gossip_estimate(PlanConfig(specs, 0.1, LINK, 4, TopologySpec("ring"), algorithm=Algorithm.DILOCO,
-                                     local_steps=30))
-    three = gossip_estimate(PlanConfig(specs, 0.1, LINK, 4, TopologySpec("ring"), algorithm=Algorithm.DILOCO,
-                                       local_steps=30, fragments=3))
+    one_cfg = PlanConfig(specs, 0.1, LINK, 4, TopologySpec("ring"), algorithm=Algorithm.DILOCO, local_steps=30)
+    groups = fragment_groups(dataclasses.replace(one_cfg, fragments=3))
+    # the daemon's cut (gossip.diloco.fragment_partition): largest tensor first into the lightest group
+    assert sorted(s for g in groups for s in g) == sorted(specs) and all(groups)
+    assert [[s.name for s in g] for g in groups] == [["t0", "t5"], ["t1", "t4"], ["t2", "t3"]]
+    one = gossip_estimate(one_cfg)
+    three = gossip_estimate(dataclasses.replace(one_cfg, fragments=3))
     assert three.syncs_per_step == pytest.approx(3 * one.syncs_per_step)
     # the same tensors cross once per period either way; fragments only add two headers' worth each
     assert three.sent_bytes_per_step == pytest.approx(one.sent_bytes_per_step, rel=0.05)
@@ -225,6 +231,76 @@ def test_predicted_bytes_equal_counted_bytes_of_real_rounds(compression):
     counted = asyncio.run(run())
     # meta edge counts 0..2 take one byte like the predicted 1
     assert sum(counted) / n == pytest.approx(rounds * (predicted.sent_bytes_per_step + predicted.received_bytes_per_step))
+
+
+def test_diloco_syncs_send_anchors_in_a_second_round_unless_fused():
+    """DiLoCo's defaults (outer lr 0.7, momentum 0.9, anchors in int8 at every sync) run two rounds per
+    sync; every other sync with --anchor-every 2; one with outer lr 1, no momentum and one codec (fused)."""
+    base = config("ring", peers=4, algorithm=Algorithm.DILOCO, codec=Int8Codec(), local_steps=10, anchor_every=0)
+    one = gossip_estimate(base).sent_bytes_per_step
+    two = gossip_estimate(dataclasses.replace(base, anchor_every=1))
+    # the anchor messages carry a config hash 7 characters longer
+    assert two.sent_bytes_per_step == pytest.approx(2 * one, rel=1e-3) and two.sent_bytes_per_step > 2 * one
+    half = gossip_estimate(dataclasses.replace(base, anchor_every=2)).sent_bytes_per_step
+    assert half == pytest.approx((one + two.sent_bytes_per_step) / 2)
+    fused = dataclasses.replace(base, anchor_every=1, outer_lr=1.0, outer_momentum=0.0)
+    assert fused.diloco_fused and gossip_estimate(fused).sent_bytes_per_step == pytest.approx(one, rel=1e-3)
+    # the two rounds run at once: their transfers share the link, their round trips overlap
+    single = gossip_estimate(base).sync_s
+    assert single < two.sync_s < 2 * single
+    # fp32 anchors beside int8 pseudo-gradients: about 1 + 4 / (1 + 4 / 256) times the bytes
+    mixed = gossip_estimate(dataclasses.replace(base, anchor_every=1, anchor_codec=get_codec("fp32")))
+    assert mixed.sent_bytes_per_step == pytest.approx(one * (1 + 4 / (1 + 4 / 256)), rel=0.01)
+
+
+def test_predicted_diloco_bytes_equal_counted_bytes_of_real_outer_syncs():
+    """Four OuterGroups (the daemon's DiLoCo sync of one fragment: pseudo-gradients, anchors on a second
+    peer) over the in-memory transport run syncs on a one-peer exponential graph; the bytes their peers
+    count equal the plan's prediction, to the byte, for DiLoCo's defaults and for a fused sync."""
+    from gossip.diloco import OuterNesterov
+    from node.training.outer_group import OuterGroup
+
+    n, syncs, step, first = 4, 4, 5000, 3000
+    ids = [f"Qm{i:044d}" for i in range(n)]
+    sizes = {"w": 4000, "b": 10}
+    for outer_lr, momentum in ((0.7, 0.9), (1.0, 0.0)):
+        plan = PlanConfig(specs_for_vectors(sizes), 0.1, LINK, n, TopologySpec("one-peer-exp"),
+                          algorithm=Algorithm.DILOCO, codec=Int8Codec(), local_steps=1, outer_lr=outer_lr,
+                          outer_momentum=momentum, anchor_every=1, anchor_codec=Int8Codec(),
+                          header=HeaderValues(swarm="plan", config_hash="h" * 64, sender=ids[0], round=first,
+                                              step=step))
+        predicted = gossip_estimate(plan)
+
+        async def run(outer_lr: float = outer_lr, momentum: float = momentum) -> list[int]:
+            net = InMemoryNetwork()
+            rng = np.random.default_rng(0)
+            settings = ExchangeSettings(swarm="plan", config_hash="h" * 64, codec=Int8Codec(), exchange_timeout_s=10)
+            groups = []
+            for pid in ids:
+                group = OuterGroup(net.transport(pid), settings, Int8Codec(), tuple(sizes), protocol="/plan/g/1",
+                                   anchor_protocol="/plan/a/1", outer=OuterNesterov(outer_lr, momentum),
+                                   anchor_every=1)
+                await group.start({name: rng.standard_normal(size).astype(np.float32) for name, size in sizes.items()},
+                                  step, first - 1)
+                groups.append(group)
+            topo, view = build_topology("one-peer-exp", n), MembershipView.of(ids)
+            for r in range(first, first + syncs):
+                async def plan_for(pid: str, r: int = r):
+                    return peer_round(topo, view, pid, r)
+
+                results = await asyncio.gather(*(g.exchange(r, {name: rng.standard_normal(size).astype(np.float32)
+                                                                for name, size in sizes.items()}, step,
+                                                            lambda pid=pid: plan_for(pid))
+                                                  for g, pid in zip(groups, ids, strict=True)))
+                for sync in results:
+                    for outcome in (sync.outcome, sync.anchors):
+                        assert outcome is None or not outcome.skipped, outcome.skipped
+            return [sum(p.stats.bytes_sent + p.stats.bytes_received for p in g.peers) for g in groups]
+
+        counted = asyncio.run(run())
+        # one-peer-exp over 4 has a period of 2: the syncs cover it twice
+        assert sum(counted) / n == syncs * (predicted.sent_bytes_per_step + predicted.received_bytes_per_step), \
+            (outer_lr, momentum)
 
 
 # ---- the command line ----------------------------------------------------------------------------------

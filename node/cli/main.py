@@ -199,7 +199,18 @@ def _add_plan_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
                       help=f"H: steps between syncs (default 1; {PLAN_DILOCO_LOCAL_STEPS} for diloco)")
     plan.add_argument("--fragments", type=positive_int, default=1,
                       help="P: diloco's streaming fragments, each synced once per H steps (default 1)")
-    plan.add_argument("--no-overlap", action="store_true", help="diloco: the outer sync does not overlap the next phase")
+    plan.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
+                      help="diloco: the outer sync runs while the next phase computes (default off, as a node's)")
+    plan.add_argument("--outer-lr", type=_number(float, lo=1e-9, hi=10.0), default=0.7,
+                      help="diloco: outer learning rate (default 0.7; with 1, momentum 0 and --anchor-codec equal to "
+                      "--codec a sync that mixes anchors sends one message instead of two)")
+    plan.add_argument("--outer-momentum", type=_number(float, lo=0.0, hi=0.999999), default=0.9,
+                      help="diloco: outer Nesterov momentum (default 0.9)")
+    plan.add_argument("--anchor-every", type=non_negative_int, default=1,
+                      help="diloco: the anchors are mixed too at every this-many-th sync, a second round; 0: never "
+                      "(default 1)")
+    plan.add_argument("--anchor-codec", choices=STATE_CODECS, default="int8",
+                      help="diloco: codec of the anchors (default int8)")
     plan.add_argument("--codec", choices=PLAN_CODECS, default="fp32", help="wire codec (default fp32)")
     plan.add_argument("--topk-ratio", type=_number(float, lo=1e-9, hi=1.0), default=0.01,
                       help="share of the elements --codec topk sends (default 0.01)")
@@ -258,7 +269,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     with _values_checked():
         config = PlanConfig(specs, 0.0 if args.step_time is None else args.step_time, link, args.peers, topology,
                             algorithm=algorithm, codec=codec, local_steps=local_steps, fragments=args.fragments,
-                            compression=compression, overlap=not args.no_overlap,
+                            compression=compression, overlap=args.overlap, outer_lr=args.outer_lr,
+                            outer_momentum=args.outer_momentum, anchor_every=args.anchor_every,
+                            anchor_codec=get_codec(args.anchor_codec),
                             tokens_per_step=args.batch_size * args.context * args.micro_batches)
     # a step time given from elsewhere (say a GPU) says nothing of this machine's CPU: then 0 unless asked
     measure_cpu = args.round_cpu == "measure" or (args.round_cpu is None and args.step_time is None)

@@ -180,7 +180,11 @@ def describe(plan: Plan, config: PlanConfig, step: StepTime, model: str) -> list
         f"swarm: {c.peers} peers, {c.topology.name}; {c.algorithm}, codec {codec}, H = {c.local_steps}"
         + (f", P = {c.fragments} fragments" if c.fragments > 1 else "")
         + (", compressed gossip (choco)" if c.compression == "choco" else "")
-        + ("" if c.algorithm != "diloco" else (", outer sync overlapped" if c.overlap else ", outer sync not overlapped")),
+        + ("" if c.algorithm != "diloco" else (", outer sync overlapped" if c.overlap else ", outer sync not overlapped")
+           + f", outer lr {c.outer_lr:g} momentum {c.outer_momentum:g}, "
+           + (f"anchors ({c.anchor_codec.name}) mixed every {c.anchor_every} syncs"
+              + (" in the same message" if c.diloco_fused else " in a second round") if c.anchor_every else
+              "anchors never mixed")),
         "",
         "| synchronisation | step s | sync s | syncs/step | MB sent/step | MB received/step | bytes sent/token | bound by |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
@@ -209,7 +213,9 @@ def print_plan(plan: Plan, config: PlanConfig, step: StepTime, model: str, *, as
                   "peers": config.peers, "topology": config.topology.name, "algorithm": str(config.algorithm),
                   "codec": config.codec.name, "codec_options": config.codec.options(),
                   "local_steps": config.local_steps, "fragments": config.fragments,
-                  "compression": str(config.compression), "overlap": config.overlap,
+                  "compression": str(config.compression), "overlap": config.overlap, "outer_lr": config.outer_lr,
+                  "outer_momentum": config.outer_momentum, "anchor_every": config.anchor_every,
+                  "anchor_codec": config.anchor_codec.name,
                   "tokens_per_step": config.tokens_per_step, "round_cpu_s": config.round_cpu_s}
         print(json.dumps({"inputs": inputs, **plan.as_json()}))
         return
