@@ -67,7 +67,8 @@ class GossipConfig:
     """How the node mixes its parameters with its neighbours."""
 
     topology: TopologySpec = DEFAULT_TOPOLOGY
-    codec: str = "fp32"  # wire codec of the exchanged tensors
+    codec: str = "fp32"  # wire codec of the exchanged tensors (diloco: of the pseudo-gradients)
+    topk_ratio: float = 0.01  # --codec topk: fraction of each tensor's entries sent
     round_interval_s: float = 1.0  # time between the starts of two gossip rounds
     exchange_timeout_s: float = 5.0  # one exchange with one neighbour, after which it counts as missing
     max_staleness_rounds: int = 2  # a neighbour's parameters at most this many rounds old are mixed
@@ -87,6 +88,15 @@ class TrainingConfig:
     steps: int = 0  # steps to train; 0: until stopped (the LR schedule then stays flat after warm-up)
     local_steps: int = 1  # H: steps between gossip rounds
     micro_batches: int = 1  # k: gradient accumulation
+    # gossip DiLoCo (--optimizer diloco; docs/training.md): the outer step, fragments, overlap, QSR, anchors
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    fragments: int = 1  # P
+    overlap: bool = False
+    qsr_alpha: float = 0.0  # 0: constant H
+    anchor_every: int = 1  # mix anchors at every this-many-th sync; 0: never
+    anchor_codec: str = "int8"
+    final_merge: str = "auto"  # auto (on for diloco), on, off
     batch_size: int = 16  # sequences per micro-batch on each node
     context: int = 128  # tokens per sequence
     data: Path | None = None  # a directory of *.txt files; None: the embedded corpus

@@ -173,6 +173,16 @@ class DilocoTrainer:
         return dict(self._anchor)
 
     @property
+    def codec_name(self) -> str:
+        return self._settings.codec.name
+
+    def set_anchor(self, tensors: Tensors) -> None:
+        """Make `tensors` the anchor (the final merge's model), without serving it: peers that merge
+        after this node must still get its pre-merge final model."""
+        self._anchor = {n: np.asarray(tensors[n], np.float32).reshape(-1) for n in self._anchor}
+        self._reset_start()
+
+    @property
     def momentum(self) -> dict[str, np.ndarray]:
         return self._outer.state()
 

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, cast
 
 from gossip.codecs import Codec, get_codec
+from gossip.diloco import DilocoConfig
 from gossip.mixing import MixingRule
 from gossip.optimizers import Algorithm, OptimizerConfig
 from gossip.spes import SpesConfig
@@ -53,13 +54,23 @@ class TrainingRecipe:
     context: int
     steps: int  # 0: until stopped
     spes: SpesConfig | None = None  # SPES's swarm-wide knobs when the MoE model is trained with it
+    diloco: DilocoConfig | None = None  # gossip DiLoCo's outer loop, with --optimizer diloco
+    final_merge: bool = False  # every node averages all live peers' final models at the end of the budget
 
     def to_doc(self) -> dict[str, Any]:
         o = self.optimizer
-        doc = {"kind": PayloadKind.MODEL.value, "model": self.model, "seed": self.seed, "batch_size": self.batch_size,
-               "context": self.context, "steps": self.steps,
-               "optimizer": {"algorithm": o.algorithm, "lr": o.lr, "warmup_steps": o.warmup_steps,
-                             "local_steps": o.local_steps, "micro_batches": o.micro_batches}}
+        optimizer: dict[str, Any] = {"algorithm": o.algorithm, "lr": o.lr, "warmup_steps": o.warmup_steps,
+                                     "local_steps": o.local_steps, "micro_batches": o.micro_batches}
+        doc: dict[str, Any] = {"kind": PayloadKind.MODEL.value, "model": self.model, "seed": self.seed,
+                               "batch_size": self.batch_size, "context": self.context, "steps": self.steps,
+                               "optimizer": optimizer}
+        if self.diloco is not None:  # absent unless diloco, so other swarms keep their config hash
+            d = self.diloco
+            optimizer["diloco"] = {"outer_lr": d.outer_lr, "outer_momentum": d.outer_momentum,
+                                          "fragments": d.fragments, "overlap": d.overlap, "qsr_alpha": d.qsr_alpha,
+                                          "anchor_every": d.anchor_every, "anchor_codec": d.anchor_codec}
+        if self.final_merge:
+            doc["final_merge"] = True
         if self.spes is not None:  # absent when off, so a swarm without SPES keeps its config hash
             c = self.spes
             doc["spes"] = {"sync_every": c.sync_every, "merge_every": c.merge_every, "merge_until": c.merge_until,
@@ -70,11 +81,29 @@ class TrainingRecipe:
     @classmethod
     def from_doc(cls, doc: dict[str, Any]) -> TrainingRecipe:
         o, steps = doc["optimizer"], int(doc["steps"])
+        if (o["algorithm"] == "diloco") != (o.get("diloco") is not None):
+            raise ValueError("the optimizer's diloco knobs come with algorithm 'diloco' and only with it")
         return cls(model=str(doc["model"]), seed=int(doc["seed"]), batch_size=int(doc["batch_size"]),
                    context=int(doc["context"]), steps=steps,
                    optimizer=optimizer_config(str(o["algorithm"]), float(o["lr"]), int(o["warmup_steps"]), steps,
                                               int(o["local_steps"]), int(o["micro_batches"])),
-                   spes=_spes_from_doc(doc["spes"]) if doc.get("spes") is not None else None)
+                   spes=_spes_from_doc(doc["spes"]) if doc.get("spes") is not None else None,
+                   diloco=_diloco_from_doc(o["diloco"]) if o.get("diloco") is not None else None,
+                   final_merge=_flag(doc.get("final_merge", False)))
+
+
+def _flag(value: object) -> bool:
+    if type(value) is not bool:
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
+def _diloco_from_doc(doc: dict[str, Any]) -> DilocoConfig:
+    """DilocoConfig checks the values (ValueError names the bad one)."""
+    return DilocoConfig(outer_lr=float(doc["outer_lr"]), outer_momentum=float(doc["outer_momentum"]),
+                        fragments=int(doc["fragments"]), overlap=_flag(doc["overlap"]),
+                        qsr_alpha=float(doc["qsr_alpha"]), anchor_every=int(doc["anchor_every"]),
+                        anchor_codec=str(doc["anchor_codec"]))
 
 
 def _spes_from_doc(doc: dict[str, Any]) -> SpesConfig:
@@ -102,9 +131,13 @@ def training_recipe(config: NodeConfig) -> TrainingRecipe | None:
     spes = SpesConfig(sync_every=t.spes_sync_every, merge_every=t.spes_merge_every, merge_until=t.spes_merge_until,
                       alpha0=t.spes_alpha0, replication=t.spes_replication,
                       refresh_codec=t.spes_refresh_codec, expert_codec=t.spes_expert_codec) if t.spes else None
+    diloco = DilocoConfig(outer_lr=t.outer_lr, outer_momentum=t.outer_momentum, fragments=t.fragments,
+                          overlap=t.overlap, qsr_alpha=t.qsr_alpha, anchor_every=t.anchor_every,
+                          anchor_codec=t.anchor_codec) if t.optimizer == "diloco" else None
+    final_merge = t.final_merge == "on" or (t.final_merge == "auto" and diloco is not None)
     return TrainingRecipe(model=t.model, seed=config.seed, batch_size=t.batch_size, context=t.context, steps=t.steps,
                           optimizer=optimizer_config(t.optimizer, t.lr, t.warmup_steps, t.steps, t.local_steps,
-                                                     t.micro_batches), spes=spes)
+                                                     t.micro_batches), spes=spes, diloco=diloco, final_merge=final_merge)
 
 
 def swarm_document(config: NodeConfig, epoch: float) -> dict[str, Any]:
@@ -119,6 +152,7 @@ def swarm_document(config: NodeConfig, epoch: float) -> dict[str, Any]:
             "topology": {"name": topo.name, "weights": topo.weights, "degree": topo.degree, "seed": topo.seed,
                          "rows": topo.rows, "edges": [list(e) for e in topo.edges], "directed": topo.directed},
             "codec": config.gossip.codec,
+            **({"codec_options": codec_options(config)} if codec_options(config) else {}),
             "round_interval_s": config.gossip.round_interval_s,
             "max_staleness_rounds": config.gossip.max_staleness_rounds,
             "mixing": asdict(config.gossip.mixing),
@@ -153,7 +187,7 @@ class SwarmSettings:
             return cls(
                 topology=TopologySpec(t["name"], weights=t["weights"], degree=t["degree"], seed=t["seed"],
                                       rows=t["rows"], edges=tuple(tuple(e) for e in t["edges"]), directed=t["directed"]),
-                codec=get_codec(g["codec"]),
+                codec=get_codec(g["codec"], **_codec_options(g.get("codec_options", {}))),
                 clock=RoundClock(float(doc["epoch"]), float(g["round_interval_s"])),
                 max_staleness=int(g["max_staleness_rounds"]),
                 mixing=MixingRule(**g["mixing"]),
@@ -162,6 +196,23 @@ class SwarmSettings:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise RecipeInvalid(f"the swarm's config is invalid: {exc}") from None
+
+    def __post_init__(self) -> None:
+        if self.codec.name == "topk" and (self.training is None or self.training.diloco is None):
+            raise RecipeInvalid("the swarm's config is invalid: codec topk drops most of each tensor and is sound "
+                                "only on gossip DiLoCo's pseudo-gradients, not on whole parameters")
+
+
+def codec_options(config: NodeConfig) -> dict[str, float]:
+    """The options of the swarm's codec that go into its document (top-k's ratio)."""
+    return {"ratio": config.gossip.topk_ratio} if config.gossip.codec == "topk" else {}
+
+
+def _codec_options(options: object) -> dict[str, float]:
+    if not isinstance(options, dict) or not all(isinstance(k, str) and type(v) in (int, float)
+                                                for k, v in options.items()):
+        raise ValueError(f"codec options must map names to numbers, got {options!r}")
+    return options
 
 
 def same_payload(doc: dict[str, Any], config: NodeConfig) -> bool:
