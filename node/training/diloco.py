@@ -17,12 +17,13 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from gossip.codecs import Codec, ErrorFeedback, get_codec
+from gossip.codecs import get_codec
 from gossip.diloco import DilocoConfig, OuterNesterov, SyncSchedule, fragment_partition
 from gossip.errors import WireError
 from gossip.exchange import ExchangeSettings, GossipPeer, PeerRejected, RoundOutcome
-from gossip.optimizers import consensus_distance, global_norm
+from gossip.optimizers import global_norm
 from gossip.transport import Transport
+from node.training.outer_group import GroupSync, OuterGroup
 from node.training.trainer import StepStats, Tensors, Trainer
 from topology import PeerRound
 
@@ -53,14 +54,15 @@ def anchor_protocol(fragment: int) -> str:
 
 @dataclass(frozen=True)
 class OuterSync:
-    """One fragment's outer exchange: its gossip round and what the mix of pseudo-gradients showed."""
+    """One fragment's outer exchange: its gossip round and what the mixes showed."""
 
     fragment: int
     round: int
-    outcome: RoundOutcome | None  # None: the exchange failed and the local pseudo-gradient stood in
+    outcome: RoundOutcome | None  # the pseudo-gradients' round; None when fused (see OuterGroup) or failed
     consensus_distance: float | None  # ||own pseudo-gradient - mean of the neighbours' that arrived||_2
     anchors: RoundOutcome | None = None  # the anchors' round, when this sync mixed them
     anchor_distance: float | None = None  # ||own anchor - mean of the neighbours' anchors that arrived||_2
+    failed: bool = False  # the exchange failed; the local pseudo-gradient stood in
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,7 @@ class DilocoStats:
 
 
 class DilocoTrainer:
-    """A Trainer driven as gossip DiLoCo over one GossipPeer per fragment (see the module docstring).
+    """A Trainer driven as gossip DiLoCo over one OuterGroup per fragment (see the module docstring).
 
     `state_peer` (the node's main gossip peer) serves the anchors: what joiners download and what
     the swarm evaluation averages; a second peer serves the outer momentum to joiners. Arrays held
@@ -103,46 +105,39 @@ class DilocoTrainer:
         self.fragments = fragment_partition(sizes, config.fragments)
         self._fragment_of = {name: p for p, names in enumerate(self.fragments) for name in names}
         self._outer = OuterNesterov(config.outer_lr, config.outer_momentum)
-        self._anchor_codec = get_codec(config.anchor_codec)
-        self._feedback = [_feedback_for(settings.codec) for _ in self.fragments]
-        self._anchor_feedback = [_feedback_for(self._anchor_codec) for _ in self.fragments]
+        anchor_codec = get_codec(config.anchor_codec)
+        self._groups = [
+            OuterGroup(transport, replace(settings, config_hash=f"{settings.config_hash}/diloco/{p}"), anchor_codec,
+                       names, protocol=fragment_protocol(p), anchor_protocol=anchor_protocol(p), outer=self._outer,
+                       anchor_every=config.anchor_every)
+            for p, names in enumerate(self.fragments)]
         self._anchor: dict[str, np.ndarray] = {}
         self._start: dict[str, np.ndarray] | None = {} if config.overlap else None  # overlap: the phase start
-        self._peers: list[GossipPeer] = []
-        self._anchor_peers: list[GossipPeer] = []
         self._momentum_peer: GossipPeer | None = None
         self._pending: dict[int, asyncio.Task[OuterSync]] = {}
-        self._pending_round: dict[int, int] = {}
         self._pending_delta: dict[int, dict[str, np.ndarray]] = {}
         self._applied = [0] * len(self.fragments)
         self._in_sync = 0  # exchanges being awaited in the foreground (overlap off)
+        self._residuals: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None  # from restore()
         self.stats = DilocoStats()
 
     # ---- set-up ------------------------------------------------------------------------------------
 
     async def start(self) -> None:
         """The anchor is the trainer's current parameters (restore() or adopt() may replace it);
-        serve one protocol per fragment and the momentum protocol."""
+        serve the fragments' protocols and the momentum protocol."""
         if not self._anchor:
             self._anchor = await self.trainer.tensors()
             self._reset_start()
-        for p, names in enumerate(self.fragments):
-            settings = replace(self._settings, config_hash=f"{self._settings.config_hash}/diloco/{p}")
-            zeros = {n: np.zeros_like(self._anchor[n]) for n in names}
-            peer = GossipPeer(self._transport, settings, zeros, step=self.trainer.step, protocol=fragment_protocol(p))
-            await peer.start()
-            self._peers.append(peer)
-            anchor_settings = replace(self._settings, codec=self._anchor_codec,
-                                      config_hash=f"{self._settings.config_hash}/diloco/{p}/anchor")
-            anchor_peer = GossipPeer(self._transport, anchor_settings, dict(zeros), step=self.trainer.step,
-                                     protocol=anchor_protocol(p))
-            await anchor_peer.start()
-            self._anchor_peers.append(anchor_peer)
+        count = self.trainer.step
+        for p, group in enumerate(self._groups):
+            await group.start(self._anchor, count, self.schedule.last_sync(p, count))
+            if self._residuals is not None:
+                group.load_residuals(*self._residuals)
         momentum_settings = replace(self._state_settings, config_hash=f"{self._settings.config_hash}/diloco/momentum")
         self._momentum_peer = GossipPeer(self._transport, momentum_settings, self._momentum_tensors(),
                                          step=self.trainer.step, protocol=MOMENTUM_PROTOCOL)
         await self._momentum_peer.start()
-        self._place_rounds()
         self._publish()
 
     def _reset_start(self) -> None:
@@ -150,12 +145,11 @@ class DilocoTrainer:
             self._start = dict(self._anchor)
 
     def _place_rounds(self) -> None:
-        """Each fragment peer's round is its latest sync at the current step, so it answers its
-        neighbours' next round (a fresh, resumed or downloaded node alike)."""
+        """Each fragment's round is its latest sync at the current step, so it answers its neighbours'
+        next round (a fresh, resumed or downloaded node alike)."""
         count = self.trainer.step
-        for p, (peer, anchor_peer) in enumerate(zip(self._peers, self._anchor_peers, strict=True)):
-            peer.round = anchor_peer.round = max(0, self.schedule.last_sync(p, count))
-            peer.step = anchor_peer.step = count
+        for p, group in enumerate(self._groups):
+            group.place(count, self.schedule.last_sync(p, count))
 
     def _momentum_tensors(self) -> dict[str, np.ndarray]:
         return {n: (b if (b := self._outer.buffer(n)) is not None else np.zeros_like(a)) for n, a in self._anchor.items()}
@@ -180,6 +174,8 @@ class DilocoTrainer:
         """Make `tensors` the anchor (the final merge's model), without serving it: peers that merge
         after this node must still get its pre-merge final model."""
         self._anchor = {n: np.asarray(tensors[n], np.float32).reshape(-1) for n in self._anchor}
+        for group in self._groups:
+            group.anchor = {n: self._anchor[n] for n in group.names}
         self._reset_start()
 
     @property
@@ -188,7 +184,8 @@ class DilocoTrainer:
 
     @property
     def peers(self) -> tuple[GossipPeer, ...]:
-        return tuple(self._peers)
+        """The fragments' pseudo-gradient peers."""
+        return tuple(group.peer for group in self._groups if group.peer is not None)
 
     @property
     def in_flight(self) -> int:
@@ -206,7 +203,7 @@ class DilocoTrainer:
     @property
     def outer_bytes(self) -> tuple[int, int]:
         """Bytes sent and received by the fragment exchanges alone (pseudo-gradients and anchors)."""
-        peers = [*self._peers, *self._anchor_peers]
+        peers = [p for group in self._groups for p in group.peers]
         return sum(p.stats.bytes_sent for p in peers), sum(p.stats.bytes_received for p in peers)
 
     def errors(self) -> dict[str, int]:
@@ -217,7 +214,8 @@ class DilocoTrainer:
         return total
 
     def _all_peers(self) -> list[GossipPeer]:
-        return [*self._peers, *self._anchor_peers, *([self._momentum_peer] if self._momentum_peer is not None else [])]
+        peers = [p for group in self._groups for p in group.peers]
+        return [*peers, *([self._momentum_peer] if self._momentum_peer is not None else [])]
 
     # ---- steps -------------------------------------------------------------------------------------
 
@@ -232,13 +230,10 @@ class DilocoTrainer:
             due = [(p, self.schedule.last_sync(p, count - 1) + 1) for p in range(len(self.fragments))]
         else:
             due = list(self.schedule.syncs_at(count))
-        launched: list[tuple[int, int]] = []
         synced: list[OuterSync] = []
         for p, k in due:
-            done = await self._sync(p, k, plan_for, overlap=self.config.overlap and not final)
-            launched.append((p, k))
-            synced.extend(done)
-        return DilocoStepReport(stats, time.perf_counter() - started, tuple(launched), tuple(synced))
+            synced.extend(await self._sync(p, k, plan_for, overlap=self.config.overlap and not final))
+        return DilocoStepReport(stats, time.perf_counter() - started, tuple(due), tuple(synced))
 
     async def _sync(self, p: int, k: int, plan_for: FragmentPlanFor, *, overlap: bool) -> list[OuterSync]:
         names = self.fragments[p]
@@ -248,22 +243,18 @@ class DilocoTrainer:
         x = await self.trainer.tensors(names)
         start = self._start if self._start is not None else self._anchor
         delta = {n: start[n] - x[n] for n in names}
+        self._pending_delta[p] = delta
+        self._pending[p] = asyncio.create_task(self._exchange(p, k, delta, plan_for),
+                                               name=f"diloco fragment {p} round {k}")
         if overlap:
             assert self._start is not None
             # the fast weights: the anchor plus this phase's local progress, until its mix lands
             new_start = {n: self._anchor[n] - delta[n] for n in names}
             self._start.update(new_start)
             await self.trainer.load_tensors(new_start, partial=True)
-            self._pending[p] = asyncio.create_task(self._exchange(p, k, delta, plan_for),
-                                                   name=f"diloco fragment {p} round {k}")
-            self._pending_round[p] = k
-            self._pending_delta[p] = delta
             return synced
         self._in_sync += 1
         try:
-            self._pending[p] = asyncio.create_task(self._exchange(p, k, delta, plan_for))
-            self._pending_round[p] = k
-            self._pending_delta[p] = delta
             synced.append(await self._land(p))
         finally:
             self._in_sync -= 1
@@ -273,64 +264,36 @@ class DilocoTrainer:
         await self.trainer.load_tensors(restart, partial=True)
         return synced
 
+    async def _exchange(self, p: int, k: int, delta: dict[str, np.ndarray], plan_for: FragmentPlanFor) -> OuterSync:
+        sync = await self._groups[p].exchange(k, delta, self.trainer.step, lambda: plan_for(p, k))
+        return OuterSync(p, k, sync.outcome, sync.consensus_distance, sync.anchors, sync.anchor_distance)
+
     async def _land(self, p: int) -> OuterSync:
         """Await fragment p's exchange and apply its outer step to the anchor."""
         task = self._pending.pop(p)
-        k = self._pending_round.pop(p)
         delta = self._pending_delta.pop(p)
         started = time.perf_counter()
-        names = self.fragments[p]
         try:
             sync = await task
-            mixed = self._peers[p].tensors
-            base = self._anchor_peers[p].tensors if sync.anchors is not None else self._anchor
         except (Exception, asyncio.CancelledError) as exc:
-            if isinstance(exc, asyncio.CancelledError) and asyncio.current_task().cancelling():  # type: ignore[union-attr]
+            current = asyncio.current_task()
+            if isinstance(exc, asyncio.CancelledError) and current is not None and current.cancelling():
                 raise
             # the exchange itself never fails for a neighbour (it is skipped); this is a bug or a
             # shutdown: the local pseudo-gradient stands in, so the phase's progress is kept
             self.stats.exchanges_failed += 1
-            logger.warning("fragment %d round %d: outer exchange failed (%s: %s); applying the local "
-                           "pseudo-gradient", p, k, type(exc).__name__, exc)
-            sync, mixed, base = OuterSync(p, k, None, None), delta, self._anchor
-        self._anchor.update(await asyncio.to_thread(self._outer_step, names, base, mixed))
+            logger.warning("fragment %d: outer exchange failed (%s: %s); applying the local pseudo-gradient", p,
+                           type(exc).__name__, exc)
+            sync = OuterSync(p, -1, None, None, failed=True)
+        group = self._groups[p]
+        landed = GroupSync(sync.round, sync.outcome, sync.consensus_distance, sync.anchors, sync.anchor_distance)
+        self._anchor.update(await asyncio.to_thread(group.land, None if sync.failed else landed, delta))
         self._applied[p] += 1
         self.stats.outer_updates += 1
         self.stats.outer_steps = self._applied[0]
         self.stats.last_sync_s = time.perf_counter() - started
         self._publish()
         return sync
-
-    def _outer_step(self, names: tuple[str, ...], base: Mapping[str, np.ndarray],
-                    mixed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """anchor <- (the mix of the anchors, or our own) - outer_lr * Nesterov(mixed pseudo-gradient)."""
-        return {n: self._outer.step(n, base[n], mixed[n]) for n in names}
-
-    async def _exchange(self, p: int, k: int, delta: dict[str, np.ndarray], plan_for: FragmentPlanFor) -> OuterSync:
-        """Compress fragment p's pseudo-gradient (error feedback keeps what the codec drops), offer it
-        and run round k with the fragment's neighbours; the peer then holds the mix."""
-        names, step = self.fragments[p], self.trainer.step
-        anchors = {n: self._anchor[n] for n in names} if self.config.mixes_anchors(k) else None
-        image, anchor_image = await asyncio.to_thread(
-            lambda: (_compressed(self._feedback[p], delta),
-                     _compressed(self._anchor_feedback[p], anchors) if anchors is not None else None))
-        peer, anchor_peer = self._peers[p], self._anchor_peers[p]
-        peer.set_tensors(image, step=step)
-        if anchor_image is not None:
-            anchor_peer.set_tensors(anchor_image, step=step)
-        plan = await plan_for(p, k)
-        async with asyncio.TaskGroup() as group:
-            rounds = group.create_task(peer.run_round(k, plan))
-            anchor_rounds = group.create_task(anchor_peer.run_round(k, plan)) if anchor_image is not None else None
-        outcome = rounds.result()
-        distance = await asyncio.to_thread(consensus_distance, image, peer.tensors, plan.self_weight,
-                                           plan.in_weights, outcome.mixed_with)
-        if anchor_rounds is None or anchor_image is None:
-            return OuterSync(p, k, outcome, distance)
-        anchor_outcome = anchor_rounds.result()
-        anchor_distance = await asyncio.to_thread(consensus_distance, anchor_image, anchor_peer.tensors,
-                                                  plan.self_weight, plan.in_weights, anchor_outcome.mixed_with)
-        return OuterSync(p, k, outcome, distance, anchor_outcome, anchor_distance)
 
     async def flush(self) -> list[OuterSync]:
         """Apply every pending exchange (awaiting it)."""
@@ -344,7 +307,6 @@ class DilocoTrainer:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._pending.clear()
-        self._pending_round.clear()
         self._pending_delta.clear()
 
     # ---- joiners and checkpoints --------------------------------------------------------------------
@@ -353,12 +315,10 @@ class DilocoTrainer:
         """Continue from a downloaded anchor (the trainer already holds it and its step) and, if it
         passed its checks, the same peer's outer momentum; the error-feedback residuals start empty
         (this node owes nothing yet)."""
-        self._anchor = {n: np.asarray(v, np.float32).reshape(-1) for n, v in anchor.items()}
-        self._reset_start()
+        self.set_anchor(anchor)
         self._outer.load_state(momentum or {})
-        for feedback in (*self._feedback, *self._anchor_feedback):
-            if feedback is not None:
-                feedback.reset()
+        for group in self._groups:
+            group.reset_residuals()
         self._place_rounds()
         self._publish()
 
@@ -369,10 +329,10 @@ class DilocoTrainer:
         next pseudo-gradient carries that exchange's progress again and nothing is lost."""
         out = {_ANCHOR + n: a for n, a in self._anchor.items()}
         out.update({_MOMENTUM + n: b for n, b in self._outer.state().items()})
-        for prefix, feedbacks in ((_RESIDUAL, self._feedback), (_ANCHOR_RESIDUAL, self._anchor_feedback)):
-            for feedback in feedbacks:
-                if feedback is not None:
-                    out.update({prefix + n: r for n, r in feedback.state().items()})
+        for group in self._groups:
+            deltas, anchors = group.residuals()
+            out.update({_RESIDUAL + n: r for n, r in deltas.items()})
+            out.update({_ANCHOR_RESIDUAL + n: r for n, r in anchors.items()})
         return out
 
     def restore(self, state: Mapping[str, np.ndarray]) -> bool:
@@ -385,11 +345,8 @@ class DilocoTrainer:
         self._anchor = anchor
         self._reset_start()
         self._outer.load_state({k[len(_MOMENTUM):]: v for k, v in state.items() if k.startswith(_MOMENTUM)})
-        for prefix, feedbacks in ((_RESIDUAL, self._feedback), (_ANCHOR_RESIDUAL, self._anchor_feedback)):
-            residuals = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-            for p, feedback in enumerate(feedbacks):
-                if feedback is not None:
-                    feedback.load_state({n: r for n, r in residuals.items() if self._fragment_of.get(n) == p})
+        self._residuals = ({k[len(_RESIDUAL):]: v for k, v in state.items() if k.startswith(_RESIDUAL)},
+                           {k[len(_ANCHOR_RESIDUAL):]: v for k, v in state.items() if k.startswith(_ANCHOR_RESIDUAL)})
         return True
 
     async def fetch_momentum(self, peer_id: str) -> dict[str, np.ndarray] | None:
@@ -408,18 +365,6 @@ class DilocoTrainer:
             logger.warning("outer momentum from %s refused: norm %.3g beyond %.3g; starting without", peer_id, norm, bound)
             return None
         return tensors
-
-
-def _feedback_for(codec: Codec) -> ErrorFeedback | None:
-    """Error feedback for a lossy codec; fp32 drops nothing."""
-    return ErrorFeedback(codec) if codec.name != "fp32" else None
-
-
-def _compressed(feedback: ErrorFeedback | None, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """What the receivers will decode of `tensors`, the rest kept as the residual."""
-    if feedback is None:
-        return dict(tensors)
-    return {n: feedback.compress(n, v) for n, v in tensors.items()}
 
 
 __all__ = [
