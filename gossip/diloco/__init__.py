@@ -6,13 +6,15 @@
 docs/training.md ("Gossip DiLoCo") explains the scheme.
 """
 
-from gossip.diloco.config import DilocoConfig
+from gossip.diloco.config import ANCHOR_CODECS, INNER_OPTIMIZERS, DilocoConfig
 from gossip.diloco.fragments import fragment_partition
 from gossip.diloco.outer import OuterNesterov
 from gossip.diloco.schedule import MAX_PHASE, SyncSchedule, qsr_period
 from gossip.diloco.traffic import RoundMessages, Traffic, round_bytes, run_bytes
 
 __all__ = [
+    "ANCHOR_CODECS",
+    "INNER_OPTIMIZERS",
     "MAX_PHASE",
     "DilocoConfig",
     "OuterNesterov",

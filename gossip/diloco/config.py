@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 ANCHOR_CODECS = ("fp32", "fp16", "bf16", "int8")
+INNER_OPTIMIZERS = ("adam", "sgd")
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,8 @@ class DilocoConfig:
       neighbours too (a state, in `anchor_codec`, never top-k): mixing pseudo-gradients alone keeps
       the swarm's mean on DiLoCo's path but lets each node's anchor drift with its own data; 0: never.
     - `anchor_codec`: the codec anchors travel in (fp32, fp16, bf16 or int8, with error feedback).
+    - `inner`: the inner optimizer, AdamW as DiLoCo (`adam`, the local direction of dadam) or plain SGD
+      (`sgd`, dsgd's: with outer lr 1 and no momentum, local SGD with periodic gossip averaging).
     """
 
     outer_lr: float = 0.7
@@ -33,6 +36,7 @@ class DilocoConfig:
     qsr_alpha: float = 0.0
     anchor_every: int = 1
     anchor_codec: str = "int8"
+    inner: str = "adam"  # the inner optimizer: "adam" (AdamW, DiLoCo's) or "sgd" (local SGD)
 
     MAX_FRAGMENTS = 64
 
@@ -47,9 +51,16 @@ class DilocoConfig:
             raise ValueError(f"qsr_alpha must be >= 0, got {self.qsr_alpha!r}")
         if type(self.anchor_every) is not int or self.anchor_every < 0:
             raise ValueError(f"anchor_every must be an integer >= 0, got {self.anchor_every!r}")
+        if self.inner not in INNER_OPTIMIZERS:
+            raise ValueError(f"inner must be one of {', '.join(INNER_OPTIMIZERS)}, got {self.inner!r}")
         if self.anchor_codec not in ANCHOR_CODECS:
             raise ValueError(f"anchor_codec must be one of {', '.join(ANCHOR_CODECS)} (a whole-parameter codec; "
                              f"top-k is sound only on differences), got {self.anchor_codec!r}")
+
+    @property
+    def inner_algorithm(self) -> str:
+        """The local direction of the inner steps, as gossip.optimizers names it."""
+        return "dadam" if self.inner == "adam" else "dsgd"
 
     def mixes_anchors(self, round_index: int) -> bool:
         """Whether a fragment's sync of `round_index` also mixes its anchors."""

@@ -169,7 +169,7 @@ def _check_combinations(merged: Mapping[str, Sourced]) -> None:
 
 
 DILOCO_ONLY = ("training.outer_lr", "training.outer_momentum", "training.fragments", "training.overlap",
-               "training.qsr_alpha", "training.anchor_every", "training.anchor_codec")
+               "training.qsr_alpha", "training.anchor_every", "training.anchor_codec", "training.inner_optimizer")
 
 
 def _check_diloco(current: Callable[[str], object], source: Callable[[str], str]) -> None:

@@ -96,6 +96,7 @@ class TrainingConfig:
     qsr_alpha: float = 0.0  # 0: constant H
     anchor_every: int = 1  # mix anchors at every this-many-th sync; 0: never
     anchor_codec: str = "int8"
+    inner_optimizer: str = "adam"  # adam (AdamW, DiLoCo's) or sgd
     final_merge: str = "auto"  # auto (on for diloco), on, off
     batch_size: int = 16  # sequences per micro-batch on each node
     context: int = 128  # tokens per sequence
@@ -113,8 +114,13 @@ class TrainingConfig:
     spes_merge_until: int = 0  # D; 0: no merge warm-up
     spes_alpha0: float = 0.1
     spes_replication: int = 2  # r
-    spes_refresh_codec: str = "bf16"
-    spes_expert_codec: str = "fp32"  # co-owners mix their experts in this codec
+    spes_refresh_codec: str = "int8"  # the codec of the deltas frozen copies are refreshed with
+    spes_expert_codec: str = "int8"  # co-owners mix their experts in this codec (error feedback)
+    spes_shared_codec: str = "int8"  # neighbours mix the shared weights in this codec (error feedback)
+    spes_delta_refresh: bool = True  # frozen copies are refreshed with compressed deltas
+    spes_outer_lr: float = 1.0  # the outer step of each sync (1.0 and no momentum: plain mixing)
+    spes_outer_momentum: float = 0.0
+    spes_anchor_every: int = 1
     experts: int | None = None  # experts per MoE layer this node trains; None: all (CPU) or by free GPU memory
 
     @property

@@ -53,11 +53,12 @@ NODE_CODECS = ("fp32", "fp16", "bf16", "int8", "topk")
 # codecs for whole parameter vectors: top-k (a few entries, the rest dropped) is sound only on
 # differences with error feedback (gossip DiLoCo's pseudo-gradients), so it is refused elsewhere
 STATE_CODECS = ("fp32", "fp16", "bf16", "int8")
-SPES_REFRESH_CODECS = ("bf16", "int8")  # what --spes-refresh-codec offers (gossip.spes takes fp32/fp16 too)
+SPES_REFRESH_CODECS = ("fp16", "bf16", "int8")  # what --spes-refresh-codec offers (gossip.spes takes fp32 too)
 SPES_EXPERT_CODECS = ("fp32", "fp16", "bf16", "int8")  # what --spes-expert-codec offers
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 OPTIMIZERS = ("dsgd", "dadam", "diloco")
 FINAL_MERGE = ("auto", "on", "off")
+INNER_OPTIMIZERS = ("adam", "sgd")
 DEVICES_HELP = "auto, cpu, cuda or cuda:N"
 PRECISION_NAMES = ("auto", "fp32", "bf16", "fp16")
 
@@ -207,6 +208,10 @@ SETTINGS: tuple[Setting, ...] = (
             "this-many-th sync too, which keeps the nodes together; 0: never (the swarm's)", NODE),
     Setting("training.anchor_codec", Choice("anchor codec", STATE_CODECS, metavar="CODEC"), "MURMUR_ANCHOR_CODEC",
             "--anchor-codec", "diloco: codec the anchors travel in, with error feedback (the swarm's)", NODE),
+    Setting("training.inner_optimizer", Choice("inner optimizer", INNER_OPTIMIZERS, metavar="OPTIMIZER"),
+            "MURMUR_INNER_OPTIMIZER", "--inner-optimizer",
+            "diloco: the inner steps' optimizer, adam (AdamW, DiLoCo's) or sgd (local SGD; --lr as dsgd's) "
+            "(the swarm's)", NODE),
     Setting("training.final_merge", Choice("final merge", FINAL_MERGE, metavar="WHEN"), "MURMUR_FINAL_MERGE",
             "--final-merge", "at the end of the step budget every node averages the final models of all live "
             "peers once, so the swarm ends on one model; auto: on for diloco, off otherwise (the swarm's)", NODE),
@@ -250,10 +255,26 @@ SETTINGS: tuple[Setting, ...] = (
             "--spes-replication", "r: owners per expert where peers and capacities allow (the swarm's)", NODE),
     Setting("training.spes_refresh_codec", Choice("refresh codec", SPES_REFRESH_CODECS, metavar="CODEC"),
             "MURMUR_SPES_REFRESH_CODEC", "--spes-refresh-codec",
-            "codec frozen expert copies travel and are hashed in (the swarm's)", NODE),
+            "codec of the deltas frozen expert copies are refreshed with (without delta refresh: of the "
+            "copies, which are hashed in it) (the swarm's)", NODE),
     Setting("training.spes_expert_codec", Choice("expert codec", SPES_EXPERT_CODECS, metavar="CODEC"),
             "MURMUR_SPES_EXPERT_CODEC", "--spes-expert-codec",
-            "codec co-owners mix their experts in; int8 or bf16 cut the traffic of r >= 2 (the swarm's)", NODE),
+            "codec co-owners mix their experts in, with error feedback (the swarm's)", NODE),
+    Setting("training.spes_shared_codec", Choice("shared codec", SPES_EXPERT_CODECS, metavar="CODEC"),
+            "MURMUR_SPES_SHARED_CODEC", "--spes-shared-codec",
+            "codec topology neighbours mix the shared weights in, with error feedback (the swarm's; SPES "
+            "ignores --codec)", NODE),
+    Setting("training.spes_delta_refresh", Boolean(), "MURMUR_SPES_DELTA_REFRESH", "--spes-delta-refresh",
+            "refresh frozen copies with the owner's compressed delta (in --spes-refresh-codec) since the copy "
+            "held; off: whole copies in --spes-refresh-codec (the swarm's)", NODE),
+    Setting("training.spes_outer_lr", Number(0.0, lo_open=True, hi=10.0, metavar="LR"), "MURMUR_SPES_OUTER_LR",
+            "--spes-outer-lr", "outer learning rate of each sync's step on the mixed pseudo-gradients; 1 with "
+            "no momentum is plain mixing (the swarm's)", NODE),
+    Setting("training.spes_outer_momentum", Number(0.0, hi=1.0, hi_open=True, metavar="MU"),
+            "MURMUR_SPES_OUTER_MOMENTUM", "--spes-outer-momentum",
+            "Nesterov momentum of each sync's outer step (the swarm's)", NODE),
+    Setting("training.spes_anchor_every", _NONNEG, "MURMUR_SPES_ANCHOR_EVERY", "--spes-anchor-every",
+            "mix the anchors at every this-many-th sync (0: never) (the swarm's)", NODE),
     Setting("training.experts", Integer(1, noun="experts"), "MURMUR_EXPERTS", "--experts",
             "SPES capacity: experts per MoE layer this node trains (this node's own)", NODE, optional=True,
             default_text="all on CPU; on CUDA as many as fit in half the free GPU memory (docs/spes.md)"),

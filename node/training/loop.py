@@ -118,7 +118,7 @@ def build_trainer(settings: TrainingSettings, recipe: TrainingRecipe, peer_id: s
     if model_context is not None and recipe.context > model_context:
         raise TrainingSetupError(f"the swarm trains with context {recipe.context}, longer than the model's {model_context}")
     try:
-        trainer_config = TrainerConfig(optimizer=recipe.optimizer, batch_size=recipe.batch_size, context=recipe.context,
+        trainer_config = TrainerConfig(optimizer=recipe.inner_optimizer, batch_size=recipe.batch_size, context=recipe.context,
                                        device=settings.device, precision=settings.precision,
                                        eval_batch_size=EVAL_BATCH_SIZE, eval_batches=EVAL_BATCHES, eval_every_rounds=None)
         return Trainer(model, trainer_config, peer_id=peer_id, train_tokens=peer_shard(corpus, peer_id), val_tokens=corpus.val)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, cast
 
 from gossip.codecs import Codec, get_codec
@@ -57,6 +57,13 @@ class TrainingRecipe:
     diloco: DilocoConfig | None = None  # gossip DiLoCo's outer loop, with --optimizer diloco
     final_merge: bool = False  # every node averages all live peers' final models at the end of the budget
 
+    @property
+    def inner_optimizer(self) -> OptimizerConfig:
+        """The optimizer the trainer steps with: gossip DiLoCo's inner one under diloco, else the optimizer."""
+        if self.diloco is None:
+            return self.optimizer
+        return replace(self.optimizer, algorithm=cast(Algorithm, self.diloco.inner_algorithm))
+
     def to_doc(self) -> dict[str, Any]:
         o = self.optimizer
         optimizer: dict[str, Any] = {"algorithm": o.algorithm, "lr": o.lr, "warmup_steps": o.warmup_steps,
@@ -68,14 +75,17 @@ class TrainingRecipe:
             d = self.diloco
             optimizer["diloco"] = {"outer_lr": d.outer_lr, "outer_momentum": d.outer_momentum,
                                           "fragments": d.fragments, "overlap": d.overlap, "qsr_alpha": d.qsr_alpha,
-                                          "anchor_every": d.anchor_every, "anchor_codec": d.anchor_codec}
+                                          "anchor_every": d.anchor_every, "anchor_codec": d.anchor_codec,
+                                          "inner": d.inner}
         if self.final_merge:
             doc["final_merge"] = True
         if self.spes is not None:  # absent when off, so a swarm without SPES keeps its config hash
             c = self.spes
             doc["spes"] = {"sync_every": c.sync_every, "merge_every": c.merge_every, "merge_until": c.merge_until,
                            "alpha0": c.alpha0, "replication": c.replication, "refresh_codec": c.refresh_codec,
-                           "expert_codec": c.expert_codec}
+                           "expert_codec": c.expert_codec, "shared_codec": c.shared_codec,
+                           "delta_refresh": c.delta_refresh, "outer_lr": c.outer_lr,
+                           "outer_momentum": c.outer_momentum, "anchor_every": c.anchor_every}
         return doc
 
     @classmethod
@@ -103,7 +113,7 @@ def _diloco_from_doc(doc: dict[str, Any]) -> DilocoConfig:
     return DilocoConfig(outer_lr=float(doc["outer_lr"]), outer_momentum=float(doc["outer_momentum"]),
                         fragments=int(doc["fragments"]), overlap=_flag(doc["overlap"]),
                         qsr_alpha=float(doc["qsr_alpha"]), anchor_every=int(doc["anchor_every"]),
-                        anchor_codec=str(doc["anchor_codec"]))
+                        anchor_codec=str(doc["anchor_codec"]), inner=str(doc["inner"]))
 
 
 def _spes_from_doc(doc: dict[str, Any]) -> SpesConfig:
@@ -111,7 +121,9 @@ def _spes_from_doc(doc: dict[str, Any]) -> SpesConfig:
     return SpesConfig(sync_every=int(doc["sync_every"]), merge_every=int(doc["merge_every"]),
                       merge_until=int(doc["merge_until"]), alpha0=float(doc["alpha0"]),
                       replication=int(doc["replication"]), refresh_codec=str(doc["refresh_codec"]),
-                      expert_codec=str(doc.get("expert_codec", "fp32")))
+                      expert_codec=str(doc["expert_codec"]), shared_codec=str(doc["shared_codec"]),
+                      delta_refresh=_flag(doc["delta_refresh"]), outer_lr=float(doc["outer_lr"]),
+                      outer_momentum=float(doc["outer_momentum"]), anchor_every=int(doc["anchor_every"]))
 
 
 def optimizer_config(algorithm: str, lr: float, warmup_steps: int, steps: int, local_steps: int,
@@ -130,10 +142,12 @@ def training_recipe(config: NodeConfig) -> TrainingRecipe | None:
         return None
     spes = SpesConfig(sync_every=t.spes_sync_every, merge_every=t.spes_merge_every, merge_until=t.spes_merge_until,
                       alpha0=t.spes_alpha0, replication=t.spes_replication,
-                      refresh_codec=t.spes_refresh_codec, expert_codec=t.spes_expert_codec) if t.spes else None
+                      refresh_codec=t.spes_refresh_codec, expert_codec=t.spes_expert_codec,
+                      shared_codec=t.spes_shared_codec, delta_refresh=t.spes_delta_refresh, outer_lr=t.spes_outer_lr,
+                      outer_momentum=t.spes_outer_momentum, anchor_every=t.spes_anchor_every) if t.spes else None
     diloco = DilocoConfig(outer_lr=t.outer_lr, outer_momentum=t.outer_momentum, fragments=t.fragments,
                           overlap=t.overlap, qsr_alpha=t.qsr_alpha, anchor_every=t.anchor_every,
-                          anchor_codec=t.anchor_codec) if t.optimizer == "diloco" else None
+                          anchor_codec=t.anchor_codec, inner=t.inner_optimizer) if t.optimizer == "diloco" else None
     final_merge = t.final_merge == "on" or (t.final_merge == "auto" and diloco is not None)
     return TrainingRecipe(model=t.model, seed=config.seed, batch_size=t.batch_size, context=t.context, steps=t.steps,
                           optimizer=optimizer_config(t.optimizer, t.lr, t.warmup_steps, t.steps, t.local_steps,
