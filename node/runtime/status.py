@@ -182,7 +182,7 @@ class NodeRuntime:
             "errors": errors,
             "payload": {"dim": int(vector.size), "mean": float(vector.mean()) if vector.size else 0.0,
                         "norm": float(np.linalg.norm(vector))},
-            "training": self.training.status.as_dict() if self.training is not None else None,
+            "training": self.training.status_dict() if self.training is not None else None,
             "spes": self.training.spes_status() if self.training is not None else None,
             **self._training_figures(),
             "version": discovery.local_record.version if discovery else "",

@@ -206,6 +206,24 @@ class DilocoTrainer:
         peers = [p for group in self._groups for p in group.peers]
         return sum(p.stats.bytes_sent for p in peers), sum(p.stats.bytes_received for p in peers)
 
+    @property
+    def fragment_rounds(self) -> list[int]:
+        """Outer exchanges each fragment has completed (a fused sync runs one round, another two)."""
+        return [max(p.stats.rounds for p in group.peers) if group.peers else 0 for group in self._groups]
+
+    @property
+    def rounds_run(self) -> int:
+        """Gossip rounds the fragments ran (pseudo-gradients and anchors; a fused sync runs one)."""
+        return sum(p.stats.rounds for group in self._groups for p in group.peers)
+
+    def skipped(self) -> dict[str, int]:
+        """Neighbours left out of the fragments' rounds, by reason."""
+        total: dict[str, int] = {}
+        for peer in (p for group in self._groups for p in group.peers):
+            for reason, n in peer.stats.skipped.items():
+                total[reason] = total.get(reason, 0) + n
+        return total
+
     def errors(self) -> dict[str, int]:
         total: dict[str, int] = dict(self.stats.errors)
         for peer in self._all_peers():

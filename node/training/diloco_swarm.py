@@ -131,6 +131,10 @@ class DilocoSwarmTraining(SwarmTraining):
         super()._record(report)
         self.status.diloco = self.diloco_status()
 
+    def status_dict(self) -> dict[str, Any]:
+        self.status.diloco = self.diloco_status()  # exchanges in flight change between steps
+        return super().status_dict()
+
     def diloco_status(self) -> dict[str, Any]:
         """The `training.diloco` section of the node's status (docs/monitor.md)."""
         d, c = self.diloco, self.config
@@ -142,7 +146,8 @@ class DilocoSwarmTraining(SwarmTraining):
                 "overlap": c.overlap, "outer_lr": c.outer_lr, "outer_momentum": c.outer_momentum,
                 "anchor_every": c.anchor_every, "anchor_codec": c.anchor_codec,
                 "codec": d.codec_name, "outer_bytes_sent": sent, "outer_bytes_received": received,
-                "exchanges_failed": d.stats.exchanges_failed,
+                "exchanges_failed": d.stats.exchanges_failed, "skipped": d.skipped(),
+                "rounds_run": d.rounds_run, "fragment_rounds": d.fragment_rounds,
                 "resumed_outer_state": self.resumed_outer_state}
 
 

@@ -354,6 +354,10 @@ class SwarmTraining:
         """What the checkpoint holds: the trainer's state (DiLoCo adds its outer state)."""
         return await self.trainer.state()
 
+    def status_dict(self) -> dict[str, Any]:
+        """The `training` section of the node's status, as of now."""
+        return self.status.as_dict()
+
     def extra_traffic(self) -> tuple[int, int]:
         """Bytes sent and received on protocols besides the main gossip peer's (SPES, DiLoCo)."""
         return 0, 0
