@@ -247,7 +247,8 @@ def test_compose_swarm_forms_survives_a_loss_and_stops_cleanly(built: Built) -> 
     assert founder_maddr in founder["maddrs"]
     # c joins as compose has it (MURMUR_PEERS_FROM); b as a user types it, with a's full multiaddr
     start_service(built, services["murmur-b"], b, network, volumes["murmur-b"],
-                  command=(*services["murmur-b"].command, "--peers", founder_maddr), drop_env=("MURMUR_PEERS_FROM",))
+                  command=(*services["murmur-b"].command, "--peers", founder_maddr, "--invite", founder["invite"]),
+                  drop_env=("MURMUR_PEERS_FROM",))
     start_service(built, services["murmur-c"], c, network, volumes["murmur-c"])
 
     assert_advancing(built, [a, b, c], peers=3)
@@ -267,7 +268,7 @@ def test_compose_swarm_forms_survives_a_loss_and_stops_cleanly(built: Built) -> 
     stop_s = time.time() - stop_sent
     for name, volume in ((a, volumes["murmur-a"]), (b, volumes["murmur-b"])):
         assert exit_code(built, name) == 0, f"{name} did not stop cleanly on SIGTERM"
-        path = volume_path(built, volume) / "checkpoint.npz"
+        path = volume_path(built, volume) / "checkpoint.safetensors"
         assert path.stat().st_mtime >= stop_sent - 1, f"{name}'s checkpoint predates the stop"
         checkpoint = load_checkpoint(path)
         assert checkpoint is not None, f"{name} wrote no checkpoint"

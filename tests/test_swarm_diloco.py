@@ -16,7 +16,7 @@ import torch
 
 from gossip.codecs import get_codec
 from gossip.diloco import RoundMessages, fragment_partition, round_bytes
-from node.training.checkpoint import load_checkpoint
+from node.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
 from node.training.data import load_corpus
 from node.training.loop import EVAL_BATCH_SIZE, EVAL_BATCHES
 from node.training.recipe import optimizer_config
@@ -57,7 +57,7 @@ def training(node) -> dict:
 
 
 def final_parameters(data_dir: Path) -> dict[str, np.ndarray]:
-    checkpoint = load_checkpoint(data_dir / "checkpoint.npz")
+    checkpoint = load_checkpoint(data_dir / CHECKPOINT_FILE)
     assert checkpoint is not None, f"no checkpoint in {data_dir}"
     return {k[len("param/"):]: v for k, v in checkpoint.tensors.items() if k.startswith("param/")}
 

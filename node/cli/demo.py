@@ -23,7 +23,7 @@ from node.cli.ready_line import ReadyLine, find_ready_line
 from node.cli.status import fetch_status
 from node.config import DEFAULTS
 from node.net.proc import popen
-from node.training.checkpoint import load_checkpoint
+from node.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
 
 if TYPE_CHECKING:
     import torch
@@ -63,6 +63,7 @@ class DemoNode:
     peer_id: str = ""
     monitor_url: str = ""
     maddrs: tuple[str, ...] = ()
+    invite: str = ""
     status: dict[str, Any] = field(default_factory=dict)
 
     def ready_line(self) -> ReadyLine | None:
@@ -89,7 +90,7 @@ def node_args(options: DemoOptions, index: int, data_dir: Path, swarm: str, foun
         recipe += list(options.recipe_flags)
         return [murmur, "node", *common, *recipe, "--seed", "0"]
     # a joiner takes the swarm's recipe, but runs a model given by import path only if it names it too
-    return [murmur, "join", *common, "--peers", founder.maddrs[0], "--model", options.model]
+    return [murmur, "join", *common, "--peers", founder.maddrs[0], "--invite", founder.invite, "--model", options.model]
 
 
 class Demo:
@@ -123,6 +124,7 @@ class Demo:
                     raise DemoFailed(f"{node.name} was not ready within {READY_TIMEOUT_S:g} s:\n{node.log_tail()}")
                 time.sleep(0.2)
             node.peer_id, node.monitor_url, node.maddrs = match.peer_id, match.monitor_url, match.maddrs
+            node.invite = match.invite
 
     def start(self) -> None:
         founder = self.spawn(0, None)
@@ -206,7 +208,7 @@ def _num(value: Any) -> str:
 
 def node_parameters(data_dir: Path) -> dict[str, np.ndarray]:
     """A node's final parameters, from the checkpoint it wrote when it stopped."""
-    checkpoint = load_checkpoint(data_dir / "checkpoint.npz")
+    checkpoint = load_checkpoint(data_dir / CHECKPOINT_FILE)
     if checkpoint is None:
         raise DemoFailed(f"{data_dir} has no checkpoint")
     return {k[len("param/"):]: v for k, v in checkpoint.tensors.items() if k.startswith("param/")}

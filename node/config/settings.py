@@ -81,7 +81,7 @@ class TrainingConfig:
     """What the swarm trains and how (published by the founder; joiners take it from the swarm's config),
     and how this node runs it (device, precision, threads, evaluation and checkpoint cadence: its own)."""
 
-    model: str = "moe"  # "moe", "dense", "vector" or a user builder "package.module:callable"
+    model: str = "moe"  # "moe", "dense", "vector", an hf-tiny-* preset, "hf:PATH" or a builder "package.module:callable"
     optimizer: str = "dadam"
     lr: float = 3e-3
     warmup_steps: int = 10
@@ -100,7 +100,9 @@ class TrainingConfig:
     final_merge: str = "auto"  # auto (on for diloco), on, off
     batch_size: int = 16  # sequences per micro-batch on each node
     context: int = 128  # tokens per sequence
-    data: Path | None = None  # a directory of *.txt files; None: the embedded corpus
+    data: Path | None = None  # text/jsonl/parquet shards (a directory, file or glob); None: the embedded corpus
+    text_field: str = "text"  # the jsonl field / parquet column of --data holding the text
+    tokenizer: Path | None = None  # a tokenizer.json; None: bytes (or a pretrained checkpoint's own)
     device: str = "auto"
     precision: str = "auto"
     threads: int = 0  # torch CPU threads; 0: torch's default
@@ -134,6 +136,12 @@ class NodeConfig:
     flag, environment variable and TOML key, and docs/cli.md for the table."""
 
     swarm: str = "murmur"  # namespaces the swarm's DHT keys
+    invite: str | None = None  # join: NAME@FOUNDER_PEER_ID; node_config_from_args copies it into swarm and founder
+    founder: str | None = None  # join: the founder's peer id (else the pinned one, see node.runtime.swarm_config)
+    trust_first_founder: bool = False  # join: trust the founder of the config found when none is known
+    admission: str = "open"  # node: who may take part (node.training.recipe.AdmissionMode), the swarm's
+    swarm_key_file: Path | None = None  # key swarms: the swarm key (the founder creates it)
+    certificate_file: Path | None = None  # allowlist swarms: this node's certificate from the founder
     data_dir: Path = Path("murmur-data")  # identity, checkpoints and logs; relative to the working dir
     identity_file: Path | None = None  # None: <data_dir>/identity.key (see `identity_path`)
     heartbeat_s: float = 2.0  # seconds between DHT heartbeats; a record lives for 3 of them

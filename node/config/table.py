@@ -21,13 +21,18 @@ class Command(StrEnum):
     BOOTSTRAP = "bootstrap"
     STATUS = "status"
     EVAL = "eval"
+    EXPORT = "export"
+    TOKENIZER = "tokenizer"
     TOPOLOGY = "topology"
     SIM = "sim"
     DEMO = "demo"
+    INVITE = "invite"
 
 
 NODE = frozenset({Command.NODE, Command.JOIN})
 DAEMONS = NODE | {Command.BOOTSTRAP}
+FOUNDING = frozenset({Command.NODE})
+JOINING = frozenset({Command.JOIN})
 MONITOR_CLIENTS = NODE | {Command.STATUS, Command.EVAL}  # commands that find a node by its monitor
 
 
@@ -48,6 +53,9 @@ class Model(StrEnum):
 
 TRANSPORTS = tuple(Transport)
 EMBEDDED_MODEL_NAMES = (Model.MOE, Model.DENSE)
+# Tiny Hugging Face configs built with transformers (node.training.models.hf.PRESETS); hf:PATH names others
+HF_PRESET_NAMES = ("hf-tiny-llama", "hf-tiny-mixtral")
+HF_DENSE_PRESETS = ("hf-tiny-llama",)
 VECTOR_MODEL = Model.VECTOR
 NODE_CODECS = ("fp32", "fp16", "bf16", "int8", "topk")
 # codecs for whole parameter vectors: top-k (a few entries, the rest dropped) is sound only on
@@ -56,6 +64,7 @@ STATE_CODECS = ("fp32", "fp16", "bf16", "int8")
 SPES_REFRESH_CODECS = ("fp16", "bf16", "int8")  # what --spes-refresh-codec offers (gossip.spes takes fp32 too)
 SPES_EXPERT_CODECS = ("fp32", "fp16", "bf16", "int8")  # what --spes-expert-codec offers
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+ADMISSION_MODES = ("open", "key", "allowlist")  # node.training.recipe.AdmissionMode
 OPTIMIZERS = ("dsgd", "dadam", "diloco")
 FINAL_MERGE = ("auto", "on", "off")
 INNER_OPTIMIZERS = ("adam", "sgd")
@@ -63,10 +72,18 @@ DEVICES_HELP = "auto, cpu, cuda or cuda:N"
 PRECISION_NAMES = ("auto", "fp32", "bf16", "fp16")
 
 # An embedded model, `vector`, or a user builder named by import path (imported when the node starts).
-MODEL_NAME = Named("model", "|".join((*EMBEDDED_MODEL_NAMES, VECTOR_MODEL, r"[\w.]+:[\w.]+")),
-                   hint="moe, dense, vector or package.module:callable",
-                   description="moe | dense | vector | package.module:callable", metavar="MODEL")
+MODEL_NAME = Named("model", "|".join((*EMBEDDED_MODEL_NAMES, VECTOR_MODEL, *HF_PRESET_NAMES, r"hf:.+",
+                                     r"[\w.]+:[\w.]+")),
+                   hint=f"moe, dense, vector, {', '.join(HF_PRESET_NAMES)}, hf:PATH or package.module:callable",
+                   description=f"moe | dense | vector | {' | '.join(HF_PRESET_NAMES)} | hf:PATH | package.module:callable",
+                   metavar="MODEL")
 DEVICE_NAME = Named("device", r"auto|cpu|cuda(:\d+)?", hint=DEVICES_HELP, description=DEVICES_HELP, metavar="DEVICE")
+_BASE58 = r"[1-9A-HJ-NP-Za-km-z]{20,128}"
+PEER_ID = Named("peer id", _BASE58, hint="the founder's peer id, like 12D3KooW... or Qm...",
+                description="libp2p peer id", metavar="PEER_ID")
+INVITE_TEXT = Named("invite", r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}@" + _BASE58,
+               hint="NAME@FOUNDER_PEER_ID, as the founder's `murmur node` prints it",
+               description="NAME@FOUNDER_PEER_ID", metavar="NAME@PEER_ID")
 
 
 @dataclass(frozen=True)
@@ -96,15 +113,34 @@ _NONNEG = Integer(0)
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("swarm", Text(), "MURMUR_SWARM", "--swarm", "swarm name: namespaces the swarm's DHT keys; "
-            "1-64 letters, digits, '.', '_' or '-'", NODE),
+            "1-64 letters, digits, '.', '_' or '-'", NODE | {Command.INVITE}),
+    Setting("invite", INVITE_TEXT, "MURMUR_INVITE", "--invite",
+            "the swarm to join and the founder whose signed config to trust: NAME@FOUNDER_PEER_ID (sets the "
+            "swarm name and --founder)", JOINING, optional=True, default_text="none"),
+    Setting("founder", PEER_ID, "MURMUR_FOUNDER", "--founder",
+            "peer id of the swarm's founder: only configs it signed are taken; pinned in the data directory "
+            "once joined", JOINING, optional=True, default_text="the one pinned by an earlier join"),
+    Setting("trust_first_founder", Boolean(), "MURMUR_TRUST_FIRST_FOUNDER", "--trust-first-founder",
+            "without --invite/--founder or a pinned founder: trust the founder of the signed config found "
+            "(refused when several founders' configs are there) and pin it. Unsafe on an open network: whoever "
+            "answers first names the swarm", JOINING),
+    Setting("admission", Choice("admission mode", ADMISSION_MODES, metavar="MODE"), "MURMUR_ADMISSION",
+            "--admission", "who may take part: open (anyone), key (holders of the swarm key, --swarm-key-file) "
+            "or allowlist (peers with the founder's certificate, `murmur invite`) (the swarm's)", FOUNDING),
+    Setting("swarm_key_file", PathKind(metavar="FILE"), "MURMUR_SWARM_KEY_FILE", "--swarm-key-file",
+            "the swarm key of a key-admission swarm; the founder creates it (mode 0600) if missing. Give it to "
+            "members out of band", NODE, optional=True, default_text="none"),
+    Setting("certificate_file", PathKind(metavar="FILE"), "MURMUR_CERTIFICATE", "--certificate",
+            "this node's membership certificate in an allowlist swarm, as `murmur invite` wrote it", JOINING,
+            optional=True, default_text="none"),
     Setting("data_dir", PathKind(metavar="DIR"), "MURMUR_DATA_DIR", "--data-dir",
-            "directory for the identity, checkpoints and logs; created if missing", DAEMONS,
+            "directory for the identity, checkpoints and logs; created if missing", DAEMONS | {Command.INVITE},
             default_text="./murmur-data"),
     Setting("identity_file", PathKind(metavar="FILE"), "MURMUR_IDENTITY", "--identity",
             "libp2p RSA key file that gives the node its peer id; created (mode 0600) if missing",
-            DAEMONS, optional=True, default_text="<data-dir>/identity.key"),
-    Setting("heartbeat_s", Number(0.0, lo_open=True, metavar="S"), "MURMUR_HEARTBEAT", "--heartbeat",
-            "seconds between DHT heartbeats; a peer's record expires after 3 missed ones", NODE),
+            DAEMONS | {Command.INVITE}, optional=True, default_text="<data-dir>/identity.key"),
+    Setting("heartbeat_s", Number(0.0, lo_open=True, hi=30.0, metavar="S"), "MURMUR_HEARTBEAT", "--heartbeat",
+            "seconds between DHT heartbeats, at most 30; a peer's record expires after 3 missed ones", NODE),
     Setting("dim", Integer(1, noun="dim"), "MURMUR_DIM", "--dim",
             "floats in the random vector gossiped while no model is trained", NODE),
     Setting("seed", _NONNEG, "MURMUR_SEED", "--seed", "seed of the node's own randomness", NODE),
@@ -173,8 +209,10 @@ SETTINGS: tuple[Setting, ...] = (
             "clipping radius of --mixing clipped", NODE, optional=True),
     Setting("training.model", MODEL_NAME, "MURMUR_MODEL", "--model",
             "what the swarm trains: the embedded MoE or dense GPT, `vector` (no model: gossip a random vector "
-            "of --dim floats), or a builder by import path; a joiner takes the swarm's, and runs a builder only "
-            "if its own --model names the same one", NODE),
+            "of --dim floats), a tiny Hugging Face preset, hf:PATH (a transformers config directory or local "
+            "pretrained checkpoint: the swarm config carries the config, so joiners need no path), or a builder "
+            "by import path; a joiner takes the swarm's, and runs a builder only if its own --model names the "
+            "same one", NODE),
     Setting("training.optimizer", Choice("optimizer", OPTIMIZERS, metavar="OPTIMIZER"), "MURMUR_OPTIMIZER",
             "--optimizer", "dsgd (adapt-then-combine), dadam (decentralized Adam, exchange overlapped "
             "with compute) or diloco (gossip DiLoCo: --local-steps of local AdamW, then an outer Nesterov "
@@ -221,9 +259,16 @@ SETTINGS: tuple[Setting, ...] = (
             "sequences per micro-batch on each node (the swarm's)", NODE),
     Setting("training.context", Integer(2, noun="context"), "MURMUR_CONTEXT", "--context",
             "tokens per training sequence, at most the model's context (the swarm's)", NODE),
-    Setting("training.data", PathKind(metavar="DIR"), "MURMUR_DATA", "--data",
-            "a directory of *.txt files to train on (this node's own corpus; every node of a swarm "
-            "should have the same one)", NODE, optional=True, default_text="the embedded corpus"),
+    Setting("training.data", PathKind(metavar="PATH"), "MURMUR_DATA", "--data",
+            "a directory, file or glob of text (.txt), jsonl or parquet shards to train on, streamed; each peer "
+            "reads a disjoint part per epoch (docs/training.md, \"Data\"; this node's own)", NODE, optional=True,
+            default_text="the embedded corpus"),
+    Setting("training.text_field", Text(metavar="FIELD"), "MURMUR_TEXT_FIELD", "--text-field",
+            "the field (jsonl) or column (parquet) of --data that holds the text (this node's own)", NODE),
+    Setting("training.tokenizer", PathKind(metavar="FILE"), "MURMUR_TOKENIZER", "--tokenizer",
+            "a tokenizer.json (murmur tokenizer train) the swarm tokenizes with; its hash is in the swarm config, "
+            "and a joiner without the file fetches it from a peer (the founder's)", NODE, optional=True,
+            default_text="one token per byte, or a pretrained hf:PATH checkpoint's own tokenizer.json"),
     Setting("training.device", DEVICE_NAME, "MURMUR_DEVICE", "--device", "torch device of this node", NODE),
     Setting("training.precision", Choice("precision", PRECISION_NAMES, metavar="PRECISION"), "MURMUR_PRECISION",
             "--precision", "autocast precision; auto: bf16 (else fp16) on CUDA, fp32 on CPU", NODE),
@@ -235,7 +280,7 @@ SETTINGS: tuple[Setting, ...] = (
             "--checkpoint-every", "steps between checkpoints; one is also written when training ends "
             "and when the node stops", NODE),
     Setting("training.average_every", _NONNEG, "MURMUR_AVERAGE_EVERY", "--average-every",
-            "steps between writes of the swarm-average model to swarm-average.npz in the data directory "
+            "steps between writes of the swarm-average model to swarm-average.safetensors in the data directory "
             "(and one when training ends); each pulls every live peer's parameters; 0: only on request "
             "(murmur eval --save)", NODE),
     Setting("gossip.mixing.trim", Number(0.0, hi=0.5, hi_open=True, metavar="FRACTION"), "MURMUR_TRIM", "--trim",
