@@ -292,10 +292,38 @@ def test_config_refuses_unsound_combinations():
         (["--gossip-compression", "choco", "--topology", "ring", "--spes"], "SPES"),
         (["--gossip-compression", "choco", "--topology", "ring", "--choco-gamma", "1.5"], "--choco-gamma"),
         (["--gossip-compression", "zip"], "--gossip-compression"),
+        (["--gossip-compression", "choco", "--topology", "ring", "--optimizer", "diloco"], "dsgd and dadam"),
     ]
     for flags, needle in cases:
-        with pytest.raises(ConfigError, match=needle):
+        with pytest.raises(ConfigError, match=needle) as refused:
             _config(*flags)
+        assert "\n" not in str(refused.value)  # one line
+
+
+def test_topk_is_allowed_on_differences_only():
+    """One --topk-ratio setting; --codec topk with compressed gossip or with gossip DiLoCo's pseudo-gradients,
+    refused (naming both) for whole parameters."""
+    from node.config import ConfigError
+    from node.training.recipe import RecipeInvalid, SwarmSettings, swarm_document
+
+    for optimizer in ("dsgd", "dadam"):
+        with pytest.raises(ConfigError, match="--optimizer diloco .* or --gossip-compression choco"):
+            _config("--optimizer", optimizer, "--codec", "topk")
+    diloco = _config("--optimizer", "diloco", "--local-steps", "10", "--codec", "topk", "--topk-ratio", "0.02")
+    settings = SwarmSettings.from_doc(swarm_document(diloco, 0.0))
+    assert settings.codec == TopKCodec(0.02) and settings.choco is None
+    choco = _config("--gossip-compression", "choco", "--topology", "ring", "--codec", "topk", "--topk-ratio", "0.02")
+    assert SwarmSettings.from_doc(swarm_document(choco, 0.0)).choco.codec == TopKCodec(0.02)
+    # a forged document: top-k on whole parameters, and compressed gossip under diloco, are refused by joiners
+    forged = swarm_document(choco, 0.0)
+    del forged["gossip"]["compression"]
+    with pytest.raises(RecipeInvalid, match="sound on differences only"):
+        SwarmSettings.from_doc(forged)
+    forged = swarm_document(diloco, 0.0)
+    forged["gossip"]["compression"] = {"kind": "choco"}
+    forged["gossip"]["topology"]["name"] = "ring"
+    with pytest.raises(RecipeInvalid, match="dsgd and dadam"):
+        SwarmSettings.from_doc(forged)
 
 
 def test_recipe_carries_compression_to_joiners():
