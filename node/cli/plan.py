@@ -182,7 +182,8 @@ def describe(plan: Plan, config: PlanConfig, step: StepTime, model: str) -> list
         + (", compressed gossip (choco)" if c.compression == "choco" else "")
         + ("" if c.algorithm != "diloco" else (", outer sync overlapped" if c.overlap else ", outer sync not overlapped")
            + f", outer lr {c.outer_lr:g} momentum {c.outer_momentum:g}, "
-           + (f"anchors ({c.anchor_codec.name}) mixed every {c.anchor_every} syncs"
+           + (f"anchors ({c.anchor_codec.name}) mixed at every "
+               + ("sync" if c.anchor_every == 1 else f"{c.anchor_every}th sync")
               + (" in the same message" if c.diloco_fused else " in a second round") if c.anchor_every else
               "anchors never mixed")),
         "",
