@@ -31,6 +31,17 @@ DAEMONS = NODE | {Command.BOOTSTRAP}
 MONITOR_CLIENTS = NODE | {Command.STATUS, Command.EVAL}  # commands that find a node by its monitor
 
 
+class ReachMode(StrEnum):
+    """The choices of --reachability (node.net.reachability)."""
+
+    AUTO = "auto"  # ask peers to dial back at start
+    PUBLIC = "public"  # reachable directly: a public address, or a forwarded port
+    PRIVATE = "private"  # behind NAT: reachable only through relays
+
+
+REACH_MODES = tuple(ReachMode)
+
+
 class Transport(StrEnum):
     """The data planes of --transport."""
 
@@ -126,6 +137,22 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("network.nat_port_map", Boolean(), "MURMUR_UPNP", "--upnp",
             "ask the router for a port mapping by UPnP; it multicasts on every interface, so "
             "use it only in real deployments", DAEMONS),
+    Setting("network.reachability", Choice("reachability", REACH_MODES, metavar="MODE"), "MURMUR_REACHABILITY",
+            "--reachability", "auto: ask peers to dial this node back at start; public: reachable directly (a "
+            "public address or a forwarded port); private: behind NAT, reachable only through relays", DAEMONS),
+    Setting("network.relays", Multiaddrs(peer=True), "MURMUR_RELAYS", "--relays",
+            "full multiaddr of a relay (a `murmur bootstrap` or a node with --relay-service) where a node "
+            "behind NAT reserves a slot and is dialled through; several may follow one flag", DAEMONS,
+            default_text="the --peers"),
+    Setting("network.relay_service", Boolean(), "MURMUR_RELAY_SERVICE", "--relay-service",
+            "serve as a relay for nodes behind NAT, with the limits below (checked at start); for public "
+            "nodes only", DAEMONS, optional=True, default_text="on for bootstrap, off for node and join"),
+    Setting("network.relay_data_limit_mb", Integer(1, noun="MiB", metavar="MIB"), "MURMUR_RELAY_DATA_LIMIT",
+            "--relay-data-limit", "with --relay-service: MiB one circuit may carry each way before the relay "
+            "resets it (its peers then re-dial)", DAEMONS),
+    Setting("network.relay_time_limit_s", Number(1.0, metavar="S"), "MURMUR_RELAY_TIME_LIMIT",
+            "--relay-time-limit", "with --relay-service: seconds one circuit may stay open before the relay "
+            "resets it (its peers then re-dial)", DAEMONS),
     Setting("monitor.host", Text(metavar="HOST", description="host name or IP address"), "MURMUR_MONITOR_HOST",
             "--monitor-host", "address the monitor page listens on; 0.0.0.0 exposes it to the network",
             MONITOR_CLIENTS),

@@ -17,6 +17,7 @@ from node.runtime.errors import StartupError
 if TYPE_CHECKING:
     from hivemind.p2p import P2P
 
+    from node.net.discovery import Discovery
     from node.net.identity import Identity
     from node.net.records import PeerRecord
     from node.net.transport.libp2p import LibP2PTransport
@@ -66,6 +67,18 @@ async def advertised_data_maddrs(config: NodeConfig, transport: DataPlane, peer_
     if config.network.data_announce:
         return tuple(f"{addr}/p2p/{peer_id}" for addr in config.network.data_announce)
     return await transport.maddrs()
+
+
+def set_address_book(transport: DataPlane, discovery: Discovery) -> None:
+    """Let the data plane re-dial a peer at its record's addresses when a stream cannot be opened (a
+    relay died: the record by then lists the circuits of the peer's other relays)."""
+    if not hasattr(transport, "set_address_book"):
+        return
+
+    def addresses(peer_id: str) -> tuple[str, ...]:
+        return next((p.maddrs for p in discovery.view() if p.peer_id == peer_id), ())
+
+    transport.set_address_book(addresses)
 
 
 async def connect_new(transport: DataPlane, view: Sequence[PeerRecord], me: str, connected: set[str]) -> None:

@@ -17,9 +17,9 @@ from gossip.exchange import ExchangeSettings, GossipPeer
 from node.cli.ready_line import format_ready_line
 from node.config import NodeConfig
 from node.monitor import MonitorServer, start_monitor
-from node.runtime.data_plane import advertised_data_maddrs, start_data_plane
+from node.runtime.data_plane import advertised_data_maddrs, set_address_book, start_data_plane
 from node.runtime.errors import StartupError
-from node.runtime.host import identity_and_daemon
+from node.runtime.host import start_host
 from node.runtime.saving import checkpoint_path, final_checkpoint
 from node.runtime.shutdown import close, install_stop_signals, shut_down
 from node.runtime.status import NodeRuntime
@@ -46,7 +46,9 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
         stop.set()
 
     async with contextlib.AsyncExitStack() as stack:
-        claimed, p2p = await identity_and_daemon(config, stack)
+        host = await start_host(config, stack)
+        claimed, p2p = host.claimed, host.p2p
+        runtime.reach = host.reach
         transport = await start_data_plane(config, claimed.identity, p2p, data_plane_died, stack)
         runtime.transport = transport
         stack.push_async_callback(close, transport, "transport")
@@ -60,6 +62,9 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
         runtime.discovery = discovery
         stack.push_async_callback(close, discovery, "discovery")
         runtime.maddrs = discovery.dht_maddrs  # what `murmur join --peers` takes; the record has the data plane's
+        if config.network.transport == "p2pd":  # the record's addresses follow the relays held (circuits)
+            host.reach.publish_to(discovery.set_maddrs)
+        set_address_book(transport, discovery)
 
         ckpt_path = checkpoint_path(runtime)
         try:
@@ -170,13 +175,20 @@ def run_bootstrap(config: NodeConfig) -> int:
         stop = asyncio.Event()
         install_stop_signals(stop)
         async with contextlib.AsyncExitStack() as stack:
-            _, p2p = await identity_and_daemon(config, stack)
+            host = await start_host(config, stack, bootstrap=True)
+            p2p = host.p2p
             async with asyncio.timeout(BOOTSTRAP_DHT_TIMEOUT_S):
                 dht = await DHTNode.create(p2p=p2p, initial_peers=list(config.network.initial_peers) or None)
             stack.push_async_callback(shut_down, dht, "DHT")
             maddrs = [str(a) for a in await p2p.get_visible_maddrs()]
             print(f"murmur: bootstrap peer {p2p.peer_id} ready; maddrs {' '.join(maddrs)}", flush=True)
-            await stop.wait()
+            checked = asyncio.create_task(host.reach.wait_service_checked())
+            stopping = asyncio.create_task(stop.wait())
+            await asyncio.wait({checked, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if checked.done():
+                print(f"murmur: {host.reach.service_line()}", flush=True)
+            checked.cancel()
+            await stopping
         return 0
 
     return _run(main)

@@ -20,6 +20,7 @@ from topology import MembershipView, Topology, build_topology
 if TYPE_CHECKING:
     from node.net.discovery import Discovery
     from node.net.records import PeerRecord
+    from node.net.relays import NodeReachability
     from node.runtime.data_plane import DataPlane
     from node.training.loop import SwarmTraining
     from node.training.swarm_eval import SwarmEvaluator
@@ -37,6 +38,7 @@ class NodeRuntime:
         self.peer: GossipPeer | None = None
         self.discovery: Discovery | None = None
         self.transport: DataPlane | None = None
+        self.reach: NodeReachability | None = None
         self.maddrs: tuple[str, ...] = ()
         self.config_hash = ""
         self.swarm_doc: Mapping[str, Any] = {}
@@ -116,14 +118,31 @@ class NodeRuntime:
             consensus_distance=figures["consensus_distance"],
         )
 
+    def links(self) -> dict[str, dict[str, Any]]:
+        """Per neighbour in view: the kind of this node's connection to it (direct, relayed,
+        holepunched, none) and the goodput of what it sent lately (Mbit/s, None before a large transfer)."""
+        view, me, reach, transport = self._view(), self._me(), self.reach, self.transport
+        if self.config.network.transport == "p2pd" and reach is not None:
+            kinds = {peer: kind.value for peer, kind in
+                     reach.connection_kinds({p.peer_id: p.maddrs for p in view if p.peer_id != me}).items()}
+        else:  # the py-libp2p child's connections are direct TCP (docs/architecture.md, "Reachability")
+            kinds = {p.peer_id: "direct" for p in view if p.peer_id != me}
+        goodput = getattr(transport, "goodput_mbit_s", None)
+        return {peer: {"connection": kind, "goodput_mbit_s": goodput(peer) if goodput else None}
+                for peer, kind in kinds.items()}
+
+    def reachability(self) -> dict[str, Any] | None:
+        return self.reach.status() if self.reach is not None else None
+
     def peers(self) -> list[dict[str, Any]]:
         """The membership view for the monitor: each peer's last record (its loss validated finite by
-        node.net.discovery)."""
-        me, now = self._me(), time.time()
+        node.net.discovery) and this node's link to it."""
+        me, now, links = self._me(), time.time(), self.links()
         return [{"peer_id": p.peer_id, "self": p.peer_id == me, "address": _address(p.maddrs), "maddrs": list(p.maddrs),
                  "step": p.step, "round": p.round, "loss": p.loss, "experts": list(p.experts),
                  "capacity": p.capacity, "version": p.version, "last_seen": p.heartbeat, "age_s": now - p.heartbeat,
-                 "gossip_from": p.gossip_from} for p in self._view()]
+                 "gossip_from": p.gossip_from, **links.get(p.peer_id, {"connection": None, "goodput_mbit_s": None})}
+                for p in self._view()]
 
     def topology(self) -> dict[str, Any]:
         """The current round's graph as this node computes it from its view (see node.monitor.topology_view)."""
@@ -163,6 +182,7 @@ class NodeRuntime:
             for kind, n in source.items():
                 errors[kind] = errors.get(kind, 0) + n
         vector = peer.tensors.get("params", np.zeros(0, np.float32)) if peer else np.zeros(0, np.float32)
+        links = self.links()
         return {
             "peer_id": self._me(),
             "swarm": self.config.swarm,
@@ -170,7 +190,9 @@ class NodeRuntime:
             "maddrs": list(self.maddrs),
             "monitor_url": self.monitor_url,
             "peers": [{"peer_id": p.peer_id, "maddrs": list(p.maddrs), "step": p.step, "round": p.round,
-                       "last_seen": p.heartbeat, "gossip_from": p.gossip_from} for p in view],
+                       "last_seen": p.heartbeat, "gossip_from": p.gossip_from,
+                       **links.get(p.peer_id, {"connection": None, "goodput_mbit_s": None})} for p in view],
+            "reachability": self.reachability(),
             "step": peer.step if peer else 0,
             "round": peer.round if peer else 0,
             "gossip_from": self.gossip_from,

@@ -240,6 +240,10 @@ class LibP2PTransport:
     def bytes_received(self) -> int:
         return self._counts.received
 
+    def goodput_mbit_s(self, peer_id: str) -> float | None:
+        """How fast gossip payloads arrived from `peer_id` lately (None: no large transfer yet)."""
+        return self._counts.goodput.mbit_s(peer_id)
+
     async def maddrs(self) -> tuple[str, ...]:
         """Full multiaddrs of the child's host, each ending in /p2p/<peer id>."""
         return self._maddrs
