@@ -107,6 +107,8 @@ class ExchangeStats:
     skipped: collections.Counter[str] = field(default_factory=collections.Counter)  # neighbours skipped, by reason
     # valid exchange requests answered with a `reject` because of their round (LATE, NOT_PARTNER, ...)
     refused: collections.Counter[str] = field(default_factory=collections.Counter)
+    # requests sent again after their stream was cut (a relay or connection lost mid-exchange)
+    retried: int = 0
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,8 @@ class _PartnerSlot:
     answers the request leaves the outcome.
 
     OPEN -> CLAIMED -> DONE | FAILED, or OPEN -> CLOSED (a request arriving later is refused as
-    LATE). Every change sets `changed`.
+    LATE); CLAIMED -> OPEN when the claiming request's stream is cut before its ack, so that the
+    asker's second try finds the slot. Every change sets `changed`.
     """
 
     __slots__ = ("changed", "failure", "received", "state")
@@ -167,6 +170,11 @@ class _PartnerSlot:
     def settle(self, received: _Received | None, failure: str = "") -> None:
         self.state = _SlotState.DONE if received is not None else _SlotState.FAILED
         self.received, self.failure = received, failure
+        self.changed.set()
+
+    def reopen(self) -> None:
+        """A claim that fell through before the asker's ack (a cut stream): the asker may claim it again."""
+        self.state = _SlotState.OPEN
         self.changed.set()
 
 
@@ -259,8 +267,8 @@ class GossipPeer:
                     got = await self._await_partner(peer, round_index, deadline)
                 else:
                     kind = EXCHANGE if peer in plan.out_peers else PULL
-                    got = await self._request(peer, kind, own_snapshot, round_index, deadline,
-                                              running.add if running is not None else None)
+                    got = await self._request_again_if_cut(peer, kind, own_snapshot, round_index, deadline,
+                                                           running.add if running is not None else None)
             except TimeoutError:
                 skip(peer, Skip.TIMEOUT)
             except PartnerMissed as exc:
@@ -324,24 +332,26 @@ class GossipPeer:
         wait ends early once `peer` has asked for a later round: it is done with this one.
         """
         slot = self._partner_slots[(peer, round_index)]
-        while slot.state is _SlotState.OPEN:
-            if self._latest_request.get(peer, -1) > round_index:
-                slot.state = _SlotState.CLOSED
-                raise PartnerMissed(str(Skip.MOVED_ON))
-            slot.changed.clear()
-            try:
-                async with asyncio.timeout_at(deadline):
-                    await slot.changed.wait()
-            except TimeoutError:
-                if slot.state is _SlotState.OPEN:  # else a request claimed it just as time ran out
+        while slot.state in (_SlotState.OPEN, _SlotState.CLAIMED):
+            while slot.state is _SlotState.OPEN:
+                if self._latest_request.get(peer, -1) > round_index:
                     slot.state = _SlotState.CLOSED
-                    raise
-        # Claimed: the handler settles the slot within its own reply deadline. This bound only
-        # guards against a handler that never does (a bug), so it is generous.
-        async with asyncio.timeout(2 * self._settings.exchange_timeout_s + 1.0):
-            while slot.state is _SlotState.CLAIMED:
+                    raise PartnerMissed(str(Skip.MOVED_ON))
                 slot.changed.clear()
-                await slot.changed.wait()
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        await slot.changed.wait()
+                except TimeoutError:
+                    if slot.state is _SlotState.OPEN:  # else a request claimed it just as time ran out
+                        slot.state = _SlotState.CLOSED
+                        raise
+            # Claimed: the handler settles the slot within its own reply deadline (or reopens it for
+            # the asker's second try). This bound only guards against a handler that never does (a
+            # bug), so it is generous.
+            async with asyncio.timeout(2 * self._settings.exchange_timeout_s + 1.0):
+                while slot.state is _SlotState.CLAIMED:
+                    slot.changed.clear()
+                    await slot.changed.wait()
         if slot.received is None:
             raise PartnerMissed(slot.failure)
         return slot.received
@@ -357,6 +367,26 @@ class GossipPeer:
         """This peer runs no more rounds (its training is done): answer pulls at once with the
         current tensors instead of waiting for rounds that will never begin."""
         self._parked = True
+
+    async def _request_again_if_cut(self, peer: str, kind: str, own: Tensors, round_index: int, deadline: float,
+                                    on_values: ValuesSink | None) -> _Received:
+        """`_request`, sent once more on a new stream if the first one is cut before the answer is
+        complete (a relay that died, a connection reset) and a quarter of the exchange deadline is left.
+
+        Nothing of a cut attempt is used: the answering peer mixes only after our ack, which a cut
+        attempt never sent, and reopens its wait for us; an incremental mix fed part of the first
+        answer is spoiled by the second one starting over, so the round mixes afterwards instead.
+        """
+        try:
+            return await self._request(peer, kind, own, round_index, deadline, on_values)
+        except (ConnectionError, Truncated) as exc:
+            left = deadline - asyncio.get_running_loop().time()
+            if left < self._settings.exchange_timeout_s / 4:
+                raise
+            self.stats.retried += 1
+            logger.info("round %d: the %s stream to %s was cut (%s); asking again", round_index, kind, peer,
+                        exc or type(exc).__name__)
+        return await self._request(peer, kind, own, round_index, deadline, on_values)
 
     async def _request(self, peer: str, kind: str, own: Tensors, round_index: int, deadline: float,
                        on_values: ValuesSink | None = None, meta: Mapping[str, MetaValue] | None = None) -> _Received:
@@ -460,17 +490,20 @@ class GossipPeer:
                                 f"of round {ack.header.round}")
             received = _Received(round_index, request.header.step, request.tensors)
             self.stats.exchanges_ok += 1
+        except (ConnectionError, Truncated):
+            # The asker hung up without an ack: it does not mix ours either, and may ask again on a new
+            # stream (its stream was cut), so the round keeps waiting for it until its own deadline.
+            slot.reopen()
+            raise
         except WireError as exc:
             failure = exc.kind
             raise
         except TensorsUnsendable:
             failure = str(Skip.UNSENDABLE)
             raise
-        except ConnectionError:
-            failure = str(Skip.UNREACHABLE)  # the asker hung up without an ack: it does not mix ours either
-            raise
         finally:
-            slot.settle(received, failure)
+            if slot.state is _SlotState.CLAIMED:
+                slot.settle(received, failure)
         return None
 
     async def _claim_partner_slot(self, peer: str, round_index: int,
