@@ -21,6 +21,7 @@ class Command(StrEnum):
     BOOTSTRAP = "bootstrap"
     STATUS = "status"
     EVAL = "eval"
+    DOCTOR = "doctor"
     TOPOLOGY = "topology"
     SIM = "sim"
     DEMO = "demo"
@@ -28,7 +29,9 @@ class Command(StrEnum):
 
 NODE = frozenset({Command.NODE, Command.JOIN})
 DAEMONS = NODE | {Command.BOOTSTRAP}
-MONITOR_CLIENTS = NODE | {Command.STATUS, Command.EVAL}  # commands that find a node by its monitor
+MONITOR_CLIENTS = NODE | {Command.STATUS, Command.EVAL, Command.DOCTOR}  # commands that find a node by its monitor
+# `murmur doctor --peers` starts a throwaway p2pd with a node's network settings
+NETWORK_CHECKED = DAEMONS | {Command.DOCTOR}
 
 
 class ReachMode(StrEnum):
@@ -118,13 +121,13 @@ SETTINGS: tuple[Setting, ...] = (
             "--log-level", "log level, case-insensitive", DAEMONS),
     Setting("network.listen", Multiaddrs(peer=False), "MURMUR_LISTEN", "--listen",
             "multiaddr to listen on; repeatable. Loopback by default: listening on a "
-            "public interface is a choice", DAEMONS),
+            "public interface is a choice", NETWORK_CHECKED),
     Setting("network.announce", Multiaddrs(peer=False), "MURMUR_ANNOUNCE", "--announce",
             "multiaddr other peers should dial instead of the listen ones, behind NAT or port "
-            "forwarding; repeatable", DAEMONS),
+            "forwarding; repeatable", NETWORK_CHECKED),
     Setting("network.initial_peers", Multiaddrs(peer=True), "MURMUR_PEERS", "--peers",
             "full multiaddr (ending in /p2p/<peer id>) of a peer or bootstrap node to join the DHT "
-            "through; several may follow one flag", DAEMONS),
+            "through; several may follow one flag", NETWORK_CHECKED),
     Setting("network.transport", Choice("transport", TRANSPORTS, metavar="TRANSPORT"), "MURMUR_TRANSPORT",
             "--transport", "data-plane transport: p2pd (hivemind's daemon, shared with the DHT) or "
             "libp2p (py-libp2p in a child process)", NODE),
@@ -139,10 +142,10 @@ SETTINGS: tuple[Setting, ...] = (
             "use it only in real deployments", DAEMONS),
     Setting("network.reachability", Choice("reachability", REACH_MODES, metavar="MODE"), "MURMUR_REACHABILITY",
             "--reachability", "auto: ask peers to dial this node back at start; public: reachable directly (a "
-            "public address or a forwarded port); private: behind NAT, reachable only through relays", DAEMONS),
+            "public address or a forwarded port); private: behind NAT, reachable only through relays", NETWORK_CHECKED),
     Setting("network.relays", Multiaddrs(peer=True), "MURMUR_RELAYS", "--relays",
             "full multiaddr of a relay (a `murmur bootstrap` or a node with --relay-service) where a node "
-            "behind NAT reserves a slot and is dialled through; several may follow one flag", DAEMONS,
+            "behind NAT reserves a slot and is dialled through; several may follow one flag", NETWORK_CHECKED,
             default_text="the --peers"),
     Setting("network.relay_service", Boolean(), "MURMUR_RELAY_SERVICE", "--relay-service",
             "serve as a relay for nodes behind NAT, with the limits below (checked at start); for public "

@@ -20,7 +20,7 @@ from node.config import Boolean
 from node.monitor.eventlog import LogCapture, Snapshot, log_changes
 from node.monitor.metrics import CONTENT_TYPE, exposition, metrics_registry
 from node.monitor.schemas import openapi_document
-from node.monitor.source import MonitorSource
+from node.monitor.source import DoctorUnavailable, MonitorSource
 from node.training.swarm_eval import EvalBusy, EvalUnavailable
 
 logger = logging.getLogger("murmur.monitor")
@@ -258,6 +258,16 @@ def build_app(source: MonitorSource, sampler: Sampler) -> web.Application:
         except EvalUnavailable as exc:
             return _error(422, str(exc))
 
+    async def doctor(request: web.Request) -> web.Response:
+        _parse_query(request.query, {})
+        origin = request.headers.get("Origin")
+        if origin is not None and origin != f"{request.scheme}://{request.host}":
+            return _error(403, f"a request from the page at {origin} may not start reachability checks")
+        try:
+            return _json(await source.doctor())
+        except DoctorUnavailable as exc:
+            return _error(409, str(exc))
+
     app = web.Application(middlewares=[json_errors])
     for path in STATIC_FILES:
         app.router.add_get(path, page)
@@ -271,6 +281,7 @@ def build_app(source: MonitorSource, sampler: Sampler) -> web.Application:
     app.router.add_get("/api/openapi.json", endpoint(lambda _: openapi_document(), {}))
     app.router.add_get("/api/events", events)
     app.router.add_post("/api/eval/average", swarm_average)
+    app.router.add_post("/api/doctor", doctor)
     app.router.add_get("/metrics", metrics)
     return app
 

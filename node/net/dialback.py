@@ -34,7 +34,8 @@ DIAL_TIMEOUT_S = 3.0
 ANSWER_TIMEOUT_S = DIAL_TIMEOUT_S + 4.0
 _MAX_FRAME = 1024
 _MAX_CONCURRENT = 4
-_COOLDOWN_S = 5.0  # between two answers to one asker's address
+_WINDOW_S = 30.0  # at most _PER_WINDOW answers to one asker's address in this long
+_PER_WINDOW = 4
 _REMEMBERED_ASKERS = 1024
 
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
@@ -98,7 +99,8 @@ class DialbackServer:
     def __init__(self, p2p: P2P) -> None:
         self._p2p = p2p
         self._slots = asyncio.Semaphore(_MAX_CONCURRENT)
-        self._answered: OrderedDict[str, float] = OrderedDict()  # asker's host -> when, oldest first
+        # asker's host -> when it was last answered (its latest answers), least recently asked first
+        self._answered: OrderedDict[str, tuple[float, ...]] = OrderedDict()
         self.answered = 0
         self.refused = 0
 
@@ -106,12 +108,13 @@ class DialbackServer:
         await self._p2p.add_binary_stream_handler(DIALBACK_PROTOCOL, self._answer)
 
     def _cooling_down(self, host: str) -> bool:
+        """Whether `host` had its share of answers lately; else its answer is counted now."""
         now = asyncio.get_running_loop().time()
-        last = self._answered.get(host)
-        if last is not None and now - last < _COOLDOWN_S:
+        recent = tuple(t for t in self._answered.pop(host, ()) if now - t < _WINDOW_S)
+        if len(recent) >= _PER_WINDOW:
+            self._answered[host] = recent
             return True
-        self._answered[host] = now
-        self._answered.move_to_end(host)
+        self._answered[host] = (*recent, now)
         while len(self._answered) > _REMEMBERED_ASKERS:
             self._answered.popitem(last=False)
         return False

@@ -276,11 +276,13 @@ class NodeReachability:
                 "relay_service": self.service.as_json() if self.service is not None else None}
 
     async def refresh(self, ask: Sequence[str], neighbours: Mapping[str, Sequence[str]],
-                      goodput: Callable[[str], float | None]) -> dict[str, Any]:
-        """`murmur doctor`'s report: ask `ask` (full multiaddrs) to dial back, push through every relay's
-        circuit again, check the relay service, and measure each neighbour (peer -> record maddrs)."""
-        redetected = await detect(self._client, ask, tcp_ports(self._direct))
+                      goodput: Callable[[str], float | None], *, redetect: bool = True) -> dict[str, Any]:
+        """`murmur doctor`'s report: ask `ask` (full multiaddrs) to dial back (unless `redetect` is false:
+        the start-up answer is fresh), push through every relay's circuit again, check the relay service,
+        and measure each neighbour (peer -> record maddrs)."""
+        redetected = await detect(self._client, ask, tcp_ports(self._direct)) if redetect else self.detection
         if self.private and self._relays:
+            await self._settle_relays()
             checks = await check_own_circuits([r.maddr for r in self._relays], self.peer_id)
             for relay in self._relays:
                 relay.check, relay.checked_at = checks[relay.maddr], time.monotonic()
@@ -296,14 +298,26 @@ class NodeReachability:
                                 for peer, m in zip(neighbours, measured, strict=True)]
         return report
 
+    async def _settle_relays(self, timeout_s: float = 5.0) -> None:
+        """Until every relay is connected (p2pd dials them at start), at most `timeout_s`; then the few
+        milliseconds a reservation takes after its connection."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                await self._tick()
+            if all(r.connected for r in self._relays):
+                break
+            await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)
+
     async def _measure(self, peer: str, goodput: float | None) -> dict[str, Any]:
         """Round-trip latency of an empty probe, and goodput: measured on gossip traffic if there was
         some, else by a 1 MiB probe."""
         try:
             latency = (await push(self._client, peer, 0, LATENCY_TIMEOUT_S)).seconds
-            if goodput is None:
+            if goodput is None:  # one round trip is in the time: the figure errs low
                 result = await push(self._client, peer, GOODPUT_PROBE_BYTES, 2 * LATENCY_TIMEOUT_S)
-                goodput = result.confirmed * 8 / 1e6 / max(result.seconds - latency, 1e-6)
+                goodput = result.confirmed * 8 / 1e6 / result.seconds
         except (PeerUnreachable, StreamClosed, TimeoutError, ConnectionError) as exc:
             return {"latency_ms": None, "goodput_mbit_s": goodput, "error": str(exc) or type(exc).__name__}
         return {"latency_ms": latency * 1000, "goodput_mbit_s": goodput, "error": None}

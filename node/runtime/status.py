@@ -13,6 +13,7 @@ import numpy as np
 from gossip.exchange import GossipPeer
 from node.config import NodeConfig
 from node.monitor import Counters, EventLog, HistoryRecorder, MixingStepEstimate, round_graph
+from node.monitor.source import DoctorUnavailable
 from node.training.recipe import SwarmSettings
 from node.training.rounds import PeerTiming, participants
 from topology import MembershipView, Topology, build_topology
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from node.training.swarm_eval import SwarmEvaluator
 
 logger = logging.getLogger("murmur.node")
+
+MAX_DOCTOR_NEIGHBOURS = 16  # neighbours `murmur doctor` measures
 
 
 class NodeRuntime:
@@ -51,6 +54,7 @@ class NodeRuntime:
         self.events = EventLog()  # the monitor's recent events and errors
         self._mixing_step = MixingStepEstimate()
         self._topologies: dict[tuple[str, int], Topology] = {}
+        self._doctor_running = False
 
     def count(self, kind: str) -> None:
         self.node_errors[kind] = self.node_errors.get(kind, 0) + 1
@@ -161,6 +165,30 @@ class NodeRuntime:
                 self._topologies[key] = build_topology(spec, members.n)
             topo = self._topologies[key]
         return round_graph((p.peer_id for p in view), members, topo, me, round_index)
+
+    async def doctor(self) -> dict[str, Any]:
+        """`POST /api/doctor` (`murmur doctor`): ask peers to dial this node back (the bootstrap peers and
+        relays first), push a probe through each relay's circuit, check the relay service, and measure
+        each neighbour. Takes seconds; raises DoctorUnavailable when one runs already."""
+        from node.net.hivemind_adapter import is_circuit
+
+        reach = self.reach
+        if reach is None:
+            raise DoctorUnavailable("this node has no p2pd host yet")
+        if self._doctor_running:
+            raise DoctorUnavailable("a check is already running")
+        me, view = self._me(), [p for p in self._view() if p.peer_id != self._me()]
+        network = self.config.network
+        ask = [*network.initial_peers, *network.relays,
+               *(m for p in view for m in p.maddrs if not is_circuit(m))]
+        neighbours = {p.peer_id: p.maddrs for p in view[:MAX_DOCTOR_NEIGHBOURS]}
+        goodput = getattr(self.transport, "goodput_mbit_s", None)
+        self._doctor_running = True
+        try:
+            report = await reach.refresh(ask, neighbours, goodput or (lambda _: None))
+        finally:
+            self._doctor_running = False
+        return {"peer_id": me, "swarm": self.config.swarm, "maddrs": list(self.maddrs), **report}
 
     async def evaluate_swarm_average(self, save: bool = False) -> dict[str, Any]:
         """`POST /api/eval/average`: the swarm-average model's validation loss (node.training.swarm_eval), with

@@ -1,8 +1,10 @@
 """Per-neighbour goodput: how fast the payload bytes of gossip streams arrive from each peer, for
 `murmur status`, the monitor and `murmur doctor`.
 
-A stream adds up the bytes of its large reads and the time spent waiting for them; when it closes, a
-stream that read enough gives one sample, folded into the peer's moving average.
+A stream adds up the bytes of its large reads and the time from the end of its first read (a message
+header: the other side has started answering) to the end of its last large read; when it closes, a
+stream that read enough gives one sample, folded into the peer's moving average. Time spent inside
+reads alone would not do: p2pd and the socket buffer megabytes ahead of the reader.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import time
 from collections import OrderedDict
 
 LARGE_READ = 64 * 1024  # smaller reads (frame headers) measure latency more than rate
-MIN_SAMPLE_BYTES = 256 * 1024
+MIN_SAMPLE_BYTES = 1 << 20
 _WEIGHT = 0.3  # of the newest sample in the moving average
 _MAX_PEERS = 1024  # peers remembered, least recently measured dropped first
 
@@ -36,15 +38,24 @@ class GoodputMeter:
 
 
 class StreamTiming:
-    """One stream's large reads: bytes and the seconds spent waiting for them."""
+    """One stream's large reads: their bytes, and the span from the first read's end to the last one's."""
 
-    __slots__ = ("nbytes", "seconds")
+    __slots__ = ("_first", "_last", "nbytes")
 
     def __init__(self) -> None:
         self.nbytes = 0
-        self.seconds = 0.0
+        self._first: float | None = None
+        self._last = 0.0
 
-    def read(self, nbytes: int, started: float) -> None:
+    @property
+    def seconds(self) -> float:
+        return self._last - self._first if self._first is not None else 0.0
+
+    def read(self, nbytes: int) -> None:
+        now = time.perf_counter()
+        if self._first is None:
+            self._first = now
+            return  # the bytes before the clock started are not in the span
         if nbytes >= LARGE_READ:
             self.nbytes += nbytes
-            self.seconds += time.perf_counter() - started
+            self._last = now

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,7 +152,6 @@ class P2PDStream:
     async def read_exactly(self, n: int) -> bytes:
         if self._closed:
             raise StreamClosed(f"stream to {self._remote_peer} is closed")
-        started = time.perf_counter()
         try:
             data = await self._reader.readexactly(n)
         except asyncio.IncompleteReadError as exc:
@@ -168,7 +166,7 @@ class P2PDStream:
             self.abort()
             raise
         self._counts.received += n
-        self._timing.read(n, started)
+        self._timing.read(n)
         return data
 
     async def write(self, data: bytes | memoryview) -> None:
