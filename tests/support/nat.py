@@ -13,14 +13,22 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
+import sys
+import time
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from pathlib import Path
+from typing import Any, TypeVar
 
+from node.cli.ready_line import find_ready_line
 from support.netns import TBF_BURST, TBF_LATENCY, NetnsUnavailable, _call_in_namespace
 
 T = TypeVar("T")
@@ -215,3 +223,99 @@ def tcp_listener(host: Host) -> Iterator[int]:
         yield sock.getsockname()[1]
     finally:
         sock.close()
+
+
+# ---- murmur processes on the hosts ------------------------------------------------------------------
+
+MURMUR = str(Path(sys.executable).with_name("murmur"))
+READY_TIMEOUT_S = 120.0
+_BOOTSTRAP_READY = re.compile(r"^murmur: bootstrap peer (\S+) ready; maddrs (.*)$", re.MULTILINE)
+
+
+@dataclass
+class NatNode:
+    """One `murmur` process on a host: its argv, log, and what its ready line said."""
+
+    name: str
+    host: Host
+    process: subprocess.Popen[bytes]
+    log: Path
+    peer_id: str = ""
+    monitor_url: str = ""
+    maddrs: tuple[str, ...] = ()
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def tail(self, lines: int = 40) -> str:
+        return f"--- {self.name} on {self.host.name} ---\n" + "\n".join(self.output().splitlines()[-lines:])
+
+    def maddr(self) -> str:
+        """Its full multiaddr on the host's own address (what others pass to --peers / --relays)."""
+        return next(m for m in self.maddrs if m.startswith(f"/ip4/{self.host.address}/"))
+
+    def status(self) -> dict[str, Any]:
+        """The node's /api/status, read from inside its namespace (its monitor is on that 127.0.0.1)."""
+        def get() -> dict[str, Any]:
+            with urllib.request.urlopen(f"{self.monitor_url}/api/status", timeout=10) as response:
+                answer: dict[str, Any] = json.load(response)
+            return answer
+
+        return self.host.call_inside(get)
+
+
+class NatProcesses:
+    """The murmur processes of a test, each in its own session, so leaving kills all of them (SIGKILL
+    to each process group) even when the test failed."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.nodes: list[NatNode] = []
+
+    def start(self, name: str, host: Host, argv: Sequence[str], env: dict[str, str] | None = None) -> NatNode:
+        log = self.root / f"{name}.log"
+        with log.open("wb") as out:
+            process = subprocess.Popen(host.command([MURMUR, *argv]), stdout=out, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+        node = NatNode(name, host, process, log)
+        self.nodes.append(node)
+        return node
+
+    def wait_ready(self, node: NatNode, timeout_s: float = READY_TIMEOUT_S) -> NatNode:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            text = node.output()
+            ready = find_ready_line(text)
+            if ready is not None:
+                node.peer_id, node.monitor_url, node.maddrs = ready.peer_id, ready.monitor_url, ready.maddrs
+                return node
+            boot = _BOOTSTRAP_READY.search(text)
+            if boot is not None:
+                node.peer_id, node.maddrs = boot[1], tuple(boot[2].split())
+                return node
+            if node.process.poll() is not None:
+                raise AssertionError(f"{node.name} exited with {node.process.returncode}\n{node.tail()}")
+            time.sleep(0.2)
+        raise AssertionError(f"{node.name} not ready within {timeout_s:g} s\n{node.tail()}")
+
+    def kill(self, node: NatNode) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(node.process.pid, signal.SIGKILL)
+        node.process.wait(10)
+
+    def close(self) -> None:
+        for node in self.nodes:
+            if node.process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(node.process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 8
+        for node in self.nodes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                node.process.wait(max(0.1, deadline - time.monotonic()))
+            if node.process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(node.process.pid, signal.SIGKILL)
+                node.process.wait(10)
+
+    def logs(self) -> str:
+        return "\n".join(node.tail() for node in self.nodes)
