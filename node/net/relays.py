@@ -94,8 +94,8 @@ class NodeReachability:
     """See the module docstring. `publish` receives the record's new maddrs whenever they change."""
 
     def __init__(self, p2p: P2P, detection: Detection, *, relays: Sequence[str] = (),
-                 relay_service: RelayLimits | None = None, publish: Callable[[tuple[str, ...]], None] | None = None,
-                 mode: str = "auto") -> None:
+                 relay_service: RelayLimits | None = None, service_check: CircuitCheck | None = None,
+                 publish: Callable[[tuple[str, ...]], None] | None = None, mode: str = "auto") -> None:
         self._p2p = p2p
         self._client = P2PDTransport(p2p, open_timeout_s=LATENCY_TIMEOUT_S)  # probes and dial-backs it asks
         self.detection = detection
@@ -103,6 +103,8 @@ class NodeReachability:
         self.peer_id: str = p2p.peer_id.to_base58()
         self._relays = [RelayState(r) for r in dict.fromkeys(relays) if peer_of(r) and not is_circuit(r)]
         self.service = RelayServiceState(relay_service) if relay_service is not None else None
+        if self.service is not None and service_check is not None:
+            self.service.check, self.service.checked_at = service_check, time.time()
         self._publish = publish
         self._published: tuple[str, ...] = ()
         self._direct: tuple[str, ...] = ()
@@ -112,7 +114,6 @@ class NodeReachability:
         self._tasks: set[asyncio.Task[None]] = set()
         self._checking = False
         self._runner: asyncio.Task[None] | None = None
-        self._service_checked = asyncio.Event()
 
     @property
     def private(self) -> bool:
@@ -126,11 +127,6 @@ class NodeReachability:
         """From now on, hand the record's maddrs to `publish` whenever they change (and once now)."""
         self._publish, self._published = publish, ()
         self._republish()
-
-    async def wait_service_checked(self) -> None:
-        """Until the relay service's start-up check is done (at once if there is no service)."""
-        if self.service is not None:
-            await self._service_checked.wait()
 
     def service_line(self) -> str:
         """One line on the relay service, for logs and `murmur bootstrap`'s output."""
@@ -150,7 +146,7 @@ class NodeReachability:
         if not self.private:
             await self._dialback.start()
         self._direct = await self._visible()
-        if self.service is not None:
+        if self.service is not None and self.service.check is None:
             self._spawn(self._check_service())
         self._runner = asyncio.create_task(self._watch(), name="reachability")
 
@@ -233,7 +229,6 @@ class NodeReachability:
         except Exception as exc:  # p2pd gone or busy: report it, do not kill the caller
             check = CircuitCheck(CircuitVerdict.FAILED, str(exc) or type(exc).__name__)
         self.service.check, self.service.checked_at = check, time.time()
-        self._service_checked.set()
         if check.verdict is CircuitVerdict.CARRIES:
             logger.info(self.service_line())
         else:

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("murmur.node")
 
+RELAY_SERVICE_ATTEMPTS = 4  # p2pd starts until its relay service's limits are in force (node.net.probe)
+
 
 @dataclass(frozen=True)
 class Host:
@@ -64,6 +66,7 @@ async def start_host(config: NodeConfig, stack: contextlib.AsyncExitStack, *, bo
     """Claim the identity (unless `claim` is false: `murmur doctor`'s throwaway host) and start p2pd
     with its reachability settled; everything is released when `stack` closes."""
     from node.net.identity import IdentityError, claim_identity
+    from node.net.probe import relay_limits_in_force
     from node.net.reachability import Detection, Reach, detect, tcp_ports
     from node.net.relays import NodeReachability, relay_candidates
     from node.net.transport.p2pd import P2PDTransport, P2PSettings
@@ -108,8 +111,15 @@ async def start_host(config: NodeConfig, stack: contextlib.AsyncExitStack, *, bo
                             ", ".join(relays) or "relays (none known: give --relays)")
                 await _stop(p2p, stack)
                 p2p = await _start(behind_nat, stack)
+    service_check = None
+    if service is not None:
+        async def restart(old: P2P) -> P2P:
+            await _stop(old, stack)
+            return await _start(base, stack)
+
+        p2p, service_check = await relay_limits_in_force(p2p, restart, RELAY_SERVICE_ATTEMPTS)
     reach = NodeReachability(p2p, detection, relays=relays if detection.reach is Reach.PRIVATE else (),
-                             relay_service=service, mode=mode.value)
+                             relay_service=service, service_check=service_check, mode=mode.value)
     if detection.reach is Reach.PRIVATE and not relays:
         logger.warning("this node is behind NAT and knows no relay: peers cannot dial it; give --relays (a "
                        "`murmur bootstrap` or a public node with --relay-service), or forward a port and "

@@ -182,13 +182,8 @@ def run_bootstrap(config: NodeConfig) -> int:
             stack.push_async_callback(shut_down, dht, "DHT")
             maddrs = [str(a) for a in await p2p.get_visible_maddrs()]
             print(f"murmur: bootstrap peer {p2p.peer_id} ready; maddrs {' '.join(maddrs)}", flush=True)
-            checked = asyncio.create_task(host.reach.wait_service_checked())
-            stopping = asyncio.create_task(stop.wait())
-            await asyncio.wait({checked, stopping}, return_when=asyncio.FIRST_COMPLETED)
-            if checked.done():
-                print(f"murmur: {host.reach.service_line()}", flush=True)
-            checked.cancel()
-            await stopping
+            print(f"murmur: {host.reach.service_line()}", flush=True)
+            await stop.wait()
         return 0
 
     return _run(main)
