@@ -123,6 +123,10 @@ class NodeReachability:
     def relays(self) -> list[RelayState]:
         return list(self._relays)
 
+    @property
+    def relay_maddrs(self) -> tuple[str, ...]:
+        return tuple(r.maddr for r in self._relays)
+
     def publish_to(self, publish: Callable[[tuple[str, ...]], None]) -> None:
         """From now on, hand the record's maddrs to `publish` whenever they change (and once now)."""
         self._publish, self._published = publish, ()

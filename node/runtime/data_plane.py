@@ -34,9 +34,10 @@ class DataPlane(Transport, Protocol):
 
 
 async def start_data_plane(config: NodeConfig, identity: Identity, p2p: P2P, on_death: Callable[[], None],
-                           stack: contextlib.AsyncExitStack) -> DataPlane:
+                           stack: contextlib.AsyncExitStack, relays: Sequence[str] = ()) -> DataPlane:
     """The gossip transport `--transport` selects. `on_death` runs if the py-libp2p child dies; the
-    node then stops, and the exit reports why once its parts have stopped."""
+    node then stops, and the exit reports why once its parts have stopped. `relays`: behind NAT, where
+    the py-libp2p child reserves slots (p2pd's are node.net.relays')."""
     if config.network.transport == "p2pd":
         from node.net.transport.p2pd import P2PDTransport
 
@@ -48,8 +49,8 @@ async def start_data_plane(config: NodeConfig, identity: Identity, p2p: P2P, on_
                        "addresses; give --data-announce (and --data-listen) for NAT or port forwarding")
     listen = config.network.data_listen or data_listen_maddrs(config.network.listen)
     try:
-        transport = await LibP2PTransport.start(LibP2PSettings(identity.path, identity.peer_id, listen=listen),
-                                                on_death=on_death)
+        transport = await LibP2PTransport.start(LibP2PSettings(identity.path, identity.peer_id, listen=listen,
+                                                              relays=tuple(relays)), on_death=on_death)
     except ChildFailed as exc:
         raise StartupError(str(exc)) from None
     stack.push_async_callback(_stopped_by_dead_child, transport)  # runs once the node's parts have stopped
@@ -67,6 +68,23 @@ async def advertised_data_maddrs(config: NodeConfig, transport: DataPlane, peer_
     if config.network.data_announce:
         return tuple(f"{addr}/p2p/{peer_id}" for addr in config.network.data_announce)
     return await transport.maddrs()
+
+
+def follow_child_circuits(transport: DataPlane, discovery: Discovery) -> None:
+    """With the py-libp2p backend behind NAT: the record lists the child's circuits (through the relays
+    holding a slot for it) before its direct addresses, updated whenever they change."""
+    on_state = getattr(transport, "on_state", None)
+    if not hasattr(transport, "circuits") or on_state is not None:
+        return
+    direct = discovery.local_record.maddrs
+
+    def publish(circuits: tuple[str, ...]) -> None:
+        discovery.set_maddrs((*circuits, *direct))
+
+    transport.on_state = publish  # type: ignore[attr-defined]
+    circuits: tuple[str, ...] = getattr(transport, "circuits", ())
+    if circuits:
+        publish(circuits)
 
 
 def set_address_book(transport: DataPlane, discovery: Discovery) -> None:

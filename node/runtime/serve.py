@@ -17,7 +17,12 @@ from gossip.exchange import ExchangeSettings, GossipPeer
 from node.cli.ready_line import format_ready_line
 from node.config import NodeConfig
 from node.monitor import MonitorServer, start_monitor
-from node.runtime.data_plane import advertised_data_maddrs, set_address_book, start_data_plane
+from node.runtime.data_plane import (
+    advertised_data_maddrs,
+    follow_child_circuits,
+    set_address_book,
+    start_data_plane,
+)
 from node.runtime.errors import StartupError
 from node.runtime.host import start_host
 from node.runtime.saving import checkpoint_path, final_checkpoint
@@ -49,7 +54,8 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
         host = await start_host(config, stack)
         claimed, p2p = host.claimed, host.p2p
         runtime.reach = host.reach
-        transport = await start_data_plane(config, claimed.identity, p2p, data_plane_died, stack)
+        relays = host.reach.relay_maddrs if host.reach.private else ()
+        transport = await start_data_plane(config, claimed.identity, p2p, data_plane_died, stack, relays)
         runtime.transport = transport
         stack.push_async_callback(close, transport, "transport")
         discovery = Discovery(p2p, claimed.identity, DiscoverySettings(config.swarm, heartbeat_s=config.heartbeat_s),
@@ -64,6 +70,8 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
         runtime.maddrs = discovery.dht_maddrs  # what `murmur join --peers` takes; the record has the data plane's
         if config.network.transport == "p2pd":  # the record's addresses follow the relays held (circuits)
             host.reach.publish_to(discovery.set_maddrs)
+        else:  # the py-libp2p child holds its own relay slots; its circuits lead the record
+            follow_child_circuits(transport, discovery)
         set_address_book(transport, discovery)
 
         ckpt_path = checkpoint_path(runtime)

@@ -129,8 +129,9 @@ class NodeRuntime:
         if self.config.network.transport == "p2pd" and reach is not None:
             kinds = {peer: kind.value for peer, kind in
                      reach.connection_kinds({p.peer_id: p.maddrs for p in view if p.peer_id != me}).items()}
-        else:  # the py-libp2p child's connections are direct TCP (docs/architecture.md, "Reachability")
-            kinds = {p.peer_id: "direct" for p in view if p.peer_id != me}
+        else:  # the py-libp2p child says which peers it reaches only through a relay
+            relayed: frozenset[str] = getattr(transport, "relayed", frozenset())
+            kinds = {p.peer_id: "relayed" if p.peer_id in relayed else "direct" for p in view if p.peer_id != me}
         goodput = getattr(transport, "goodput_mbit_s", None)
         return {peer: {"connection": kind, "goodput_mbit_s": goodput(peer) if goodput else None}
                 for peer, kind in kinds.items()}
