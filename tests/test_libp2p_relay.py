@@ -10,13 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
+from test_transport_contract import libp2p_transport
 
 from gossip.transport import Stream
 from node.net.hivemind_adapter import RelayLimits, circuit_maddr, is_circuit
 from node.net.probe import relay_limits_in_force, throwaway_daemon
 from node.net.transport.p2pd import P2PDTransport, P2PSettings, start_p2pd
 from support.swarm_harness import wait_for
-from test_transport_contract import libp2p_transport
 
 pytestmark = pytest.mark.multiprocess
 

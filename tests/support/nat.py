@@ -319,3 +319,13 @@ class NatProcesses:
 
     def logs(self) -> str:
         return "\n".join(node.tail() for node in self.nodes)
+
+
+def forward_port(home: Home, port: int) -> None:
+    """Forward TCP `port` of the home's router (its wan address) to the same port of the home's host:
+    what a volunteer configures on a home router, for the direct baseline of bench/bench_relay.py."""
+    ipt = ["ip", "netns", "exec", home.router.namespace, "iptables", "-w"]
+    _run([*ipt, "-t", "nat", "-A", "PREROUTING", "-i", "wan", "-p", "tcp", "--dport", str(port), "-j", "DNAT",
+          "--to-destination", f"{home.host.address}:{port}"], "forwarding a port")
+    _run([*ipt, "-I", "FORWARD", "-i", "wan", "-o", "lan", "-p", "tcp", "-d", home.host.address, "--dport", str(port),
+          "-j", "ACCEPT"], "letting the forwarded port through")
