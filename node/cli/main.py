@@ -372,7 +372,24 @@ def node_config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> N
         raise ConfigError(f"{resolved.source('network.reachability')}: a relay must be reachable directly, so it "
                           "cannot run with --reachability private (add --no-relay-service)")
     check_environment(resolved, swarm=args.command in NODE, monitor=args.command in NODE)
+    if args.command == Command.NODE:
+        _check_founders_recipe(resolved)
     return resolved.config
+
+
+def _check_founders_recipe(resolved: ResolvedConfig) -> None:
+    """A founder's recipe must be one every node accepts (node.training.recipe's bounds): refuse it here,
+    naming the setting, rather than publish a document its own swarm would refuse."""
+    from node.training.recipe import SETTING_OF_FIELD, RecipeInvalid, field_at_fault, swarm_document
+
+    try:
+        swarm_document(resolved.config, 0.0)
+    except RecipeInvalid as exc:
+        fault = field_at_fault(exc)
+        key = SETTING_OF_FIELD.get(fault[0]) if fault is not None else None
+        if fault is None or key is None:
+            raise ConfigError(f"the swarm's recipe: {exc}") from None
+        raise ConfigError(f"{resolved.source(key)}: {fault[1]}") from None
 
 
 def parse_node_config(argv: Sequence[str], env: Mapping[str, str]) -> NodeConfig:
