@@ -54,8 +54,8 @@ class DoctorRefused(Exception):
 
 
 def _ports(report: dict[str, Any]) -> str:
-    ports = sorted({a.split("/tcp/")[1].split("/")[0] for a in report.get("observed", []) if "/tcp/" in a})
-    return ", ".join(ports) or "its port"
+    """The TCP ports the node listens on: those to forward (a NAT maps its outgoing ones elsewhere)."""
+    return ", ".join(map(str, report.get("ports") or [])) or "its port"
 
 
 def diagnose(report: dict[str, Any]) -> Diagnosis:
@@ -70,7 +70,7 @@ def diagnose(report: dict[str, Any]) -> Diagnosis:
         verdict = Verdict.PUBLIC
     else:
         verdict = Verdict.UNKNOWN
-    observed = (report.get("observed") or now.get("observed") or ["?"])[0]
+    observed = (now.get("observed") or report.get("observed") or ["?"])[0]
     host = observed.split("/")[2] if observed.count("/") >= 2 else "PUBLIC_IP"
     if verdict is Verdict.UNREACHABLE:
         advice.append(f"forward TCP port {_ports(report)} on your router to this machine and restart with "
@@ -90,7 +90,7 @@ def diagnose(report: dict[str, Any]) -> Diagnosis:
                           "is it running, and is the address given to --relays right?")
     if report["reach"] == "public" and now.get("reach") == "private":
         advice.append(f"peers could not dial this node back ({now.get('detail')}): open the firewall for TCP port "
-                      f"{_ports(now)} (or forward it on the router), or restart with --reachability auto")
+                      f"{_ports(report)} (or forward it on the router), or restart with --reachability auto")
     if verdict is Verdict.UNKNOWN:
         advice.append("no peer answered a dial-back request: give --peers of a bootstrap node (bootstraps dial back)")
     service = report.get("relay_service")

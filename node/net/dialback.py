@@ -3,8 +3,9 @@ whether others can reach it directly and at what address they see it (its observ
 
 Public nodes and bootstraps answer. To keep the answer from being a scanner for hire, a node dials
 only the address the request came from (the asker's own, as seen on the connection) and only at the
-few ports the asker names, a few askers at a time, with a short timeout; a relayed asker gets its
-observed address and no dials. A TCP handshake is all it checks: a NAT drops the SYN, so no handshake
+few ports the asker names, a few askers at a time, a few times per asker, with a short timeout; a
+relayed asker gets its observed address and no dials. (Not per address: the nodes of a local swarm, or
+of one house, share one.) A TCP handshake is all it checks: a NAT drops the SYN, so no handshake
 means no direct reachability, whatever listens behind it.
 
 Frames: a 4-byte big-endian length (at most 1 KiB) and a msgpack map, checked against a declared schema.
@@ -34,7 +35,7 @@ DIAL_TIMEOUT_S = 3.0
 ANSWER_TIMEOUT_S = DIAL_TIMEOUT_S + 4.0
 _MAX_FRAME = 1024
 _MAX_CONCURRENT = 4
-_WINDOW_S = 30.0  # at most _PER_WINDOW answers to one asker's address in this long
+_WINDOW_S = 30.0  # at most _PER_WINDOW answers to one asker (peer id) in this long
 _PER_WINDOW = 4
 _REMEMBERED_ASKERS = 1024
 
@@ -99,7 +100,7 @@ class DialbackServer:
     def __init__(self, p2p: P2P) -> None:
         self._p2p = p2p
         self._slots = asyncio.Semaphore(_MAX_CONCURRENT)
-        # asker's host -> when it was last answered (its latest answers), least recently asked first
+        # asker -> when it was last answered (its latest answers), least recently asked first
         self._answered: OrderedDict[str, tuple[float, ...]] = OrderedDict()
         self.answered = 0
         self.refused = 0
@@ -107,14 +108,14 @@ class DialbackServer:
     async def start(self) -> None:
         await self._p2p.add_binary_stream_handler(DIALBACK_PROTOCOL, self._answer)
 
-    def _cooling_down(self, host: str) -> bool:
-        """Whether `host` had its share of answers lately; else its answer is counted now."""
+    def _cooling_down(self, asker: str) -> bool:
+        """Whether `asker` had its share of answers lately; else its answer is counted now."""
         now = asyncio.get_running_loop().time()
-        recent = tuple(t for t in self._answered.pop(host, ()) if now - t < _WINDOW_S)
+        recent = tuple(t for t in self._answered.pop(asker, ()) if now - t < _WINDOW_S)
         if len(recent) >= _PER_WINDOW:
-            self._answered[host] = recent
+            self._answered[asker] = recent
             return True
-        self._answered[host] = (*recent, now)
+        self._answered[asker] = (*recent, now)
         while len(self._answered) > _REMEMBERED_ASKERS:
             self._answered.popitem(last=False)
         return False
@@ -126,7 +127,7 @@ class DialbackServer:
                 if length > _MAX_FRAME:
                     raise ValueError(f"a {length}-byte request")
                 request = _REQUEST.decode(await reader.readexactly(length))
-                reply = await self._reply(str(info.addr), request)
+                reply = await self._reply(info.peer_id.to_base58(), str(info.addr), request)
                 writer.write(_frame(reply))
                 await writer.drain()
                 await reader.read(1)  # the asker hangs up first (p2pd resets a stream closed first)
@@ -136,11 +137,11 @@ class DialbackServer:
         finally:
             writer.transport.abort()
 
-    async def _reply(self, observed_maddr: str, request: DialbackRequest) -> DialbackReply:
+    async def _reply(self, asker: str, observed_maddr: str, request: DialbackRequest) -> DialbackReply:
         observed = ObservedAddress.of(observed_maddr)
         if observed is None or observed.relayed:
             return DialbackReply(1, observed_maddr, (), "relayed" if observed else "unknown address")
-        if self._slots.locked() or self._cooling_down(observed.host):
+        if self._slots.locked() or self._cooling_down(asker):
             self.refused += 1
             return DialbackReply(1, observed_maddr, (), "busy")
         async with self._slots:

@@ -269,6 +269,7 @@ class NodeReachability:
 
     def status(self) -> dict[str, Any]:
         return {"mode": self.mode, "reach": self.detection.reach.value, "observed": list(self.detection.observed),
+                "ports": list(tcp_ports(self._direct)),
                 "confirmed_by": list(self.detection.confirmed_by), "detail": self.detection.detail,
                 "relays": [r.as_json() for r in self._relays], "relays_held": sum(r.held for r in self._relays),
                 "circuits": list(self.circuits()),
