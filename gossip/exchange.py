@@ -57,6 +57,9 @@ PULL, EXCHANGE, REPLY, REJECT, ACK = "pull", "exchange", "reply", "reject", "ack
 CURRENT = "current"
 # exchange requests held at once until their round begins; each holds one copy of the tensors
 MAX_WAITING_REQUESTS = 16
+# How long a round waits for a symmetric partner to ask again after its stream was cut (at least; a
+# quarter of the exchange deadline if that is longer): the asker does so at once, re-dialling if need be.
+RETRY_GRACE_S = 1.0
 
 
 
@@ -172,9 +175,11 @@ class _PartnerSlot:
         self.received, self.failure = received, failure
         self.changed.set()
 
-    def reopen(self) -> None:
-        """A claim that fell through before the asker's ack (a cut stream): the asker may claim it again."""
+    def reopen(self, failure: str) -> None:
+        """A claim that fell through before the asker's ack (a cut stream): the asker may claim it again;
+        `failure` is the skip reason if it does not."""
         self.state = _SlotState.OPEN
+        self.failure = failure
         self.changed.set()
 
 
@@ -332,6 +337,7 @@ class GossipPeer:
         wait ends early once `peer` has asked for a later round: it is done with this one.
         """
         slot = self._partner_slots[(peer, round_index)]
+        wait_until = deadline
         while slot.state in (_SlotState.OPEN, _SlotState.CLAIMED):
             while slot.state is _SlotState.OPEN:
                 if self._latest_request.get(peer, -1) > round_index:
@@ -339,11 +345,13 @@ class GossipPeer:
                     raise PartnerMissed(str(Skip.MOVED_ON))
                 slot.changed.clear()
                 try:
-                    async with asyncio.timeout_at(deadline):
+                    async with asyncio.timeout_at(wait_until):
                         await slot.changed.wait()
                 except TimeoutError:
                     if slot.state is _SlotState.OPEN:  # else a request claimed it just as time ran out
                         slot.state = _SlotState.CLOSED
+                        if slot.failure:  # the asker's stream was cut and it did not ask again in time
+                            raise PartnerMissed(slot.failure) from None
                         raise
             # Claimed: the handler settles the slot within its own reply deadline (or reopens it for
             # the asker's second try). This bound only guards against a handler that never does (a
@@ -352,6 +360,9 @@ class GossipPeer:
                 while slot.state is _SlotState.CLAIMED:
                     slot.changed.clear()
                     await slot.changed.wait()
+            if slot.state is _SlotState.OPEN:  # reopened: the asker gets a short grace to ask again
+                grace = max(RETRY_GRACE_S, self._settings.exchange_timeout_s / 4)
+                wait_until = min(deadline, asyncio.get_running_loop().time() + grace)
         if slot.received is None:
             raise PartnerMissed(slot.failure)
         return slot.received
@@ -492,8 +503,8 @@ class GossipPeer:
             self.stats.exchanges_ok += 1
         except (ConnectionError, Truncated):
             # The asker hung up without an ack: it does not mix ours either, and may ask again on a new
-            # stream (its stream was cut), so the round keeps waiting for it until its own deadline.
-            slot.reopen()
+            # stream (its stream was cut), so the round waits a little longer for it (_await_partner).
+            slot.reopen(str(Skip.UNREACHABLE))
             raise
         except WireError as exc:
             failure = exc.kind
