@@ -57,9 +57,9 @@ PULL, EXCHANGE, REPLY, REJECT, ACK = "pull", "exchange", "reply", "reject", "ack
 CURRENT = "current"
 # exchange requests held at once until their round begins; each holds one copy of the tensors
 MAX_WAITING_REQUESTS = 16
-# How long a round waits for a symmetric partner to ask again after its stream was cut (at least; a
-# quarter of the exchange deadline if that is longer): the asker does so at once, re-dialling if need be.
-RETRY_GRACE_S = 1.0
+# How long a round waits for a symmetric partner to ask again after its stream was cut: the asker does
+# so at once (on another connection, or another relay's circuit); a dead one must not hold the round.
+RETRY_GRACE_S = 0.5
 
 
 
@@ -361,8 +361,7 @@ class GossipPeer:
                     slot.changed.clear()
                     await slot.changed.wait()
             if slot.state is _SlotState.OPEN:  # reopened: the asker gets a short grace to ask again
-                grace = max(RETRY_GRACE_S, self._settings.exchange_timeout_s / 4)
-                wait_until = min(deadline, asyncio.get_running_loop().time() + grace)
+                wait_until = min(deadline, asyncio.get_running_loop().time() + RETRY_GRACE_S)
         if slot.received is None:
             raise PartnerMissed(slot.failure)
         return slot.received
