@@ -14,6 +14,7 @@ import enum
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, Literal, cast
 
 import msgspec
@@ -22,9 +23,10 @@ from gossip.codecs import Codec, get_codec
 from gossip.mixing import MixingKind, MixingRule
 from gossip.optimizers import Algorithm, OptimizerConfig
 from gossip.spes import SpesConfig
-from node.config import EMBEDDED_MODEL_NAMES, VECTOR_MODEL, NodeConfig
+from node.config import EMBEDDED_MODEL_NAMES, HF_PRESET_NAMES, VECTOR_MODEL, NodeConfig
 from node.config.table import MODEL_NAME
 from node.training.rounds import RoundClock
+from node.training.tokenizer import TokenizerSpec
 from topology import TopologySpec
 
 # The document's format; a node refuses a document of another format (the founder runs another murmur).
@@ -53,6 +55,9 @@ MAX_SPES_EVERY = 10**6
 MAX_REPLICATION = 64
 MAX_MODEL_NAME = 256
 MAX_KEY_CHECK = 128
+# A Hugging Face model config (node.training.models.hf bounds its size and the fields that decide memory)
+MAX_MODEL_CONFIG_KEYS = 512
+MAX_MODEL_CONFIG_KEY = 128
 
 _FINITE_MAX = sys.float_info.max
 Steps = Annotated[int, msgspec.Meta(ge=0, le=MAX_STEPS)]
@@ -63,6 +68,9 @@ CodecName = Literal["fp32", "fp16", "bf16", "int8"]
 RefreshCodecName = Literal["fp32", "fp16", "bf16", "int8"]
 ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_MODEL_NAME, pattern=f"^(?:{MODEL_NAME.pattern})$")]
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
+Sha256Hex = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+ModelConfigDoc = Annotated[dict[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_MODEL_CONFIG_KEY)], Any],
+                           msgspec.Meta(min_length=1, max_length=MAX_MODEL_CONFIG_KEYS)]
 TopologyName = Literal["ring", "torus", "complete", "star", "static-exp", "one-peer-exp", "hypercube", "random-regular",
                        "custom"]
 WeightScheme = Literal["metropolis-hastings", "uniform", "max-degree"]
@@ -123,6 +131,11 @@ class ModelPayload(_Doc, frozen=True, tag_field="kind", tag="model"):
     steps: Steps  # 0: until stopped
     optimizer: OptimizerDoc
     spes: SpesDoc | None = None  # SPES's swarm-wide knobs; absent when off
+    # a Hugging Face model's config itself (not a path), so joiners build it without files; checked in
+    # depth (size, model type, memory-deciding fields) by node.training.models.hf.check_config_doc
+    model_config: ModelConfigDoc | None = None
+    weights_sha256: Sha256Hex | None = None  # the pretrained weights the swarm starts from (hf:PATH)
+    tokenizer: TokenizerSpec | None = None  # the swarm's tokenizer file; absent: one token per byte
 
 
 class VectorPayload(_Doc, frozen=True, tag_field="kind", tag="vector"):
@@ -235,7 +248,9 @@ def check_model_allowed(swarm_model: str, own_model: str) -> None:
     """Raise RecipeInvalid unless this node may build the swarm's model. A model named by import path
     is code that the swarm config makes this node import and call, so a joiner runs it only if its own
     --model names the same builder; embedded models are always allowed."""
-    if swarm_model in (*EMBEDDED_MODEL_NAMES, VECTOR_MODEL) or swarm_model == own_model:
+    if swarm_model in (*EMBEDDED_MODEL_NAMES, VECTOR_MODEL, *HF_PRESET_NAMES) or swarm_model == own_model:
+        return
+    if swarm_model.startswith("hf:"):  # a transformers config, carried by the swarm config: no code to run
         return
     raise RecipeInvalid(f"the swarm trains the model built by {swarm_model!r}, code this node would import and "
                         f"run; start it with --model {swarm_model} to allow that")
@@ -253,6 +268,10 @@ class TrainingRecipe:
     context: int
     steps: int  # 0: until stopped
     spes: SpesConfig | None = None  # SPES's swarm-wide knobs when the MoE model is trained with it
+    # a Hugging Face model's config document (node.training.models.hf), carried so joiners need no path
+    model_config: dict[str, Any] | None = None
+    weights_sha256: str | None = None  # the pretrained weights the swarm starts from (hf:PATH of a checkpoint)
+    tokenizer: TokenizerSpec | None = None  # None: one token per byte
 
     def to_payload(self) -> ModelPayload:
         o, c = self.optimizer, self.spes
@@ -264,7 +283,7 @@ class TrainingRecipe:
             model=self.model, seed=self.seed, batch_size=self.batch_size, context=self.context, steps=self.steps,
             optimizer=OptimizerDoc(algorithm=o.algorithm, lr=o.lr, warmup_steps=o.warmup_steps,
                                    local_steps=o.local_steps, micro_batches=o.micro_batches),
-            spes=spes)
+            spes=spes, model_config=self.model_config, weights_sha256=self.weights_sha256, tokenizer=self.tokenizer)
 
     def to_doc(self) -> dict[str, Any]:
         built: dict[str, Any] = msgspec.to_builtins(self.to_payload())
@@ -276,7 +295,9 @@ class TrainingRecipe:
         return cls(model=p.model, seed=p.seed, batch_size=p.batch_size, context=p.context, steps=p.steps,
                    optimizer=optimizer_config(o.algorithm, o.lr, o.warmup_steps, p.steps, o.local_steps,
                                               o.micro_batches),
-                   spes=_spes_from_doc(p.spes) if p.spes is not None else None)
+                   spes=_spes_from_doc(p.spes) if p.spes is not None else None,
+                   model_config=_checked_model_config(p.model_config), weights_sha256=p.weights_sha256,
+                   tokenizer=p.tokenizer)
 
     @classmethod
     def from_doc(cls, doc: Mapping[str, Any]) -> TrainingRecipe:
@@ -285,6 +306,23 @@ class TrainingRecipe:
         except msgspec.ValidationError as exc:
             raise _schema_error(exc) from None
         return cls.from_payload(payload)
+
+
+def embedded_options(recipe: TrainingRecipe) -> dict[str, Any] | None:
+    """The embedded GPT's config overrides a recipe implies: a tokenizer's vocabulary instead of bytes."""
+    if recipe.model in EMBEDDED_MODEL_NAMES and recipe.tokenizer is not None:
+        return {"vocab_size": recipe.tokenizer.vocab_size}
+    return None
+
+
+def _checked_model_config(doc: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A Hugging Face config from the network, bounded in depth before anything builds it (ValueError)."""
+    if doc is None:
+        return None
+    from node.training.models.hf import check_config_doc
+
+    check_config_doc(doc)
+    return dict(doc)
 
 
 def _spes_from_doc(doc: SpesDoc) -> SpesConfig:
@@ -304,16 +342,43 @@ def optimizer_config(algorithm: str, lr: float, warmup_steps: int, steps: int, l
 
 
 def training_recipe(config: NodeConfig) -> TrainingRecipe | None:
-    """The recipe a founder publishes from its own settings; None for the vector payload."""
+    """The recipe a founder publishes from its own settings; None for the vector payload. Reads the
+    tokenizer and a Hugging Face model's config (and hashes pretrained weights): RecipeInvalid says
+    what is wrong with them."""
     t = config.training
     if not t.trains_model:
         return None
+    try:
+        model_config, weights_sha256, tokenizer = _model_and_tokenizer(t.model, t.tokenizer)
+    except ValueError as exc:
+        raise RecipeInvalid(str(exc)) from None
     spes = SpesConfig(sync_every=t.spes_sync_every, merge_every=t.spes_merge_every, merge_until=t.spes_merge_until,
                       alpha0=t.spes_alpha0, replication=t.spes_replication,
                       refresh_codec=t.spes_refresh_codec, expert_codec=t.spes_expert_codec) if t.spes else None
     return TrainingRecipe(model=t.model, seed=config.seed, batch_size=t.batch_size, context=t.context, steps=t.steps,
                           optimizer=optimizer_config(t.optimizer, t.lr, t.warmup_steps, t.steps, t.local_steps,
-                                                     t.micro_batches), spes=spes)
+                                                     t.micro_batches), spes=spes, model_config=model_config,
+                          weights_sha256=weights_sha256, tokenizer=tokenizer)
+
+
+def _model_and_tokenizer(model: str, tokenizer: Path | None) -> tuple[dict[str, Any] | None, str | None,
+                                                                        TokenizerSpec | None]:
+    """A founder's model config, weights hash and tokenizer entry. A pretrained hf:PATH checkpoint with
+    a tokenizer.json of its own trains with that tokenizer unless --tokenizer names another."""
+    from node.training.tokenizer import read_tokenizer_file, spec_of
+
+    spec = spec_of(read_tokenizer_file(tokenizer)) if tokenizer is not None else None
+    if model not in HF_PRESET_NAMES and not model.startswith("hf:"):
+        return None, None, spec
+    from node.training.models.hf import read_source, weights_digest
+
+    source = read_source(model, spec.vocab_size if spec is not None else None)
+    if spec is None and source.weights is not None and source.tokenizer is not None:
+        spec = spec_of(read_tokenizer_file(source.tokenizer))
+    if spec is not None and int(source.config.get("vocab_size", 0)) < spec.vocab_size:
+        raise RecipeInvalid(f"--model {model}: vocab_size {source.config.get('vocab_size')} is smaller than the "
+                            f"tokenizer's {spec.vocab_size}")
+    return source.config, weights_digest(source.weights) if source.weights is not None else None, spec
 
 
 def build_document(config: NodeConfig, epoch: float, admission: AdmissionDoc | None = None) -> SwarmDocument:
@@ -390,7 +455,10 @@ SETTING_OF_FIELD = {
     "payload.spes.sync_every": "training.spes_sync_every", "payload.spes.merge_every": "training.spes_merge_every",
     "payload.spes.merge_until": "training.spes_merge_until", "payload.spes.alpha0": "training.spes_alpha0",
     "payload.spes.replication": "training.spes_replication", "payload.spes.refresh_codec": "training.spes_refresh_codec",
-    "payload.spes.expert_codec": "training.spes_expert_codec", "gossip.topology.name": "gossip.topology.name",
+    "payload.spes.expert_codec": "training.spes_expert_codec", "payload.model_config": "training.model",
+    "payload.weights_sha256": "training.model", "payload.tokenizer": "training.tokenizer",
+    "payload.tokenizer.sha256": "training.tokenizer", "payload.tokenizer.vocab_size": "training.tokenizer",
+    "payload.tokenizer.bytes": "training.tokenizer", "gossip.topology.name": "gossip.topology.name",
     "gossip.topology.weights": "gossip.topology.weights", "gossip.topology.degree": "gossip.topology.degree",
     "gossip.topology.seed": "gossip.topology.seed", "gossip.topology.rows": "gossip.topology.rows",
     "gossip.topology.edges": "gossip.topology.edges", "gossip.topology.directed": "gossip.topology.directed",

@@ -21,6 +21,7 @@ import psutil
 
 from node.cli.ready_line import find_ready_line
 from node.cli.status import fetch_status
+from node.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
 
 MURMUR = Path(sys.executable).with_name("murmur")
 # Importing torch and hivemind costs ~4 s of CPU per process; a loaded 2-core machine starts 8 at once.
@@ -142,9 +143,10 @@ class Node:
         return fetch_status(self.monitor_url)
 
     def checkpoint(self) -> tuple[np.ndarray, int]:
-        """(vector, round) from the node's checkpoint.npz."""
-        with np.load(self.data_dir / "checkpoint.npz") as ckpt:
-            return ckpt["t/params"].copy(), int(ckpt["m/round"])
+        """(vector, round) from the node's checkpoint."""
+        ckpt = load_checkpoint(self.data_dir / CHECKPOINT_FILE)
+        assert ckpt is not None, f"no checkpoint in {self.data_dir}"
+        return ckpt.tensors["params"].copy(), int(ckpt.meta["round"])
 
     def signal(self, sig: signal.Signals) -> None:
         self.process.send_signal(sig)
