@@ -50,6 +50,7 @@ async def relay_role(spec: dict) -> None:
     from node.net.hivemind_adapter import RelayLimits
     from node.net.probe import relay_limits_in_force
     from node.net.transport.p2pd import P2PSettings, start_p2pd
+    from node.runtime.host import RELAY_SERVICE_ATTEMPTS
 
     settings = P2PSettings(identity_path=None, host_maddrs=(spec["listen"],), relay_service=RelayLimits(8 << 30, 3600))
 
@@ -57,7 +58,7 @@ async def relay_role(spec: dict) -> None:
         await old.shutdown()
         return await start_p2pd(settings)
 
-    p2p, check = await relay_limits_in_force(await start_p2pd(settings), restart, 4)
+    p2p, check = await relay_limits_in_force(await start_p2pd(settings), restart, RELAY_SERVICE_ATTEMPTS)
     print(json.dumps({"maddrs": [str(m) for m in await p2p.get_visible_maddrs()], "check": check.verdict.value}),
           flush=True)
     await asyncio.to_thread(sys.stdin.read)  # until the driver closes our stdin

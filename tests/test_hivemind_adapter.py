@@ -34,6 +34,7 @@ from node.net.probe import (
     throwaway_daemon,
 )
 from node.net.transport.p2pd import P2PDTransport, P2PSettings, start_p2pd
+from node.runtime.host import RELAY_SERVICE_ATTEMPTS
 
 RELAY_ID = "12D3KooWKhEtKJtS31eeApSvNMeyiNNbcjvyptY97ma6WgBRdoK1"
 PEER_ID = "QmXoxDu3UFFFua8M8Yk3iHxYocGnxaVZLmgcT4Z6fgmAj5"
@@ -87,7 +88,8 @@ def test_p2p_parts_are_encoded_as_the_raw_multihash_p2pd_expects() -> None:
 @pytest.mark.multiprocess
 def test_a_private_node_reserves_at_once_is_reached_through_a_built_circuit_and_only_with_raw_bytes() -> None:
     async def main() -> None:
-        relay = await _relay()
+        # p2pd's default relay service is enough here (limits are the next test's): pushes stay small
+        relay = await start_p2pd(P2PSettings(identity_path=None))
         try:
             relay_maddr = next(str(m) for m in await relay.get_visible_maddrs())
             started = time.monotonic()
@@ -96,7 +98,7 @@ def test_a_private_node_reserves_at_once_is_reached_through_a_built_circuit_and_
                 node_id = node.peer_id.to_base58()
                 client = P2PDTransport(dialer, open_timeout_s=5)
                 # workaround 1: with -relayDiscovery=0 the slot is there within a second or so (p2pd's
-                # default waits about 3 minutes); the check pushes 384 KiB through the circuit
+                # default waits about 3 minutes); the check pushes 64 KiB through the circuit
                 check = await _first_good_circuit(client, relay_maddr, node_id, timeout_s=60)
                 assert check is not None and check.verdict is CircuitVerdict.CARRIES, check
                 assert time.monotonic() - started < 60
@@ -133,7 +135,7 @@ def test_a_relay_service_carries_model_sized_exchanges_only_with_the_workaround(
             await relay.shutdown()
         relay = await start_p2pd(P2PSettings(identity_path=None, relay_service=LIMITS))
         try:
-            relay, check = await relay_limits_in_force(relay, _restart, attempts=4)
+            relay, check = await relay_limits_in_force(relay, _restart, attempts=RELAY_SERVICE_ATTEMPTS)
             assert check.verdict is CircuitVerdict.CARRIES, check
         finally:
             await relay.shutdown()
@@ -142,19 +144,14 @@ def test_a_relay_service_carries_model_sized_exchanges_only_with_the_workaround(
 
 
 LIMITS = RelayLimits(1 << 30, 600)
+SMALL_PUSH = 64 * 1024  # within p2pd's default relay limits
+
+
 
 
 async def _restart(old: P2P) -> P2P:
     await old.shutdown()
     return await start_p2pd(P2PSettings(identity_path=None, relay_service=LIMITS))
-
-
-async def _relay() -> P2P:
-    """A relay whose configured limits are in force (workaround 3)."""
-    relay, check = await relay_limits_in_force(
-        await start_p2pd(P2PSettings(identity_path=None, relay_service=LIMITS)), _restart, attempts=4)
-    assert check.verdict is CircuitVerdict.CARRIES, check
-    return relay
 
 
 async def _first_good_circuit(client: P2PDTransport, relay: str, target: str, timeout_s: float):
@@ -164,7 +161,7 @@ async def _first_good_circuit(client: P2PDTransport, relay: str, target: str, ti
     await asyncio.sleep(0.5)
     while True:
         try:
-            check = await check_circuit(client, relay, target)
+            check = await check_circuit(client, relay, target, nbytes=SMALL_PUSH)
         except PeerUnreachable:
             check = None
         if (check is not None and check.verdict is not CircuitVerdict.NO_SLOT) or time.monotonic() > deadline:

@@ -16,6 +16,7 @@ from gossip.transport import Stream
 from node.net.hivemind_adapter import RelayLimits, circuit_maddr, is_circuit
 from node.net.probe import relay_limits_in_force, throwaway_daemon
 from node.net.transport.p2pd import P2PDTransport, P2PSettings, start_p2pd
+from node.runtime.host import RELAY_SERVICE_ATTEMPTS
 from support.swarm_harness import wait_for
 
 pytestmark = pytest.mark.multiprocess
@@ -54,7 +55,7 @@ def test_the_py_libp2p_child_is_reached_through_a_p2pd_relay_and_reaches_a_node_
             return await start_p2pd(P2PSettings(identity_path=None, relay_service=LIMITS))
 
         relay, _ = await relay_limits_in_force(await start_p2pd(P2PSettings(identity_path=None, relay_service=LIMITS)),
-                                               restart, attempts=4)
+                                               restart, attempts=RELAY_SERVICE_ATTEMPTS)
         relay_maddr = next(str(m) for m in await relay.get_visible_maddrs())
         try:
             async with libp2p_transport(tmp_path / "child.key", relays=(relay_maddr,)) as child:

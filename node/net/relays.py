@@ -298,7 +298,7 @@ class NodeReachability:
                                 for peer, m in zip(neighbours, measured, strict=True)]
         return report
 
-    async def _settle_relays(self, timeout_s: float = 5.0) -> None:
+    async def _settle_relays(self, timeout_s: float = 3.0) -> None:
         """Until every relay is connected (p2pd dials them at start), at most `timeout_s`; then the few
         milliseconds a reservation takes after its connection."""
         deadline = time.monotonic() + timeout_s

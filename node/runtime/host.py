@@ -9,6 +9,7 @@ and dialled through them. `public` and `private` skip the question. See docs/arc
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -32,7 +33,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("murmur.node")
 
-RELAY_SERVICE_ATTEMPTS = 4  # p2pd starts until its relay service's limits are in force (node.net.probe)
+# p2pd starts until its relay service's limits are in force (node.net.probe); each start loses the race
+# about a third of the time on a busy machine
+RELAY_SERVICE_ATTEMPTS = 8
+# A dial-back nobody answered (the bootstraps start too, or restart) is asked again this many times
+DETECT_ATTEMPTS = 3
+DETECT_PAUSE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -99,7 +105,12 @@ async def start_host(config: NodeConfig, stack: contextlib.AsyncExitStack, *, bo
             visible = tuple(str(a) for a in await p2p.get_visible_maddrs())
             asker = P2PDTransport(p2p)
             try:
-                detection = await detect(asker, network.initial_peers, tcp_ports(network.announce or visible))
+                for attempt in range(DETECT_ATTEMPTS):
+                    detection = await detect(asker, network.initial_peers, tcp_ports(network.announce or visible))
+                    if detection.reach is not Reach.UNKNOWN or not network.initial_peers:
+                        break
+                    if attempt + 1 < DETECT_ATTEMPTS:
+                        await asyncio.sleep(DETECT_PAUSE_S)
             finally:
                 await asker.close()
             logger.info("reachability: %s (%s)", detection.reach.value, detection.detail)
