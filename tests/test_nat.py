@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import pytest
 
-from node.net.identity import create_identity
 from support.nat import MURMUR, Host, Internet, NatNode, NatProcesses, internet, tcp_connects, tcp_listener
 from support.swarm_harness import wait_for
 
@@ -55,17 +54,13 @@ def swarm(net: Internet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[N
     procs = NatProcesses(root)
     try:
         pub0, pub1 = net.publics
-        # the bootstrap's identity made beforehand: its address is known, so the founder starts beside it
-        (root / "boot").mkdir()
-        boot_maddr = f"{pub0.tcp_maddr(4001)}/p2p/{create_identity(root / 'boot' / 'identity.key').peer_id}"
-        boot = procs.start("boot", pub0, ["bootstrap", "--listen", pub0.tcp_maddr(4001), "--data-dir",
-                                          str(root / "boot"), "--log-level", "info"])
-        founder = procs.start("founder", pub1, [
-            "node", "--listen", pub1.tcp_maddr(4001), "--peers", boot_maddr, "--relay-service",
-            "--data-dir", str(root / "founder"), *RECIPE, *NODE])
-        procs.wait_ready(boot)
-        procs.wait_ready(founder)
-        assert boot.maddr() == boot_maddr
+        # one after the other: a node whose --peers do not answer yet exits (the bootstrap answers once
+        # its relay service's check is done)
+        boot = procs.wait_ready(procs.start("boot", pub0, ["bootstrap", "--listen", pub0.tcp_maddr(4001),
+                                                           "--data-dir", str(root / "boot"), "--log-level", "info"]))
+        founder = procs.wait_ready(procs.start("founder", pub1, [
+            "node", "--listen", pub1.tcp_maddr(4001), "--peers", boot.maddr(), "--relay-service",
+            "--data-dir", str(root / "founder"), *RECIPE, *NODE]))
         homes = tuple(procs.start(f"home{i}", home.host, [
             "join", "--listen", "/ip4/0.0.0.0/tcp/0", "--peers", boot.maddr(), "--relays", boot.maddr(),
             founder.maddr(), "--data-dir", str(root / f"home{i}"), *NODE]) for i, home in enumerate(net.homes))
