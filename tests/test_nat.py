@@ -79,6 +79,11 @@ def doctor(host: Host, *args: str) -> dict:
     return json.loads(out.stdout)
 
 
+def failed_exchanges(status: dict) -> dict:
+    """Skips of neighbours whose exchange failed (unreachable, timeout, truncated, rejected...)."""
+    return {reason: n for reason, n in status["skipped"].items() if reason != "stale"}
+
+
 def link(status: dict, peer_id: str) -> dict:
     return next(p for p in status["peers"] if p["peer_id"] == peer_id)
 
@@ -120,8 +125,10 @@ def test_the_nat_pair_trains_with_the_swarm_through_a_relay(swarm: NatSwarm) -> 
         assert all(r["circuit"] == "carries" for r in reach["relays"]), reach["relays"]
         assert any("/p2p-circuit/" in m for m in link(founder, node.peer_id)["maddrs"]), "no circuit in its record"
         assert link(s, swarm.founder.peer_id)["connection"] == "direct"  # out of the NAT, dials are direct
-        # every exchange of the run went through: nothing skipped, nothing refused
-        assert s["skipped"] == {} and not {k for k in s["errors"] if not k.startswith("dht_")}, report
+        # every exchange of the run went through: none failed, nothing refused. (`stale` is the training
+        # loop's pacing, as on loopback: the partner was more than the staleness bound ahead in steps,
+        # said so in its answer, and the pair met again next round.)
+        assert not failed_exchanges(s) and not {k for k in s["errors"] if not k.startswith("dht_")}, report
         assert s["bytes_received"] >= (s["rounds_run"] - 1) * MODEL_BYTES, s["bytes_received"]
     assert link(sa, c.peer_id)["goodput_mbit_s"] or link(sc, a.peer_id)["goodput_mbit_s"], "no goodput measured"
     assert founder["reachability"]["reach"] == "public"
@@ -159,7 +166,8 @@ def test_doctor_says_public_for_the_public_node_and_relayed_for_the_nat_d_one(sw
 
 def test_killing_a_relay_is_noticed_and_the_pair_goes_on_through_the_other(swarm: NatSwarm) -> None:
     a, c = swarm.homes
-    before = {n.name: n.status()["rounds_run"] for n in (a, c)}
+    before_skipped = [n.status() for n in (a, c)]
+    before = {n.name: s["rounds_run"] for n, s in zip((a, c), before_skipped)}
     swarm.procs.kill(swarm.boot)
 
     def noticed() -> list[dict] | None:
@@ -176,8 +184,8 @@ def test_killing_a_relay_is_noticed_and_the_pair_goes_on_through_the_other(swarm
         s["rounds_run"] >= before[n.name] + 4 for n, s in zip((a, c), now)) and now, 120,
         "4 more rounds on the NAT'd pair", interval_s=1.0)
     assert link(after[0], c.peer_id)["connection"] == "relayed" == link(after[1], a.peer_id)["connection"]
-    for s in after:
-        assert s["skipped"] == {}, s["skipped"]
+    for s, was in zip(after, before_skipped):
+        assert failed_exchanges(s) == failed_exchanges(was), (was["skipped"], s["skipped"])
 
     # before joining, a node in a home that knows only the dead relay: not reachable, and told why
     lonely = doctor(c.host, "--peers", swarm.founder.maddr(), "--relays", swarm.boot.maddr(),
