@@ -115,6 +115,7 @@ class Node:
     peer_id: str = ""
     monitor_url: str = ""
     maddrs: tuple[str, ...] = ()
+    invite: str = ""  # NAME@FOUNDER_PEER_ID, from the ready line
     # the node's child processes (p2pd), recorded once it is ready, so they can be checked and killed
     children: list[psutil.Process] = field(default_factory=list)
 
@@ -141,6 +142,16 @@ class Node:
 
     def status(self) -> dict:
         return fetch_status(self.monitor_url)
+
+    def reread_ready_line(self) -> bool:
+        """Take the node's latest ready line (a node that follows a new config prints another); whether
+        it changed."""
+        ready = find_ready_line(self.stdout(), latest=True)
+        if ready is None or ready.monitor_url == self.monitor_url:
+            return False
+        self.peer_id, self.monitor_url, self.maddrs, self.invite = ready.peer_id, ready.monitor_url, ready.maddrs, \
+            ready.invite
+        return True
 
     def checkpoint(self) -> tuple[np.ndarray, int]:
         """(vector, round) from the node's checkpoint."""
@@ -183,20 +194,26 @@ class Swarm:
     # ---- starting ------------------------------------------------------------------------------
 
     def spawn(self, name: str, *, seed: int, join: Node | None, data_dir: Path | None = None,
-              extra_args: Iterable[str] = (), **flags: object) -> Node:
-        """Start one process (no waiting): `murmur node` if `join` is None, else `murmur join` through it."""
+              extra_args: Iterable[str] = (), launcher: Iterable[str] = (str(MURMUR),), **flags: object) -> Node:
+        """Start one process (no waiting): `murmur node` if `join` is None, else `murmur join` through it
+        (with the founder's invite). `launcher` runs the command line instead of `murmur` (a hostile node)."""
         merged = {**self.flags, **flags}
         data_dir = data_dir or self.root / name
-        argv = [str(MURMUR), "node" if join is None else "join", "--data-dir", str(data_dir), "--monitor-port", "0",
+        argv = ["node" if join is None else "join", "--data-dir", str(data_dir), "--monitor-port", "0",
                 "--seed", str(seed), *_flag_args(merged), *extra_args]
         if join is not None:
-            argv += ["--peers", join.maddrs[0]]
+            argv += ["--peers", join.maddrs[0], "--invite", join.invite]
+        return self.launch(name, [*launcher, *argv], data_dir=data_dir, seed=seed, dim=int(merged["dim"]))
+
+    def launch(self, name: str, argv: list[str], *, data_dir: Path | None = None, seed: int = 0,
+               dim: int = 0) -> Node:
+        """Start any process of the test (a bootstrap node, a hostile helper) under the same cleanup."""
         suffix = sum(1 for n in self.nodes if n.name == name or n.name.startswith(f"{name}~"))
         log_name = name if suffix == 0 else f"{name}~{suffix}"  # a restarted node keeps its old logs
         with open(self.log_dir / f"{log_name}.out", "wb") as out, open(self.log_dir / f"{log_name}.err", "wb") as err:
             process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=clean_env(),
                                        cwd=self.root, start_new_session=True)
-        node = Node(log_name, data_dir, seed, int(merged["dim"]), argv, process, self.log_dir)
+        node = Node(log_name, data_dir or self.root / name, seed, dim, argv, process, self.log_dir)
         self.nodes.append(node)
         return node
 
@@ -208,6 +225,7 @@ class Swarm:
                 ready = find_ready_line(node.stdout())
                 if ready:
                     node.peer_id, node.monitor_url, node.maddrs = ready.peer_id, ready.monitor_url, ready.maddrs
+                    node.invite = ready.invite
                     with contextlib.suppress(psutil.NoSuchProcess):
                         node.children = psutil.Process(node.pid).children(recursive=True)
                     pending.remove(node)
