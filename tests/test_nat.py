@@ -62,7 +62,8 @@ def swarm(net: Internet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[N
             "node", "--listen", pub1.tcp_maddr(4001), "--peers", boot.maddr(), "--relay-service",
             "--data-dir", str(root / "founder"), *RECIPE, *NODE]))
         homes = tuple(procs.start(f"home{i}", home.host, [
-            "join", "--listen", "/ip4/0.0.0.0/tcp/0", "--peers", boot.maddr(), "--relays", boot.maddr(),
+            "join", "--invite", founder.invite, "--listen", "/ip4/0.0.0.0/tcp/0", "--peers", boot.maddr(),
+            "--relays", boot.maddr(),
             founder.maddr(), "--data-dir", str(root / f"home{i}"), *NODE]) for i, home in enumerate(net.homes))
         for node in homes:
             procs.wait_ready(node)

@@ -243,6 +243,7 @@ class NatNode:
     peer_id: str = ""
     monitor_url: str = ""
     maddrs: tuple[str, ...] = ()
+    invite: str = ""  # NAME@FOUNDER_PEER_ID, from a founder's ready line
 
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
@@ -288,6 +289,7 @@ class NatProcesses:
             ready = find_ready_line(text)
             if ready is not None:
                 node.peer_id, node.monitor_url, node.maddrs = ready.peer_id, ready.monitor_url, ready.maddrs
+                node.invite = ready.invite
                 return node
             boot = _BOOTSTRAP_READY.search(text)
             if boot is not None:
