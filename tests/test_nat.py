@@ -80,6 +80,10 @@ def doctor(host: Host, *args: str) -> dict:
     return json.loads(out.stdout)
 
 
+def data_dir(swarm: NatSwarm, node: NatNode) -> str:
+    return str(swarm.procs.root / node.name)  # as the swarm fixture names them
+
+
 def failed_exchanges(status: dict) -> dict:
     """Skips of neighbours whose exchange failed (unreachable, timeout, truncated, rejected...)."""
     return {reason: n for reason, n in status["skipped"].items() if reason != "stale"}
@@ -148,12 +152,13 @@ def test_the_nat_pair_trains_with_the_swarm_through_a_relay(swarm: NatSwarm) -> 
 
 
 def test_doctor_says_public_for_the_public_node_and_relayed_for_the_nat_d_one(swarm: NatSwarm) -> None:
-    public = doctor(swarm.founder.host, "--url", swarm.founder.monitor_url)
+    # a running node's check is a POST: it carries the node's monitor token, read from its data dir
+    public = doctor(swarm.founder.host, "--url", swarm.founder.monitor_url, "--data-dir", data_dir(swarm, swarm.founder))
     assert public["verdict"] == "public" and public["advice"] == [], public
     assert public["redetected"]["reach"] == "public"
     assert public["relay_service"]["limits_in_force"] is True
     a = swarm.homes[0]
-    nat = doctor(a.host, "--url", a.monitor_url)
+    nat = doctor(a.host, "--url", a.monitor_url, "--data-dir", data_dir(swarm, a))
     assert nat["verdict"] == "relayed", nat
     assert nat["redetected"]["reach"] == "private"
     router = swarm.net.homes[0].router.address

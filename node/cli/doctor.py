@@ -20,7 +20,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from node.cli.status import no_node
+from node.cli.status import auth_headers, no_node
 from node.config import NodeConfig
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -147,8 +147,10 @@ def _print(report: dict[str, Any], as_json: bool) -> int:
     return 0
 
 
-def request_doctor(url: str, timeout_s: float) -> dict[str, Any]:
-    request = urllib.request.Request(f"{url.rstrip('/')}/api/doctor", data=b"", method="POST")
+def request_doctor(url: str, timeout_s: float, token: str | None = None) -> dict[str, Any]:
+    """The node's `POST /api/doctor` answer; the request carries its monitor token (POSTs need it)."""
+    request = urllib.request.Request(f"{url.rstrip('/')}/api/doctor", data=b"", method="POST",
+                                     headers=auth_headers(token))
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             answer: dict[str, Any] = json.load(response)
@@ -161,10 +163,10 @@ def request_doctor(url: str, timeout_s: float) -> dict[str, Any]:
     return answer
 
 
-def run_doctor_node(url: str, as_json: bool, timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
+def run_doctor_node(url: str, as_json: bool, timeout_s: float = DEFAULT_TIMEOUT_S, token: str | None = None) -> int:
     """Exit 0 with the report (whatever the verdict), 1 when the node did not answer or refused."""
     try:
-        report = request_doctor(url, timeout_s)
+        report = request_doctor(url, timeout_s, token)
     except DoctorRefused as exc:
         print(f"murmur doctor: error: the node at {url} refused: {exc}", file=sys.stderr)
         return 1

@@ -12,13 +12,15 @@ import numpy as np
 
 from gossip.exchange import GossipPeer
 from node.config import NodeConfig
-from node.monitor import Counters, EventLog, HistoryRecorder, MixingStepEstimate, round_graph
+from node.monitor import Counters, EventLog, HistoryRecorder, MixingStepEstimate, RoundGraphCache, round_graph
 from node.monitor.source import DoctorUnavailable
 from node.training.recipe import SwarmSettings
 from node.training.rounds import PeerTiming, participants
-from topology import MembershipView, Topology, build_topology
+from topology import MembershipView, TopologySpec
 
 if TYPE_CHECKING:
+    from gossip.limits import IncomingGate
+    from node.net.dialer import Dialer
     from node.net.discovery import Discovery
     from node.net.founder import SwarmConfig
     from node.net.records import PeerRecord
@@ -43,6 +45,8 @@ class NodeRuntime:
         self.discovery: Discovery | None = None
         self.transport: DataPlane | None = None
         self.reach: NodeReachability | None = None
+        self.gate: IncomingGate | None = None  # admission of incoming streams (gossip.limits)
+        self.dialer: Dialer | None = None  # background dials of the view's peers
         self.maddrs: tuple[str, ...] = ()
         self.config_hash = ""
         self.swarm_doc: Mapping[str, Any] = {}
@@ -57,7 +61,8 @@ class NodeRuntime:
         self.history = HistoryRecorder()  # the monitor's charts; the trainer feeds it through record()
         self.events = EventLog()  # the monitor's recent events and errors
         self._mixing_step = MixingStepEstimate()
-        self._topologies: dict[tuple[str, int], Topology] = {}
+        self._graphs = RoundGraphCache()  # the monitor's topology, computed off the event loop
+        self._spec: tuple[str, TopologySpec] | None = None  # (config hash, its topology)
         self._doctor_running = False
 
     def count(self, kind: str) -> None:
@@ -153,8 +158,10 @@ class NodeRuntime:
                  "gossip_from": p.gossip_from, **links.get(p.peer_id, {"connection": None, "goodput_mbit_s": None})}
                 for p in self._view()]
 
-    def topology(self) -> dict[str, Any]:
-        """The current round's graph as this node computes it from its view (see node.monitor.topology_view)."""
+    def _graph_inputs(self) -> tuple[list[str], MembershipView, TopologySpec | None, str, int]:
+        """What the current round's graph depends on: the view, the round's members (as the round loop
+        takes them: everyone in view when training, else the peers with 0 < gossip_from <= round), the
+        swarm's topology, this node and the round."""
         view, me = self._view(), self._me()
         round_index = self.peer.round if self.peer else 0
         if self.training is not None:  # a trained swarm's rounds mix over everyone in view (SwarmTraining.plan_for)
@@ -162,20 +169,28 @@ class NodeRuntime:
         else:
             timings = [PeerTiming(p.peer_id, p.gossip_from) for p in view if p.peer_id != me]
             members = participants([*timings, PeerTiming(me, self.gossip_from)], round_index)
-        topo = None
-        if members.n and self.swarm_doc:
-            key = (self.config_hash, members.n)
-            if key not in self._topologies:
-                spec = SwarmSettings.from_doc(self.swarm_doc).topology
-                self._topologies[key] = build_topology(spec, members.n)
-            topo = self._topologies[key]
-        return round_graph((p.peer_id for p in view), members, topo, me, round_index)
+        spec = None
+        if self.swarm_doc:
+            if self._spec is None or self._spec[0] != self.config_hash:
+                self._spec = (self.config_hash, SwarmSettings.from_doc(self.swarm_doc).topology)
+            spec = self._spec[1]
+        return [p.peer_id for p in view], members, spec, me, round_index
+
+    async def refresh_topology(self) -> None:
+        await self._graphs.refresh(*self._graph_inputs())
+
+    def topology(self) -> dict[str, Any]:
+        """The current round's graph as this node computes it from its view (node.monitor.topology_view),
+        as of the last refresh_topology; before the first, the view's nodes without edges."""
+        view_ids, members, _, me, round_index = self._graph_inputs()
+        return self._graphs.latest(round_index) or round_graph(view_ids, members, None, me, round_index)
 
     async def doctor(self) -> dict[str, Any]:
         """`POST /api/doctor` (`murmur doctor`): ask peers to dial this node back (the bootstrap peers and
         relays first), push a probe through each relay's circuit, check the relay service, and measure
         each neighbour. Takes seconds; raises DoctorUnavailable when one runs already."""
         from node.net.hivemind_adapter import is_circuit
+        from node.net.reach import dialable_maddrs
 
         reach = self.reach
         if reach is None:
@@ -184,8 +199,11 @@ class NodeRuntime:
             raise DoctorUnavailable("a check is already running")
         me, view = self._me(), [p for p in self._view() if p.peer_id != self._me()]
         network = self.config.network
+        # the --peers and --relays are the user's word; the view's addresses are their peers' word, so
+        # only those the routability rule lets this node dial (node.net.reach)
+        own = (*self.discovery.local_record.maddrs, *self.discovery.dht_maddrs) if self.discovery else self.maddrs
         ask = [*network.initial_peers, *network.relays,
-               *(m for p in view for m in p.maddrs if not is_circuit(m))]
+               *(m for p in view for m in dialable_maddrs(p.maddrs, own) if not is_circuit(m))]
         neighbours = {p.peer_id: p.maddrs for p in view[:MAX_DOCTOR_NEIGHBOURS]}
         goodput = getattr(self.transport, "goodput_mbit_s", None)
         self._doctor_running = True
@@ -207,6 +225,23 @@ class NodeRuntime:
         s = self.training.status
         return {**result.as_dict(), "local": {"val_loss": finite_or_none(s.val_loss), "val_step": s.val_step,
                                               "loss": finite_or_none(s.loss), "step": s.step}}
+
+    def limits(self) -> dict[str, Any]:
+        """What the resource limits refused and hold (docs/monitor.md): incoming streams refused before a
+        byte was read, requests refused after their header, dials, the view's overflow."""
+        gate, dialer, discovery, peer = self.gate, self.dialer, self.discovery, self.peer
+        requests: dict[str, int] = dict(peer.stats.refused) if peer else {}
+        spes = self.training.spes_status() if self.training is not None else None
+        for reason, n in ((spes or {}).get("refused") or {}).items():
+            requests[reason] = requests.get(reason, 0) + n
+        return {
+            "streams_refused": dict(gate.refused) if gate else {},
+            "requests_refused": requests,
+            "open_streams": gate.open_streams if gate else 0,
+            "dials": dict(dialer.counts) if dialer else {},
+            "dials_backing_off": dialer.backing_off if dialer else 0,
+            "view_overflow": discovery.view_overflow if discovery else 0,
+        }
 
     def status(self) -> dict[str, Any]:
         peer, discovery, view = self.peer, self.discovery, self._view()
@@ -243,6 +278,7 @@ class NodeRuntime:
             "version": discovery.local_record.version if discovery else "",
             "experts": list(discovery.local_record.experts) if discovery else [],
             "uptime_s": time.time() - self.started,
+            "limits": self.limits(),
         }
 
 

@@ -209,7 +209,7 @@ class SpesSwarmTraining(SwarmTraining):
             "ownership_changes": self.ownership_changes,
             "bytes_sent": node.bytes_sent, "bytes_received": node.bytes_received,
             "fetched": node.fetch_stats.fetched, "served": node.fetch_stats.served,
-            "skipped": dict(node.fetch_stats.skipped), "errors": errors,
+            "skipped": dict(node.fetch_stats.skipped), "errors": errors, "refused": node.refused,
         }
 
 
