@@ -4,13 +4,16 @@ listeners on loopback), `murmur doctor`'s verdicts and advice, `murmur status`'s
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 
 import pytest
+from test_monitor_access import Node
 
-from node.cli.doctor import Verdict, diagnose, format_report
+from node.cli.doctor import Verdict, diagnose, format_report, run_doctor_node
 from node.cli.status import format_status
+from node.monitor import start_monitor
 from node.net.dialback import MAX_PORTS, DialbackRequest, DialbackServer, ObservedAddress
 from node.net.reachability import ConnectionKind, connection_kind, tcp_ports
 from node.net.transport.goodput import GoodputMeter, StreamTiming
@@ -160,3 +163,29 @@ def test_goodput_is_bytes_over_the_payload_span_and_ignores_small_transfers() ->
     time.sleep(0.05)
     timing.read(1 << 20)
     assert timing.nbytes == 1 << 20 and 0.04 < timing.seconds < 1.0
+
+
+def test_doctor_asks_a_running_node_with_its_monitor_token(capsys: pytest.CaptureFixture[str]) -> None:
+    """`murmur doctor --url` is a POST to the node's monitor: it carries the node's per-run token (the
+    monitor answers 401 without it, and doctor says so in one line, exit 1)."""
+    class Doctored(Node):
+        checks = 0
+
+        async def doctor(self) -> dict:
+            self.checks += 1
+            return _report(peer_id=ME)
+
+    async def main() -> None:
+        node = Doctored()
+        server = await start_monitor(node, "127.0.0.1", 0, interval_s=60, token="the-token")
+        try:
+            refused = await asyncio.to_thread(run_doctor_node, server.url, True, 10.0, None)
+            assert refused == 1 and node.checks == 0
+            assert "refused" in capsys.readouterr().err
+            answered = await asyncio.to_thread(run_doctor_node, server.url, True, 10.0, "the-token")
+            assert answered == 0 and node.checks == 1
+            assert json.loads(capsys.readouterr().out)["verdict"] == Verdict.PUBLIC.value
+        finally:
+            await server.close()
+
+    asyncio.run(main())
