@@ -136,6 +136,15 @@ def test_the_nat_pair_trains_with_the_swarm_through_a_relay(swarm: NatSwarm) -> 
         assert not failed_exchanges(s) and not {k for k in s["errors"] if not k.startswith("dht_")}, report
         assert s["bytes_received"] >= (s["rounds_run"] - 1) * MODEL_BYTES, s["bytes_received"]
     assert link(sa, c.peer_id)["goodput_mbit_s"] or link(sc, a.peer_id)["goodput_mbit_s"], "no goodput measured"
+    # /metrics says the same: one neighbour direct (the founder), one relayed (the other home), relays held
+    for node in (a, c):
+        text = node.metrics()
+        for line in ('murmur_peer_connections{kind="direct"} 1.0', 'murmur_peer_connections{kind="relayed"} 1.0',
+                     'murmur_peer_connections{kind="holepunched"} 0.0', 'murmur_relays_held 2.0',
+                     'murmur_reachability_info{mode="auto",reach="private"} 1.0'):
+            assert line in text.splitlines(), f"{node.name}: no {line!r} in\n{text}"
+    assert any(f'murmur_peer_goodput_mbit_per_second{{kind="relayed",peer_id="{other.peer_id}"}}' in node.metrics()
+               for node, other in ((a, c), (c, a))), "no relayed goodput in /metrics"
     assert founder["reachability"]["reach"] == "public"
     assert founder["reachability"]["relay_service"]["limits_in_force"] is True
 

@@ -264,6 +264,14 @@ class NatNode:
 
         return self.host.call_inside(get)
 
+    def metrics(self) -> str:
+        """The node's /metrics (Prometheus text), read from inside its namespace."""
+        def get() -> str:
+            with urllib.request.urlopen(f"{self.monitor_url}/metrics", timeout=10) as response:
+                return str(response.read().decode())
+
+        return self.host.call_inside(get)
+
 
 class NatProcesses:
     """The murmur processes of a test, each in its own session, so leaving kills all of them (SIGKILL
