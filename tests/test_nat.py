@@ -115,12 +115,26 @@ def test_the_nat_pair_trains_with_the_swarm_through_a_relay(swarm: NatSwarm) -> 
 
     def formed() -> list[dict] | None:
         statuses = [n.status() for n in everyone]
-        return statuses if all({p["peer_id"] for p in s["peers"]} >= ids for s in statuses) else None
+        if not all({p["peer_id"] for p in s["peers"]} >= ids for s in statuses):
+            return None
+        _, sa, sc = statuses
+        circuits = [m for s, other in ((sa, c), (sc, a)) for m in link(s, other.peer_id)["maddrs"] if "/p2p-circuit/" in m]
+        return statuses if {a.peer_id, c.peer_id} <= {m.rsplit("/p2p/", 1)[-1] for m in circuits} else None
 
-    # The run is counted from the moment every node has every other's record in its view: before, a
-    # joiner's first exchange can be refused by a partner that has not read its record yet (a stream
-    # from a peer not in the view is closed unread: gossip.limits.IncomingGate), on loopback as here.
-    base = {n.name: s for n, s in zip(everyone, wait_for(formed, 120, "the three nodes in each other's views"))}
+    # The run is counted from the moment every node has every other's record in its view, and each home
+    # sees the other's circuits in it: before, a joiner's first exchanges can be refused by a partner
+    # that has not read its record yet (a stream from a peer not in the view is closed unread:
+    # gossip.limits.IncomingGate), on loopback as here, and a NAT'd joiner's first record lists no
+    # circuit yet (its relays are still being probed), so the other home cannot dial it. A round already
+    # under way then ends first (it may have begun before): the run starts with each node's next round.
+    formed_at = wait_for(formed, 120, "the three nodes in each other's views, the homes' circuits in their records",
+                         interval_s=0.5)
+
+    def next_round() -> list[dict] | None:
+        statuses = [n.status() for n in everyone]
+        return statuses if all(s["rounds_run"] > f["rounds_run"] for s, f in zip(statuses, formed_at)) else None
+
+    base = {n.name: s for n, s in zip(everyone, wait_for(next_round, 60, "a round on each node", interval_s=0.5))}
 
     def relayed_rounds() -> list[dict] | None:
         statuses = [n.status() for n in everyone]
