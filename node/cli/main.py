@@ -303,8 +303,9 @@ def _add_demo_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
         _add_setting_flag(recipe, SETTINGS_BY_KEY[key])
     demo.add_argument("--dir", type=Path, help="keep node logs and checkpoints in this directory")
     demo.add_argument("--json", action="store_true",
-                      help="end with one JSON object: initial_val_loss, averaged_val_loss and nodes (peer_id, "
-                      "val_loss, steps, bytes_sent, bytes_received, trainable_params, optimizer_state_bytes)")
+                      help="end with one JSON object: initial_val_loss, averaged_val_loss, nodes (peer_id, "
+                      "val_loss, steps, bytes_sent, bytes_received, trainable_params, optimizer_state_bytes) and "
+                      "traffic (bytes_per_node_per_step, default_demo_bytes_per_node_per_step, ratio_to_default)")
     demo.set_defaults(run=_run_demo)
 
 
