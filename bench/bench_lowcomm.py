@@ -104,8 +104,8 @@ def default_setups() -> list[Setup]:
                                 options, fragments=4, overlap=True))
     # the trade-off below H = 25, and DiLoCo's own outer step (lr 0.7, Nesterov 0.9)
     setups += [Setup(f"DiLoCo H={h} int8 + EF", "diloco", DILOCO_LR, h, "int8") for h in (5, 10)]
-    setups.append(Setup("DiLoCo H=25 int8 + EF, outer lr 0.7 + Nesterov 0.9", "diloco", DILOCO_LR, 25, "int8",
-                        outer_lr=0.7, outer_momentum=0.9))
+    setups += [Setup(f"DiLoCo H={h} int8 + EF, outer lr 0.7 + Nesterov 0.9", "diloco", DILOCO_LR, h, "int8",
+                     outer_lr=0.7, outer_momentum=0.9) for h in (25, 100)]
     return setups
 
 
