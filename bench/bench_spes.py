@@ -152,13 +152,19 @@ class TrafficSetup:
     expert_codec: str = "fp32"
     refresh_codec: str = "bf16"
     refresh_every: int = 1
+    shared_codec: str = "fp32"
+    delta_refresh: bool = False
 
     @property
     def name(self) -> str:
-        return (f"r={self.replication} owns {self.capacity}/8, shared {self.topology}, experts {self.expert_codec}, "
-                f"refresh {self.refresh_codec}" + (f" every {self.refresh_every}" if self.refresh_every > 1 else ""))
+        refresh = f"{self.refresh_codec} deltas" if self.delta_refresh else self.refresh_codec
+        return (f"r={self.replication} owns {self.capacity}/8, shared {self.topology} {self.shared_codec}, experts "
+                f"{self.expert_codec}, refresh {refresh}" + (f" every {self.refresh_every}" if self.refresh_every > 1
+                                                              else ""))
 
 
+# int8 with error feedback for the shared weights and the experts, refreshes as int8 deltas
+NEW_DEFAULTS = {"shared_codec": "int8", "expert_codec": "int8", "refresh_codec": "int8", "delta_refresh": True}
 TRAFFIC_SETUPS = (
     TrafficSetup(1, 2),
     TrafficSetup(2, 4),
@@ -166,12 +172,18 @@ TRAFFIC_SETUPS = (
     TrafficSetup(1, 2, "one-peer-exp", refresh_codec="int8", refresh_every=2),
     TrafficSetup(2, 4, "one-peer-exp", expert_codec="bf16", refresh_codec="int8", refresh_every=2),
     TrafficSetup(2, 4, "one-peer-exp", expert_codec="int8", refresh_codec="int8", refresh_every=2),
+    TrafficSetup(2, 4, "one-peer-exp"),  # the defaults before int8 + error feedback + deltas
+    TrafficSetup(2, 4, "one-peer-exp", **NEW_DEFAULTS),  # the defaults now
+    TrafficSetup(1, 2, "one-peer-exp", **NEW_DEFAULTS),
+    TrafficSetup(2, 4, "ring", **NEW_DEFAULTS),
 )
+OLD_DEFAULTS = {"shared_codec": "fp32", "expert_codec": "fp32", "refresh_codec": "bf16", "delta_refresh": False}
 # the loss curves: name -> (r, capacity, SpesConfig fields beyond the common ones)
 CURVES = {
-    "SPES r=1": (1, 2, {}),
-    "SPES r=2": (2, 4, {}),
-    "SPES r=2 int8": (2, 4, {"expert_codec": "int8", "refresh_codec": "int8", "refresh_every": 2}),
+    "SPES r=1": (1, 2, OLD_DEFAULTS),
+    "SPES r=2": (2, 4, OLD_DEFAULTS),
+    "SPES r=2 int8": (2, 4, {**OLD_DEFAULTS, "expert_codec": "int8", "refresh_codec": "int8", "refresh_every": 2}),
+    "SPES r=2 defaults": (2, 4, NEW_DEFAULTS),
 }
 
 
@@ -179,7 +191,8 @@ async def measure_traffic(corpus: Corpus, setup: TrafficSetup, syncs: int) -> Tr
     optimizer = OptimizerConfig(algorithm="dadam", lr=3e-3)
     config = SpesConfig(sync_every=1, merge_every=1, merge_until=0, replication=setup.replication,
                         expert_codec=setup.expert_codec, refresh_codec=setup.refresh_codec,
-                        refresh_every=setup.refresh_every)
+                        refresh_every=setup.refresh_every, shared_codec=setup.shared_codec,
+                        delta_refresh=setup.delta_refresh)
     capacity, topology = setup.capacity, setup.topology
     nodes = await spes_nodes(corpus, DEFAULT, optimizer, config, capacity)
     lockstep = Lockstep(IDS, topology)
@@ -316,7 +329,7 @@ async def main(args: argparse.Namespace) -> None:
             row = await measure_traffic(corpus, setup, args.syncs)
             ratio = row.measured / row.reference
             verdict = "meets" if ratio <= TARGET_TRAFFIC_RATIO else "misses"
-            print(f"   {row.name:78s} {row.measured / 1e6:6.2f} MB vs reference {row.reference / 1e6:6.2f} MB: "
+            print(f"   {row.name:96s} {row.measured / 1e6:6.2f} MB vs reference {row.reference / 1e6:6.2f} MB: "
                   f"{ratio:.2f}x ({verdict} the {TARGET_TRAFFIC_RATIO}x target)")
 
     if args.steps:

@@ -17,8 +17,10 @@ import numpy as np
 
 from gossip.mixing import effective_weights
 
-Algorithm = Literal["dsgd", "dadam"]
-ALGORITHMS: tuple[Algorithm, ...] = ("dsgd", "dadam")
+Algorithm = Literal["dsgd", "dadam", "diloco"]
+ALGORITHMS: tuple[Algorithm, ...] = ("dsgd", "dadam", "diloco")
+# the algorithms whose local direction is Adam's (diloco: the inner AdamW of gossip DiLoCo)
+ADAM_ALGORITHMS: tuple[Algorithm, ...] = ("dadam", "diloco")
 Decay = Literal["cosine", "constant"]
 DECAYS: tuple[Decay, ...] = ("cosine", "constant")
 
@@ -68,7 +70,9 @@ class OptimizerConfig:
     - ``dsgd``: `local_steps` (H) SGD steps, then one gossip round on the result (adapt, then combine).
     - ``dadam``: Adam moments stay local; a round's exchange of x_t runs while g(x_t) is computed and
       x_{t+1} = mix(x_t) - lr * AdamDirection(g(x_t)); with H > 1 only every H-th step mixes.
-    Either runs without a swarm as the single-process baseline (SGD or Adam with the same schedule).
+    - ``diloco``: H local AdamW steps (the inner optimizer), then an outer Nesterov step on the gossip-mixed
+      pseudo-gradient (gossip.diloco; the outer knobs are a DilocoConfig beside this one).
+    Each runs without a swarm as the single-process baseline (SGD or Adam with the same schedule).
     """
 
     algorithm: Algorithm = "dadam"
@@ -171,7 +175,7 @@ class LocalOptimizer:
     def direction(self, name: str, grad: Array, param: Array) -> Array:
         """The direction for one parameter; advances that parameter's state by one step."""
         c = self.config
-        if c.algorithm == "dadam":
+        if c.algorithm in ADAM_ALGORITHMS:
             d = self._adam_direction(name, grad)
         elif c.momentum:
             buffer = self._momentum.get(name)

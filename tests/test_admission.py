@@ -296,7 +296,7 @@ def test_gossip_and_pulls_from_a_non_member_are_refused_and_counted(ids):
 
 def test_the_spes_fetch_protocol_serves_members_only(ids):
     """An expert copy is served to a member; a non-member's fetch is refused (`not_member`) and counted."""
-    from gossip.spes import ExpertRecord, content_hash
+    from gossip.spes import ExpertRecord, ServedCopy, content_hash
     from gossip.spes.fetch import ExpertFetch, RefreshFailed
 
     copy = {"w1": np.arange(4, dtype=np.float32)}
@@ -307,12 +307,12 @@ def test_the_spes_fetch_protocol_serves_members_only(ids):
         def holds(self, key) -> bool:
             return key == (0, 1)
 
-        async def served_copy(self, key):
+        async def served_copy(self, key, have=None):
             from gossip.codecs import get_codec as codec
 
             rounded = {n: codec("bf16").decode(codec("bf16").encode(a), a.size).reshape(a.shape)
                        for n, a in copy.items()}
-            return rounded, ExpertRecord(2, content_hash(list(rounded.values())), True)
+            return ServedCopy(rounded, ExpertRecord(2, content_hash(list(rounded.values())), True))
 
     def fetcher(net, pid, admission) -> ExpertFetch:
         settings = ExchangeSettings(swarm=SWARM, config_hash="c0ffee", codec=get_codec("fp32"),

@@ -16,7 +16,7 @@ from gossip.codecs import get_codec
 from gossip.exchange import ExchangeSettings, GossipPeer
 from gossip.limits import CountPerKey, IncomingGate, IncomingLimits, LruTable, PeerBuckets, StreamRefusal
 from gossip.memory import InMemoryNetwork, InMemoryTransport
-from gossip.spes import ExpertFetch, ExpertRecord, codec_image, content_hash
+from gossip.spes import ExpertFetch, ExpertRecord, ServedCopy, codec_image, content_hash
 from gossip.spes.fetch import RefreshFailed
 from gossip.transport import GOSSIP_PROTOCOL, Stream
 from gossip.wire import iter_message
@@ -327,9 +327,9 @@ class Holder:
     def holds(self, key: tuple[int, int]) -> bool:
         return key == (0, 1)
 
-    async def served_copy(self, key: tuple[int, int]) -> tuple[Mapping[str, np.ndarray], ExpertRecord]:
+    async def served_copy(self, key: tuple[int, int], have: str | None = None) -> ServedCopy:
         image = codec_image(list(self.tensors.values()), "bf16")
-        return dict(zip(self.tensors, image)), ExpertRecord(self.version, content_hash(image), True)
+        return ServedCopy(dict(zip(self.tensors, image)), ExpertRecord(self.version, content_hash(image), True))
 
 
 def test_an_expert_copy_is_served_twice_per_version_to_one_asker():

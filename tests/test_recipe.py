@@ -7,6 +7,7 @@ import json
 import math
 import typing
 from collections.abc import Iterator
+from dataclasses import replace
 
 import msgspec
 import pytest
@@ -87,8 +88,13 @@ def test_a_founders_settings_give_the_document_murmur_always_published():
         training=TrainingConfig(model="moe", optimizer="dadam", lr=0.003, warmup_steps=10, steps=500, local_steps=1,
                                 micro_batches=1, batch_size=16, context=128, spes=True, spes_sync_every=1,
                                 spes_merge_every=10, spes_merge_until=100, spes_alpha0=0.1, spes_replication=2,
-                                spes_refresh_codec="bf16", spes_expert_codec="fp32"))
+                                spes_refresh_codec="bf16", spes_expert_codec="fp32", spes_shared_codec="fp32",
+                                spes_delta_refresh=False))
     assert recipe.swarm_document(config, 1234.5) == MODEL_DOC
+    # SPES's sync knobs of issue 15 go beside `spes`, so the document above (SPES as before) keeps its bytes
+    compressed = replace(config, training=replace(config.training, spes_shared_codec="int8", spes_delta_refresh=True))
+    assert recipe.swarm_document(compressed, 1234.5)["payload"] == {
+        **MODEL_DOC["payload"], "spes_sync": {"shared_codec": "int8", "delta_refresh": True}}
     # open admission leaves the document (and its hash) as it was; key admission adds its part
     assert recipe.swarm_document(config, 1234.5, recipe.AdmissionDoc(mode=recipe.AdmissionMode.OPEN)) == MODEL_DOC
     with_key = recipe.swarm_document(config, 1234.5, recipe.AdmissionDoc(mode=recipe.AdmissionMode.KEY, key_check=KEY_CHECK))

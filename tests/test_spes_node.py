@@ -232,9 +232,11 @@ def test_frozen_experts_get_no_gradient_and_can_be_stored_in_bf16(corpus: Corpus
 @pytest.mark.slow
 def test_bytes_per_sync_match_the_analytic_figure_and_unchanged_experts_are_never_resent(corpus: Corpus) -> None:
     """r = 2, ring: each node sends its shared weights to 2 neighbours, each owned expert to its
-    co-owner and serves the changed frozen copies assigned to it; a sync with nothing changed
-    moves no expert copy at all."""
-    config = SpesConfig(sync_every=1, merge_every=1, merge_until=0, replication=2)
+    co-owner and serves the changed frozen copies assigned to it (as int8 deltas, the defaults); a sync
+    with nothing changed moves no expert copy at all. Lossless mixing here: a mix in int8 with error
+    feedback changes the weights a little at every sync, trained or not."""
+    config = SpesConfig(sync_every=1, merge_every=1, merge_until=0, replication=2, shared_codec="fp32",
+                        expert_codec="fp32")
     optimizer = OptimizerConfig(algorithm="dsgd", lr=0.05, momentum=0.9)
 
     async def main() -> None:
@@ -251,7 +253,7 @@ def test_bytes_per_sync_match_the_analytic_figure_and_unchanged_experts_are_neve
         changed = [key for key in partition.experts
                    if all(records[o][key].version == sync_index for o in ownership.owners[key])]
         assert len(changed) == len(partition.experts)  # every expert was trained in that step
-        shared_bytes = message_nbytes(tensor_manifest(list(partition.shared), trainer), get_codec("fp32"))
+        shared_bytes = message_nbytes(tensor_manifest(list(partition.shared), trainer), get_codec(config.shared_codec))
         some_expert = next(iter(partition.experts.values()))
         expert_bytes = message_nbytes(tensor_manifest(list(some_expert), trainer), get_codec(config.expert_codec))
         refresh_bytes = message_nbytes(tensor_manifest(list(some_expert), trainer), get_codec(config.refresh_codec))
@@ -266,6 +268,7 @@ def test_bytes_per_sync_match_the_analytic_figure_and_unchanged_experts_are_neve
             assert abs(measured - analytic.total) <= 0.10 * analytic.total, (node.peer_id, measured, analytic)
             fetched = node.fetch_stats.fetched - fetched_before[node.peer_id]
             assert fetched == sum(1 for key in changed if node.peer_id not in ownership.owners[key])
+            assert node.fetch_stats.deltas == node.fetch_stats.fetched, "every refresh travelled as a delta"
 
         # nothing trained since: owners publish the same hashes, so no frozen copy moves
         versions = await directory.read()
@@ -336,10 +339,12 @@ def test_when_both_owners_of_an_expert_die_a_live_peer_continues_it_from_the_fre
         trained = await by_id["peer2"].trainer.tensors(names)
         assert not all(np.array_equal(trained[n], published[n]) for n in names)
         assert by_id["peer2"].records()[key].version > fresh.version
-        # peer3's frozen copy follows the new owner
+        # peer3's frozen copy follows the new owner: it is exactly the copy peer2 published (a sum of int8
+        # deltas, so within the codec's error of peer2's weights)
         copy = await by_id["peer3"].trainer.tensors(names)
-        image = codec_image([trained[n] for n in names], config.refresh_codec)
-        assert content_hash([copy[n] for n in names]) == content_hash(image)
+        assert content_hash([copy[n] for n in names]) == by_id["peer2"].records()[key].hash
+        for n in names:
+            np.testing.assert_allclose(copy[n], trained[n], rtol=0, atol=0.02 * np.abs(trained[n]).max())
         assert await by_id["peer2"].trainer.evaluate() < loss_before
         close(survivors)
 
@@ -349,12 +354,14 @@ def test_when_both_owners_of_an_expert_die_a_live_peer_continues_it_from_the_fre
 # ---- bad copies -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("lie", ["hash", "expert", "manifest"])
+@pytest.mark.parametrize("lie", ["hash", "expert", "manifest", "delta_hash", "delta_base", "delta_codec"])
 def test_a_copy_that_is_not_what_was_asked_for_is_refused_and_counted(corpus: Corpus, lie: str) -> None:
     """A peer listed as an owner answers a fetch with values that do not hash to what it declares,
-    with another expert, or with another manifest: the copy is refused, the error counted by kind,
-    and the local copy stays as it was."""
+    with another expert, with another manifest, or with a delta whose sum does not hash as declared,
+    that applies to another copy than the asker's, or that travels in another codec than the refresh
+    codec: the copy is refused, the error counted by kind, and the local copy stays as it was."""
     config = SpesConfig(replication=1)
+    delta = lie.startswith("delta")
 
     async def main() -> None:
         net, directory = InMemoryNetwork(), InMemoryExpertDirectory()
@@ -365,7 +372,10 @@ def test_a_copy_that_is_not_what_was_asked_for_is_refused_and_counted(corpus: Co
         names = node.partition.experts[key]
         sizes = {n: p.numel() for n, p in node.trainer.model.named_parameters()}
         values = {n: np.full(sizes[n], 0.5, np.float32) for n in names}
-        declared = content_hash(codec_image(list(values.values()), "bf16"))
+        declared = content_hash(codec_image(list(values.values()), config.image_codec))
+        held = node.records()[key].hash
+        if delta:  # a delta the asker's copy plus which is declared to hash to `declared`: it does not
+            declared = "f" * 64 if lie == "delta_hash" else declared
         await directory.publish("liar", {key: ExpertRecord(1, "f" * 64 if lie == "hash" else declared, True)})
         if lie == "manifest":
             values = {f"{n}.x": v for n, v in values.items()}
@@ -375,14 +385,19 @@ def test_a_copy_that_is_not_what_was_asked_for_is_refused_and_counted(corpus: Co
         async def serve(stream: Stream) -> None:
             await read_message(stream.read_exactly, expected=Expectation("spes-test", "c0ffee"), timeout=5)
             meta = {"expert": label, "version": 1, "hash": "f" * 64 if lie == "hash" else declared}
-            for frame in encode_message(values, get_codec("bf16"), swarm="spes-test", config_hash="c0ffee",
-                                        sender="liar", round=0, step=0, kind="expert", meta=meta):
+            kind, codec = "expert", get_codec(config.image_codec)
+            if delta:
+                meta["base"] = "e" * 64 if lie == "delta_base" else held
+                kind, codec = "delta", get_codec("bf16" if lie == "delta_codec" else config.refresh_codec)
+            for frame in encode_message(values, codec, swarm="spes-test", config_hash="c0ffee",
+                                        sender="liar", round=0, step=0, kind=kind, meta=meta):
                 await stream.write(frame)
 
         await liar.serve(FETCH_PROTOCOL, serve)
         before = await node.trainer.tensors(names)
         report = await node.sync(1, PeerRound(1.0, {}, ()))
-        kind = {"hash": "hash_mismatch", "expert": "bad_schema", "manifest": "manifest_mismatch"}[lie]
+        kind = {"hash": "hash_mismatch", "expert": "bad_schema", "manifest": "manifest_mismatch",
+                "delta_hash": "hash_mismatch", "delta_base": "bad_schema", "delta_codec": "unknown_codec"}[lie]
         assert report.refresh_skipped[key] == kind
         assert node.fetch_stats.errors[kind] == 1
         assert node.records()[key].version == 0

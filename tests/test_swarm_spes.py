@@ -179,7 +179,16 @@ def test_spes_settings_are_checked_with_one_line(tmp_path):
     assert recipe.spes is not None
     assert (recipe.spes.replication, recipe.spes.refresh_codec, recipe.spes.merge_until) == (1, "int8", 40)
     assert recipe.spes.expert_codec == "bf16"
-    assert SwarmSettings.from_doc(swarm_document(parse("--spes"), 1.0)).training.spes.expert_codec == "fp32"
+    defaults = SwarmSettings.from_doc(swarm_document(parse("--spes"), 1.0)).training.spes
+    # the defaults: int8 with error feedback everywhere, frozen copies refreshed by int8 deltas (<= 0.4x
+    # the reference SPES's bytes; docs/spes.md)
+    assert (defaults.expert_codec, defaults.shared_codec, defaults.refresh_codec, defaults.delta_refresh) == \
+        ("int8", "int8", "int8", True)
+    tuned = parse("--spes", "--spes-shared-codec", "fp32", "--no-spes-delta-refresh", "--spes-outer-lr", "0.7",
+                  "--spes-outer-momentum", "0.5", "--spes-anchor-every", "2")
+    spes = SwarmSettings.from_doc(swarm_document(tuned, 1.0)).training.spes
+    assert (spes.shared_codec, spes.delta_refresh, spes.outer_lr, spes.outer_momentum, spes.anchor_every) == \
+        ("fp32", False, 0.7, 0.5, 2)
     # without SPES the swarm document has no spes entry, so existing swarms keep their config hash
     assert "spes" not in swarm_document(parse(), 1.0)["payload"]
     assert SwarmSettings.from_doc(swarm_document(parse(), 1.0)).training.spes is None

@@ -1,23 +1,27 @@
-"""Error feedback for top-k: the sender keeps what top-k left out and adds it to the next step."""
+"""Error feedback: the sender keeps what a lossy codec left out of a message and adds it to the next."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
+from gossip.codecs.base import Codec
 from gossip.codecs.kernels import _flat_source, _from_float32
-from gossip.codecs.topk import TopKCodec
 
 
 class ErrorFeedback:
-    """The sender's memory of what top-k left out: one residual per tensor name.
+    """The sender's memory of what its codec (top-k, int8, fp16...) left out: one residual per tensor.
 
-    Each step sends top-k of (x + residual) and keeps the rest as the new residual, so over many
-    steps everything is sent eventually: the sum of what was sent plus the residual equals the sum
-    of the inputs. `compress` returns exactly what the receiver will decode (same dtype and shape);
-    pass those arrays to `encode_message` with the same `TopKCodec`.
+    Each message carries the codec's image of (x + residual) and keeps the rest as the new residual,
+    so over many messages nothing is lost: the sum of what was sent plus the residual equals the sum
+    of the inputs. Sound only for quantities that are summed over time (pseudo-gradients, updates,
+    differences), not for whole parameter vectors, whose residual would be added to a later, different
+    vector. `compress` returns exactly what the receiver will decode (same dtype and shape): offer those
+    arrays to the gossip peer, whose wire encoding in the same codec carries them unchanged.
     """
 
-    def __init__(self, codec: TopKCodec) -> None:
+    def __init__(self, codec: Codec) -> None:
         self.codec = codec
         self._residuals: dict[str, np.ndarray] = {}
 
@@ -38,6 +42,13 @@ class ErrorFeedback:
     def residual(self, name: str) -> np.ndarray | None:
         """What has not been sent yet for `name` (flat), or None before its first step."""
         return self._residuals.get(name)
+
+    def state(self) -> dict[str, np.ndarray]:
+        """Every residual by tensor name (for checkpoints: a restarted node sends what it still owed)."""
+        return dict(self._residuals)
+
+    def load_state(self, residuals: Mapping[str, np.ndarray]) -> None:
+        self._residuals = {name: np.asarray(r).reshape(-1).copy() for name, r in residuals.items()}
 
     def reset(self, name: str | None = None) -> None:
         """Forget the residual of one tensor, or of all of them."""

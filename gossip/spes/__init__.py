@@ -7,6 +7,7 @@ records under `<swarm>.experts`. docs/spes.md explains the scheme.
 """
 
 from gossip.spes.fetch import (
+    DELTA,
     EXPERT,
     FETCH,
     FETCH_PROTOCOL,
@@ -16,6 +17,7 @@ from gossip.spes.fetch import (
     FetchSkip,
     FetchStats,
     RefreshFailed,
+    ServedCopy,
 )
 from gossip.spes.merge import MERGE_NEIGHBOURS, expert_similarity, merge_layer, merge_partners
 from gossip.spes.rules import (
@@ -44,6 +46,7 @@ from gossip.spes.rules import (
 from gossip.spes.traffic import SyncTraffic, TrainingMemory, reference_sync_bytes, sync_bytes_sent, training_memory
 
 __all__ = [
+    "DELTA",
     "EXPERT",
     "FETCH",
     "FETCH_PROTOCOL",
@@ -60,6 +63,7 @@ __all__ = [
     "Ownership",
     "RecordsByPeer",
     "RefreshFailed",
+    "ServedCopy",
     "SpesConfig",
     "SyncTraffic",
     "TrainingMemory",

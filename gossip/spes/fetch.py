@@ -1,5 +1,8 @@
 """SPES's fetch protocol (`/murmur/spes/fetch/1`): one expert copy asked for by label and answered in
-the refresh codec with its version and hash, checked by the asker; over any `Transport`.
+the refresh codec with its version and hash, checked by the asker; over any `Transport`. With delta
+refreshes the asker names the hash of the copy it has, and an owner whose previous published copy has
+that hash answers with the compressed delta from it (kind `delta`, in the refresh codec) instead of the
+whole copy (kind `expert`, then in fp32); the asker adds it and checks the sum's hash.
 
 docs/spes.md ("The fetch protocol") describes the messages; `node.spes.node.SpesNode` asks and serves.
 """
@@ -44,7 +47,7 @@ from gossip.wire import (
 logger = logging.getLogger(__name__)
 
 FETCH_PROTOCOL = "/murmur/spes/fetch/1"
-FETCH, EXPERT, REJECT = "fetch", "expert", "reject"
+FETCH, EXPERT, DELTA, REJECT = "fetch", "expert", "delta", "reject"
 # A fetch request is a header without tensors: small limits, so a hostile asker cannot make us read much.
 REQUEST_LIMITS = replace(DEFAULT_LIMITS, max_header_bytes=16 << 10, max_tensors=1, max_payload_bytes=1,
                          max_decoded_bytes=1)
@@ -71,6 +74,7 @@ class FetchStats:
     bytes_received: int = 0
     served: int = 0
     fetched: int = 0
+    deltas: int = 0  # fetched as a delta from the copy held
     errors: collections.Counter[str] = field(default_factory=collections.Counter)  # refused input, by kind
     skipped: collections.Counter[str] = field(default_factory=collections.Counter)  # refreshes not done, by reason
     # fetch requests answered with a reject for their rate (RATE_LIMITED), not for being invalid
@@ -85,21 +89,36 @@ class RefreshFailed(Exception):
         self.reason = str(reason)
 
 
+@dataclass(frozen=True)
+class ServedCopy:
+    """What a holder answers: its copy (or, with `base`, the delta from the copy hashed `base`) and record."""
+
+    tensors: Mapping[str, np.ndarray]
+    record: ExpertRecord
+    base: str | None = None  # the hash the delta applies to; None: `tensors` is the whole copy
+
+
 class ExpertHolder(Protocol):
-    """What the serving side asks of the node: which experts it has, and the copy it serves of one."""
+    """What the serving side asks of the node: which experts it has, and the copy it serves of one
+    to an asker that has the copy hashed `have` (None: it names none)."""
 
     def holds(self, key: ExpertKey) -> bool: ...
 
-    async def served_copy(self, key: ExpertKey) -> tuple[Mapping[str, np.ndarray], ExpertRecord]: ...
+    async def served_copy(self, key: ExpertKey, have: str | None) -> ServedCopy: ...
 
 
 class ExpertFetch:
     """Both ends of the fetch protocol for one node; `stats` counts both directions."""
 
     def __init__(self, transport: Transport, settings: ExchangeSettings, refresh_codec: str,
-                 step: Callable[[], int]) -> None:
+                 step: Callable[[], int], *, deltas: bool = False) -> None:
         self._transport = transport
         self._settings = settings
+        self._deltas = deltas
+        # with deltas, whole copies travel exactly (they are sums of deltas, not codec images) and deltas
+        # in the refresh codec
+        self._copy_codec_name = "fp32" if deltas else refresh_codec
+        self._copy_codec = get_codec(self._copy_codec_name)
         self._refresh_codec_name = refresh_codec
         self._refresh_codec = get_codec(refresh_codec)
         self._step = step  # the node's current step, for the headers it sends
@@ -117,19 +136,25 @@ class ExpertFetch:
 
         await self._transport.serve(FETCH_PROTOCOL, handler)
 
-    async def fetch(self, source: str, key: ExpertKey, like: Mapping[str, np.ndarray],
-                    min_version: int) -> tuple[dict[str, np.ndarray], ExpertRecord]:
-        """Expert `key` from `source` in the refresh codec, shaped as `like` (its float32 tensors, in
-        hash order), checked against the hash it declares and at least `min_version` (the version the
-        directory showed). RefreshFailed says why not."""
+    async def fetch(self, source: str, key: ExpertKey, like: Mapping[str, np.ndarray], min_version: int,
+                    have: tuple[str, Mapping[str, np.ndarray]] | None = None,
+                    ) -> tuple[dict[str, np.ndarray], ExpertRecord]:
+        """Expert `key` from `source`, shaped as `like` (its float32 tensors, in hash order), checked
+        against the hash it declares and at least `min_version` (the version the directory showed).
+        `have` (with deltas): the hash and tensors of the copy this node holds, which a delta applies
+        to. RefreshFailed says why not."""
         expected = Expectation(self._settings.swarm, self._settings.config_hash,
                                tuple(TensorSpec(n, "float32", a.shape) for n, a in like.items()),
-                               frozenset({self._refresh_codec_name}), admit=self._settings.admission.admit)
+                               frozenset({self._copy_codec_name, self._refresh_codec_name}),
+                               admit=self._settings.admission.admit)
+        meta: dict[str, MetaValue] = {"expert": expert_label(key)}
+        if self._deltas and have is not None:
+            meta["have"] = have[0]
         try:
             async with asyncio.timeout(self._settings.exchange_timeout_s):
                 stream = MessageStream(await self._transport.open_stream(source, FETCH_PROTOCOL), self._accounting)
                 try:
-                    await stream.send(self._frames({}, FETCH, {"expert": expert_label(key)}, get_codec("fp32")))
+                    await stream.send(self._frames({}, FETCH, meta, get_codec("fp32")))
                     try:
                         reply = await stream.read(_limits_for(like), None)
                     except Truncated:
@@ -149,13 +174,25 @@ class ExpertFetch:
             if reply.header.kind == REJECT:
                 raise RefreshFailed(FetchSkip.REJECTED, str(reply.header.meta.get("error", "unspecified")))
             check_expectation(reply.header, expected)
-            if reply.header.kind != EXPERT or reply.header.meta.get("expert") != expert_label(key):
-                raise BadSchema(f"expected expert {expert_label(key)}, got a {reply.header.kind!r} message "
+            kind = reply.header.kind
+            if kind not in (EXPERT, DELTA) or reply.header.meta.get("expert") != expert_label(key):
+                raise BadSchema(f"expected expert {expert_label(key)}, got a {kind!r} message "
                                 f"for {reply.header.meta.get('expert')!r}")
+            wanted = self._refresh_codec_name if kind == DELTA else self._copy_codec_name
+            if reply.header.codec != wanted:
+                raise BadSchema(f"an {kind} reply must travel in {wanted}, got {reply.header.codec}")
             version, declared = reply.header.meta.get("version"), reply.header.meta.get("hash")
             if not isinstance(version, int) or not isinstance(declared, str):
                 raise BadSchema("an expert reply must carry an integer version and a string hash in meta")
-            got = content_hash([reply.tensors[n] for n in like])
+            tensors = reply.tensors
+            if kind == DELTA:
+                if have is None or reply.header.meta.get("base") != have[0]:
+                    raise BadSchema(f"a delta for a copy hashed {str(reply.header.meta.get('base'))[:12]}, "
+                                    "not the one asked from")
+                # float32 sums in the same order as the owner's: the same bits, so the hash can match
+                tensors = {n: (np.asarray(have[1][n], np.float32).reshape(t.shape) + t).astype(np.float32)
+                           for n, t in reply.tensors.items()}
+            got = content_hash([tensors[n] for n in like])
             if got != declared:
                 raise ExpertHashMismatch(f"expert {expert_label(key)} hashes to {got[:12]}, declared {declared[:12]}")
             record = ExpertRecord(version, declared, False)
@@ -169,7 +206,9 @@ class ExpertFetch:
             raise RefreshFailed(FetchSkip.STALE,
                                 f"{source} sent version {record.version}, the directory shows {min_version}")
         self.stats.fetched += 1
-        return reply.tensors, record
+        if kind == DELTA:
+            self.stats.deltas += 1
+        return tensors, record
 
     async def _serve(self, stream: MessageStream, holder: ExpertHolder) -> None:
         peer = stream.remote_peer
@@ -188,11 +227,15 @@ class ExpertFetch:
                     key = None
                 if key is None or not holder.holds(key):
                     raise BadSchema(f"fetch request for unknown expert {label!r}")
-                tensors, record = await holder.served_copy(key)
-                if self._may_serve(peer, key, record.version):
-                    await stream.send(self._frames(tensors, EXPERT,
-                                                   {"expert": label, "version": record.version,
-                                                    "hash": record.hash}, self._refresh_codec))
+                have = request.header.meta.get("have")
+                copy = await holder.served_copy(key, have if isinstance(have, str) and self._deltas else None)
+                if self._may_serve(peer, key, copy.record.version):
+                    meta: dict[str, MetaValue] = {"expert": label, "version": copy.record.version,
+                                                  "hash": copy.record.hash}
+                    if copy.base is not None:
+                        meta["base"] = copy.base
+                    await stream.send(self._frames(copy.tensors, DELTA if copy.base is not None else EXPERT, meta,
+                                                   self._refresh_codec if copy.base is not None else self._copy_codec))
                     self.stats.served += 1
                 else:
                     self.stats.refused[RATE_LIMITED] += 1

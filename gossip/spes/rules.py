@@ -54,8 +54,20 @@ class SpesConfig:
     merge_until: int = 0  # D: no merging from step D on; 0 turns the warm-up off
     alpha0: float = 0.1  # merge strength at step 0
     replication: int = 2  # r: owners per expert where peers and capacities allow
-    expert_codec: str = "fp32"  # co-owners mix their expert in this codec
-    refresh_codec: str = "bf16"  # frozen copies travel (and are hashed) in this codec
+    # Each sync is an outer step per group (shared weights; each owned expert) over gossip, compressed
+    # with error feedback (node.training.outer_group): the pseudo-gradients mixed in the group's codec,
+    # the anchors every `anchor_every`-th sync; at outer lr 1 without momentum (the defaults) one
+    # message per group per sync, the weights themselves, as plain SPES mixes them.
+    shared_codec: str = "int8"  # the shared weights travel in this codec
+    expert_codec: str = "int8"  # co-owners mix their expert in this codec
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
+    anchor_every: int = 1
+    # delta_refresh: frozen copies are refreshed with the owner's delta in refresh_codec since the copy
+    # the asker holds (the owner's published copy is the sum of its deltas, so the asker's sum hashes the
+    # same); a whole copy travels in fp32. Off: whole copies travel (and are hashed) in refresh_codec.
+    refresh_codec: str = "int8"
+    delta_refresh: bool = True
     refresh_every: int = 1  # frozen copies are refreshed (when changed) at every this-many-th sync
     frozen_bf16: bool = False  # store frozen experts in bfloat16 on the node
 
@@ -70,14 +82,26 @@ class SpesConfig:
                              f"({self.sync_every}), so that every merge follows a sync")
         if not (math.isfinite(self.alpha0) and 0.0 <= self.alpha0 <= 1.0):
             raise ValueError(f"spes config: alpha0 must be in [0, 1], got {self.alpha0!r}")
-        if self.expert_codec not in CODEC_TYPES or self.expert_codec == "topk":
-            raise ValueError(f"spes config: expert_codec must be one of {REFRESH_CODECS}, got {self.expert_codec!r}")
+        for name in ("shared_codec", "expert_codec"):
+            if getattr(self, name) not in CODEC_TYPES or getattr(self, name) == "topk":
+                raise ValueError(f"spes config: {name} must be one of {REFRESH_CODECS}, got {getattr(self, name)!r}")
+        if not (math.isfinite(self.outer_lr) and 0.0 < self.outer_lr <= 10.0):
+            raise ValueError(f"spes config: outer_lr must be in (0, 10], got {self.outer_lr!r}")
+        if not 0.0 <= self.outer_momentum < 1.0:
+            raise ValueError(f"spes config: outer_momentum must be in [0, 1), got {self.outer_momentum!r}")
+        if self.anchor_every < 0:
+            raise ValueError(f"spes config: anchor_every must be >= 0, got {self.anchor_every!r}")
         if self.refresh_codec not in REFRESH_CODECS:
             raise ValueError(f"spes config: refresh_codec must be one of {REFRESH_CODECS}, got {self.refresh_codec!r}")
 
     def syncs_after(self, step: int) -> bool:
         """Whether the step that brought the trainer to `step` completed steps ends with a sync."""
         return step > 0 and step % self.sync_every == 0
+
+    @property
+    def image_codec(self) -> str:
+        """The codec a whole copy travels and is hashed in: exact with delta refreshes."""
+        return "fp32" if self.delta_refresh else self.refresh_codec
 
     def refreshes_at(self, sync_index: int) -> bool:
         return sync_index % self.refresh_every == 0

@@ -32,6 +32,7 @@ READY_TIMEOUT_S = 180.0  # a loaded 2-core machine imports torch and hivemind in
 STOP_TIMEOUT_S = 15.0
 POLL_S = 1.0
 STALL_TIMEOUT_S = 300.0  # no node made a step for this long: the demo gives up and says why
+DEMO_DILOCO_LOCAL_STEPS = 20  # --optimizer diloco without --local-steps: 5 outer steps in the default 100
 
 
 class DemoFailed(Exception):
@@ -50,6 +51,7 @@ class DemoOptions:
     as_json: bool = False
     workdir: Path | None = None  # None: a temporary directory, removed at the end
     spes: bool = False
+    recipe_flags: tuple[str, ...] = ()  # more of the founder's recipe flags (--codec, diloco's knobs)
 
 
 @dataclass
@@ -85,6 +87,7 @@ def node_args(options: DemoOptions, index: int, data_dir: Path, swarm: str, foun
             recipe += ["--lr", str(options.lr)]
         if options.spes:
             recipe += ["--spes"]
+        recipe += list(options.recipe_flags)
         return [murmur, "node", *common, *recipe, "--seed", "0"]
     # a joiner takes the swarm's recipe, but runs a model given by import path only if it names it too
     return [murmur, "join", *common, "--peers", founder.maddrs[0], "--invite", founder.invite, "--model", options.model]
@@ -246,7 +249,27 @@ def summarize(options: DemoOptions, nodes: Sequence[DemoNode], workdir: Path) ->
     averaged = loss_of(_spes_average(model, nodes, finals) if options.spes else average_tensors(finals))
     return {"initial_val_loss": initial, "averaged_val_loss": averaged, "nodes": per_node,
             "model": options.model, "optimizer": options.optimizer, "topology": options.topology,
-            "steps": options.steps, "spes": options.spes}
+            "steps": options.steps, "spes": options.spes, "recipe_flags": list(options.recipe_flags),
+            "traffic": traffic_summary(options, model, per_node)}
+
+
+def traffic_summary(options: DemoOptions, model: torch.nn.Module, per_node: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Bytes per node per step (sent + received, mean over nodes) next to what the default demo (DAdam,
+    fp32, a round every step) moves for the same model, nodes and topology, analytically
+    (gossip.diloco.round_bytes over one period of the topology's rounds)."""
+    from gossip.codecs import get_codec
+    from gossip.diloco import RoundMessages, round_bytes
+    from topology import MembershipView, build_topology, peer_round
+
+    measured = sum(n["bytes_sent"] + n["bytes_received"] for n in per_node) / max(1, len(per_node)) / options.steps
+    specs = {name: ((p.numel(),), np.float32) for name, p in model.named_parameters()}
+    view = MembershipView.of(f"peer{i:03d}" for i in range(options.nodes))
+    topology = build_topology(options.topology, view.n)
+    rounds = [round_bytes(specs, get_codec("fp32"), RoundMessages.of(peer_round(topology, view, me, r), me)).total
+              for r in range(topology.period) for me in view.peer_ids]
+    baseline = sum(rounds) / len(rounds)
+    return {"bytes_per_node_per_step": measured, "default_demo_bytes_per_node_per_step": baseline,
+            "ratio_to_default": measured / baseline if baseline else None}
 
 
 def _spes_average(
@@ -275,6 +298,11 @@ def summary_text(summary: dict[str, Any]) -> str:
                      f"{n['bytes_received'] / 1e6:>8.1f}")
     lines.append(f"validation loss before training: {summary['initial_val_loss']:.4f}")
     lines.append(f"validation loss of the averaged model: {summary['averaged_val_loss']:.4f}")
+    traffic = summary.get("traffic") or {}
+    if traffic.get("ratio_to_default") is not None:
+        lines.append(f"bytes per node per step: {traffic['bytes_per_node_per_step'] / 1e6:.3f} MB, "
+                     f"{traffic['ratio_to_default']:.3f}x the default demo's (DAdam, fp32: "
+                     f"{traffic['default_demo_bytes_per_node_per_step'] / 1e6:.3f} MB)")
     return "\n".join(lines)
 
 

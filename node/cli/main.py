@@ -24,9 +24,9 @@ from node.config import (
     ENV_CONFIG_FILE,
     HF_PRESET_NAMES,
     NODE,
-    NODE_CODECS,
     OPTIMIZERS,
     SETTINGS_BY_KEY,
+    STATE_CODECS,
     Boolean,
     Choice,
     Command,
@@ -139,7 +139,7 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = OneLineErrorParse
     sim.add_argument("--churn", type=probability, default=0.0,
                      help="per-round probability that a peer leaves; as many new peers join (default 0)")
     sim.add_argument("--dim", type=positive_int, default=1000, help="parameters per peer (default 1000)")
-    sim.add_argument("--codec", choices=NODE_CODECS, default="fp32", help="wire codec (default fp32)")
+    sim.add_argument("--codec", choices=STATE_CODECS, default="fp32", help="wire codec (default fp32)")
     sim.add_argument("--mixing", choices=MIXING_KINDS, default="weighted",
                      help="mixing rule (default weighted)")
     sim.add_argument("--tau", type=_number(float, lo=1e-12), help="clipping radius for --mixing clipped")
@@ -297,21 +297,49 @@ def _add_demo_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
                       help="sequences per step on each node (default 16)")
     demo.add_argument("--spes", action="store_true",
                       help="sparse expert sync of the experts (SPES): --model moe or hf-tiny-mixtral")
+    recipe = demo.add_argument_group("the swarm's recipe, as `murmur node` takes it (--optimizer diloco's knobs and "
+                                     "the codec); default: the node's, --local-steps 20 with diloco")
+    for key in DEMO_RECIPE_KEYS:
+        _add_setting_flag(recipe, SETTINGS_BY_KEY[key])
     demo.add_argument("--dir", type=Path, help="keep node logs and checkpoints in this directory")
     demo.add_argument("--json", action="store_true",
-                      help="end with one JSON object: initial_val_loss, averaged_val_loss and nodes (peer_id, "
-                      "val_loss, steps, bytes_sent, bytes_received, trainable_params, optimizer_state_bytes)")
+                      help="end with one JSON object: initial_val_loss, averaged_val_loss, nodes (peer_id, "
+                      "val_loss, steps, bytes_sent, bytes_received, trainable_params, optimizer_state_bytes) and "
+                      "traffic (bytes_per_node_per_step, default_demo_bytes_per_node_per_step, ratio_to_default)")
     demo.set_defaults(run=_run_demo)
+
+
+# recipe settings `murmur demo` passes through to its founder
+DEMO_RECIPE_KEYS = ("gossip.codec", "gossip.topk_ratio", "training.local_steps", "training.fragments",
+                    "training.overlap", "training.outer_lr", "training.outer_momentum", "training.qsr_alpha",
+                    "training.anchor_every", "training.anchor_codec", "training.inner_optimizer",
+                    "training.final_merge")
 
 
 def _run_demo(args: argparse.Namespace) -> int:
     if args.spes and args.model not in (Model.MOE, "hf-tiny-mixtral"):
         raise UsageError(f"--spes: SPES syncs the experts of an MoE model (moe, hf-tiny-mixtral); --model {args.model} has none")
-    from node.cli.demo import DemoOptions, run_demo
+    from node.cli.demo import DEMO_DILOCO_LOCAL_STEPS, DemoOptions, run_demo
 
+    given = {SETTINGS_BY_KEY[key]: vars(args)[SETTINGS_BY_KEY[key].dest] for key in DEMO_RECIPE_KEYS
+             if SETTINGS_BY_KEY[key].dest in vars(args)}
+    local_steps = SETTINGS_BY_KEY["training.local_steps"]
+    if args.optimizer == "diloco" and local_steps not in given:
+        given[local_steps] = str(DEMO_DILOCO_LOCAL_STEPS)
+    # the founder's own checks, so a bad combination exits 2 here rather than in a node
+    merge_layers(read_flags({**given, SETTINGS_BY_KEY["training.optimizer"]: args.optimizer,
+                             SETTINGS_BY_KEY["training.spes"]: args.spes,
+                             SETTINGS_BY_KEY["training.model"]: str(args.model)}))
+    flags: list[str] = []
+    for setting, value in given.items():
+        if isinstance(value, bool):
+            flags.append(setting.flag if value else f"--no-{setting.flag[2:]}")
+        else:
+            flags += [setting.flag, str(value)]
     return run_demo(DemoOptions(nodes=args.nodes, steps=args.steps, topology=args.topology, optimizer=args.optimizer,
                                 model=args.model, lr=args.lr, batch_size=args.batch_size, as_json=args.json,
-                                workdir=args.dir.absolute() if args.dir else None, spes=args.spes))
+                                workdir=args.dir.absolute() if args.dir else None, spes=args.spes,
+                                recipe_flags=tuple(flags)))
 
 
 _PRECEDENCE = (

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import tomllib
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
@@ -162,9 +162,35 @@ def _check_combinations(merged: Mapping[str, Sourced]) -> None:
         raise ConfigError(f"{source('training.spes_merge_every')}: the merge interval "
                           f"{current('training.spes_merge_every')} must be a multiple of the sync interval "
                           f"{current('training.spes_sync_every')} (--spes-sync-every)")
+    _check_diloco(current, source)
     if current("gossip.topology.name") == "custom" and not current("gossip.topology.edges"):
         raise ConfigError(f"{source('gossip.topology.name')}: the custom topology needs an edge list: "
                           "set --edges, MURMUR_EDGES or gossip.topology.edges")
+
+
+DILOCO_ONLY = ("training.outer_lr", "training.outer_momentum", "training.fragments", "training.overlap",
+               "training.qsr_alpha", "training.anchor_every", "training.anchor_codec", "training.inner_optimizer")
+
+
+def _check_diloco(current: Callable[[str], object], source: Callable[[str], str]) -> None:
+    """--codec topk only where it is sound (DiLoCo's pseudo-gradients); DiLoCo's knobs only with it."""
+    diloco = current("training.optimizer") == "diloco"
+    if current("gossip.codec") == "topk" and not diloco:
+        raise ConfigError(f"{source('gossip.codec')}: top-k sends a few entries of each tensor and drops the rest, "
+                          f"which is sound only on differences with error feedback (--optimizer diloco's "
+                          f"pseudo-gradients); --optimizer {current('training.optimizer')} gossips whole parameters: "
+                          "use fp32, fp16, bf16 or int8")
+    if current("gossip.codec") == "topk" and current("training.spes"):
+        raise ConfigError(f"{source('gossip.codec')}: SPES mixes its shared weights as whole parameters; "
+                          "top-k is not sound there: use fp32, fp16, bf16 or int8")
+    for key in DILOCO_ONLY:
+        if not diloco and current(key) != setting_value(DEFAULTS, key):
+            raise ConfigError(f"{source(key)}: {SETTINGS_BY_KEY[key].flag} is a knob of --optimizer diloco; "
+                              f"the optimizer here is {current('training.optimizer')}")
+    if diloco and current("training.fragments") > current("training.local_steps"):  # type: ignore[operator]
+        raise ConfigError(f"{source('training.fragments')}: {current('training.fragments')} fragments cannot "
+                          f"sync at distinct steps of a {current('training.local_steps')}-step phase: use at most "
+                          "--local-steps fragments")
 
 
 def _replaced(obj: _Config, values: Mapping[str, object]) -> _Config:

@@ -79,7 +79,8 @@ class GossipConfig:
     """How the node mixes its parameters with its neighbours."""
 
     topology: TopologySpec = DEFAULT_TOPOLOGY
-    codec: str = "fp32"  # wire codec of the exchanged tensors
+    codec: str = "fp32"  # wire codec of the exchanged tensors (diloco: of the pseudo-gradients)
+    topk_ratio: float = 0.01  # --codec topk: fraction of each tensor's entries sent
     round_interval_s: float = 1.0  # time between the starts of two gossip rounds
     exchange_timeout_s: float = 5.0  # one exchange with one neighbour, after which it counts as missing
     max_staleness_rounds: int = 2  # a neighbour's parameters at most this many rounds old are mixed
@@ -99,6 +100,16 @@ class TrainingConfig:
     steps: int = 0  # steps to train; 0: until stopped (the LR schedule then stays flat after warm-up)
     local_steps: int = 1  # H: steps between gossip rounds
     micro_batches: int = 1  # k: gradient accumulation
+    # gossip DiLoCo (--optimizer diloco; docs/training.md): the outer step, fragments, overlap, QSR, anchors
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    fragments: int = 1  # P
+    overlap: bool = False
+    qsr_alpha: float = 0.0  # 0: constant H
+    anchor_every: int = 1  # mix anchors at every this-many-th sync; 0: never
+    anchor_codec: str = "int8"
+    inner_optimizer: str = "adam"  # adam (AdamW, DiLoCo's) or sgd
+    final_merge: str = "auto"  # auto (on for diloco), on, off
     batch_size: int = 16  # sequences per micro-batch on each node
     context: int = 128  # tokens per sequence
     data: Path | None = None  # text/jsonl/parquet shards (a directory, file or glob); None: the embedded corpus
@@ -117,8 +128,13 @@ class TrainingConfig:
     spes_merge_until: int = 0  # D; 0: no merge warm-up
     spes_alpha0: float = 0.1
     spes_replication: int = 2  # r
-    spes_refresh_codec: str = "bf16"
-    spes_expert_codec: str = "fp32"  # co-owners mix their experts in this codec
+    spes_refresh_codec: str = "int8"  # the codec of the deltas frozen copies are refreshed with
+    spes_expert_codec: str = "int8"  # co-owners mix their experts in this codec (error feedback)
+    spes_shared_codec: str = "int8"  # neighbours mix the shared weights in this codec (error feedback)
+    spes_delta_refresh: bool = True  # frozen copies are refreshed with compressed deltas
+    spes_outer_lr: float = 1.0  # the outer step of each sync (1.0 and no momentum: plain mixing)
+    spes_outer_momentum: float = 0.0
+    spes_anchor_every: int = 1
     experts: int | None = None  # experts per MoE layer this node trains; None: all (CPU) or by free GPU memory
 
     @property

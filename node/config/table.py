@@ -71,12 +71,17 @@ EMBEDDED_MODEL_NAMES = (Model.MOE, Model.DENSE)
 HF_PRESET_NAMES = ("hf-tiny-llama", "hf-tiny-mixtral")
 HF_DENSE_PRESETS = ("hf-tiny-llama",)
 VECTOR_MODEL = Model.VECTOR
-NODE_CODECS = ("fp32", "fp16", "bf16", "int8")
-SPES_REFRESH_CODECS = ("bf16", "int8")  # what --spes-refresh-codec offers (gossip.spes takes fp32/fp16 too)
+NODE_CODECS = ("fp32", "fp16", "bf16", "int8", "topk")
+# codecs for whole parameter vectors: top-k (a few entries, the rest dropped) is sound only on
+# differences with error feedback (gossip DiLoCo's pseudo-gradients), so it is refused elsewhere
+STATE_CODECS = ("fp32", "fp16", "bf16", "int8")
+SPES_REFRESH_CODECS = ("fp16", "bf16", "int8")  # what --spes-refresh-codec offers (gossip.spes takes fp32 too)
 SPES_EXPERT_CODECS = ("fp32", "fp16", "bf16", "int8")  # what --spes-expert-codec offers
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 ADMISSION_MODES = ("open", "key", "allowlist")  # node.training.recipe.AdmissionMode
-OPTIMIZERS = ("dsgd", "dadam")
+OPTIMIZERS = ("dsgd", "dadam", "diloco")
+FINAL_MERGE = ("auto", "on", "off")
+INNER_OPTIMIZERS = ("adam", "sgd")
 DEVICES_HELP = "auto, cpu, cuda or cuda:N"
 PRECISION_NAMES = ("auto", "fp32", "bf16", "fp16")
 
@@ -200,7 +205,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("monitor.port", Integer(0, 65535, noun="port", metavar="PORT"), "MURMUR_MONITOR_PORT",
             "--monitor-port", "TCP port of the monitor page; 0 picks a free one", MONITOR_CLIENTS),
     Setting("gossip.codec", Choice("codec", NODE_CODECS, metavar="CODEC"), "MURMUR_CODEC", "--codec",
-            "wire codec of the exchanged parameters", NODE),
+            "wire codec of what the swarm exchanges: the parameters (dsgd, dadam) or DiLoCo's pseudo-gradients, "
+            "with error feedback for the lossy ones; topk only with --optimizer diloco (the swarm's)", NODE),
+    Setting("gossip.topk_ratio", Number(0.0, lo_open=True, hi=1.0, metavar="RATIO"), "MURMUR_TOPK_RATIO",
+            "--topk-ratio", "fraction of each tensor's entries --codec topk sends (the swarm's)", NODE),
     Setting("gossip.round_interval_s", Number(0.0, lo_open=True, metavar="S"), "MURMUR_ROUND_INTERVAL",
             "--round-interval", "seconds between the starts of two gossip rounds", NODE),
     Setting("gossip.exchange_timeout_s", Number(0.0, lo_open=True, metavar="S"), "MURMUR_EXCHANGE_TIMEOUT",
@@ -238,8 +246,9 @@ SETTINGS: tuple[Setting, ...] = (
             "by import path; a joiner takes the swarm's, and runs a builder only if its own --model names the "
             "same one", NODE),
     Setting("training.optimizer", Choice("optimizer", OPTIMIZERS, metavar="OPTIMIZER"), "MURMUR_OPTIMIZER",
-            "--optimizer", "dsgd (adapt-then-combine) or dadam (decentralized Adam, exchange overlapped "
-            "with compute); a joiner takes the swarm's", NODE),
+            "--optimizer", "dsgd (adapt-then-combine), dadam (decentralized Adam, exchange overlapped "
+            "with compute) or diloco (gossip DiLoCo: --local-steps of local AdamW, then an outer Nesterov "
+            "step on the pseudo-gradients mixed with the neighbours); a joiner takes the swarm's", NODE),
     Setting("training.lr", Number(0.0, lo_open=True, metavar="LR"), "MURMUR_LR", "--lr",
             "peak learning rate (the swarm's)", NODE),
     Setting("training.warmup_steps", _NONNEG, "MURMUR_WARMUP", "--warmup-steps",
@@ -249,6 +258,33 @@ SETTINGS: tuple[Setting, ...] = (
             "keeps serving its parameters until stopped (the swarm's)", NODE),
     Setting("training.local_steps", Integer(1, noun="local steps"), "MURMUR_LOCAL_STEPS", "--local-steps",
             "H: optimizer steps between gossip rounds (the swarm's)", NODE),
+    Setting("training.outer_lr", Number(0.0, lo_open=True, hi=10.0, metavar="LR"), "MURMUR_OUTER_LR", "--outer-lr",
+            "diloco: outer learning rate of the Nesterov step on the mixed pseudo-gradient (the swarm's)", NODE),
+    Setting("training.outer_momentum", Number(0.0, hi=1.0, hi_open=True, metavar="MU"), "MURMUR_OUTER_MOMENTUM",
+            "--outer-momentum", "diloco: Nesterov momentum of the outer step; each node keeps its own buffer "
+            "(the swarm's)", NODE),
+    Setting("training.fragments", Integer(1, 64, noun="fragments"), "MURMUR_FRAGMENTS", "--fragments",
+            "diloco: P, fragments of the model synced at staggered inner steps, so about 1/P of it is in "
+            "flight at a time; at most --local-steps (the swarm's)", NODE),
+    Setting("training.overlap", Boolean(), "MURMUR_OVERLAP", "--overlap",
+            "diloco: run each outer exchange while the next phase computes and apply its outer step one "
+            "phase late, so a slow link hides behind compute (the swarm's)", NODE),
+    Setting("training.qsr_alpha", Number(0.0, metavar="ALPHA"), "MURMUR_QSR_ALPHA", "--qsr-alpha",
+            "diloco: grow the sync period as the learning rate decays, H = max(--local-steps, "
+            "floor((ALPHA / lr)^2)) after the warm-up (quadratic synchronisation rule); 0: constant H "
+            "(the swarm's)", NODE),
+    Setting("training.anchor_every", _NONNEG, "MURMUR_ANCHOR_EVERY", "--anchor-every",
+            "diloco: mix the anchors (the models as of the last outer step) with the neighbours at every "
+            "this-many-th sync too, which keeps the nodes together; 0: never (the swarm's)", NODE),
+    Setting("training.anchor_codec", Choice("anchor codec", STATE_CODECS, metavar="CODEC"), "MURMUR_ANCHOR_CODEC",
+            "--anchor-codec", "diloco: codec the anchors travel in, with error feedback (the swarm's)", NODE),
+    Setting("training.inner_optimizer", Choice("inner optimizer", INNER_OPTIMIZERS, metavar="OPTIMIZER"),
+            "MURMUR_INNER_OPTIMIZER", "--inner-optimizer",
+            "diloco: the inner steps' optimizer, adam (AdamW, DiLoCo's) or sgd (local SGD; --lr as dsgd's) "
+            "(the swarm's)", NODE),
+    Setting("training.final_merge", Choice("final merge", FINAL_MERGE, metavar="WHEN"), "MURMUR_FINAL_MERGE",
+            "--final-merge", "at the end of the step budget every node averages the final models of all live "
+            "peers once, so the swarm ends on one model; auto: on for diloco, off otherwise (the swarm's)", NODE),
     Setting("training.micro_batches", Integer(1, noun="micro-batches"), "MURMUR_MICRO_BATCHES",
             "--micro-batches", "k: micro-batches accumulated per step (the swarm's)", NODE),
     Setting("training.batch_size", Integer(1, noun="batch size"), "MURMUR_BATCH_SIZE", "--batch-size",
@@ -296,10 +332,26 @@ SETTINGS: tuple[Setting, ...] = (
             "--spes-replication", "r: owners per expert where peers and capacities allow (the swarm's)", NODE),
     Setting("training.spes_refresh_codec", Choice("refresh codec", SPES_REFRESH_CODECS, metavar="CODEC"),
             "MURMUR_SPES_REFRESH_CODEC", "--spes-refresh-codec",
-            "codec frozen expert copies travel and are hashed in (the swarm's)", NODE),
+            "codec of the deltas frozen expert copies are refreshed with (without delta refresh: of the "
+            "copies, which are hashed in it) (the swarm's)", NODE),
     Setting("training.spes_expert_codec", Choice("expert codec", SPES_EXPERT_CODECS, metavar="CODEC"),
             "MURMUR_SPES_EXPERT_CODEC", "--spes-expert-codec",
-            "codec co-owners mix their experts in; int8 or bf16 cut the traffic of r >= 2 (the swarm's)", NODE),
+            "codec co-owners mix their experts in, with error feedback (the swarm's)", NODE),
+    Setting("training.spes_shared_codec", Choice("shared codec", SPES_EXPERT_CODECS, metavar="CODEC"),
+            "MURMUR_SPES_SHARED_CODEC", "--spes-shared-codec",
+            "codec topology neighbours mix the shared weights in, with error feedback (the swarm's; SPES "
+            "ignores --codec)", NODE),
+    Setting("training.spes_delta_refresh", Boolean(), "MURMUR_SPES_DELTA_REFRESH", "--spes-delta-refresh",
+            "refresh frozen copies with the owner's compressed delta (in --spes-refresh-codec) since the copy "
+            "held; off: whole copies in --spes-refresh-codec (the swarm's)", NODE),
+    Setting("training.spes_outer_lr", Number(0.0, lo_open=True, hi=10.0, metavar="LR"), "MURMUR_SPES_OUTER_LR",
+            "--spes-outer-lr", "outer learning rate of each sync's step on the mixed pseudo-gradients; 1 with "
+            "no momentum is plain mixing (the swarm's)", NODE),
+    Setting("training.spes_outer_momentum", Number(0.0, hi=1.0, hi_open=True, metavar="MU"),
+            "MURMUR_SPES_OUTER_MOMENTUM", "--spes-outer-momentum",
+            "Nesterov momentum of each sync's outer step (the swarm's)", NODE),
+    Setting("training.spes_anchor_every", _NONNEG, "MURMUR_SPES_ANCHOR_EVERY", "--spes-anchor-every",
+            "mix the anchors at every this-many-th sync (0: never) (the swarm's)", NODE),
     Setting("training.experts", Integer(1, noun="experts"), "MURMUR_EXPERTS", "--experts",
             "SPES capacity: experts per MoE layer this node trains (this node's own)", NODE, optional=True,
             default_text="all on CPU; on CUDA as many as fit in half the free GPU memory (docs/spes.md)"),

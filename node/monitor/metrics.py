@@ -30,6 +30,9 @@ METRIC_NAMES = (
     "murmur_tokens_per_second",
     "murmur_consensus_distance",
     "murmur_experts_owned",
+    "murmur_bytes_per_token",
+    "murmur_outer_step",
+    "murmur_fragments_in_flight",
     "murmur_topology_rho",
     "murmur_monitor_bad_requests_total",
     "murmur_monitor_refused_total",
@@ -81,6 +84,14 @@ class NodeCollector(Collector):
                                 "the node's estimate of its distance to the swarm's average")):
             yield _optional(GaugeMetricFamily(name, doc, labels=[]), s[key])
         yield GaugeMetricFamily("murmur_experts_owned", "experts this node owns", value=len(s["experts"]))
+        training = s.get("training") or {}
+        outer = training.get("diloco") or {}
+        yield _optional(GaugeMetricFamily("murmur_bytes_per_token", "gossip bytes sent and received per training "
+                                          "token", labels=[]), training.get("bytes_per_token"))
+        yield _optional(GaugeMetricFamily("murmur_outer_step", "gossip DiLoCo: outer steps taken", labels=[]),
+                        outer.get("outer_step"))
+        yield _optional(GaugeMetricFamily("murmur_fragments_in_flight", "gossip DiLoCo: fragment exchanges "
+                                          "running", labels=[]), outer.get("fragments_in_flight"))
         yield _optional(GaugeMetricFamily("murmur_topology_rho", "rho of the current round's topology", labels=[]), rho)
         yield CounterMetricFamily("murmur_monitor_bad_requests", "monitor requests refused with 400",
                                   value=self._bad_requests())

@@ -43,7 +43,7 @@ async def write_checkpoint(runtime: NodeRuntime, path: Path) -> None:
     `checkpoint_failed` and the previous checkpoint is kept."""
     peer, training = runtime.peer, runtime.training
     assert peer is not None, "a checkpoint is written once the gossip peer exists"
-    tensors = await training.trainer.state() if training is not None else peer.tensors
+    tensors = await training.state() if training is not None else peer.tensors
     step = training.trainer.step if training is not None else peer.step
     meta: dict[str, str | int | float] = {"round": peer.round, "step": step, **swarm_meta(runtime),
                                           **(training.checkpoint_meta() if training is not None else {})}

@@ -110,12 +110,12 @@ class NodeRuntime:
         return {"loss": None, "val_loss": None, "tokens_per_s": None, "consensus_distance": distance}
 
     def _traffic(self) -> tuple[int, int]:
-        """Bytes sent and received: the main gossip peer's, plus SPES's own protocols when SPES trains."""
+        """Bytes sent and received: the main gossip peer's, plus the training's own protocols (SPES, DiLoCo)."""
         peer = self.peer
         sent, received = (peer.stats.bytes_sent, peer.stats.bytes_received) if peer else (0, 0)
-        spes = self.training.spes_status() if self.training is not None else None
-        if spes and spes.get("started"):
-            sent, received = sent + spes["bytes_sent"], received + spes["bytes_received"]
+        if self.training is not None:
+            more_sent, more_received = self.training.extra_traffic()
+            sent, received = sent + more_sent, received + more_received
         return sent, received
 
     def counters(self) -> Counters:
@@ -246,7 +246,8 @@ class NodeRuntime:
     def status(self) -> dict[str, Any]:
         peer, discovery, view = self.peer, self.discovery, self._view()
         errors: dict[str, int] = dict(self.node_errors)
-        for source in (peer.stats.errors if peer else {}, discovery.errors if discovery else {}):
+        extra = self.training.extra_errors() if self.training is not None else {}
+        for source in (peer.stats.errors if peer else {}, discovery.errors if discovery else {}, extra):
             for kind, n in source.items():
                 errors[kind] = errors.get(kind, 0) + n
         vector = peer.tensors.get("params", np.zeros(0, np.float32)) if peer else np.zeros(0, np.float32)
@@ -272,7 +273,7 @@ class NodeRuntime:
             "errors": errors,
             "payload": {"dim": int(vector.size), "mean": float(vector.mean()) if vector.size else 0.0,
                         "norm": float(np.linalg.norm(vector))},
-            "training": self.training.status.as_dict() if self.training is not None else None,
+            "training": self.training.status_dict() if self.training is not None else None,
             "spes": self.training.spes_status() if self.training is not None else None,
             **self._training_figures(),
             "version": discovery.local_record.version if discovery else "",

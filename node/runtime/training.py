@@ -9,9 +9,11 @@ import contextlib
 import functools
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
+from gossip.codecs import get_codec
 from gossip.exchange import ExchangeSettings, GossipPeer
 from node.config import NodeConfig
 from node.runtime.errors import StartupError
@@ -82,7 +84,10 @@ async def start_training(runtime: NodeRuntime, recipe: TrainingRecipe, settings:
         logger.info("resuming from checkpoint at step %d", trainer.step)
     elif checkpoint is not None:
         logger.warning("the checkpoint belongs to another swarm config; starting fresh (it stays as checkpoint.safetensors.prev)")
-    peer = runtime.peer = GossipPeer(transport, exchange, await trainer.tensors(), step=trainer.step)
+    # DiLoCo's main peer serves whole models (downloads, evaluations, the final merge): losslessly, whatever
+    # codec the swarm's pseudo-gradients travel in
+    state_exchange = replace(exchange, codec=get_codec("fp32")) if recipe.diloco is not None else exchange
+    peer = runtime.peer = GossipPeer(transport, state_exchange, await trainer.tensors(), step=trainer.step)
     peer.round = last_round_at(trainer.step, recipe)
     topologies = TopologyCache(settings.topology)
 
@@ -109,6 +114,16 @@ async def start_training(runtime: NodeRuntime, recipe: TrainingRecipe, settings:
         except ValueError as exc:  # a model without MoE layers
             raise StartupError(f"cannot train the swarm's model with SPES here: {exc}") from None
         average = training.swarm_average
+    elif recipe.diloco is not None:
+        from node.training.diloco_swarm import DilocoSwarmTraining
+
+        try:
+            training = DilocoSwarmTraining(
+                trainer, peer, discovery, recipe, local, topology_for, connect, lag_window, record=runtime.record,
+                transport=transport, exchange=exchange, state=state_exchange,
+                saved=checkpoint.tensors if checkpoint is not None and resumed else None)
+        except ValueError as exc:  # fewer tensors than fragments, a checkpoint of another model
+            raise StartupError(f"cannot train the swarm's model with gossip DiLoCo here: {exc}") from None
     else:
         training = SwarmTraining(trainer, peer, discovery, recipe, local, topology_for, connect, lag_window,
                                  record=runtime.record)
@@ -142,7 +157,8 @@ async def train_until(stop: asyncio.Event, runtime: NodeRuntime, training: Swarm
         await training.wait_for_quorum(stop)
     try:
         # --average-every: the evaluator writes the swarm average in the background, training goes on
-        await training.run(stop, lambda: write_checkpoint(runtime, ckpt_path), average=swarm_eval.save_in_background)
+        await training.run(stop, lambda: write_checkpoint(runtime, ckpt_path), average=swarm_eval.save_in_background,
+                           merge=swarm_eval.merged)
     except Exception as exc:
         runtime.count("training_failed")
         logger.error("training stopped at step %d: %s: %s; the node keeps serving its last parameters",

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from gossip.codecs import get_codec
+from gossip.diloco import OuterNesterov
 from gossip.exchange import ExchangeSettings, GossipPeer, RoundOutcome
 from gossip.spes import (
     EXPERT,
@@ -34,6 +35,7 @@ from gossip.spes import (
     Ownership,
     RecordsByPeer,
     RefreshFailed,
+    ServedCopy,
     SpesConfig,
     advance_record,
     codec_image,
@@ -47,17 +49,24 @@ from gossip.spes import (
 from gossip.transport import Transport
 from node.spes.partition import ModelPartition, optimizer_state_covers, spes_average, tensor_manifest
 from node.training.models.experts import moe_expert_lists
+from node.training.outer_group import GroupSync, OuterGroup
 from node.training.trainer import PlanFor, StepStats, Tensors, Trainer
 from topology import PeerRound
 
 logger = logging.getLogger(__name__)
 
 SHARED_PROTOCOL = "/murmur/spes/shared/1"
+SHARED_ANCHOR_PROTOCOL = "/murmur/spes/shared/anchor/1"
 
 
 def expert_protocol(key: ExpertKey) -> str:
-    """The protocol on which the owners of one expert mix it (one GossipPeer per owned expert)."""
+    """The protocol on which the owners of one expert mix its pseudo-gradient (one OuterGroup per owned expert)."""
     return f"/murmur/spes/expert/{expert_label(key)}/1"
+
+
+def expert_anchor_protocol(key: ExpertKey) -> str:
+    """The protocol on which the owners of one expert mix its anchor (with the defaults: its weights)."""
+    return f"/murmur/spes/expert/{expert_label(key)}/anchor/1"
 
 
 class ExpertDirectory(Protocol):
@@ -117,7 +126,7 @@ class SyncReport:
     sync_index: int
     step: int
     shared: RoundOutcome
-    experts: Mapping[ExpertKey, RoundOutcome]  # owned experts mixed with co-owners
+    experts: Mapping[ExpertKey, RoundOutcome]  # owned experts mixed with co-owners (their main round)
     merge_alpha: float  # 0.0: no merge in this sync
     refreshed: tuple[ExpertKey, ...]  # frozen copies fetched
     refresh_skipped: Mapping[ExpertKey, str]  # frozen copies that could not be refreshed, and why
@@ -148,11 +157,16 @@ class SpesNode:
         self._settings = settings
         self._ownership = ownership
         self._directory = directory
-        self._fetcher = ExpertFetch(transport, settings, config.refresh_codec, lambda: self.trainer.step)
+        self._fetcher = ExpertFetch(transport, settings, config.refresh_codec, lambda: self.trainer.step,
+                                    deltas=config.delta_refresh)
         self._records: dict[ExpertKey, ExpertRecord] = {}
         self._snapshots: dict[ExpertKey, dict[str, np.ndarray]] = {}  # owned experts as last published
-        self._shared_peer: GossipPeer | None = None
-        self._expert_peers: dict[ExpertKey, GossipPeer] = {}
+        # delta refreshes: owned expert -> (hash of the copy published before, the delta from it as served)
+        self._deltas: dict[ExpertKey, tuple[str, dict[str, np.ndarray]]] = {}
+        self._published_from: dict[ExpertKey, str] = {}  # hash of the weights a published copy was made from
+        self._outer = OuterNesterov(config.outer_lr, config.outer_momentum)
+        self._shared: OuterGroup | None = None
+        self._expert_groups: dict[ExpertKey, OuterGroup] = {}
         self._owned: frozenset[ExpertKey] = frozenset()
 
     @property
@@ -175,15 +189,17 @@ class SpesNode:
         """This node's record of every expert copy it holds (what it publishes)."""
         return dict(self._records)
 
+    def _gossip_peers(self) -> list[GossipPeer]:
+        groups = [self._shared, *self._expert_groups.values()]
+        return [peer for group in groups if group is not None for peer in group.peers]
+
     @property
     def bytes_sent(self) -> int:
-        peers = [self._shared_peer, *self._expert_peers.values()]
-        return self.fetch_stats.bytes_sent + sum(p.stats.bytes_sent for p in peers if p is not None)
+        return self.fetch_stats.bytes_sent + sum(p.stats.bytes_sent for p in self._gossip_peers())
 
     @property
     def bytes_received(self) -> int:
-        peers = [self._shared_peer, *self._expert_peers.values()]
-        return self.fetch_stats.bytes_received + sum(p.stats.bytes_received for p in peers if p is not None)
+        return self.fetch_stats.bytes_received + sum(p.stats.bytes_received for p in self._gossip_peers())
 
     @property
     def errors(self) -> dict[str, int]:
@@ -197,9 +213,8 @@ class SpesNode:
 
     def _summed(self, counter: str) -> dict[str, int]:
         total: collections.Counter[str] = collections.Counter(getattr(self.fetch_stats, counter))
-        for peer in (self._shared_peer, *self._expert_peers.values()):
-            if peer is not None:
-                total.update(getattr(peer.stats, counter))
+        for peer in self._gossip_peers():
+            total.update(getattr(peer.stats, counter))
         return dict(total)
 
     # ---- set-up and ownership ------------------------------------------------------------------------
@@ -213,21 +228,21 @@ class SpesNode:
             install_expert_casts(self.trainer.model)
         tensors = await self.trainer.tensors()
         for key, names in self.partition.experts.items():
-            image = codec_image([tensors[n] for n in names], self.config.refresh_codec)
+            image = codec_image([tensors[n] for n in names], self.config.image_codec)
             digest = content_hash(image)
             old = (saved or {}).get(key)
             self._records[key] = ExpertRecord(old.version if old is not None and old.hash == digest else 0, digest, False)
-        self._shared_peer = GossipPeer(self._transport, self._settings_for("shared"),
-                                       {n: tensors[n] for n in self.partition.shared}, step=self.trainer.step,
-                                       protocol=SHARED_PROTOCOL)
-        await self._shared_peer.start()
+        self._shared = self._group("shared", self.partition.shared, SHARED_PROTOCOL, SHARED_ANCHOR_PROTOCOL)
+        await self._shared.start(tensors, self.trainer.step, 0)
         await self._fetcher.serve(self)
         await self.set_ownership(self._ownership, force=True)
 
-    def _settings_for(self, group: str) -> ExchangeSettings:
+    def _group(self, group: str, names: tuple[str, ...], protocol: str, anchor_protocol: str) -> OuterGroup:
         # the config hash names the tensor group, so a message for another group is refused as such
-        codec = self._settings.codec if group == "shared" else get_codec(self.config.expert_codec)
-        return replace(self._settings, config_hash=f"{self._settings.config_hash}/{group}", codec=codec)
+        codec = get_codec(self.config.shared_codec if group == "shared" else self.config.expert_codec)
+        settings = replace(self._settings, config_hash=f"{self._settings.config_hash}/{group}", codec=codec)
+        return OuterGroup(self._transport, settings, codec, tuple(names), protocol=protocol,
+                          anchor_protocol=anchor_protocol, outer=self._outer, anchor_every=self.config.anchor_every)
 
     async def set_ownership(self, ownership: Ownership, *, force: bool = False) -> None:
         """Adopt a new ownership (after the view changed). An expert this node now owns continues
@@ -247,6 +262,16 @@ class SpesNode:
         for key in lost:
             self._records[key] = replace(self._records[key], owner=False)
             self._snapshots.pop(key, None)
+            self._deltas.pop(key, None)
+            self._published_from.pop(key, None)
+        if gained:
+            # an expert taken up continues from its current values: they are its anchor
+            current = await self.trainer.tensors(self.partition.names_of(gained))
+            for key in gained:
+                group = self._expert_groups.get(key)
+                if group is not None:
+                    group.anchor = {n: current[n] for n in self.partition.experts[key]}
+                    group.reset_residuals()
         self._owned = owned
         trainable = set(self.partition.shared) | set(self.partition.names_of(owned))
         await self.trainer.set_trainable(trainable.__contains__,
@@ -258,7 +283,7 @@ class SpesNode:
         tensors = await self.trainer.tensors(self.partition.names_of(keys))
         for key in keys:
             names = self.partition.experts[key]
-            image = codec_image([tensors[n] for n in names], self.config.refresh_codec)
+            image = codec_image([tensors[n] for n in names], self.config.image_codec)
             self._snapshots[key] = dict(zip(names, image))
             # a copy stored in bf16 may hash differently from what it was fetched as; its version stays,
             # so a stale copy never looks fresher than it is
@@ -314,24 +339,42 @@ class SpesNode:
         owned = sorted(self._owned)
         names = [*self.partition.shared, *self.partition.names_of(self._owned)]
         tensors = await self.trainer.tensors(names)
-        assert self._shared_peer is not None, "start() first"
-        self._shared_peer.set_tensors({n: tensors[n] for n in self.partition.shared}, step=step)
+        shared = self._shared
+        assert shared is not None, "start() first"
         mixing = {key: self._ownership.co_owners(key, self.peer_id) for key in owned}
         mixing = {key: others for key, others in mixing.items() if others}
-        for key in mixing:
-            peer = await self._expert_peer(key, tensors)
-            peer.set_tensors({n: tensors[n] for n in self.partition.experts[key]}, step=step)
+        groups = {key: await self._expert_group(key, tensors) for key in mixing}
+
+        def delta(group: OuterGroup) -> dict[str, np.ndarray]:
+            return {n: group.anchor[n] - tensors[n] for n in group.names}
+
+        async def plan() -> PeerRound:
+            return shared_plan
+
+        def co_owners(others: tuple[str, ...]) -> Callable[[], Awaitable[PeerRound]]:
+            async def plan() -> PeerRound:
+                return _co_owner_plan(others)
+            return plan
+
+        deltas = {key: delta(group) for key, group in groups.items()}
+        shared_delta = delta(shared)
         async with asyncio.TaskGroup() as group:
-            shared_task = group.create_task(self._shared_peer.run_round(sync_index, shared_plan))
-            expert_tasks = {key: group.create_task(self._expert_peers[key].run_round(sync_index, _co_owner_plan(others)))
-                            for key, others in mixing.items()}
-        new = dict(self._shared_peer.tensors)
+            shared_task = group.create_task(shared.exchange(sync_index, shared_delta, step, plan))
+            expert_tasks = {key: group.create_task(groups[key].exchange(sync_index, deltas[key], step,
+                                                                        co_owners(mixing[key])))
+                            for key in mixing}
+        new = await asyncio.to_thread(shared.land, shared_task.result(), shared_delta)
         for key in owned:
-            source = self._expert_peers[key].tensors if key in mixing else tensors
-            new.update({n: source[n] for n in self.partition.experts[key]})
+            if key in mixing:
+                new.update(await asyncio.to_thread(groups[key].land, expert_tasks[key].result(), deltas[key]))
+            else:  # no co-owner: the local values stand
+                new.update({n: tensors[n] for n in self.partition.experts[key]})
         alpha = self.config.alpha_at(step) if self.config.merges_after(step) else 0.0
         if alpha > 0.0:
-            new.update(await self._merged(new, alpha))
+            merged = await self._merged(new, alpha)
+            new.update(merged)
+            for key in mixing:  # the merge moved the anchors too: it is no pseudo-gradient to mix
+                groups[key].anchor = {n: new[n] for n in self.partition.experts[key]}
         await self.trainer.load_tensors(new, partial=True)
         await asyncio.to_thread(self._publish_owned, new, sync_index)
         await self._directory.publish(self.peer_id, self._records)
@@ -340,19 +383,19 @@ class SpesNode:
         refreshed, skipped = await self._refresh() if self.config.refreshes_at(sync_index) else ((), {})
         if refreshed:
             await self._directory.publish(self.peer_id, self._records)
-        return SyncReport(sync_index, step, shared_task.result(),
-                          {key: task.result() for key, task in expert_tasks.items()}, alpha, refreshed, skipped,
-                          time.monotonic() - started)
+        return SyncReport(sync_index, step, _main_round(shared_task.result()),
+                          {key: _main_round(task.result()) for key, task in expert_tasks.items()}, alpha, refreshed,
+                          skipped, time.monotonic() - started)
 
-    async def _expert_peer(self, key: ExpertKey, tensors: Tensors) -> GossipPeer:
-        peer = self._expert_peers.get(key)
-        if peer is None:
+    async def _expert_group(self, key: ExpertKey, tensors: Tensors) -> OuterGroup:
+        group = self._expert_groups.get(key)
+        if group is None:
             # kept once made: a transport cannot stop serving a protocol, and the node may own the expert again
-            peer = GossipPeer(self._transport, self._settings_for(expert_label(key)),
-                              {n: tensors[n] for n in self.partition.experts[key]}, protocol=expert_protocol(key))
-            await peer.start()
-            self._expert_peers[key] = peer
-        return peer
+            group = self._group(expert_label(key), self.partition.experts[key], expert_protocol(key),
+                                expert_anchor_protocol(key))
+            await group.start(tensors, self.trainer.step, 0)
+            self._expert_groups[key] = group
+        return group
 
     async def _merged(self, current: dict[str, np.ndarray], alpha: float) -> dict[str, np.ndarray]:
         """The owned experts after one warm-up merge, from the post-mix owned values and the local
@@ -377,9 +420,27 @@ class SpesNode:
     def _publish_owned(self, tensors: Mapping[str, np.ndarray], sync_index: int) -> None:
         for key in self._owned:
             names = self.partition.experts[key]
-            image = codec_image([tensors[n] for n in names], self.config.refresh_codec)
-            self._records[key] = advance_record(self._records[key], content_hash(image), sync_index, True)
-            self._snapshots[key] = dict(zip(names, image))
+            values = [tensors[n] for n in names]
+            previous = self._snapshots.get(key)
+            source = content_hash(values)
+            if self.config.delta_refresh and previous is not None and self._published_from.get(key) == source:
+                continue  # unchanged since it was published: its record stands, and no copy moves
+            self._published_from[key] = source
+            if self.config.delta_refresh and previous is not None:
+                # the published copy moves by the codec's image of (now - published), so what is not sent
+                # stays in (now - published) for the next delta: error feedback without a residual
+                sent = codec_image([v - previous[n] for v, n in zip(values, names, strict=True)],
+                                   self.config.refresh_codec)
+                arrives = codec_image(sent, self.config.refresh_codec)  # what the wire delivers of `sent`
+                image = [(previous[n] + d).astype(np.float32) for n, d in zip(names, arrives, strict=True)]
+                digest = content_hash(image)
+                if digest != self._records[key].hash:
+                    self._deltas[key] = (self._records[key].hash, dict(zip(names, sent, strict=True)))
+            else:
+                image = codec_image(values, self.config.image_codec)
+                digest = content_hash(image)
+            self._records[key] = advance_record(self._records[key], digest, sync_index, True)
+            self._snapshots[key] = dict(zip(names, image, strict=True))
 
     async def _refresh(self) -> tuple[tuple[ExpertKey, ...], dict[ExpertKey, str]]:
         published = await self._directory.read()
@@ -401,7 +462,7 @@ class SpesNode:
 
         async def one(key: ExpertKey, source: str, record: ExpertRecord) -> None:
             try:
-                results[key] = await self._fetch(source, key, record.version)
+                results[key] = await self._fetch(source, key, record.version, have=True)
             except RefreshFailed as exc:
                 skipped[key] = exc.reason
 
@@ -424,22 +485,42 @@ class SpesNode:
         sizes = {name: p.numel() for name, p in self.trainer.model.named_parameters()}
         return {n: np.empty(sizes[n], np.float32) for n in self.partition.experts[key]}
 
-    async def _fetch(self, source: str, key: ExpertKey, min_version: int) -> tuple[dict[str, np.ndarray], ExpertRecord]:
-        return await self._fetcher.fetch(source, key, self._expert_specs(key), min_version)
+    async def _fetch(self, source: str, key: ExpertKey, min_version: int,
+                     have: bool = False) -> tuple[dict[str, np.ndarray], ExpertRecord]:
+        """Expert `key` from `source`; `have`: offer our copy as the base of a delta."""
+        held = None
+        if have and self.config.delta_refresh:
+            names = self.partition.experts[key]
+            tensors = await self.trainer.tensors(names)
+            # a copy that is not exactly what its record says (stored in bf16) is no base for a delta
+            if await asyncio.to_thread(content_hash, [tensors[n] for n in names]) == self._records[key].hash:
+                held = (self._records[key].hash, tensors)
+        return await self._fetcher.fetch(source, key, self._expert_specs(key), min_version, held)
 
     def holds(self, key: ExpertKey) -> bool:
         """Whether this node has a copy of expert `key` to serve (every node holds every expert)."""
         return key in self.partition.experts
 
-    async def served_copy(self, key: ExpertKey) -> tuple[dict[str, np.ndarray], ExpertRecord]:
-        """An owner serves what it last published; a holder of a frozen copy (asked on takeover) serves
-        that copy, under its version, hashed as sent."""
+    async def served_copy(self, key: ExpertKey, have: str | None = None) -> ServedCopy:
+        """An owner serves what it last published: the delta from its previous copy when the asker has
+        that one (`have`), else the whole copy; a holder of a frozen copy (asked on takeover) serves that
+        copy, under its version, hashed as sent."""
         if key in self._snapshots:
-            return self._snapshots[key], self._records[key]
+            delta = self._deltas.get(key)
+            if have is not None and delta is not None and delta[0] == have:
+                return ServedCopy(delta[1], self._records[key], base=have)
+            return ServedCopy(self._snapshots[key], self._records[key])
         names = self.partition.experts[key]
         tensors = await self.trainer.tensors(names)
-        image = await asyncio.to_thread(codec_image, [tensors[n] for n in names], self.config.refresh_codec)
-        return dict(zip(names, image)), replace(self._records[key], hash=content_hash(image))
+        image = await asyncio.to_thread(codec_image, [tensors[n] for n in names], self.config.image_codec)
+        return ServedCopy(dict(zip(names, image, strict=True)), replace(self._records[key], hash=content_hash(image)))
+
+
+def _main_round(sync: GroupSync) -> RoundOutcome:
+    """The round that carried a group's values (fused: the anchors'), for the sync report."""
+    outcome = sync.outcome if sync.outcome is not None else sync.anchors
+    assert outcome is not None, "a group sync runs at least one round"
+    return outcome
 
 
 def _co_owner_plan(others: tuple[str, ...]) -> PeerRound:
@@ -452,6 +533,7 @@ __all__ = [
     "EXPERT",
     "FETCH",
     "FETCH_PROTOCOL",
+    "SHARED_ANCHOR_PROTOCOL",
     "SHARED_PROTOCOL",
     "ExpertDirectory",
     "FetchStats",
@@ -460,6 +542,7 @@ __all__ = [
     "SpesNode",
     "SpesStepReport",
     "SyncReport",
+    "expert_anchor_protocol",
     "expert_protocol",
     "install_expert_casts",
     "optimizer_state_covers",

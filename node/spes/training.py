@@ -28,7 +28,7 @@ from gossip.transport import Transport
 from node.spes.directory import DhtExpertDirectory
 from node.spes.node import SpesNode
 from node.spes.partition import ModelPartition, spes_average
-from node.training.loop import Connect, RecordSample, SwarmTraining
+from node.training.loop import Connect, Merge, RecordSample, SwarmTraining
 from node.training.recipe import TrainingRecipe
 from node.training.settings import TrainingSettings
 from node.training.trainer import StepReport, Trainer, average_tensors
@@ -119,7 +119,7 @@ class SpesSwarmTraining(SwarmTraining):
                               self.spes_config.replication)
 
     async def run(self, stop: asyncio.Event, save: Callable[[], Awaitable[None]],
-                  average: Callable[[], None] | None = None) -> None:
+                  average: Callable[[], None] | None = None, merge: Merge | None = None) -> None:
         """Start the SpesNode (once), then train as SwarmTraining does while the directory keeps this
         node's records stored. A training failure propagates as itself, not wrapped in a group."""
         failure: Exception | None = None
@@ -139,7 +139,7 @@ class SpesSwarmTraining(SwarmTraining):
                                          self.ownership_from_view(my_capacity=0), self.directory)
                     await self.node.start(self._saved)
                     self._announce_ownership()
-                await super().run(stop, save, average)
+                await super().run(stop, save, average, merge)
             except Exception as exc:
                 failure = exc
             finally:
@@ -162,6 +162,10 @@ class SpesSwarmTraining(SwarmTraining):
             self.peer.round = report.sync.sync_index
             self.peer.set_tensors(await self.trainer.tensors(), step=self.trainer.step)
         return StepReport(report.stats, time.perf_counter() - started)
+
+    def extra_traffic(self) -> tuple[int, int]:
+        node = self.node
+        return (node.bytes_sent, node.bytes_received) if node is not None else (0, 0)
 
     def _record(self, report: StepReport) -> None:
         super()._record(report)

@@ -44,6 +44,7 @@ LAG_WAIT_S = 30.0  # longest a round waits for a laggard that is catching up bef
 CATCH_UP_DIAL_S = 10.0  # how long a starting node waits for dials to the peers it downloads from
 STALLED_AFTER_S = 10.0  # default: a record unchanged this long shows no progress (node.training.progress)
 EVAL_BATCH_SIZE = 32
+MERGE_WAIT_S = 120.0  # longest the final merge waits for the peers in view to finish their budget
 
 
 class TrainingSetupError(ValueError):
@@ -66,6 +67,15 @@ class RecordSample(Protocol):
 
 # dials these peers now (not in a round: a start-up download), waiting for the dials a bounded time
 Connect = Callable[[Sequence["PeerRecord"]], Awaitable[None]]
+# the final merge: every live peer's final model averaged with ours (node.training.swarm_eval), with what it
+# took in; None when there was nothing to merge
+Merge = Callable[[], Awaitable[tuple[dict[str, Any], "MergeReport"]]]
+
+
+class MergeReport(Protocol):
+    """What the final merge reports (node.training.swarm_eval.SwarmEvalResult)."""
+
+    def as_dict(self) -> dict[str, Any]: ...
 
 
 @dataclass
@@ -86,6 +96,9 @@ class TrainingStatus:
     optimizer_state_bytes: int = 0
     done: bool = False
     started_from: str = StartedFrom.INIT  # a StartedFrom, or "peer <id> at step N"
+    bytes_per_token: float | None = None  # bytes sent + received per training token, this node's own
+    diloco: dict[str, Any] | None = None  # the outer loop's figures (node.training.diloco_swarm)
+    final_merge: dict[str, Any] | None = None  # what the final merge averaged, once done
 
     def as_dict(self) -> dict[str, Any]:
         return {"model": self.model, "optimizer": self.optimizer, "steps_target": self.steps_target,
@@ -93,7 +106,8 @@ class TrainingStatus:
                 "val_loss": self.val_loss, "val_step": self.val_step, "lr": self.lr,
                 "tokens_per_s": self.tokens_per_s, "consensus_distance": self.consensus_distance,
                 "optimizer_state_bytes": self.optimizer_state_bytes, "done": self.done,
-                "started_from": self.started_from}
+                "started_from": self.started_from, "bytes_per_token": self.bytes_per_token,
+                "diloco": self.diloco, "final_merge": self.final_merge}
 
 
 def build_trainer(settings: TrainingSettings, recipe: TrainingRecipe, peer_id: str,
@@ -129,7 +143,7 @@ def build_trainer(settings: TrainingSettings, recipe: TrainingRecipe, peer_id: s
     if model_max is not None and recipe.context > model_max:
         raise TrainingSetupError(f"the swarm trains with context {recipe.context}, longer than the model's {model_max}")
     try:
-        trainer_config = TrainerConfig(optimizer=recipe.optimizer, batch_size=recipe.batch_size, context=recipe.context,
+        trainer_config = TrainerConfig(optimizer=recipe.inner_optimizer, batch_size=recipe.batch_size, context=recipe.context,
                                        device=settings.device, precision=settings.precision,
                                        eval_batch_size=EVAL_BATCH_SIZE, eval_batches=EVAL_BATCHES, eval_every_rounds=None)
         return Trainer(model, trainer_config, peer_id=peer_id, train_tokens=train_tokens, val_tokens=val_tokens,
@@ -223,6 +237,7 @@ class SwarmTraining:
         # the swarm starts from pretrained weights this node lacks: it must download the parameters
         self.must_download = False
         trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+        self._tokens = 0  # trained since this process started, for bytes_per_token
         self.status = TrainingStatus(model=recipe.model, optimizer=recipe.optimizer.algorithm, steps_target=recipe.steps,
                                      trainable_params=trainable, step=trainer.step)
 
@@ -298,11 +313,16 @@ class SwarmTraining:
         if source is None:
             return
         self.must_download = False
+        await self._after_download(ahead)
         self.peer.round = last_round_at(self.trainer.step, self.recipe)
         self.status.started_from = source
         self.status.step = self.trainer.step
         await self.evaluate()
         logger.info("validation loss after the download: %.4f", self.status.val_loss)
+
+    async def _after_download(self, sources: Sequence[PeerRecord]) -> None:
+        """What else a node takes from the swarm after downloading its parameters (DiLoCo: the outer
+        momentum); `sources` are the peers it downloaded from, best first."""
 
     async def wait_for_quorum(self, stop: asyncio.Event) -> None:
         """A fresh swarm starts together: wait until `min_peers` peers are in the view."""
@@ -317,9 +337,10 @@ class SwarmTraining:
                     await stop.wait()
 
     async def run(self, stop: asyncio.Event, save: Callable[[], Awaitable[None]],
-                  average: Callable[[], None] | None = None) -> None:
+                  average: Callable[[], None] | None = None, merge: Merge | None = None) -> None:
         """Train until the recipe's step budget is spent or `stop` is set; `save` writes a checkpoint;
-        `average` starts writing the swarm average every `average_every` steps and at the end (0: never)."""
+        `average` starts writing the swarm average every `average_every` steps and at the end (0: never);
+        `merge` averages every live peer's final model with ours (the recipe's final merge)."""
         every_eval, every_ckpt = self.settings.eval_every, self.settings.checkpoint_every
         every_average = self.settings.average_every
         view = self.discovery.view()
@@ -331,6 +352,9 @@ class SwarmTraining:
             report = await self._one_step(stop)
             if report is None:
                 return
+            if self.finished:
+                # what peers pull from now on (downloads, evaluations, their final merge) is the final model
+                await self._publish_final()
             self._record(report)
             step = self.trainer.step
             if step % every_eval == 0 or self.finished:
@@ -339,6 +363,8 @@ class SwarmTraining:
                 await save()
             if average is not None and every_average and (step % every_average == 0 or self.finished):
                 average()
+        if self.finished and self.recipe.final_merge and merge is not None and not stop.is_set():
+            await self._final_merge(merge, stop, save)
         if self.finished:
             self.peer.park()
             self.status.done = True
@@ -375,6 +401,52 @@ class SwarmTraining:
         round_index = step // optimizer.local_steps if optimizer.mixes_after(step) else None
         return await self._gossip.step(round_index, self.plan_for)
 
+    async def _publish_final(self) -> None:
+        """Offer the final parameters on the main gossip peer (DAdam's holds the last mix before its update)."""
+        self.peer.set_tensors(await self.trainer.tensors(), step=self.trainer.step)
+
+    async def _final_merge(self, merge: Merge, stop: asyncio.Event, save: Callable[[], Awaitable[None]]) -> None:
+        """Wait (up to MERGE_WAIT_S) until every peer in view has spent its budget, then average their
+        final models with ours once (uniformly; SPES: each expert over its owners), train no more on it,
+        evaluate and checkpoint it. Peers keep being served the pre-merge final models, so every node
+        averages the same inputs."""
+        deadline = time.monotonic() + MERGE_WAIT_S
+        while not stop.is_set() and time.monotonic() < deadline:
+            if all(self._done(p.step) for p in self.discovery.view() if p.peer_id != self.peer.peer_id):
+                break
+            await asyncio.sleep(0.2)
+        else:
+            if not stop.is_set():
+                logger.info("final merge goes on without the peers still training after %g s", MERGE_WAIT_S)
+        if stop.is_set():
+            return
+        merged, report = await merge()
+        await self._adopt_merged(merged)
+        self.status.final_merge = report.as_dict()
+        await self.evaluate()
+        await save()
+        logger.info("final merge over %d peers: val loss %s", len(report.as_dict().get("peers", [])),
+                    _fmt(self.status.val_loss))
+
+    async def _adopt_merged(self, merged: dict[str, Any]) -> None:
+        await self.trainer.load_tensors(merged)
+
+    async def state(self) -> dict[str, Any]:
+        """What the checkpoint holds: the trainer's state (DiLoCo adds its outer state)."""
+        return await self.trainer.state()
+
+    def status_dict(self) -> dict[str, Any]:
+        """The `training` section of the node's status, as of now."""
+        return self.status.as_dict()
+
+    def extra_traffic(self) -> tuple[int, int]:
+        """Bytes sent and received on protocols besides the main gossip peer's (SPES, DiLoCo)."""
+        return 0, 0
+
+    def extra_errors(self) -> dict[str, int]:
+        """Refused input counted on protocols besides the main gossip peer's (DiLoCo's fragments)."""
+        return {}
+
     def checkpoint_meta(self) -> dict[str, str]:
         """What the checkpoint carries beyond the trainer state (SPES: the expert records)."""
         return {}
@@ -389,6 +461,10 @@ class SwarmTraining:
         s.loss, s.lr = report.stats.loss, report.stats.lr
         tokens = self.recipe.batch_size * self.recipe.context * self.recipe.optimizer.micro_batches
         s.tokens_per_s = tokens / report.step_s if report.step_s > 0 else 0.0
+        self._tokens += tokens
+        sent, received = self.extra_traffic()
+        moved = sent + received + self.peer.stats.bytes_sent + self.peer.stats.bytes_received
+        s.bytes_per_token = moved / self._tokens
         s.optimizer_state_bytes = self.trainer.optimizer_state_bytes
         if report.round is not None:
             s.consensus_distance = report.round.consensus_distance

@@ -13,13 +13,14 @@ from __future__ import annotations
 import enum
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated, Any, Literal, cast
+from typing import Annotated, Any, Literal, TypeVar, cast
 
 import msgspec
 
 from gossip.codecs import Codec, get_codec
+from gossip.diloco import DilocoConfig
 from gossip.mixing import MixingKind, MixingRule
 from gossip.optimizers import Algorithm, OptimizerConfig
 from gossip.spes import SpesConfig
@@ -64,8 +65,12 @@ Steps = Annotated[int, msgspec.Meta(ge=0, le=MAX_STEPS)]
 Seed = Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)]
 PositiveSteps = Annotated[int, msgspec.Meta(ge=1, le=MAX_SPES_EVERY)]
 Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
-CodecName = Literal["fp32", "fp16", "bf16", "int8"]
+CodecName = Literal["fp32", "fp16", "bf16", "int8", "topk"]
+# whole parameter vectors (anchors, SPES's groups): top-k is sound only on differences
+StateCodecName = Literal["fp32", "fp16", "bf16", "int8"]
 RefreshCodecName = Literal["fp32", "fp16", "bf16", "int8"]
+MAX_FRAGMENTS = 64
+MAX_QSR_ALPHA = 1e3
 ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_MODEL_NAME, pattern=f"^(?:{MODEL_NAME.pattern})$")]
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
 Sha256Hex = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
@@ -100,12 +105,29 @@ class _Doc(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_default
     """Every part of the document: declared fields only; fields at their default are left out."""
 
 
+_D = TypeVar("_D", bound=_Doc)
+
+
+class DilocoDoc(_Doc, frozen=True):
+    """Gossip DiLoCo's outer loop (gossip.diloco.DilocoConfig); present exactly with algorithm diloco."""
+
+    outer_lr: Annotated[float, msgspec.Meta(gt=0.0, le=MAX_LR)] = 0.7
+    outer_momentum: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.9
+    fragments: Annotated[int, msgspec.Meta(ge=1, le=MAX_FRAGMENTS)] = 1
+    overlap: bool = False
+    qsr_alpha: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_QSR_ALPHA)] = 0.0
+    anchor_every: Annotated[int, msgspec.Meta(ge=0, le=MAX_SPES_EVERY)] = 1
+    anchor_codec: StateCodecName = "int8"
+    inner: Literal["adam", "sgd"] = "adam"
+
+
 class OptimizerDoc(_Doc, frozen=True):
-    algorithm: Literal["dsgd", "dadam"]
+    algorithm: Literal["dsgd", "dadam", "diloco"]
     lr: Annotated[float, msgspec.Meta(gt=0.0, le=MAX_LR)]
     warmup_steps: Steps
     local_steps: Annotated[int, msgspec.Meta(ge=1, le=MAX_LOCAL_STEPS)]
     micro_batches: Annotated[int, msgspec.Meta(ge=1, le=MAX_MICRO_BATCHES)]
+    diloco: DilocoDoc | None = None  # gossip DiLoCo's knobs; absent unless algorithm is diloco
 
 
 class SpesDoc(_Doc, frozen=True, omit_defaults=False):
@@ -118,7 +140,19 @@ class SpesDoc(_Doc, frozen=True, omit_defaults=False):
     alpha0: Fraction
     replication: Annotated[int, msgspec.Meta(ge=1, le=MAX_REPLICATION)]
     refresh_codec: RefreshCodecName
-    expert_codec: CodecName = "fp32"
+    expert_codec: StateCodecName = "fp32"
+
+
+class SpesSyncDoc(_Doc, frozen=True):
+    """SPES syncs at internet bandwidth (issue 15): the shared weights' codec, deltas for frozen-copy
+    refreshes, the outer step. Beside `spes` rather than in it, so that SPES documents written before
+    keep their hash; its defaults (and its absence) are what those documents mean."""
+
+    shared_codec: StateCodecName = "fp32"
+    delta_refresh: bool = False
+    outer_lr: Annotated[float, msgspec.Meta(gt=0.0, le=MAX_LR)] = 1.0
+    outer_momentum: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.0
+    anchor_every: Annotated[int, msgspec.Meta(ge=0, le=MAX_SPES_EVERY)] = 1
 
 
 class ModelPayload(_Doc, frozen=True, tag_field="kind", tag="model"):
@@ -131,11 +165,14 @@ class ModelPayload(_Doc, frozen=True, tag_field="kind", tag="model"):
     steps: Steps  # 0: until stopped
     optimizer: OptimizerDoc
     spes: SpesDoc | None = None  # SPES's swarm-wide knobs; absent when off
+    spes_sync: SpesSyncDoc | None = None  # with spes only; absent: every field at its default
     # a Hugging Face model's config itself (not a path), so joiners build it without files; checked in
     # depth (size, model type, memory-deciding fields) by node.training.models.hf.check_config_doc
     model_config: ModelConfigDoc | None = None
     weights_sha256: Sha256Hex | None = None  # the pretrained weights the swarm starts from (hf:PATH)
     tokenizer: TokenizerSpec | None = None  # the swarm's tokenizer file; absent: one token per byte
+    # every node averages all live peers' final models once at the end of the budget (gossip DiLoCo's default)
+    final_merge: bool = False
 
 
 class VectorPayload(_Doc, frozen=True, tag_field="kind", tag="vector"):
@@ -166,6 +203,7 @@ class GossipDoc(_Doc, frozen=True):
     round_interval_s: Annotated[float, msgspec.Meta(ge=MIN_ROUND_INTERVAL_S, le=MAX_ROUND_INTERVAL_S)]
     max_staleness_rounds: Annotated[int, msgspec.Meta(ge=0, le=MAX_STALENESS_ROUNDS)]
     mixing: MixingDoc
+    topk_ratio: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.01  # codec topk: fraction of entries sent
 
 
 class AdmissionDoc(_Doc, frozen=True):
@@ -272,18 +310,35 @@ class TrainingRecipe:
     model_config: dict[str, Any] | None = None
     weights_sha256: str | None = None  # the pretrained weights the swarm starts from (hf:PATH of a checkpoint)
     tokenizer: TokenizerSpec | None = None  # None: one token per byte
+    diloco: DilocoConfig | None = None  # gossip DiLoCo's outer loop, with --optimizer diloco
+    final_merge: bool = False  # every node averages all live peers' final models at the end of the budget
+
+    @property
+    def inner_optimizer(self) -> OptimizerConfig:
+        """The optimizer the trainer steps with: gossip DiLoCo's inner one under diloco, else the optimizer."""
+        if self.diloco is None:
+            return self.optimizer
+        return replace(self.optimizer, algorithm=cast(Algorithm, self.diloco.inner_algorithm))
 
     def to_payload(self) -> ModelPayload:
-        o, c = self.optimizer, self.spes
+        o, c, d = self.optimizer, self.spes, self.diloco
         spes = None if c is None else SpesDoc(
             sync_every=c.sync_every, merge_every=c.merge_every, merge_until=c.merge_until, alpha0=c.alpha0,
             replication=c.replication, refresh_codec=cast(RefreshCodecName, c.refresh_codec),
-            expert_codec=cast(CodecName, c.expert_codec))
+            expert_codec=cast(StateCodecName, c.expert_codec))
+        spes_sync = None if c is None else _without_defaults(
+            SpesSyncDoc, shared_codec=cast(StateCodecName, c.shared_codec), delta_refresh=c.delta_refresh, outer_lr=c.outer_lr,
+            outer_momentum=c.outer_momentum, anchor_every=c.anchor_every)
+        diloco = None if d is None else _without_defaults(
+            DilocoDoc, outer_lr=d.outer_lr, outer_momentum=d.outer_momentum, fragments=d.fragments, overlap=d.overlap,
+            qsr_alpha=d.qsr_alpha, anchor_every=d.anchor_every, anchor_codec=cast(StateCodecName, d.anchor_codec),
+            inner=cast(Literal["adam", "sgd"], d.inner))
         return ModelPayload(
             model=self.model, seed=self.seed, batch_size=self.batch_size, context=self.context, steps=self.steps,
             optimizer=OptimizerDoc(algorithm=o.algorithm, lr=o.lr, warmup_steps=o.warmup_steps,
-                                   local_steps=o.local_steps, micro_batches=o.micro_batches),
-            spes=spes, model_config=self.model_config, weights_sha256=self.weights_sha256, tokenizer=self.tokenizer)
+                                   local_steps=o.local_steps, micro_batches=o.micro_batches, diloco=diloco),
+            spes=spes, spes_sync=None if spes_sync == SpesSyncDoc() else spes_sync, model_config=self.model_config, weights_sha256=self.weights_sha256, tokenizer=self.tokenizer,
+            final_merge=self.final_merge)
 
     def to_doc(self) -> dict[str, Any]:
         built: dict[str, Any] = msgspec.to_builtins(self.to_payload())
@@ -292,12 +347,17 @@ class TrainingRecipe:
     @classmethod
     def from_payload(cls, p: ModelPayload) -> TrainingRecipe:
         o = p.optimizer
+        if (o.algorithm == "diloco") != (o.diloco is not None):
+            raise ValueError("optimizer.diloco comes with algorithm 'diloco' and only with it")
+        if p.spes_sync is not None and p.spes is None:
+            raise ValueError("spes_sync comes with spes and only with it")
         return cls(model=p.model, seed=p.seed, batch_size=p.batch_size, context=p.context, steps=p.steps,
                    optimizer=optimizer_config(o.algorithm, o.lr, o.warmup_steps, p.steps, o.local_steps,
                                               o.micro_batches),
-                   spes=_spes_from_doc(p.spes) if p.spes is not None else None,
+                   spes=_spes_from_doc(p.spes, p.spes_sync or SpesSyncDoc()) if p.spes is not None else None,
                    model_config=_checked_model_config(p.model_config), weights_sha256=p.weights_sha256,
-                   tokenizer=p.tokenizer)
+                   tokenizer=p.tokenizer, diloco=_diloco_from_doc(o.diloco) if o.diloco is not None else None,
+                   final_merge=p.final_merge)
 
     @classmethod
     def from_doc(cls, doc: Mapping[str, Any]) -> TrainingRecipe:
@@ -325,11 +385,25 @@ def _checked_model_config(doc: dict[str, Any] | None) -> dict[str, Any] | None:
     return dict(doc)
 
 
-def _spes_from_doc(doc: SpesDoc) -> SpesConfig:
+def _without_defaults(cls: type[_D], **values: Any) -> _D:
+    """`cls(**values)` with the values equal to their field's default left out, so that the encoding
+    omits them (msgspec's omit_defaults compares floats by identity, and a parsed 1.0 is not the default's)."""
+    defaults = {f.name: f.default for f in msgspec.structs.fields(cls)}
+    return cls(**{name: v for name, v in values.items() if name not in defaults or v != defaults[name]})
+
+
+def _spes_from_doc(doc: SpesDoc, sync: SpesSyncDoc) -> SpesConfig:
     """SpesConfig checks what the schema cannot (M a multiple of S; ValueError names the bad value)."""
     return SpesConfig(sync_every=doc.sync_every, merge_every=doc.merge_every, merge_until=doc.merge_until,
                       alpha0=doc.alpha0, replication=doc.replication, refresh_codec=doc.refresh_codec,
-                      expert_codec=doc.expert_codec)
+                      expert_codec=doc.expert_codec, shared_codec=sync.shared_codec, delta_refresh=sync.delta_refresh,
+                      outer_lr=sync.outer_lr, outer_momentum=sync.outer_momentum, anchor_every=sync.anchor_every)
+
+
+def _diloco_from_doc(doc: DilocoDoc) -> DilocoConfig:
+    return DilocoConfig(outer_lr=doc.outer_lr, outer_momentum=doc.outer_momentum, fragments=doc.fragments,
+                        overlap=doc.overlap, qsr_alpha=doc.qsr_alpha, anchor_every=doc.anchor_every,
+                        anchor_codec=doc.anchor_codec, inner=doc.inner)
 
 
 def optimizer_config(algorithm: str, lr: float, warmup_steps: int, steps: int, local_steps: int,
@@ -354,11 +428,17 @@ def training_recipe(config: NodeConfig) -> TrainingRecipe | None:
         raise RecipeInvalid(str(exc)) from None
     spes = SpesConfig(sync_every=t.spes_sync_every, merge_every=t.spes_merge_every, merge_until=t.spes_merge_until,
                       alpha0=t.spes_alpha0, replication=t.spes_replication,
-                      refresh_codec=t.spes_refresh_codec, expert_codec=t.spes_expert_codec) if t.spes else None
+                      refresh_codec=t.spes_refresh_codec, expert_codec=t.spes_expert_codec,
+                      shared_codec=t.spes_shared_codec, delta_refresh=t.spes_delta_refresh, outer_lr=t.spes_outer_lr,
+                      outer_momentum=t.spes_outer_momentum, anchor_every=t.spes_anchor_every) if t.spes else None
+    diloco = DilocoConfig(outer_lr=t.outer_lr, outer_momentum=t.outer_momentum, fragments=t.fragments,
+                          overlap=t.overlap, qsr_alpha=t.qsr_alpha, anchor_every=t.anchor_every,
+                          anchor_codec=t.anchor_codec, inner=t.inner_optimizer) if t.optimizer == "diloco" else None
+    final_merge = t.final_merge == "on" or (t.final_merge == "auto" and diloco is not None)
     return TrainingRecipe(model=t.model, seed=config.seed, batch_size=t.batch_size, context=t.context, steps=t.steps,
                           optimizer=optimizer_config(t.optimizer, t.lr, t.warmup_steps, t.steps, t.local_steps,
                                                      t.micro_batches), spes=spes, model_config=model_config,
-                          weights_sha256=weights_sha256, tokenizer=tokenizer)
+                          weights_sha256=weights_sha256, tokenizer=tokenizer, diloco=diloco, final_merge=final_merge)
 
 
 def _model_and_tokenizer(model: str, tokenizer: Path | None) -> tuple[dict[str, Any] | None, str | None,
@@ -394,6 +474,7 @@ def build_document(config: NodeConfig, epoch: float, admission: AdmissionDoc | N
             "topology": {"name": topo.name, "weights": topo.weights, "degree": topo.degree, "seed": topo.seed,
                          "rows": topo.rows, "edges": [list(e) for e in topo.edges], "directed": topo.directed},
             "codec": gossip.codec,
+            **({"topk_ratio": gossip.topk_ratio} if gossip.codec == "topk" else {}),
             "round_interval_s": gossip.round_interval_s,
             "max_staleness_rounds": gossip.max_staleness_rounds,
             "mixing": {"kind": gossip.mixing.kind.value, "tau": gossip.mixing.tau, "trim": gossip.mixing.trim},
@@ -433,7 +514,7 @@ class SwarmSettings:
             return cls(
                 topology=TopologySpec(t.name, weights=t.weights, degree=t.degree, seed=t.seed, rows=t.rows,
                                       edges=t.edges, directed=t.directed),
-                codec=get_codec(g.codec),
+                codec=get_codec(g.codec, ratio=g.topk_ratio) if g.codec == "topk" else get_codec(g.codec),
                 clock=RoundClock(document.epoch, g.round_interval_s),
                 max_staleness=g.max_staleness_rounds,
                 mixing=MixingRule(kind=g.mixing.kind, tau=g.mixing.tau, trim=g.mixing.trim),
@@ -443,6 +524,14 @@ class SwarmSettings:
             )
         except ValueError as exc:
             raise RecipeInvalid(f"the swarm's config is invalid: {exc}") from None
+
+    def __post_init__(self) -> None:
+        if self.codec.name == "topk" and (self.training is None or self.training.diloco is None):
+            raise RecipeInvalid("the swarm's config is invalid: gossip.codec: topk drops most of each tensor and is "
+                                "sound only on gossip DiLoCo's pseudo-gradients, not on whole parameters")
+        if self.training is not None and self.training.spes is not None and self.training.diloco is not None:
+            raise RecipeInvalid("the swarm's config is invalid: SPES takes its outer step knobs from its own fields, "
+                                "not from optimizer.diloco")
 
 
 # The setting (node.config.table) each field of the document comes from, so a founder's bad flag is named.
@@ -455,7 +544,19 @@ SETTING_OF_FIELD = {
     "payload.spes.sync_every": "training.spes_sync_every", "payload.spes.merge_every": "training.spes_merge_every",
     "payload.spes.merge_until": "training.spes_merge_until", "payload.spes.alpha0": "training.spes_alpha0",
     "payload.spes.replication": "training.spes_replication", "payload.spes.refresh_codec": "training.spes_refresh_codec",
-    "payload.spes.expert_codec": "training.spes_expert_codec", "payload.model_config": "training.model",
+    "payload.spes.expert_codec": "training.spes_expert_codec",
+    "payload.spes_sync.shared_codec": "training.spes_shared_codec",
+    "payload.spes_sync.delta_refresh": "training.spes_delta_refresh", "payload.spes_sync.outer_lr": "training.spes_outer_lr",
+    "payload.spes_sync.outer_momentum": "training.spes_outer_momentum",
+    "payload.spes_sync.anchor_every": "training.spes_anchor_every",
+    "payload.optimizer.diloco": "training.optimizer", "payload.optimizer.diloco.outer_lr": "training.outer_lr",
+    "payload.optimizer.diloco.outer_momentum": "training.outer_momentum",
+    "payload.optimizer.diloco.fragments": "training.fragments", "payload.optimizer.diloco.overlap": "training.overlap",
+    "payload.optimizer.diloco.qsr_alpha": "training.qsr_alpha",
+    "payload.optimizer.diloco.anchor_every": "training.anchor_every",
+    "payload.optimizer.diloco.anchor_codec": "training.anchor_codec",
+    "payload.optimizer.diloco.inner": "training.inner_optimizer", "payload.final_merge": "training.final_merge",
+    "gossip.topk_ratio": "gossip.topk_ratio", "payload.model_config": "training.model",
     "payload.weights_sha256": "training.model", "payload.tokenizer": "training.tokenizer",
     "payload.tokenizer.sha256": "training.tokenizer", "payload.tokenizer.vocab_size": "training.tokenizer",
     "payload.tokenizer.bytes": "training.tokenizer", "gossip.topology.name": "gossip.topology.name",

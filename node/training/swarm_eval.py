@@ -153,7 +153,15 @@ class SwarmEvaluator:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._background
 
-    async def _evaluate(self, save: bool) -> SwarmEvalResult:
+    async def merged(self) -> tuple[dict[str, np.ndarray], SwarmEvalResult]:
+        """The final merge (the recipe's `final_merge`): every live peer's current parameters averaged
+        with ours, as the evaluation pulls and averages them (the result's loss is left unknown: the
+        node evaluates the model it adopts). Waits for an evaluation that runs."""
+        async with self._lock:
+            return await self._gather()
+
+    async def _gather(self) -> tuple[dict[str, np.ndarray], SwarmEvalResult]:
+        """Pull every live peer's parameters and average them with ours; the result's loss is not known yet."""
         started = time.monotonic()
         me = self._peer.peer_id
         others = sorted({r.peer_id: r for r in self._view() if r.peer_id != me}.values(), key=lambda r: r.peer_id)
@@ -176,12 +184,16 @@ class SwarmEvaluator:
         average = await asyncio.to_thread(self._average, members)
         members.clear()  # the peers' copies are no longer needed while the evaluation runs
         fetched.clear()
+        return average, SwarmEvalResult(math.nan, me, included, MappingProxyType(dict(sorted(failed.items()))),
+                                        time.monotonic() - started)
+
+    async def _evaluate(self, save: bool) -> SwarmEvalResult:
+        average, result = await self._gather()
         loss = await self._trainer.evaluate(average)
-        result = SwarmEvalResult(loss, me, included, MappingProxyType(dict(sorted(failed.items()))),
-                                 time.monotonic() - started)
-        logger.info("swarm-average val loss %s over %d peers (steps %d-%d) in %.1f s%s", _fmt(loss), len(included),
-                    result.min_step, result.max_step, result.elapsed_s,
-                    f"; left out {dict(result.failed)}" if failed else "")
+        result = dataclasses.replace(result, loss=loss)
+        logger.info("swarm-average val loss %s over %d peers (steps %d-%d) in %.1f s%s", _fmt(loss),
+                    len(result.included), result.min_step, result.max_step, result.elapsed_s,
+                    f"; left out {dict(result.failed)}" if result.failed else "")
         if save:
             result = await self._write(average, result)
         return result

@@ -26,3 +26,27 @@ def build_failing():
     model = build()
     model.__class__ = _FailsAfter
     return model
+
+
+class _Paced(type(build_model(TINY))):
+    """The tiny model taking at least PACE_S per forward pass (the compute time of a bigger model), so
+    that a multi-process run lasts long enough for a process started mid-run to join it, however fast
+    or loaded the machine is."""
+
+    PACE_S = 0.2
+    last = 0.0
+
+    def forward(self, idx, targets=None):
+        import time
+
+        wait = self.last + self.PACE_S - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        self.last = time.monotonic()
+        return super().forward(idx, targets)
+
+
+def build_paced():
+    model = build()
+    model.__class__ = _Paced
+    return model

@@ -61,6 +61,14 @@ function renderHeader() {
   $("loss").textContent = s.loss === null ? "no model" : fmt(s.loss);
   $("throughput").textContent = s.tokens_per_s === null ? "—" : fmt(s.tokens_per_s, 3);
   $("experts").textContent = s.experts.length ? s.experts.join(", ") : "none";
+  const training = s.training || {};
+  $("bytes-per-token").textContent = training.bytes_per_token == null ? "—" : fmt(training.bytes_per_token, 3);
+  const outer = training.diloco;  // gossip DiLoCo's outer loop; absent for the other optimizers
+  $("outer-fact").hidden = $("in-flight-fact").hidden = !outer;
+  if (outer) {
+    $("outer-step").textContent = `${outer.outer_step} (H ${outer.sync_period})`;
+    $("in-flight").textContent = `${outer.fragments_in_flight} of ${outer.fragments}`;
+  }
   $("uptime").textContent = fmtDuration(s.uptime_s);
   $("reach").textContent = reachText(s.reachability);
   $("reach").title = s.reachability ? s.reachability.detail : "";

@@ -1,0 +1,393 @@
+"""Low-communication training benchmarks, each against baselines run in the same command:
+
+1. quality: validation loss against bytes at the same token budget. 4 nodes (the real GossipPeer /
+   DilocoTrainer code over the in-memory transport, gossip/memory.py, one-peer exponential, rounds
+   started together) against one process with the 4x batch: DAdam fp32 (every step a round) and gossip
+   DiLoCo at H in {25, 100} with fp32, int8 and top-k (error feedback), with and without streaming
+   (4 fragments, overlapped). Per setup: the final swarm-average validation loss (the final merge's
+   model), its ratio to the single process and to DAdam fp32, bytes per node per step and their ratio
+   to DAdam fp32's; medians over seeds. Target: a setup at <= 1% of DAdam fp32's bytes within 3% of its
+   loss. Other setups plug in through `EXTRA_SETUPS` (e.g. DAdam with compressed gossip).
+2. overlap: time per inner step of gossip DiLoCo whose outer exchanges run over a rate-limited link
+   (the in-memory transport's bandwidth model, 20 Mbit/s and 25 ms each way), overlapped with the next
+   phase or not, against inner steps alone; compute is a fixed sleep per step in a forward hook (a GPU
+   step, which leaves the CPU free), on the default dense model's parameters (870,656). Target: the
+   overlapped step within 10% of the inner step alone.
+
+The model of part 1 is the tests' TINY GPT (2 layers, width 64, context 32; 100,992 parameters) on the
+embedded 4 MB corpus, so that a seed's runs take minutes on two shared cores.
+
+Run from the repository root: .venv/bin/python -m bench.bench_lowcomm [--only quality,overlap] [--seeds 0,1,2]
+[--steps 600] [--setups "NAME;..."] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from gossip.codecs import get_codec
+from gossip.diloco import DilocoConfig, SyncSchedule
+from gossip.exchange import ExchangeSettings, GossipPeer
+from gossip.memory import InMemoryNetwork, LinkModel
+from gossip.optimizers import OptimizerConfig
+from node.training.data import Corpus, embedded_corpus, peer_shard
+from node.training.diloco import DilocoTrainer
+from node.training.models import DENSE_DEFAULT, ModelConfig, build_model
+from node.training.trainer import GossipTrainer, Trainer, TrainerConfig, average_tensors, train_alone
+from topology import MembershipView, PeerRound, build_topology, peer_round
+
+TINY = ModelConfig(context=32, layers=2, width=64, heads=4, experts=0, expert_hidden=128)
+NODES, BATCH = 4, 8
+TOPOLOGY = "one-peer-exp"
+BYTES_TARGET, LOSS_TARGET = 0.01, 1.03  # of DAdam fp32's bytes, and of its loss
+OVERLAP_TARGET = 1.10
+EXCHANGE_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One way to train the swarm (or the single process) for the quality table."""
+
+    name: str
+    kind: str  # "single", "dadam", "diloco"
+    lr: float
+    local_steps: int = 1
+    codec: str = "fp32"
+    codec_options: tuple[tuple[str, float], ...] = ()
+    fragments: int = 1
+    overlap: bool = False
+    outer_lr: float = 1.0  # the grid's; DiLoCo's 0.7 and 0.9 (the recipe's defaults) trail here: one row shows it
+    outer_momentum: float = 0.0
+    anchor_every: int = 1
+    anchor_codec: str = "int8"
+
+    def optimizer(self, steps: int) -> OptimizerConfig:
+        algorithm = "diloco" if self.kind == "diloco" else "dadam"
+        return OptimizerConfig(algorithm=algorithm, lr=self.lr, warmup_steps=steps // 10, total_steps=steps,
+                               clip_norm=1.0, local_steps=self.local_steps)
+
+
+@dataclass(frozen=True)
+class Result:
+    setup: str
+    seed: int
+    loss: float  # validation loss of the swarm-average model (the single process's own)
+    bytes_per_step: float  # sent + received per node per step, every protocol of the setup
+    merge_per_step: float = 0.0  # of which the final merge (once per run)
+    consensus: float = 0.0  # ||x_i - mean|| / ||mean|| over the nodes' final models (before averaging)
+    seconds: float = 0.0
+
+
+# Inner learning rates, each the best of a sweep on seed 0 at this budget (docs/benchmarks.md): DAdam's
+# tests use 1.5e-2, tuned for 80 steps, which at 400-800 steps ends 25-50% behind 5e-3.
+SINGLE_LR, DADAM_LR, DILOCO_LR = 5e-3, 5e-3, 5e-3
+
+
+def default_setups() -> list[Setup]:
+    setups = [Setup("single process", "single", SINGLE_LR), Setup("DAdam fp32", "dadam", DADAM_LR)]
+    for h in (25, 100):
+        for codec, options in (("fp32", ()), ("int8", ()), ("topk", (("ratio", 0.01),))):
+            label = "top-k 1% + EF" if codec == "topk" else codec + (" + EF" if codec == "int8" else "")
+            setups.append(Setup(f"DiLoCo H={h} {label}", "diloco", DILOCO_LR, h, codec, options))
+            setups.append(Setup(f"DiLoCo H={h} {label}, 4 fragments overlapped", "diloco", DILOCO_LR, h, codec,
+                                options, fragments=4, overlap=True))
+    # the trade-off below H = 25, and DiLoCo's own outer step (lr 0.7, Nesterov 0.9)
+    setups += [Setup(f"DiLoCo H={h} int8 + EF", "diloco", DILOCO_LR, h, "int8") for h in (5, 10)]
+    setups += [Setup(f"DiLoCo H={h} int8 + EF, outer lr 0.7 + Nesterov 0.9", "diloco", DILOCO_LR, h, "int8",
+                     outer_lr=0.7, outer_momentum=0.9) for h in (25, 100)]
+    return setups
+
+
+# More setups by name, run after the default ones: async (corpus, seed, steps) -> Result. A module of
+# bench/ may register one here (e.g. DAdam with compressed gossip of differences).
+EXTRA_SETUPS: dict[str, Callable[[Corpus, int, int], Awaitable[Result]]] = {}
+
+
+def tiny_trainer(corpus: Corpus, optimizer: OptimizerConfig, peer_id: str, seed: int, batch: int,
+                 tokens: torch.Tensor) -> Trainer:
+    config = TrainerConfig(optimizer=optimizer, batch_size=batch, context=TINY.context, device="cpu",
+                           precision="fp32", eval_batch_size=64, eval_batches=8, eval_every_rounds=None)
+    return Trainer(build_model(TINY, seed=seed), config, peer_id=peer_id, train_tokens=tokens, val_tokens=corpus.val)
+
+
+def lockstep(ids: Sequence[str]) -> Callable[[str], Callable[[int, int], Awaitable[PeerRound]]]:
+    """plan_for per peer and (fragment, round): each starts together on every peer, as the daemon's
+    sync schedule and the exchange's waits make it."""
+    view = MembershipView.of(ids)
+    topo = build_topology(TOPOLOGY, view.n)
+    barriers: dict[tuple[int, int], asyncio.Barrier] = {}
+
+    def plan_for(peer_id: str) -> Callable[[int, int], Awaitable[PeerRound]]:
+        async def plan(fragment: int, round_index: int) -> PeerRound:
+            await barriers.setdefault((fragment, round_index), asyncio.Barrier(len(ids))).wait()
+            return peer_round(topo, view, peer_id, round_index)
+        return plan
+
+    return plan_for
+
+
+def settings(codec: str, options: tuple[tuple[str, float], ...] = ()) -> ExchangeSettings:
+    return ExchangeSettings(swarm="bench", config_hash="0" * 64, codec=get_codec(codec, **dict(options)),
+                            exchange_timeout_s=EXCHANGE_TIMEOUT_S)
+
+
+def spread(models: Sequence[dict[str, np.ndarray]]) -> float:
+    """sqrt(mean_i ||x_i - mean||^2) / ||mean||."""
+    mean = average_tensors(models)
+    num = sum(float(np.square(m[n].astype(np.float64) - mean[n]).sum()) for m in models for n in mean) / len(models)
+    den = sum(float(np.square(mean[n].astype(np.float64)).sum()) for n in mean)
+    return float(np.sqrt(num / den))
+
+
+async def run_single(corpus: Corpus, setup: Setup, seed: int, steps: int) -> Result:
+    async with tiny_trainer(corpus, setup.optimizer(steps), f"s{seed}-single", seed, NODES * BATCH,
+                            corpus.train) as trainer:
+        await train_alone(trainer, steps)
+        return Result(setup.name, seed, await trainer.evaluate(), 0.0)
+
+
+async def run_dadam(corpus: Corpus, setup: Setup, seed: int, steps: int) -> Result:
+    ids = [f"s{seed}-peer{i}" for i in range(NODES)]
+    net = InMemoryNetwork()
+    trainers = [tiny_trainer(corpus, setup.optimizer(steps), pid, seed, BATCH, peer_shard(corpus, pid)) for pid in ids]
+    try:
+        nodes = []
+        for pid, trainer in zip(ids, trainers, strict=True):
+            peer = GossipPeer(net.transport(pid), settings(setup.codec, setup.codec_options), await trainer.tensors())
+            await peer.start()
+            nodes.append(GossipTrainer(trainer, peer))
+        plans = lockstep(ids)
+
+        def plan_of(pid: str) -> Callable[[int], Awaitable[PeerRound]]:
+            plan = plans(pid)
+            return lambda r: plan(0, r)
+
+        async with asyncio.TaskGroup() as group:
+            for node in nodes:
+                group.create_task(node.run(steps, plan_of(node.peer.peer_id)))
+        finals = [await t.tensors() for t in trainers]
+        loss = await trainers[0].evaluate(average_tensors(finals))
+        moved = sum(n.peer.stats.bytes_sent + n.peer.stats.bytes_received for n in nodes) / NODES
+        return Result(setup.name, seed, loss, moved / steps, spread(finals))
+    finally:
+        for trainer in trainers:
+            trainer.close()
+
+
+async def run_diloco(corpus: Corpus, setup: Setup, seed: int, steps: int) -> Result:
+    ids = [f"s{seed}-peer{i}" for i in range(NODES)]
+    net = InMemoryNetwork()
+    optimizer = setup.optimizer(steps)
+    trainers = [tiny_trainer(corpus, optimizer, pid, seed, BATCH, peer_shard(corpus, pid)) for pid in ids]
+    config = DilocoConfig(outer_lr=setup.outer_lr, outer_momentum=setup.outer_momentum, fragments=setup.fragments,
+                          overlap=setup.overlap, anchor_every=setup.anchor_every, anchor_codec=setup.anchor_codec)
+    nodes = []
+    try:
+        for pid, trainer in zip(ids, trainers, strict=True):
+            schedule = SyncSchedule(setup.local_steps, setup.fragments, optimizer.schedule.lr_at)
+            node = DilocoTrainer(trainer, net.transport(pid), settings(setup.codec, setup.codec_options), config,
+                                 schedule)
+            await node.start()
+            nodes.append(node)
+        plans = lockstep(ids)
+
+        async def one(node: DilocoTrainer) -> None:
+            plan = plans(node.trainer.peer_id)
+            for step in range(steps):
+                await node.step(plan, final=step == steps - 1)
+
+        async with asyncio.TaskGroup() as group:
+            for node in nodes:
+                group.create_task(one(node))
+        finals = [node.anchor for node in nodes]
+        # the final merge: every node ends on the average of the nodes' final models
+        loss = await trainers[0].evaluate(average_tensors(finals))
+        moved = sum(sum(node.outer_bytes) for node in nodes) / NODES
+        # the merge itself moves (n - 1) fp32 models in and out per node, once per run
+        merge = 2 * (NODES - 1) * 4 * sum(t.size for t in finals[0].values())
+        return Result(setup.name, seed, loss, (moved + merge) / steps, merge_per_step=merge / steps,
+                      consensus=spread(finals))
+    finally:
+        for node in nodes:
+            await node.close()
+        for trainer in trainers:
+            trainer.close()
+
+
+RUNNERS = {"single": run_single, "dadam": run_dadam, "diloco": run_diloco}
+
+
+async def quality(seeds: Sequence[int], steps: int, names: set[str] | None) -> list[Result]:
+    corpus = embedded_corpus()
+    results = []
+    for seed in seeds:
+        for setup in default_setups():
+            if names is not None and setup.name not in names and setup.kind not in ("single", "dadam"):
+                continue
+            started = time.perf_counter()
+            result = await RUNNERS[setup.kind](corpus, setup, seed, steps)
+            result = Result(**{**result.__dict__, "seconds": time.perf_counter() - started})
+            results.append(result)
+            print(f"  {setup.name}, seed {seed}: loss {result.loss:.4f}, {result.bytes_per_step:,.0f} B/node/step, "
+                  f"spread {result.consensus:.2e}, {result.seconds:.0f} s", file=sys.stderr, flush=True)
+        for name, run in EXTRA_SETUPS.items():
+            if names is None or name in names:
+                results.append(await run(corpus, seed, steps))
+    return results
+
+
+def report_quality(results: Sequence[Result], setups: Sequence[Setup]) -> list[str]:
+    by = {}
+    for r in results:
+        by.setdefault(r.setup, []).append(r)
+    single = {r.seed: r.loss for r in by["single process"]}
+    dadam = {r.seed: r for r in by["DAdam fp32"]}
+    lrs = {s.name: s for s in setups}
+    lines = ["| setup | inner lr | loss (median) | / single process | / DAdam fp32 | bytes per node per step | "
+             "/ DAdam fp32 bytes | without the final merge | node spread | target |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for name, rs in by.items():
+        loss = statistics.median(r.loss for r in rs)
+        to_single = statistics.median(r.loss / single[r.seed] for r in rs)
+        to_dadam = statistics.median(r.loss / dadam[r.seed].loss for r in rs)
+        moved = statistics.median(r.bytes_per_step for r in rs)
+        to_bytes = statistics.median(r.bytes_per_step / dadam[r.seed].bytes_per_step for r in rs)
+        no_merge = statistics.median((r.bytes_per_step - r.merge_per_step) / dadam[r.seed].bytes_per_step for r in rs)
+        met = to_bytes <= BYTES_TARGET and to_dadam <= LOSS_TARGET
+        verdict = ("met" if met else "-") if name not in ("single process", "DAdam fp32") else ""
+        setup = lrs.get(name)
+        lines.append(f"| {name} | {setup.lr if setup else '-'} | {loss:.4f} | {to_single:.3f}x | {to_dadam:.3f}x | "
+                     f"{moved:,.0f} | {to_bytes:.4f} | {no_merge:.4f} | {statistics.median(r.consensus for r in rs):.1e} | "
+                     f"{verdict} |")
+    lines += ["", "per seed (loss, bytes per node per step):"]
+    for name, rs in by.items():
+        lines.append(f"- {name}: " + "; ".join(f"seed {r.seed} {r.loss:.4f} {r.bytes_per_step:,.0f}" for r in rs))
+    return lines
+
+
+# ---- 2. overlap ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class OverlapRun:
+    mode: str
+    step_s: list[float] = field(default_factory=list)
+
+
+async def overlap_run(mode: str, steps: int, local_steps: int, compute_s: float, link: LinkModel,
+                      fragments: int) -> OverlapRun:
+    """Two nodes of the default dense model's size; mode "local" (inner steps alone), "sync" (DiLoCo,
+    exchanges awaited at each sync) or "overlap" (DiLoCo, exchanges run during the next phase)."""
+    corpus = embedded_corpus(size_bytes=600_000)
+    ids = ["peer-a", "peer-b"]
+    optimizer = OptimizerConfig(algorithm="diloco", lr=1e-3, local_steps=local_steps)
+    model_config = DENSE_DEFAULT
+    trainers = []
+    for pid in ids:
+        config = TrainerConfig(optimizer=optimizer, batch_size=1, context=8, device="cpu", precision="fp32")
+        trainer = Trainer(build_model(model_config, seed=0), config, peer_id=pid, train_tokens=peer_shard(corpus, pid),
+                          val_tokens=corpus.val)
+        trainer.model.register_forward_pre_hook(lambda module, args: time.sleep(compute_s))
+        trainers.append(trainer)
+    net = InMemoryNetwork(link)
+    run = OverlapRun(mode)
+    nodes = []
+    try:
+        for pid, trainer in zip(ids, trainers, strict=True):
+            node = DilocoTrainer(trainer, net.transport(pid), settings("int8"),
+                                 DilocoConfig(fragments=fragments, overlap=mode == "overlap"),
+                                 SyncSchedule(local_steps, fragments, optimizer.schedule.lr_at))
+            await node.start()
+            nodes.append(node)
+        view = MembershipView.of(ids)
+        topo = build_topology(TOPOLOGY, 2)
+
+        async def one(node: DilocoTrainer) -> list[float]:
+            async def plan(fragment: int, round_index: int) -> PeerRound:
+                return peer_round(topo, view, node.trainer.peer_id, round_index)
+
+            times = []
+            for _ in range(steps):
+                started = time.perf_counter()
+                if mode == "local":
+                    await node.trainer.train_step()
+                else:
+                    await node.step(plan)
+                times.append(time.perf_counter() - started)
+            return times
+
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(one(node)) for node in nodes]
+        # the first phase warms up; after it, a step's time is the slower node's
+        per_step = np.max([task.result() for task in tasks], axis=0)
+        run.step_s = list(per_step[local_steps:])
+    finally:
+        for node in nodes:
+            await node.close()
+        for trainer in trainers:
+            trainer.close()
+    return run
+
+
+async def overlap(phases: int, local_steps: int, compute_s: float, fragments: int) -> list[str]:
+    link = LinkModel(latency_s=0.025, bandwidth_bytes_per_s=20e6 / 8)
+    params = sum(p.numel() for p in build_model(DENSE_DEFAULT, seed=0).parameters())
+    steps = (phases + 1) * local_steps
+    runs = [await overlap_run(mode, steps, local_steps, compute_s, link, fragments)
+            for mode in ("local", "overlap", "sync")]
+    base = statistics.mean(runs[0].step_s)
+    lines = [f"two nodes, {params:,} parameters, int8 pseudo-gradients and anchors, H = {local_steps}, "
+             f"{fragments} fragment(s), compute {compute_s} s per step, link 20 Mbit/s and 25 ms each way; "
+             f"{phases} phases timed after one warm-up phase", "",
+             "| mode | mean s per inner step | / inner steps alone | max s per step | target |", "|---|---:|---:|---:|---|"]
+    for run in runs:
+        mean = statistics.mean(run.step_s)
+        verdict = f"<= {OVERLAP_TARGET}: {'met' if mean / base <= OVERLAP_TARGET else 'MISSED'}" \
+            if run.mode == "overlap" else ""
+        lines.append(f"| {run.mode} | {mean:.3f} | {mean / base:.3f}x | {max(run.step_s):.3f} | {verdict} |")
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="quality,overlap")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--setups", help="setup names separated by \";\" (the baselines always run)")
+    parser.add_argument("--phases", type=int, default=6, help="overlap: phases timed")
+    parser.add_argument("--quick", action="store_true", help="one seed, 200 steps, 2 phases: a smoke run")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    steps, phases = args.steps, args.phases
+    if args.quick:
+        seeds, steps, phases = seeds[:1], 200, 2
+    only = set(args.only.split(","))
+    print(f"# bench_lowcomm: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"torch {torch.__version__}, load average {os.getloadavg()[0]:.1f}", flush=True)
+    if "quality" in only:
+        names = {n.strip() for n in args.setups.split(";")} if args.setups else None
+        results = asyncio.run(quality(seeds, steps, names))
+        print(f"\n## quality against bytes: {NODES} nodes x {steps} steps of batch {BATCH} vs one process of batch "
+              f"{NODES * BATCH}, seeds {seeds}\n")
+        print("\n".join(report_quality(results, default_setups())), flush=True)
+    if "overlap" in only:
+        print("\n## overlap\n")
+        print("\n".join(asyncio.run(overlap(phases, local_steps=10, compute_s=0.3, fragments=4))), flush=True)
+    print(f"# load average at the end {os.getloadavg()[0]:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

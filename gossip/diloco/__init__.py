@@ -1,0 +1,28 @@
+"""Gossip DiLoCo without torch or networking: the shared knobs (`config`), the outer Nesterov step
+(`outer`), the split of the model into streamed fragments (`fragments`), when each fragment syncs
+(`schedule`, with the quadratic synchronisation rule) and the analytic traffic (`traffic`).
+
+`node/training/diloco.py` runs these over a trainer and one gossip peer per fragment;
+docs/training.md ("Gossip DiLoCo") explains the scheme.
+"""
+
+from gossip.diloco.config import ANCHOR_CODECS, INNER_OPTIMIZERS, DilocoConfig
+from gossip.diloco.fragments import fragment_partition
+from gossip.diloco.outer import OuterNesterov
+from gossip.diloco.schedule import MAX_PHASE, SyncSchedule, qsr_period
+from gossip.diloco.traffic import RoundMessages, Traffic, round_bytes, run_bytes
+
+__all__ = [
+    "ANCHOR_CODECS",
+    "INNER_OPTIMIZERS",
+    "MAX_PHASE",
+    "DilocoConfig",
+    "OuterNesterov",
+    "RoundMessages",
+    "SyncSchedule",
+    "Traffic",
+    "fragment_partition",
+    "qsr_period",
+    "round_bytes",
+    "run_bytes",
+]

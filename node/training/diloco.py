@@ -1,0 +1,397 @@
+"""Gossip DiLoCo on a node: H inner steps of local AdamW on the trainer, then, per fragment, the
+pseudo-gradient (phase start minus now) compressed with error feedback and mixed with the topology's
+neighbours by one gossip round, and an outer Nesterov step on the anchor (the model as of the last
+outer step). With `overlap`, a fragment's exchange runs while the next phase computes and its outer
+step lands one phase late. The rules are gossip.diloco; docs/training.md ("Gossip DiLoCo") explains
+the scheme and what it costs in consensus."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from gossip.codecs import get_codec
+from gossip.diloco import DilocoConfig, OuterNesterov, SyncSchedule, fragment_partition
+from gossip.errors import WireError
+from gossip.exchange import ExchangeSettings, GossipPeer, PeerRejected, RoundOutcome
+from gossip.optimizers import global_norm
+from gossip.transport import Transport
+from node.training.outer_group import GroupSync, OuterGroup
+from node.training.trainer import StepStats, Tensors, Trainer
+from topology import PeerRound
+
+logger = logging.getLogger("murmur.diloco")
+
+MOMENTUM_PROTOCOL = "/murmur/diloco/momentum/1"
+# checkpoint entries beside Trainer.state()'s
+_ANCHOR, _MOMENTUM, _RESIDUAL = "diloco/anchor/", "diloco/momentum/", "diloco/residual/"
+_ANCHOR_RESIDUAL = "diloco/anchor_residual/"
+# A downloaded outer momentum is refused when its norm exceeds this many times the anchor's: a buffer
+# sums pseudo-gradients geometrically, and a phase that moved the model by more than its own norm is
+# not training but a hostile or broken peer.
+MOMENTUM_NORM_BOUND = 10.0
+
+# (fragment, round) -> this node's neighbours and weights for that round, when it may start
+FragmentPlanFor = Callable[[int, int], Awaitable[PeerRound]]
+
+
+def fragment_protocol(fragment: int) -> str:
+    """The protocol on which fragment `fragment`'s pseudo-gradients are mixed (one GossipPeer each)."""
+    return f"/murmur/diloco/{fragment}/1"
+
+
+def anchor_protocol(fragment: int) -> str:
+    """The protocol on which fragment `fragment`'s anchors are mixed."""
+    return f"/murmur/diloco/{fragment}/anchor/1"
+
+
+@dataclass(frozen=True)
+class OuterSync:
+    """One fragment's outer exchange: its gossip round and what the mixes showed."""
+
+    fragment: int
+    round: int
+    outcome: RoundOutcome | None  # the pseudo-gradients' round; None when fused (see OuterGroup) or failed
+    consensus_distance: float | None  # ||own pseudo-gradient - mean of the neighbours' that arrived||_2
+    anchors: RoundOutcome | None = None  # the anchors' round, when this sync mixed them
+    anchor_distance: float | None = None  # ||own anchor - mean of the neighbours' anchors that arrived||_2
+    failed: bool = False  # the exchange failed; the local pseudo-gradient stood in
+
+
+@dataclass(frozen=True)
+class DilocoStepReport:
+    stats: StepStats
+    step_s: float
+    launched: tuple[tuple[int, int], ...] = ()  # (fragment, round) exchanges started in this step
+    synced: tuple[OuterSync, ...] = ()  # exchanges whose outer step was applied in this step
+
+
+@dataclass
+class DilocoStats:
+    """What the monitor shows of the outer loop (docs/monitor.md)."""
+
+    outer_steps: int = 0  # outer updates applied to fragment 0 (phases completed)
+    outer_updates: int = 0  # outer updates applied, all fragments
+    exchanges_failed: int = 0
+    last_sync_s: float = 0.0
+    errors: dict[str, int] = field(default_factory=dict)
+
+
+class DilocoTrainer:
+    """A Trainer driven as gossip DiLoCo over one OuterGroup per fragment (see the module docstring).
+
+    `state_peer` (the node's main gossip peer) serves the anchors: what joiners download and what
+    the swarm evaluation averages; a second peer serves the outer momentum to joiners. Arrays held
+    here are replaced, never modified in place, so either peer can send a snapshot at any time."""
+
+    def __init__(self, trainer: Trainer, transport: Transport, settings: ExchangeSettings, config: DilocoConfig,
+                 schedule: SyncSchedule, *, state_peer: GossipPeer | None = None,
+                 state_settings: ExchangeSettings | None = None) -> None:
+        self.trainer = trainer
+        self.config = config
+        self.schedule = schedule
+        self._transport = transport
+        self._settings = settings
+        self._state_settings = state_settings or replace(settings, codec=get_codec("fp32"))
+        self._state_peer = state_peer
+        sizes = {name: p.numel() for name, p in trainer.model.named_parameters()}
+        self.fragments = fragment_partition(sizes, config.fragments)
+        self._fragment_of = {name: p for p, names in enumerate(self.fragments) for name in names}
+        self._outer = OuterNesterov(config.outer_lr, config.outer_momentum)
+        anchor_codec = get_codec(config.anchor_codec)
+        self._groups = [
+            OuterGroup(transport, replace(settings, config_hash=f"{settings.config_hash}/diloco/{p}"), anchor_codec,
+                       names, protocol=fragment_protocol(p), anchor_protocol=anchor_protocol(p), outer=self._outer,
+                       anchor_every=config.anchor_every)
+            for p, names in enumerate(self.fragments)]
+        self._anchor: dict[str, np.ndarray] = {}
+        self._start: dict[str, np.ndarray] | None = {} if config.overlap else None  # overlap: the phase start
+        self._momentum_peer: GossipPeer | None = None
+        self._pending: dict[int, asyncio.Task[OuterSync]] = {}
+        self._pending_delta: dict[int, dict[str, np.ndarray]] = {}
+        self._applied = [0] * len(self.fragments)
+        self._in_sync = 0  # exchanges being awaited in the foreground (overlap off)
+        self._residuals: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None  # from restore()
+        self.stats = DilocoStats()
+
+    # ---- set-up ------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """The anchor is the trainer's current parameters (restore() or adopt() may replace it);
+        serve the fragments' protocols and the momentum protocol."""
+        if not self._anchor:
+            self._anchor = await self.trainer.tensors()
+            self._reset_start()
+        count = self.trainer.step
+        for p, group in enumerate(self._groups):
+            await group.start(self._anchor, count, self.schedule.last_sync(p, count))
+            if self._residuals is not None:
+                group.load_residuals(*self._residuals)
+        momentum_settings = replace(self._state_settings, config_hash=f"{self._settings.config_hash}/diloco/momentum")
+        self._momentum_peer = GossipPeer(self._transport, momentum_settings, self._momentum_tensors(),
+                                         step=self.trainer.step, protocol=MOMENTUM_PROTOCOL)
+        await self._momentum_peer.start()
+        self._publish()
+
+    def _reset_start(self) -> None:
+        if self._start is not None:
+            self._start = dict(self._anchor)
+
+    def _place_rounds(self) -> None:
+        """Each fragment's round is its latest sync at the current step, so it answers its neighbours'
+        next round (a fresh, resumed or downloaded node alike)."""
+        count = self.trainer.step
+        for p, group in enumerate(self._groups):
+            group.place(count, self.schedule.last_sync(p, count))
+
+    def _momentum_tensors(self) -> dict[str, np.ndarray]:
+        return {n: (b if (b := self._outer.buffer(n)) is not None else np.zeros_like(a)) for n, a in self._anchor.items()}
+
+    def _publish(self) -> None:
+        """Serve the current anchors and momentum (joiners, the swarm evaluation)."""
+        step = self.trainer.step
+        if self._state_peer is not None:
+            self._state_peer.set_tensors(dict(self._anchor), step=step)
+        if self._momentum_peer is not None:
+            self._momentum_peer.set_tensors(self._momentum_tensors(), step=step)
+
+    @property
+    def anchor(self) -> dict[str, np.ndarray]:
+        return dict(self._anchor)
+
+    @property
+    def codec_name(self) -> str:
+        return self._settings.codec.name
+
+    def set_anchor(self, tensors: Tensors) -> None:
+        """Make `tensors` the anchor (the final merge's model), without serving it: peers that merge
+        after this node must still get its pre-merge final model."""
+        self._anchor = {n: np.asarray(tensors[n], np.float32).reshape(-1) for n in self._anchor}
+        for group in self._groups:
+            group.anchor = {n: self._anchor[n] for n in group.names}
+        self._reset_start()
+
+    @property
+    def momentum(self) -> dict[str, np.ndarray]:
+        return self._outer.state()
+
+    @property
+    def peers(self) -> tuple[GossipPeer, ...]:
+        """The fragments' pseudo-gradient peers."""
+        return tuple(group.peer for group in self._groups if group.peer is not None)
+
+    @property
+    def in_flight(self) -> int:
+        """Fragment exchanges running now."""
+        return sum(1 for task in self._pending.values() if not task.done()) + self._in_sync
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(p.stats.bytes_sent for p in self._all_peers())
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(p.stats.bytes_received for p in self._all_peers())
+
+    @property
+    def outer_bytes(self) -> tuple[int, int]:
+        """Bytes sent and received by the fragment exchanges alone (pseudo-gradients and anchors)."""
+        peers = [p for group in self._groups for p in group.peers]
+        return sum(p.stats.bytes_sent for p in peers), sum(p.stats.bytes_received for p in peers)
+
+    @property
+    def fragment_rounds(self) -> list[int]:
+        """Outer exchanges each fragment has completed (a fused sync runs one round, another two)."""
+        return [max(p.stats.rounds for p in group.peers) if group.peers else 0 for group in self._groups]
+
+    @property
+    def rounds_run(self) -> int:
+        """Gossip rounds the fragments ran (pseudo-gradients and anchors; a fused sync runs one)."""
+        return sum(p.stats.rounds for group in self._groups for p in group.peers)
+
+    def skipped(self) -> dict[str, int]:
+        """Neighbours left out of the fragments' rounds, by reason."""
+        total: dict[str, int] = {}
+        for peer in (p for group in self._groups for p in group.peers):
+            for reason, n in peer.stats.skipped.items():
+                total[reason] = total.get(reason, 0) + n
+        return total
+
+    def errors(self) -> dict[str, int]:
+        total: dict[str, int] = dict(self.stats.errors)
+        for peer in self._all_peers():
+            for kind, n in peer.stats.errors.items():
+                total[kind] = total.get(kind, 0) + n
+        return total
+
+    def _all_peers(self) -> list[GossipPeer]:
+        peers = [p for group in self._groups for p in group.peers]
+        return [*peers, *([self._momentum_peer] if self._momentum_peer is not None else [])]
+
+    # ---- steps -------------------------------------------------------------------------------------
+
+    async def step(self, plan_for: FragmentPlanFor, *, final: bool = False) -> DilocoStepReport:
+        """One inner step, then the outer syncs the schedule puts after it. `final` (the last step of
+        the budget): every pending exchange is awaited and every fragment syncs once more, in the
+        foreground, so the trainer ends on the anchor."""
+        started = time.perf_counter()
+        stats = await self.trainer.train_step()
+        count = self.trainer.step
+        if final:
+            due = [(p, self.schedule.last_sync(p, count - 1) + 1) for p in range(len(self.fragments))]
+        else:
+            due = list(self.schedule.syncs_at(count))
+        synced: list[OuterSync] = []
+        for p, k in due:
+            synced.extend(await self._sync(p, k, plan_for, overlap=self.config.overlap and not final))
+        return DilocoStepReport(stats, time.perf_counter() - started, tuple(due), tuple(synced))
+
+    async def _sync(self, p: int, k: int, plan_for: FragmentPlanFor, *, overlap: bool) -> list[OuterSync]:
+        names = self.fragments[p]
+        synced = []
+        if p in self._pending:
+            synced.append(await self._land(p))
+        x = await self.trainer.tensors(names)
+        start = self._start if self._start is not None else self._anchor
+        delta = {n: start[n] - x[n] for n in names}
+        self._pending_delta[p] = delta
+        self._pending[p] = asyncio.create_task(self._exchange(p, k, delta, plan_for),
+                                               name=f"diloco fragment {p} round {k}")
+        if overlap:
+            assert self._start is not None
+            # the fast weights: the anchor plus this phase's local progress, until its mix lands
+            new_start = {n: self._anchor[n] - delta[n] for n in names}
+            self._start.update(new_start)
+            await self.trainer.load_tensors(new_start, partial=True)
+            return synced
+        self._in_sync += 1
+        try:
+            synced.append(await self._land(p))
+        finally:
+            self._in_sync -= 1
+        restart = {n: self._anchor[n] for n in names}
+        if self._start is not None:
+            self._start.update(restart)
+        await self.trainer.load_tensors(restart, partial=True)
+        return synced
+
+    async def _exchange(self, p: int, k: int, delta: dict[str, np.ndarray], plan_for: FragmentPlanFor) -> OuterSync:
+        sync = await self._groups[p].exchange(k, delta, self.trainer.step, lambda: plan_for(p, k))
+        return OuterSync(p, k, sync.outcome, sync.consensus_distance, sync.anchors, sync.anchor_distance)
+
+    async def _land(self, p: int) -> OuterSync:
+        """Await fragment p's exchange and apply its outer step to the anchor."""
+        task = self._pending.pop(p)
+        delta = self._pending_delta.pop(p)
+        started = time.perf_counter()
+        try:
+            sync = await task
+        except (Exception, asyncio.CancelledError) as exc:
+            current = asyncio.current_task()
+            if isinstance(exc, asyncio.CancelledError) and current is not None and current.cancelling():
+                raise
+            # the exchange itself never fails for a neighbour (it is skipped); this is a bug or a
+            # shutdown: the local pseudo-gradient stands in, so the phase's progress is kept
+            self.stats.exchanges_failed += 1
+            logger.warning("fragment %d: outer exchange failed (%s: %s); applying the local pseudo-gradient", p,
+                           type(exc).__name__, exc)
+            sync = OuterSync(p, -1, None, None, failed=True)
+        group = self._groups[p]
+        landed = GroupSync(sync.round, sync.outcome, sync.consensus_distance, sync.anchors, sync.anchor_distance)
+        self._anchor.update(await asyncio.to_thread(group.land, None if sync.failed else landed, delta))
+        self._applied[p] += 1
+        self.stats.outer_updates += 1
+        self.stats.outer_steps = self._applied[0]
+        self.stats.last_sync_s = time.perf_counter() - started
+        self._publish()
+        return sync
+
+    async def flush(self) -> list[OuterSync]:
+        """Apply every pending exchange (awaiting it)."""
+        return [await self._land(p) for p in sorted(self._pending)]
+
+    async def close(self) -> None:
+        """Cancel the exchanges still running (a stop); their outer steps are not applied."""
+        for task in self._pending.values():
+            task.cancel()
+        for task in self._pending.values():
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._pending.clear()
+        self._pending_delta.clear()
+
+    # ---- joiners and checkpoints --------------------------------------------------------------------
+
+    async def adopt(self, anchor: Tensors, momentum: Tensors | None) -> None:
+        """Continue from a downloaded anchor (the trainer already holds it and its step) and, if it
+        passed its checks, the same peer's outer momentum; the error-feedback residuals start empty
+        (this node owes nothing yet)."""
+        self.set_anchor(anchor)
+        self._outer.load_state(momentum or {})
+        for group in self._groups:
+            group.reset_residuals()
+        self._place_rounds()
+        self._publish()
+
+    def state(self) -> dict[str, np.ndarray]:
+        """The outer state for the checkpoint, beside Trainer.state(): anchor, momentum, residuals.
+
+        An exchange still in flight is not saved: on restore the phase start is the anchor, so the
+        next pseudo-gradient carries that exchange's progress again and nothing is lost."""
+        out = {_ANCHOR + n: a for n, a in self._anchor.items()}
+        out.update({_MOMENTUM + n: b for n, b in self._outer.state().items()})
+        for group in self._groups:
+            deltas, anchors = group.residuals()
+            out.update({_RESIDUAL + n: r for n, r in deltas.items()})
+            out.update({_ANCHOR_RESIDUAL + n: r for n, r in anchors.items()})
+        return out
+
+    def restore(self, state: Mapping[str, np.ndarray]) -> bool:
+        """Take the outer state from a checkpoint (before start()); False if it holds none."""
+        anchor = {k[len(_ANCHOR):]: np.asarray(v, np.float32).reshape(-1) for k, v in state.items() if k.startswith(_ANCHOR)}
+        if not anchor:
+            return False
+        if anchor.keys() != set(self._fragment_of):
+            raise ValueError("the checkpoint's DiLoCo anchor does not match the model's parameters")
+        self._anchor = anchor
+        self._reset_start()
+        self._outer.load_state({k[len(_MOMENTUM):]: v for k, v in state.items() if k.startswith(_MOMENTUM)})
+        self._residuals = ({k[len(_RESIDUAL):]: v for k, v in state.items() if k.startswith(_RESIDUAL)},
+                           {k[len(_ANCHOR_RESIDUAL):]: v for k, v in state.items() if k.startswith(_ANCHOR_RESIDUAL)})
+        return True
+
+    async def fetch_momentum(self, peer_id: str) -> dict[str, np.ndarray] | None:
+        """`peer_id`'s outer momentum (a joiner's download), checked: None when it fails or its norm is
+        out of bounds against our anchor (then this node starts with none)."""
+        assert self._momentum_peer is not None, "start() first"
+        try:
+            tensors, _, _ = await self._momentum_peer.fetch(peer_id)
+        except (TimeoutError, ConnectionError, WireError, PeerRejected) as exc:
+            logger.warning("outer momentum download from %s failed: %s; starting without", peer_id,
+                           exc or type(exc).__name__)
+            return None
+        norm, bound = global_norm(tensors.values()), MOMENTUM_NORM_BOUND * global_norm(self._anchor.values())
+        if not math.isfinite(norm) or norm > bound:
+            self.stats.errors["diloco_momentum_refused"] = self.stats.errors.get("diloco_momentum_refused", 0) + 1
+            logger.warning("outer momentum from %s refused: norm %.3g beyond %.3g; starting without", peer_id, norm, bound)
+            return None
+        return tensors
+
+
+__all__ = [
+    "MOMENTUM_PROTOCOL",
+    "DilocoStats",
+    "DilocoStepReport",
+    "DilocoTrainer",
+    "FragmentPlanFor",
+    "OuterSync",
+    "anchor_protocol",
+    "fragment_protocol",
+]

@@ -1,0 +1,335 @@
+"""Gossip DiLoCo: the outer Nesterov step against torch and an independent numpy computation, error
+feedback that loses nothing over many syncs (int8, top-k, fp16), fragments that cover every parameter
+exactly once per period, QSR's sync periods, and DilocoTrainers over the in-memory transport: the
+outer step of a synchronous and of an overlapped swarm recomputed by hand, checkpoints, and a joiner's
+momentum checks."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.optim.sgd import sgd
+
+from gossip.codecs import ErrorFeedback, get_codec
+from gossip.diloco import (
+    MAX_PHASE,
+    DilocoConfig,
+    OuterNesterov,
+    RoundMessages,
+    SyncSchedule,
+    fragment_partition,
+    qsr_period,
+    round_bytes,
+    run_bytes,
+)
+from gossip.exchange import ExchangeSettings
+from gossip.memory import InMemoryNetwork
+from gossip.optimizers import LRSchedule, OptimizerConfig
+from node.training.data import Corpus, peer_shard
+from node.training.diloco import DilocoTrainer
+from node.training.models import ModelConfig, build_model
+from node.training.trainer import Trainer, TrainerConfig, average_tensors
+from topology import MembershipView, PeerRound, build_topology, peer_round
+
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
+
+TINY = ModelConfig(context=32, layers=2, width=64, heads=4, experts=0, expert_hidden=128)
+
+
+# ---- the outer step ----------------------------------------------------------------------------------
+
+
+def test_the_outer_step_is_torch_sgd_with_nesterov_on_the_pseudo_gradient() -> None:
+    rng = np.random.default_rng(0)
+    start = rng.standard_normal(11).astype(np.float32)
+    outer = OuterNesterov(lr=0.7, momentum=0.9)
+    reference, buffers = torch.from_numpy(start.copy()), [None]
+    anchor = start
+    for _ in range(6):
+        g = rng.standard_normal(11).astype(np.float32)
+        sgd([reference], [torch.from_numpy(g.copy())], buffers, foreach=False, weight_decay=0.0, momentum=0.9,
+            lr=0.7, dampening=0.0, nesterov=True, maximize=False)
+        anchor = outer.step("w", anchor, g)
+        np.testing.assert_allclose(anchor, reference.numpy(), rtol=1e-5, atol=1e-6)
+    # without momentum the outer step is anchor - lr * g, and keeps no state
+    plain = OuterNesterov(lr=1.0, momentum=0.0)
+    np.testing.assert_array_equal(plain.step("w", start, start), np.zeros_like(start))
+    assert plain.state() == {}
+
+
+@pytest.mark.parametrize("bad", [{"outer_lr": 0.0}, {"outer_lr": math.inf}, {"outer_momentum": 1.0},
+                                 {"fragments": 0}, {"fragments": 65}, {"qsr_alpha": -1.0}, {"anchor_every": -1},
+                                 {"anchor_codec": "topk"}])
+def test_bad_diloco_settings_are_refused_with_the_setting_named(bad: dict) -> None:
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        DilocoConfig(**bad)
+
+
+# ---- error feedback -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("codec", [get_codec("int8", block=64), get_codec("topk", ratio=0.01), get_codec("fp16"),
+                                   get_codec("bf16")], ids=lambda c: c.name)
+def test_error_feedback_loses_nothing_over_many_syncs(codec) -> None:
+    """Sum of what was sent + the residual left = sum of the inputs, after every one of 200 syncs: what
+    the codec drops in one message is carried into the next."""
+    rng = np.random.default_rng(3)
+    feedback = ErrorFeedback(codec)
+    total_in = np.zeros(5000, np.float64)
+    total_sent = np.zeros(5000, np.float64)
+    for i in range(200):
+        x = (rng.standard_normal(5000) * 10.0 ** rng.uniform(-4, 0)).astype(np.float32)
+        sent = feedback.compress("w", x)
+        # what the receiver decodes is exactly what compress returned
+        np.testing.assert_array_equal(codec.decode(bytes(codec.encode(sent)), 5000), sent)
+        total_in += x
+        total_sent += sent
+        residual = feedback.residual("w")
+        scale = np.abs(total_in).max()
+        np.testing.assert_allclose(total_sent + residual, total_in, rtol=0, atol=1e-5 * scale + 1e-6 * (i + 1),
+                                   err_msg=f"sync {i}")
+    # and the residual stays bounded: it is what one message could not carry, not a growing debt
+    assert np.abs(feedback.residual("w")).max() < 0.5 * np.abs(total_in).max() + 1.0
+    restored = ErrorFeedback(codec)
+    restored.load_state(feedback.state())
+    np.testing.assert_array_equal(restored.residual("w"), feedback.residual("w"))
+
+
+# ---- fragments and the schedule ------------------------------------------------------------------------
+
+
+def test_fragments_cover_every_parameter_exactly_once_per_period() -> None:
+    model = build_model(TINY, seed=0)
+    sizes = {name: p.numel() for name, p in model.named_parameters()}
+    for fragments in (1, 2, 3, 5):
+        groups = fragment_partition(sizes, fragments)
+        flat = [name for group in groups for name in group]
+        assert sorted(flat) == sorted(sizes) and len(flat) == len(set(flat)), "each parameter in exactly one fragment"
+        loads = [sum(sizes[n] for n in g) for g in groups]
+        # balanced: no fragment exceeds the even share by more than the largest tensor
+        assert max(loads) <= sum(loads) / fragments + max(sizes.values())
+        assert groups == fragment_partition(dict(sizes), fragments), "deterministic"
+    with pytest.raises(ValueError, match="tensors"):
+        fragment_partition({"a": 3}, 2)
+    # each phase: every fragment syncs once, at its own (staggered) step; bytes in flight ~ 1/P
+    lr = LRSchedule(lr=1e-2, warmup_steps=10, total_steps=400)
+    for base, fragments, alpha in ((8, 4, 0.0), (10, 3, 0.0), (5, 5, 0.0), (6, 2, 0.12)):
+        schedule = SyncSchedule(base, fragments, lr.lr_at, qsr_alpha=alpha, warmup_steps=10)
+        events = [(count, p, k) for count in range(1, 401) for p, k in schedule.syncs_at(count)]
+        phases = sorted({k for _, _, k in events})
+        for k in phases[:-1]:  # the last phase may be cut by the end of the steps
+            in_phase = [(count, p) for count, p, kk in events if kk == k]
+            assert sorted(p for _, p in in_phase) == list(range(fragments)), f"phase {k}"
+            assert len({count for count, _ in in_phase}) == fragments, "staggered: distinct steps"
+            _, start, end = schedule.phase_of(in_phase[0][0])
+            assert all(start < count <= end for count, _ in in_phase)
+        assert all(schedule.last_sync(p, count) == k for count, p, k in events)
+    with pytest.raises(ValueError, match="fragments"):
+        SyncSchedule(4, 5, lr.lr_at)
+
+
+def test_qsr_grows_the_sync_period_as_the_learning_rate_decays() -> None:
+    # H = max(H_base, floor((alpha / lr)^2))
+    assert qsr_period(10, 0.0, 1e-3) == 10
+    assert qsr_period(10, 0.05, 0.1) == 10  # (0.5)^2 < 10
+    assert qsr_period(10, 0.05, 0.01) == 25
+    assert qsr_period(10, 0.05, 0.005) == 100
+    assert qsr_period(10, 0.05, 0.0049) == math.floor((0.05 / 0.0049) ** 2) == 104
+    assert qsr_period(10, 1.0, 1e-12) == MAX_PHASE and qsr_period(10, 1.0, 0.0) == MAX_PHASE
+    lr = LRSchedule(lr=0.01, warmup_steps=20, total_steps=1000, min_lr_ratio=0.1)
+    schedule = SyncSchedule(20, 1, lr.lr_at, qsr_alpha=0.2, warmup_steps=20)
+    bounds = [0]
+    while bounds[-1] < 1000:
+        bounds.append(schedule.phase_of(bounds[-1] + 1)[2])
+    periods = np.diff(bounds)
+    assert periods[0] == 20, "H_base during the warm-up"
+    for start, period in zip(bounds[1:-1], periods[1:], strict=False):
+        assert period == max(20, math.floor((0.2 / lr.lr_at(start)) ** 2 + 1e-9)), start  # 1e-9: float rounding
+    assert periods[1] == 400 and periods.max() > periods[1], "(0.2 / 0.01)^2 at the peak, longer as lr decays"
+    assert np.all(np.diff(periods[1:]) >= 0)
+
+
+def test_the_analytic_bytes_of_a_round_follow_the_messages_of_the_exchange() -> None:
+    specs = {"w": ((1000,), np.float32)}
+    codec = get_codec("int8")
+    view = MembershipView.of(["a", "b", "c", "d"])
+    topology = build_topology("one-peer-exp", 4)
+    pulls = RoundMessages.of(peer_round(topology, view, "a", 0), "a")  # offset 1: directed
+    pairs = RoundMessages.of(peer_round(topology, view, "a", 1), "a")  # offset 2: a <-> c
+    assert pulls == RoundMessages(pulls_sent=1, pulls_served=1)
+    assert pairs == RoundMessages(exchanges_asked=1)
+    pull = round_bytes(specs, codec, pulls)
+    assert pull.sent == pull.received and 1000 + 16 < pull.sent < 1000 + 16 + 1000
+    plan = lambda p, k: peer_round(topology, view, "a", k)  # noqa: E731
+    schedule = SyncSchedule(5, 1, lambda s: 1.0)
+    total = run_bytes([{"w": np.zeros(1000, np.float32)}], codec, schedule, 20, plan, "a")
+    assert total == pull + round_bytes(specs, codec, pairs) + pull + round_bytes(specs, codec, pairs)
+
+
+# ---- DilocoTrainers over the in-memory transport ---------------------------------------------------------
+
+
+def make_trainer(corpus: Corpus, optimizer: OptimizerConfig, peer_id: str) -> Trainer:
+    config = TrainerConfig(optimizer=optimizer, batch_size=4, context=TINY.context, device="cpu", precision="fp32",
+                           eval_batch_size=16, eval_batches=2, eval_every_rounds=None)
+    return Trainer(build_model(TINY, seed=0), config, peer_id=peer_id, train_tokens=peer_shard(corpus, peer_id),
+                   val_tokens=corpus.val)
+
+
+async def diloco_swarm(corpus: Corpus, ids: list[str], optimizer: OptimizerConfig, config: DilocoConfig,
+                       codec: str = "fp32") -> list[DilocoTrainer]:
+    net = InMemoryNetwork()
+    settings = ExchangeSettings(swarm="test", config_hash="c0ffee", codec=get_codec(codec), exchange_timeout_s=30.0)
+    nodes = []
+    for pid in ids:
+        schedule = SyncSchedule(optimizer.local_steps, config.fragments, optimizer.schedule.lr_at)
+        node = DilocoTrainer(make_trainer(corpus, optimizer, pid), net.transport(pid), settings, config, schedule)
+        await node.start()
+        nodes.append(node)
+    return nodes
+
+
+def lockstep(ids: list[str], topology: str = "complete"):
+    """plan_for per peer: every peer's (fragment, round) starts together, as the round clock makes it."""
+    view = MembershipView.of(ids)
+    topo = build_topology(topology, view.n)
+    barriers: dict[tuple[int, int], asyncio.Barrier] = {}
+
+    def plan_for(peer_id: str):
+        async def plan(fragment: int, round_index: int) -> PeerRound:
+            await barriers.setdefault((fragment, round_index), asyncio.Barrier(len(ids))).wait()
+            return peer_round(topo, view, peer_id, round_index)
+        return plan
+
+    return plan_for
+
+
+async def run(nodes: list[DilocoTrainer], steps: int, plan_for, last: int | None = None) -> None:
+    async def one(node: DilocoTrainer) -> None:
+        plan = plan_for(node.trainer.peer_id)
+        for _ in range(steps):
+            await node.step(plan, final=node.trainer.step + 1 == last)
+
+    async with asyncio.timeout(300), asyncio.TaskGroup() as group:
+        for node in nodes:
+            group.create_task(one(node))
+
+
+def numpy_outer(anchor: dict, momentum: dict, mixed: dict, lr: float, mu: float) -> None:
+    """The outer Nesterov step computed independently, in float64, in place."""
+    for n, g in mixed.items():
+        momentum[n] = mu * momentum.get(n, 0.0) + g
+        anchor[n] = anchor[n] - lr * (g + mu * momentum[n])
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlapped"])
+def test_two_nodes_take_the_outer_step_of_an_independent_computation(corpus: Corpus, overlap: bool) -> None:
+    """2 nodes on the complete graph (each mixes 1/2 of each other's pseudo-gradient and anchor), 3
+    phases of H = 3 inner AdamW steps, outer lr 0.7 and momentum 0.9, against trainers run apart and
+    the outer step recomputed in numpy. Overlapped: phase k's mix lands at the end of phase k+1, the
+    fast weights continuing from the anchor plus the unsynced local progress."""
+    H, phases = 3, 3
+    optimizer = OptimizerConfig(algorithm="diloco", lr=3e-3, local_steps=H)
+    config = DilocoConfig(outer_lr=0.7, outer_momentum=0.9, overlap=overlap, anchor_codec="fp32")
+    ids = ["peer-a", "peer-b"]
+
+    async def main() -> None:
+        nodes = await diloco_swarm(corpus, ids, optimizer, config)
+        apart = [make_trainer(corpus, optimizer, pid) for pid in ids]
+        await run(nodes, H * phases, lockstep(ids), last=H * phases)
+        anchor = {n: v.astype(np.float64) for n, v in (await apart[0].tensors()).items()}
+        momentum: dict = {}
+        start = [dict(anchor), dict(anchor)]
+        pending = None
+        for phase in range(phases):
+            for t in apart:
+                for _ in range(H):
+                    await t.train_step()
+            now = [await t.tensors() for t in apart]
+            deltas = [{n: start[i][n] - now[i][n] for n in anchor} for i in range(2)]
+            last = phase == phases - 1
+            if overlap and pending is not None:
+                numpy_outer(anchor, momentum, pending, 0.7, 0.9)
+                pending = None
+            if overlap and not last:
+                pending = average_tensors(deltas)
+                start = [{n: anchor[n] - d[n] for n in anchor} for d in deltas]
+                for t, s in zip(apart, start, strict=True):
+                    await t.load_tensors({n: v.astype(np.float32) for n, v in s.items()})
+            else:
+                numpy_outer(anchor, momentum, average_tensors(deltas), 0.7, 0.9)
+                start = [dict(anchor), dict(anchor)]
+                for t in apart:
+                    await t.load_tensors({n: v.astype(np.float32) for n, v in anchor.items()})
+        for node in nodes:
+            assert node.stats.outer_steps == phases
+            for n, expected in anchor.items():
+                np.testing.assert_allclose(node.anchor[n], expected, rtol=2e-4, atol=2e-5, err_msg=n)
+                np.testing.assert_allclose(node.momentum[n], momentum[n], rtol=2e-4, atol=2e-5, err_msg=n)
+            fast = await node.trainer.tensors()
+            assert all(np.array_equal(fast[n], node.anchor[n]) for n in fast), "the last step ends on the anchor"
+        for t in [*apart, *(node.trainer for node in nodes)]:
+            t.close()
+
+    asyncio.run(main())
+
+
+def test_a_restored_node_continues_with_its_anchor_momentum_and_residuals(corpus: Corpus) -> None:
+    optimizer = OptimizerConfig(algorithm="diloco", lr=3e-3, local_steps=2)
+    config = DilocoConfig(fragments=2, overlap=True)
+    ids = ["peer-a", "peer-b", "peer-c"]
+
+    async def main() -> None:
+        nodes = await diloco_swarm(corpus, ids, optimizer, config, codec="int8")
+        await run(nodes, 5, lockstep(ids, "ring"))
+        saved = nodes[0].state()
+        names = set(nodes[0].anchor)
+        assert {k.split("/", 2)[2] for k in saved if k.startswith("diloco/anchor/")} == names
+        assert {k.split("/", 2)[2] for k in saved if k.startswith("diloco/momentum/")} == names
+        assert any(k.startswith("diloco/residual/") for k in saved), "int8 leaves residuals"
+        again = DilocoTrainer(make_trainer(corpus, optimizer, "peer-a"), InMemoryNetwork().transport("peer-a"),
+                              ExchangeSettings(swarm="test", config_hash="c0ffee", codec=get_codec("int8")),
+                              config, SyncSchedule(2, 2, optimizer.schedule.lr_at))
+        assert again.restore(saved)
+        again.trainer.step = nodes[0].trainer.step
+        await again.start()
+        for n in names:
+            np.testing.assert_array_equal(again.anchor[n], nodes[0].anchor[n])
+            np.testing.assert_array_equal(again.momentum[n], nodes[0].momentum[n])
+        np.testing.assert_equal(again.state(), saved)
+        # its fragment peers answer the rounds that come next: fragment 1 synced at step 5, fragment 0 at 4
+        assert again.trainer.step == 5 and [p.round for p in again.peers] == [1, 2]
+        assert not DilocoTrainer(again.trainer, InMemoryNetwork().transport("x"), again._settings, config,
+                                 again.schedule).restore({"param/w": np.zeros(1)})
+        for node in [*nodes, again]:
+            await node.close()
+            node.trainer.close()
+
+    asyncio.run(main())
+
+
+def test_a_joiner_takes_a_peers_momentum_only_within_bounds(corpus: Corpus) -> None:
+    optimizer = OptimizerConfig(algorithm="diloco", lr=3e-3, local_steps=2)
+    ids = ["peer-a", "peer-b"]
+
+    async def main() -> None:
+        nodes = await diloco_swarm(corpus, ids, optimizer, DilocoConfig())
+        await run(nodes, 4, lockstep(ids))
+        got = await nodes[1].fetch_momentum("peer-a")
+        assert got is not None
+        for n, b in nodes[0].momentum.items():
+            np.testing.assert_array_equal(got[n], b)
+        # a peer serving an absurd momentum (a hostile or broken one) is refused, and counted
+        nodes[0]._outer.load_state({n: b * 1e6 for n, b in nodes[0].momentum.items()})
+        nodes[0]._publish()
+        assert await nodes[1].fetch_momentum("peer-a") is None
+        assert nodes[1].errors()["diloco_momentum_refused"] == 1
+        assert await nodes[1].fetch_momentum("nobody") is None
+        for node in nodes:
+            node.trainer.close()
+
+    asyncio.run(main())

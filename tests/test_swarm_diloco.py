@@ -1,0 +1,190 @@
+"""Gossip DiLoCo in real `murmur` node processes on loopback, one swarm for every assertion: five nodes
+train local SGD with int8 outer exchanges (error feedback) of two fragments;
+their outer exchanges move the bytes the analytic model predicts; a node killed while its outer
+exchange is in flight and a node that joins mid-phase hang no one and corrupt nothing; the final
+merge leaves every node on the same model, within 5% of single-process training at equal tokens."""
+
+import asyncio
+import concurrent.futures
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gossip.codecs import get_codec
+from gossip.diloco import RoundMessages, fragment_partition, round_bytes
+from node.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
+from node.training.data import load_corpus
+from node.training.loop import EVAL_BATCH_SIZE, EVAL_BATCHES
+from node.training.recipe import optimizer_config
+from node.training.trainer import Trainer, TrainerConfig, train_alone
+from support.swarm_harness import Swarm, wait_for
+from support.tiny_model import TINY, build
+from topology import MembershipView, build_topology, peer_round
+
+pytestmark = pytest.mark.multiprocess
+
+SUPPORT = Path(__file__).parent / "support"
+# Inner SGD, outer lr 1 without momentum: local SGD with int8 gossip averaging every H steps, which at this
+# size stays within 2-3% of single-process SGD at equal tokens (in-process, 4 nodes, 240-300 steps:
+# 1.012x-1.03x; D-SGD itself, H = 1, 1.03x at 500 steps); with inner AdamW at batch 16 per node DiLoCo trails
+# single-process Adam by far more here (docs/benchmarks.md).
+# The tiny model paced to 0.2 s a forward pass: the run lasts a minute or more even on a quiet machine,
+# so the joiner started mid-run comes up with most of it left.
+STEPS, H, BATCH, LR, WARMUP = 320, 5, 16, 0.5, 20
+RECIPE = {"model": "tiny_model:build_paced", "context": TINY.context, "batch_size": BATCH, "optimizer": "diloco",
+          "inner_optimizer": "sgd", "lr": LR, "warmup_steps": WARMUP, "steps": STEPS, "topology": "one-peer-exp",
+          "local_steps": H, "codec": "int8", "fragments": 2, "outer_lr": 1.0, "outer_momentum": 0.0}
+# Overlap is left out here: its one-phase delay costs 1-4% at this size, and it is checked exactly in-process
+# (tests/test_diloco.py); the kill below still lands in the middle of an outer exchange.
+RECIPE_SWITCHES: list[str] = []
+NODE = {"threads": 1, "eval_every": 20, "checkpoint_every": 20, "exchange_timeout": 5}
+JOINER = {"model": RECIPE["model"]}
+PARITY = 1.05
+BYTES_TOLERANCE = 0.10
+
+
+@pytest.fixture
+def swarm(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(SUPPORT), os.environ.get("PYTHONPATH")])))
+    with Swarm(tmp_path, heartbeat=1) as s:
+        yield s
+
+
+def training(node) -> dict:
+    return node.status()["training"]
+
+
+def final_parameters(data_dir: Path) -> dict[str, np.ndarray]:
+    checkpoint = load_checkpoint(data_dir / CHECKPOINT_FILE)
+    assert checkpoint is not None, f"no checkpoint in {data_dir}"
+    return {k[len("param/"):]: v for k, v in checkpoint.tensors.items() if k.startswith("param/")}
+
+
+def val_loss(data_dir: Path, tensors: dict[str, np.ndarray] | None = None, nodes: int = 1) -> float:
+    """Validation loss of `tensors` as the nodes evaluate it, or without them the baseline's: one process
+    taking STEPS SGD steps of batch nodes * BATCH over the whole corpus with the same schedule."""
+    corpus = load_corpus(None, data_dir)
+    config = TrainerConfig(optimizer=optimizer_config("dsgd", LR, WARMUP, STEPS, 1, 1), batch_size=nodes * BATCH,
+                           context=TINY.context, device="cpu", eval_batch_size=EVAL_BATCH_SIZE, eval_batches=EVAL_BATCHES)
+
+    async def run() -> float:
+        async with Trainer(build(), config, peer_id="baseline", train_tokens=corpus.train, val_tokens=corpus.val) as t:
+            if tensors is not None:
+                return await t.evaluate(tensors)
+            await train_alone(t, STEPS)
+            return await t.evaluate()
+
+    return asyncio.run(run())
+
+
+def fragment_round_bytes(peer_ids: list[str], me: str) -> list[int]:
+    """What the analytic model says `me` moves in one outer exchange of each fragment, the view being
+    `peer_ids` (two fragments, one-peer-exp; at outer lr 1 without momentum and anchors in the codec of the
+    pseudo-gradients, one int8 message per fragment and sync carries both: node.training.outer_group).
+    Over 6 peers every round of one-peer-exp is directed (offsets 1, 2, 4 of 6): one pull each way.
+    (`murmur plan`'s prediction can stand in here once it lands.)"""
+    model = {name: p.detach().numpy().reshape(-1) for name, p in build().named_parameters()}
+    groups = fragment_partition({n: t.size for n, t in model.items()}, RECIPE["fragments"])
+    view = MembershipView.of(peer_ids)
+    topology = build_topology("one-peer-exp", view.n)
+    pull = RoundMessages(pulls_sent=1, pulls_served=1)
+    assert {RoundMessages.of(peer_round(topology, view, me, k), me) for k in range(topology.period)} == {pull}
+    return [round_bytes({n: (model[n].shape, np.float32) for n in group}, get_codec("int8"), pull, sender=me).total
+            for group in groups]
+
+
+@pytest.mark.timeout(600)
+def test_diloco_swarm_survives_a_kill_mid_sync_and_a_joiner_mid_phase_and_matches_single_process(swarm, tmp_path):
+    torch.set_num_threads(1)
+    # the single-process baseline trains in a thread of this process while the swarm trains
+    baseline_run = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    baseline_loss = baseline_run.submit(val_loss, tmp_path, None, 4)
+    founder = swarm.found(**RECIPE, **NODE, min_peers=5, extra_args=RECIPE_SWITCHES)
+    others = [swarm.spawn(f"n{i}", seed=i, join=founder, **NODE, **JOINER, min_peers=5) for i in range(1, 5)]
+    swarm.wait_ready(others)
+    core, victim = [founder, *others[:3]], others[3]
+
+    # 1. a node joining mid-run (started once the swarm trains, it is ready some way into the run): it takes
+    # a live peer's anchor and outer momentum, then trains with the swarm
+    wait_for(lambda: all(training(n)["step"] >= 1 for n in core), 120, "the swarm to train")
+    joiner = swarm.spawn("n5", seed=5, join=founder, **NODE, **JOINER)
+    swarm.wait_ready([joiner])
+    joined = wait_for(lambda: (t := training(joiner))["started_from"].startswith("peer") and t["val_step"] is not None
+                      and t, 120, "the joiner's download and first evaluation")
+    joined_at = int(joined["started_from"].rsplit(" ", 1)[1])
+    # room after the join for the stretch below (8 phases) and the kill
+    assert 0 < joined_at < STEPS - 12 * H, f"joined at step {joined_at}"
+    untrained = val_loss(tmp_path, {n: p.detach().numpy().reshape(-1).copy() for n, p in build().named_parameters()})
+    swarm_now = min(v for n in core if (v := training(n)["val_loss"]) is not None)
+    assert abs(joined["val_loss"] - swarm_now) < abs(joined["val_loss"] - untrained), (joined, swarm_now, untrained)
+    everyone = [*core, victim, joiner]
+    ids = sorted(n.peer_id for n in everyone)
+
+    # 2. bytes: over a stretch of steady training (the start is uneven: a node that comes up late
+    # downloads the swarm's anchor, as the joiner did), the swarm's outer exchanges moved what the analytic
+    # model predicts for the exchanges each node completed in that stretch. Summed over the nodes: what
+    # one node serves, another receives, so a view that differs for a moment between two nodes shifts
+    # bytes between them rather than adding any.
+    def outer_bytes(node) -> tuple[list[int], int]:
+        status = node.status()
+        assert len(status["peers"]) == len(everyone), "the views hold every node"
+        d = status["training"]["diloco"]
+        return d["fragment_rounds"], d["outer_bytes_sent"] + d["outer_bytes_received"]
+
+    swarm.wait_views(everyone, everyone)
+    start = training(joiner)["step"] + H
+    wait_for(lambda: all(training(n)["step"] >= start for n in everyone), 120, "a phase on every node")
+    first = {n.name: outer_bytes(n) for n in everyone}
+    wait_for(lambda: all(training(n)["step"] >= start + 7 * H for n in everyone), 120, "seven more phases")
+    moved = predicted = 0
+    for node in everyone:
+        (rounds0, moved0), (rounds1, moved1) = first[node.name], outer_bytes(node)
+        assert all(r1 - r0 >= 6 for r0, r1 in zip(rounds0, rounds1, strict=True)), (node.name, rounds0, rounds1)
+        moved += moved1 - moved0
+        per_round = fragment_round_bytes(ids, node.peer_id)
+        predicted += sum((r1 - r0) * b for r0, r1, b in zip(rounds0, rounds1, per_round, strict=True))
+    # an exchange in flight at either end counts in part: one per fragment and node, of 6 or more each
+    assert abs(moved - predicted) <= BYTES_TOLERANCE * predicted, f"moved {moved}, predicted {predicted}"
+    for node in core:
+        status = training(node)
+        assert status["diloco"]["codec"] == "int8" and status["diloco"]["fragments"] == 2
+        assert status["bytes_per_token"] > 0
+
+    # 3. a node killed while its outer exchange is in flight
+    wait_for(lambda: training(victim)["diloco"]["fragments_in_flight"] > 0, 60, "an outer exchange in flight",
+             interval_s=0.02)
+    victim.process.kill()
+    victim.process.wait(10)
+    killed_at = max(training(n)["step"] for n in core)
+    assert killed_at < STEPS, "the kill came after the end"
+
+    # 4. nobody hangs: every live node spends its budget and runs the final merge over all live nodes
+    live = [*core, joiner]
+    wait_for(lambda: all(training(n)["done"] for n in live), 300, "every live node to finish and merge")
+    statuses = [training(n) for n in live]
+    for s in statuses:
+        assert s["step"] == STEPS and s["diloco"]["exchanges_failed"] == 0, s
+        merged = s["final_merge"]
+        assert sorted(p["peer_id"] for p in merged["peers"]) == sorted(n.peer_id for n in live), merged
+    assert statuses[-1]["diloco"]["outer_step"] > 0, "the joiner never synced"
+    assert swarm.stop_all(live) == [0] * len(live)
+
+    # 5. nothing corrupted: every node ends on the same finite model, within 5% of single-process training
+    finals = [final_parameters(n.data_dir) for n in live]
+    for other in finals[1:]:
+        for name, values in finals[0].items():
+            assert np.all(np.isfinite(values)), name
+            np.testing.assert_allclose(other[name], values, rtol=1e-5, atol=1e-6, err_msg=name)
+    swarm_loss = val_loss(tmp_path, finals[0])
+    baseline = baseline_loss.result(timeout=300)  # one process, batch 4 x BATCH: the core's tokens
+    baseline_run.shutdown()
+    assert swarm_loss <= PARITY * baseline, f"swarm {swarm_loss:.4f} vs single process {baseline:.4f}"
+    assert swarm_loss < untrained - 1.0
+    log = "".join(n.stderr() for n in core)
+    assert "Traceback" not in log, log[-3000:]
+    print(f"swarm {swarm_loss:.4f}, single process {baseline:.4f}, joined at {joined_at}, killed at {killed_at}",
+          file=sys.stderr)
