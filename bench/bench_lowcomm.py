@@ -18,7 +18,7 @@ The model of part 1 is the tests' TINY GPT (2 layers, width 64, context 32; 100,
 embedded 4 MB corpus, so that a seed's runs take minutes on two shared cores.
 
 Run from the repository root: .venv/bin/python -m bench.bench_lowcomm [--only quality,overlap] [--seeds 0,1,2]
-[--steps 600] [--setups NAME,...] [--quick]
+[--steps 600] [--setups "NAME;..."] [--quick]
 """
 
 from __future__ import annotations
@@ -104,8 +104,8 @@ def default_setups() -> list[Setup]:
                                 options, fragments=4, overlap=True))
     # the trade-off below H = 25, and DiLoCo's own outer step (lr 0.7, Nesterov 0.9)
     setups += [Setup(f"DiLoCo H={h} int8 + EF", "diloco", DILOCO_LR, h, "int8") for h in (5, 10)]
-    setups.append(Setup("DiLoCo H=25 int8 + EF, outer lr 0.7 + Nesterov 0.9", "diloco", DILOCO_LR, 25, "int8",
-                        outer_lr=0.7, outer_momentum=0.9))
+    setups += [Setup(f"DiLoCo H={h} int8 + EF, outer lr 0.7 + Nesterov 0.9", "diloco", DILOCO_LR, h, "int8",
+                     outer_lr=0.7, outer_momentum=0.9) for h in (25, 100)]
     return setups
 
 
@@ -216,7 +216,8 @@ async def run_diloco(corpus: Corpus, setup: Setup, seed: int, steps: int) -> Res
         moved = sum(sum(node.outer_bytes) for node in nodes) / NODES
         # the merge itself moves (n - 1) fp32 models in and out per node, once per run
         merge = 2 * (NODES - 1) * 4 * sum(t.size for t in finals[0].values())
-        return Result(setup.name, seed, loss, (moved + merge) / steps, spread(finals), merge / steps)
+        return Result(setup.name, seed, loss, (moved + merge) / steps, merge_per_step=merge / steps,
+                      consensus=spread(finals))
     finally:
         for node in nodes:
             await node.close()
@@ -363,7 +364,7 @@ def main() -> int:
     parser.add_argument("--only", default="quality,overlap")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--setups", help="comma-separated setup names (the baselines always run)")
+    parser.add_argument("--setups", help="setup names separated by \";\" (the baselines always run)")
     parser.add_argument("--phases", type=int, default=6, help="overlap: phases timed")
     parser.add_argument("--quick", action="store_true", help="one seed, 200 steps, 2 phases: a smoke run")
     args = parser.parse_args()
@@ -376,7 +377,7 @@ def main() -> int:
     print(f"# bench_lowcomm: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}, load average {os.getloadavg()[0]:.1f}", flush=True)
     if "quality" in only:
-        names = set(args.setups.split(",")) if args.setups else None
+        names = {n.strip() for n in args.setups.split(";")} if args.setups else None
         results = asyncio.run(quality(seeds, steps, names))
         print(f"\n## quality against bytes: {NODES} nodes x {steps} steps of batch {BATCH} vs one process of batch "
               f"{NODES * BATCH}, seeds {seeds}\n")

@@ -34,6 +34,30 @@ def test_demo_trains_and_reports_json(tmp_path):
     # the nodes gossiped: their models ended close to each other and to their average
     losses = [n["val_loss"] for n in summary["nodes"]]
     assert max(losses) - min(losses) < 0.2 and abs(summary["averaged_val_loss"] - min(losses)) < 0.2
+    # a round of fp32 every step moves what the default demo's analytic figure says, give or take headers
+    assert 0.9 < summary["traffic"]["ratio_to_default"] < 1.1, summary["traffic"]
+
+
+@pytest.mark.multiprocess
+def test_a_diloco_demo_with_int8_shows_its_saving_next_to_the_default_demo(tmp_path):
+    """`murmur demo --optimizer diloco --codec int8 --json`: the swarm trains, ends on one merged model,
+    and its bytes per node per step are a small fraction of the default demo's."""
+    steps, local_steps = 40, 10
+    out = subprocess.run([str(MURMUR), "demo", "--nodes", "2", "--steps", str(steps), "--model", "dense",
+                          "--batch-size", "4", "--optimizer", "diloco", "--codec", "int8", "--local-steps",
+                          str(local_steps), "--dir", str(tmp_path / "run"), "--json"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [n["steps"] for n in summary["nodes"]] == [steps, steps]
+    assert summary["averaged_val_loss"] < summary["initial_val_loss"] - 1.0
+    losses = [n["val_loss"] for n in summary["nodes"]]
+    assert max(losses) - min(losses) < 1e-3, losses  # the final merge: one model
+    # per node and phase: pseudo-gradients and anchors in int8 (about 1 byte per parameter each way), per
+    # run the final merge's fp32 model each way: (4 / H + 8 / steps) / 8 of the default demo's 8 bytes
+    traffic = summary["traffic"]
+    expected = (4 / local_steps + 8 / steps) / 8
+    assert 0.5 * expected < traffic["ratio_to_default"] < 1.5 * expected, traffic
 
 
 @pytest.mark.unit
