@@ -75,10 +75,7 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
                 check_model_allowed(settings.training.model, config.training.model)
         except RecipeInvalid as exc:
             raise StartupError(str(exc)) from None
-        exchange = ExchangeSettings(
-            swarm=config.swarm, config_hash=swarm.config_hash, codec=settings.codec,
-            exchange_timeout_s=config.gossip.exchange_timeout_s, max_staleness=settings.max_staleness,
-            rule=settings.mixing)
+        exchange = exchange_settings(config, swarm.config_hash, settings)
         training = None
         if settings.training is not None:
             training = await start_training(runtime, settings.training, settings, exchange, checkpoint, stack)
@@ -99,6 +96,15 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
             await train_until(stop, runtime, training, settings, ckpt_path)
         else:
             await gossip_until(stop, runtime, settings, ckpt_path)
+
+
+def exchange_settings(config: NodeConfig, config_hash: str, settings: SwarmSettings) -> ExchangeSettings:
+    """The gossip settings: the swarm's codec and staleness bound, and this node's own timeout and mixing
+    rule. How a node treats what its neighbours send is its own choice, not the swarm's: a joiner keeps
+    its own --mixing (default adaptive_clip), whatever rule the founder's config names."""
+    return ExchangeSettings(swarm=config.swarm, config_hash=config_hash, codec=settings.codec,
+                            exchange_timeout_s=config.gossip.exchange_timeout_s, max_staleness=settings.max_staleness,
+                            rule=config.gossip.mixing)
 
 
 async def _swarm_config(discovery: Discovery, config: NodeConfig, founding: bool,

@@ -123,7 +123,7 @@ async def train_until(stop: asyncio.Event, runtime: NodeRuntime, training: Swarm
     swarm_eval = runtime.swarm_eval
     assert swarm_eval is not None, "start_training made the evaluator"
     await training.catch_up(stop, margin=settings.max_staleness * training.recipe.optimizer.local_steps,
-                            look=not (runtime.founding and training.trainer.step == 0))
+                            look=not (runtime.founding and training.trainer.step == 0), epoch=settings.clock.epoch)
     if training.trainer.step == 0:
         await training.wait_for_quorum(stop)
     try:

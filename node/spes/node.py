@@ -36,6 +36,7 @@ from gossip.spes import (
     RefreshFailed,
     SpesConfig,
     advance_record,
+    bounded_records,
     codec_image,
     content_hash,
     expert_label,
@@ -43,6 +44,7 @@ from gossip.spes import (
     merge_layer,
     needs_refresh,
     refresh_source,
+    version_bound,
 )
 from gossip.transport import Transport
 from node.spes.partition import ModelPartition, optimizer_state_covers, spes_average, tensor_manifest
@@ -53,6 +55,8 @@ from topology import PeerRound
 logger = logging.getLogger(__name__)
 
 SHARED_PROTOCOL = "/murmur/spes/shared/1"
+# syncs beyond this node's own sync index that a believable expert version may be (gossip.spes.version_bound)
+VERSION_SLACK = 64
 
 
 def expert_protocol(key: ExpertKey) -> str:
@@ -139,7 +143,7 @@ class SpesNode:
     publishes `records()` under `<swarm>.experts`; see docs/spes.md."""
 
     def __init__(self, trainer: Trainer, transport: Transport, settings: ExchangeSettings, config: SpesConfig,
-                 ownership: Ownership, directory: ExpertDirectory) -> None:
+                 ownership: Ownership, directory: ExpertDirectory, *, version_slack: int = VERSION_SLACK) -> None:
         self.trainer = trainer
         self.config = config
         self.partition = ModelPartition.of(trainer.model)
@@ -156,6 +160,8 @@ class SpesNode:
         self._shared_peer: GossipPeer | None = None
         self._expert_peers: dict[ExpertKey, GossipPeer] = {}
         self._owned: frozenset[ExpertKey] = frozenset()
+        self._version_slack = version_slack
+        self._warned: set[str] = set()  # peers whose out-of-bounds versions were logged (each one is counted)
 
     @property
     def peer_id(self) -> str:
@@ -188,6 +194,12 @@ class SpesNode:
         return self.fetch_stats.bytes_received + sum(p.stats.bytes_received for p in peers if p is not None)
 
     @property
+    def clipped(self) -> int:
+        """Neighbour values the shared and expert peers mixed after clipping (gossip.robust)."""
+        peers = [self._shared_peer, *self._expert_peers.values()]
+        return sum(p.stats.clipped for p in peers if p is not None)
+
+    @property
     def errors(self) -> dict[str, int]:
         """Refused input by kind: the fetch protocol's and every gossip peer's (shared and experts)."""
         total = collections.Counter(self.fetch_stats.errors)
@@ -206,11 +218,13 @@ class SpesNode:
         if self.config.frozen_bf16:
             install_expert_casts(self.trainer.model)
         tensors = await self.trainer.tensors()
+        bound = self.version_bound()
         for key, names in self.partition.experts.items():
             image = codec_image([tensors[n] for n in names], self.config.refresh_codec)
             digest = content_hash(image)
             old = (saved or {}).get(key)
-            self._records[key] = ExpertRecord(old.version if old is not None and old.hash == digest else 0, digest, False)
+            kept = old is not None and old.hash == digest and old.version <= bound
+            self._records[key] = ExpertRecord(old.version if old is not None and kept else 0, digest, False)
         self._shared_peer = GossipPeer(self._transport, self._settings_for("shared"),
                                        {n: tensors[n] for n in self.partition.shared}, step=self.trainer.step,
                                        protocol=SHARED_PROTOCOL)
@@ -234,7 +248,7 @@ class SpesNode:
         lost = self._owned - owned
         self._ownership = ownership
         if gained and not force:
-            published = await self._directory.read()
+            published = await self._read_directory()
             await self._take_over(gained, published, ownership.peer_ids)
         elif gained:
             await self._claim(gained)
@@ -375,8 +389,26 @@ class SpesNode:
             self._records[key] = advance_record(self._records[key], content_hash(image), sync_index, True)
             self._snapshots[key] = dict(zip(names, image))
 
+    def version_bound(self) -> int:
+        """The highest expert version this node believes now (gossip.spes.version_bound)."""
+        return version_bound(self.trainer.step, self.config.sync_every, self._version_slack)
+
+    async def _read_directory(self) -> RecordsByPeer:
+        """Every peer's published records, without the versions beyond `version_bound` (counted as
+        `version_out_of_bounds`, logged once per peer)."""
+        raw = await self._directory.read()
+        published, dropped = bounded_records(raw, self.version_bound())
+        if dropped:
+            self.fetch_stats.errors["version_out_of_bounds"] += dropped
+            for peer in sorted(set(raw) - self._warned):
+                if len(raw[peer]) != len(published[peer]):
+                    self._warned.add(peer)
+                    logger.warning("ignoring expert records of %s with versions beyond %d (this node is at sync %d)",
+                                   peer, self.version_bound(), self.trainer.step // self.config.sync_every)
+        return published
+
     async def _refresh(self) -> tuple[tuple[ExpertKey, ...], dict[ExpertKey, str]]:
-        published = await self._directory.read()
+        published = await self._read_directory()
         skipped: dict[ExpertKey, str] = {}
         wanted: dict[ExpertKey, tuple[str, ExpertRecord]] = {}
         for key in self.partition.experts:
@@ -419,7 +451,7 @@ class SpesNode:
         return {n: np.empty(sizes[n], np.float32) for n in self.partition.experts[key]}
 
     async def _fetch(self, source: str, key: ExpertKey, min_version: int) -> tuple[dict[str, np.ndarray], ExpertRecord]:
-        return await self._fetcher.fetch(source, key, self._expert_specs(key), min_version)
+        return await self._fetcher.fetch(source, key, self._expert_specs(key), min_version, self.version_bound())
 
     def holds(self, key: ExpertKey) -> bool:
         """Whether this node has a copy of expert `key` to serve (every node holds every expert)."""

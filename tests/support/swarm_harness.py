@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -23,6 +23,7 @@ from node.cli.ready_line import find_ready_line
 from node.cli.status import fetch_status
 
 MURMUR = Path(sys.executable).with_name("murmur")
+TESTS = Path(__file__).resolve().parent.parent  # on a hostile node's PYTHONPATH: `python -m support.hostile`
 # Importing torch and hivemind costs ~4 s of CPU per process; a loaded 2-core machine starts 8 at once.
 READY_TIMEOUT_S = 120.0
 
@@ -181,18 +182,30 @@ class Swarm:
     # ---- starting ------------------------------------------------------------------------------
 
     def spawn(self, name: str, *, seed: int, join: Node | None, data_dir: Path | None = None,
-              extra_args: Iterable[str] = (), **flags: object) -> Node:
-        """Start one process (no waiting): `murmur node` if `join` is None, else `murmur join` through it."""
+              extra_args: Iterable[str] = (), hostile: Sequence[str] = (), **flags: object) -> Node:
+        """Start one process (no waiting): `murmur node` if `join` is None, else `murmur join` through it.
+        `hostile` is the attack's part of a hostile node's command line (support.hostile.hostile_argv):
+        the node then runs as `python -m support.hostile ... -- node|join ...`."""
         merged = {**self.flags, **flags}
+        # the vector payload's tests check the weighted rule's exact averages: the robust default
+        # (adaptive_clip) bends them on purpose, so vector nodes ask for the weighted rule unless told
+        if merged.get("model") == "vector":
+            merged.setdefault("mixing", "weighted")
         data_dir = data_dir or self.root / name
-        argv = [str(MURMUR), "node" if join is None else "join", "--data-dir", str(data_dir), "--monitor-port", "0",
+        args = ["node" if join is None else "join", "--data-dir", str(data_dir), "--monitor-port", "0",
                 "--seed", str(seed), *_flag_args(merged), *extra_args]
         if join is not None:
-            argv += ["--peers", join.maddrs[0]]
+            args += ["--peers", join.maddrs[0]]
+        env = clean_env()
+        if hostile:
+            argv = [sys.executable, "-m", "support.hostile", *hostile, "--", *args]
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
+        else:
+            argv = [str(MURMUR), *args]
         suffix = sum(1 for n in self.nodes if n.name == name or n.name.startswith(f"{name}~"))
         log_name = name if suffix == 0 else f"{name}~{suffix}"  # a restarted node keeps its old logs
         with open(self.log_dir / f"{log_name}.out", "wb") as out, open(self.log_dir / f"{log_name}.err", "wb") as err:
-            process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=clean_env(),
+            process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
                                        cwd=self.root, start_new_session=True)
         node = Node(log_name, data_dir, seed, int(merged["dim"]), argv, process, self.log_dir)
         self.nodes.append(node)
