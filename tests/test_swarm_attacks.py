@@ -52,10 +52,10 @@ def test_one_hostile_node_among_five_neither_takes_over_nor_poisons_the_honest_o
     control = run_swarm(tmp_path / "control", ids, CONTROL)
     attack = run_swarm(tmp_path / "attack", ids, ATTACK)
 
-    check_no_takeover(attack)
     report = {name: (round(control.val_loss(name), 4), round(attack.val_loss(name), 4)) for name in FOUNDING_HONEST}
     for name, (base, attacked) in report.items():
         assert attacked <= LOSS_RATIO * base, f"{name}: val loss {attacked} under attack vs {base}; all: {report}"
+    check_no_takeover(attack)
     # a joiner's model right after its download is as good as the honest models it came from
     for run in (control, attack):
         training = run.statuses["n4"]["training"]

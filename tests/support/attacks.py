@@ -85,9 +85,12 @@ def run_swarm(root: Path, identities: Path, setup: AttackSetup) -> SwarmRun:
                 if training["val_step"] == setup.steps and name not in seen:
                     seen[name], done_at[name] = status, now
             if "n4" in nodes:
-                joiner = nodes["n4"].status()["training"]
-                if joiner["joined"] is not None and joiner["val_step"] is not None:
-                    seen.setdefault("n4", nodes["n4"].status())
+                status = nodes["n4"].status()
+                joiner = status["training"]
+                # it evaluates after its download, or once it gave up on downloading (`joined` says why)
+                caught_up = joiner.get("joined") is not None or joiner["started_from"] != "init"
+                if caught_up and joiner["val_step"] is not None:
+                    seen.setdefault("n4", status)
             return len(seen) == len(FOUNDING_HONEST) + ("n4" in nodes)
 
         wait_for(lambda: poll() or n0.status()["training"]["step"] >= setup.join_at, setup.timeout_s,
