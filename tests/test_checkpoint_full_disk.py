@@ -42,7 +42,7 @@ CHILD = textwrap.dedent("""
             return errno.errorcode.get(exc.errno, str(exc.errno))
         return None
 
-    path = disk / "checkpoint.npz"
+    path = disk / "checkpoint.safetensors"
     save_checkpoint(path, small, {"step": 1})
     out["checkpoint_error"] = attempt(lambda: save_checkpoint(path, large, {"step": 2}))
     kept = load_checkpoint(path)
@@ -72,10 +72,10 @@ def test_a_full_disk_fails_the_write_and_keeps_the_previous_checkpoint_and_avera
     out = json.loads(done.stdout.strip().splitlines()[-1])
 
     assert out["checkpoint_error"] == "ENOSPC" and out["checkpoint_kept"]
-    assert out["average_saved"] == str(disk / "swarm-average.npz")
+    assert out["average_saved"] == str(disk / "swarm-average.safetensors")
     assert out["average_error"] == "ENOSPC" and out["average_kept"]
     assert out["average_meta"] == {"kind": "swarm-average", "min_step": 7, "max_step": 9,
                                    "peers": json.dumps(["me", "peer-a"]), "val_loss": 2.5}
     # the failed writes left no temporary file; the first writes had no earlier file to keep as .prev
-    assert out["files"] == ["checkpoint.npz", "swarm-average.npz"]
+    assert out["files"] == ["checkpoint.safetensors", "swarm-average.safetensors"]
     assert not any(disk.iterdir()), "the tmpfs leaked out of its mount namespace"

@@ -267,7 +267,7 @@ def test_compose_swarm_forms_survives_a_loss_and_stops_cleanly(built: Built) -> 
     stop_s = time.time() - stop_sent
     for name, volume in ((a, volumes["murmur-a"]), (b, volumes["murmur-b"])):
         assert exit_code(built, name) == 0, f"{name} did not stop cleanly on SIGTERM"
-        path = volume_path(built, volume) / "checkpoint.npz"
+        path = volume_path(built, volume) / "checkpoint.safetensors"
         assert path.stat().st_mtime >= stop_sent - 1, f"{name}'s checkpoint predates the stop"
         checkpoint = load_checkpoint(path)
         assert checkpoint is not None, f"{name} wrote no checkpoint"

@@ -40,7 +40,7 @@ def test_demo_trains_and_reports_json(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--nodes", "0"], "argument --nodes: 0 is below the minimum 1"),
     (["--optimizer", "sgd"], "argument --optimizer: invalid choice"),
-    (["--spes", "--model", "dense"], "--spes: SPES syncs the experts of the MoE model"),
+    (["--spes", "--model", "dense"], "--spes: SPES syncs the experts of an MoE model (moe, hf-tiny-mixtral)"),
 ])
 def test_demo_bad_flags_exit_2_with_one_line(args, message):
     out = subprocess.run([str(MURMUR), "demo", *args], capture_output=True, text=True, timeout=60)

@@ -207,8 +207,8 @@ def test_a_saved_average_is_the_model_evaluated_and_a_failed_write_is_reported(c
             evaluator = SwarmEvaluator(trainer, mine, view_of("me", "peer-a", "peer-b"), count=counted.append,
                                        save=functools.partial(_save_swarm_average, runtime))
             result = await evaluator.evaluate(save=True)
-            assert result.saved == str(tmp_path / "swarm-average.npz") and result.save_error is None
-            written = load_checkpoint(tmp_path / "swarm-average.npz")
+            assert result.saved == str(tmp_path / "swarm-average.safetensors") and result.save_error is None
+            written = load_checkpoint(tmp_path / "swarm-average.safetensors")
             assert await trainer.evaluate(written.tensors) == pytest.approx(result.loss, rel=1e-6)
 
             # a data directory that cannot hold the file: the answer says so, the failure is counted
@@ -227,7 +227,7 @@ def test_a_saved_average_is_the_model_evaluated_and_a_failed_write_is_reported(c
         assert failed.loss == pytest.approx(result.loss, rel=1e-6)  # the evaluation itself still answered
         assert counted == ["swarm_average_save_failed"]
         assert failed.as_dict()["save_error"] == failed.save_error
-        assert load_checkpoint(tmp_path / "swarm-average.npz").meta == written.meta  # the earlier file is intact
+        assert load_checkpoint(tmp_path / "swarm-average.safetensors").meta == written.meta  # the earlier file is intact
 
     asyncio.run(main())
 
@@ -320,7 +320,7 @@ class FakeNode:
             raise self.refusal
         if save and self.save_error:
             return {**ANSWER, "save_error": self.save_error}
-        return {**ANSWER, "saved": "/data/swarm-average.npz"} if save else ANSWER
+        return {**ANSWER, "saved": "/data/swarm-average.safetensors"} if save else ANSWER
 
 
 def test_the_endpoint_answers_the_result_busy_not_training_and_bad_queries(capsys):
@@ -344,7 +344,7 @@ def test_the_endpoint_answers_the_result_busy_not_training_and_bad_queries(capsy
                 for query, wanted in (("?save=true", True), ("?save=1", True), ("?save=false", False)):
                     async with session.post(url + query) as answered:
                         assert answered.status == 200 and node.saves[-1] is wanted
-                        assert (await answered.json())["saved"] == ("/data/swarm-average.npz" if wanted else None)
+                        assert (await answered.json())["saved"] == ("/data/swarm-average.safetensors" if wanted else None)
                 node.refusal = EvalBusy("an evaluation of the swarm average is already running")
                 async with session.post(url) as busy:
                     assert busy.status == 409
@@ -368,7 +368,7 @@ def test_the_endpoint_answers_the_result_busy_not_training_and_bad_queries(capsy
             assert json.loads(capsys.readouterr().out) == ANSWER and node.saves[-1] is False
             # `murmur eval --save`: the report ends with where the node wrote the average
             assert await asyncio.to_thread(functools.partial(run_eval, server.url, False, save=True)) == 0
-            assert capsys.readouterr().out.splitlines()[-1] == "written to /data/swarm-average.npz"
+            assert capsys.readouterr().out.splitlines()[-1] == "written to /data/swarm-average.safetensors"
             assert node.saves[-1] is True
             # a node that could not write it: the report says so and the exit status is 1, for scripts
             node.save_error = "[Errno 28] No space left on device"

@@ -147,10 +147,10 @@ def test_spes_swarm_trains_only_owned_experts_and_survives_losing_both_owners(sw
     assert swarm.stop_all(everyone) == [0] * len(everyone), swarm.logs()
     # the final checkpoint carries the node's expert records with the trainer state
     for node in everyone:
-        saved = saved_records(load_checkpoint(node.data_dir / "checkpoint.npz").meta)
+        saved = saved_records(load_checkpoint(node.data_dir / "checkpoint.safetensors").meta)
         assert saved is not None and len(saved) == EXPERTS * TINY_MOE.layers
         assert sum(r.owner for r in saved.values()) >= CAPACITY * TINY_MOE.layers
-    saved = saved_records(load_checkpoint(new_owner.data_dir / "checkpoint.npz").meta)
+    saved = saved_records(load_checkpoint(new_owner.data_dir / "checkpoint.safetensors").meta)
     assert saved[(0, int(target))].version > record[0]  # trained on after the takeover
 
 
@@ -242,6 +242,7 @@ async def _absent(directory, peer_id: str) -> bool:
 
 @pytest.mark.unit
 def test_capacity_defaults_to_every_expert_on_cpu_and_saved_records_parse_or_are_ignored(tmp_path):
+    import asyncio
     import json
 
     from gossip.spes import ExpertRecord, records_to_wire
@@ -256,9 +257,9 @@ def test_capacity_defaults_to_every_expert_on_cpu_and_saved_records_parse_or_are
     trainer = Trainer(build(), config, peer_id="p", train_tokens=corpus.train, val_tokens=corpus.val)
     try:
         partition = ModelPartition.of(trainer.model)
-        assert capacity_for(trainer, partition, None) == EXPERTS  # CPU: every expert
-        assert capacity_for(trainer, partition, 3) == 3
-        assert capacity_for(trainer, partition, 99) == EXPERTS  # at most the experts of a layer
+        assert asyncio.run(capacity_for(trainer, partition, None)) == EXPERTS  # CPU: every expert
+        assert asyncio.run(capacity_for(trainer, partition, 3)) == 3
+        assert asyncio.run(capacity_for(trainer, partition, 99)) == EXPERTS  # at most the experts of a layer
     finally:
         trainer.close()
     records = {(0, 1): ExpertRecord(4, "ab" * 32, True)}

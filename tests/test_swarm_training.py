@@ -50,7 +50,7 @@ def training(node) -> dict:
 
 
 def final_parameters(data_dir: Path) -> dict[str, np.ndarray]:
-    checkpoint = load_checkpoint(data_dir / "checkpoint.npz")
+    checkpoint = load_checkpoint(data_dir / "checkpoint.safetensors")
     assert checkpoint is not None, f"no checkpoint in {data_dir}"
     return {k[len("param/"):]: v for k, v in checkpoint.tensors.items() if k.startswith("param/")}
 
@@ -82,7 +82,7 @@ def test_kill_join_restart_and_parity(swarm, tmp_path):
     wait_for(lambda: all(training(n)["step"] >= STEPS // 4 for n in nodes), 180, "a quarter of the steps on every node")
     victim.process.kill()
     victim.process.wait(10)
-    checkpointed = int(load_checkpoint(victim.data_dir / "checkpoint.npz").meta["step"])
+    checkpointed = int(load_checkpoint(victim.data_dir / "checkpoint.safetensors").meta["step"])
 
     # a fifth node joins mid-run (started now, it is ready some way into the run, depending on the
     # machine's load): it starts from the swarm's parameters, not from scratch, then trains with it
@@ -112,7 +112,7 @@ def test_kill_join_restart_and_parity(swarm, tmp_path):
     assert sorted(p["peer_id"] for p in swarm_eval["peers"]) == sorted(n.peer_id for n in everyone)
     assert swarm_eval["failed"] == {} and swarm_eval["self"] == founder.peer_id
     assert swarm_eval["local"]["val_step"] == STEPS
-    assert swarm_eval["saved"] == str(founder.data_dir / "swarm-average.npz") and swarm_eval["save_error"] is None
+    assert swarm_eval["saved"] == str(founder.data_dir / "swarm-average.safetensors") and swarm_eval["save_error"] is None
 
     # the killed node comes back with its identity: it restores its checkpoint, then catches up with
     # the swarm (which is more than the staleness bound ahead) by downloading its parameters
@@ -129,7 +129,7 @@ def test_kill_join_restart_and_parity(swarm, tmp_path):
     swarm_loss = single_process_val_loss(1, tmp_path, average_tensors([final_parameters(n.data_dir) for n in survivors]))
     everyone_loss = single_process_val_loss(1, tmp_path, average_tensors([final_parameters(n.data_dir) for n in everyone]))
     assert swarm_eval["loss"] == pytest.approx(everyone_loss, rel=1e-4), "murmur eval's average is not the swarm's"
-    saved = load_checkpoint(founder.data_dir / "swarm-average.npz")
+    saved = load_checkpoint(founder.data_dir / "swarm-average.safetensors")
     assert saved.meta["kind"] == "swarm-average" and saved.meta["min_step"] == saved.meta["max_step"] == STEPS
     assert sorted(json.loads(saved.meta["peers"])) == sorted(n.peer_id for n in everyone)
     assert single_process_val_loss(1, tmp_path, saved.tensors) == pytest.approx(swarm_eval["loss"], rel=1e-5)
@@ -147,7 +147,7 @@ def test_restart_resumes_from_checkpoint_and_survives_a_corrupt_one(swarm):
     node = swarm.found(**flags)
     wait_for(lambda: training(node)["step"] >= 15, 120, "15 steps")
     assert swarm.stop_all([node]) == [0]
-    final = load_checkpoint(node.data_dir / "checkpoint.npz")
+    final = load_checkpoint(node.data_dir / "checkpoint.safetensors")
     stopped_at = int(final.meta["step"])
     assert stopped_at >= 15 and final.tensors["trainer/step"].item() == stopped_at
 
@@ -159,8 +159,8 @@ def test_restart_resumes_from_checkpoint_and_survives_a_corrupt_one(swarm):
     assert swarm.stop_all([again]) == [0]
 
     # a torn write of the newest checkpoint: the node falls back to the previous one and loses nothing else
-    path = node.data_dir / "checkpoint.npz"
-    previous = load_checkpoint(node.data_dir / "checkpoint.npz.prev")
+    path = node.data_dir / "checkpoint.safetensors"
+    previous = load_checkpoint(node.data_dir / "checkpoint.safetensors.prev")
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     # ...and writes the swarm average (alone: its own model) every 50 steps and once more at the end
     third = swarm.spawn("n0", seed=0, join=None, data_dir=node.data_dir, **flags, average_every=50)
@@ -175,7 +175,7 @@ def test_restart_resumes_from_checkpoint_and_survives_a_corrupt_one(swarm):
     assert ("the swarm trains the model built by 'tiny_model:build', code this node would import and run; "
             "start it with --model tiny_model:build to allow that") in refused.stderr()
     wait_for(lambda: training(third)["done"], 120, "training to finish after the fallback")
-    average_path = node.data_dir / "swarm-average.npz"
+    average_path = node.data_dir / "swarm-average.safetensors"
     wait_for(lambda: average_path.exists() and load_checkpoint(average_path).meta["max_step"] == 200, 60,
              "the swarm average written at the end of training")
     assert swarm.stop_all([third]) == [0]
@@ -185,7 +185,7 @@ def test_restart_resumes_from_checkpoint_and_survives_a_corrupt_one(swarm):
     assert sorted(average.tensors) == sorted(final_params)
     for name, values in final_params.items():
         np.testing.assert_array_equal(average.tensors[name].reshape(-1), values.reshape(-1), err_msg=name)
-    assert load_checkpoint(node.data_dir / "swarm-average.npz.prev").meta["max_step"] < 200  # an earlier periodic one
+    assert load_checkpoint(node.data_dir / "swarm-average.safetensors.prev").meta["max_step"] < 200  # an earlier periodic one
 
 
 def test_a_model_that_raises_stops_training_not_the_node(swarm):
@@ -196,4 +196,4 @@ def test_a_model_that_raises_stops_training_not_the_node(swarm):
     assert "training stopped at step" in log and "user model bug" in log and "Traceback" not in log
     assert node.alive()
     assert swarm.stop_all([node]) == [0]
-    assert load_checkpoint(node.data_dir / "checkpoint.npz") is not None
+    assert load_checkpoint(node.data_dir / "checkpoint.safetensors") is not None

@@ -23,7 +23,7 @@ from node.cli.ready_line import ReadyLine, find_ready_line
 from node.cli.status import fetch_status
 from node.config import DEFAULTS
 from node.net.proc import popen
-from node.training.checkpoint import load_checkpoint
+from node.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
 
 if TYPE_CHECKING:
     import torch
@@ -203,7 +203,7 @@ def _num(value: Any) -> str:
 
 def node_parameters(data_dir: Path) -> dict[str, np.ndarray]:
     """A node's final parameters, from the checkpoint it wrote when it stopped."""
-    checkpoint = load_checkpoint(data_dir / "checkpoint.npz")
+    checkpoint = load_checkpoint(data_dir / CHECKPOINT_FILE)
     if checkpoint is None:
         raise DemoFailed(f"{data_dir} has no checkpoint")
     return {k[len("param/"):]: v for k, v in checkpoint.tensors.items() if k.startswith("param/")}

@@ -1,5 +1,5 @@
 """The `murmur` command line: argument parsing, validation and dispatch to the commands
-(node, join, bootstrap, status, eval, topology, sim, demo).
+(node, join, bootstrap, status, eval, topology, sim, demo, export, tokenizer).
 
 Bad flags and values exit with status 2 and one line saying what is wrong. Heavy imports (torch,
 hivemind) happen inside the commands that need them, so `murmur topology` and `--help` stay quick.
@@ -21,6 +21,7 @@ from node.config import (
     DAEMONS,
     EMBEDDED_MODEL_NAMES,
     ENV_CONFIG_FILE,
+    HF_PRESET_NAMES,
     NODE,
     NODE_CODECS,
     OPTIMIZERS,
@@ -150,7 +151,70 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = OneLineErrorParse
     sim.set_defaults(run=_run_sim)
     _add_node_commands(commands)
     _add_demo_command(commands)
+    _add_hf_commands(commands)
     return parser
+
+
+def _add_hf_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    export = commands.add_parser(
+        Command.EXPORT, help="write the swarm's model as a directory transformers (or safetensors) loads",
+        description="Write a swarm's model to --to DIR: for a Hugging Face model a save_pretrained directory "
+        "(config, model.safetensors, the swarm's tokenizer) that AutoModelForCausalLM and AutoTokenizer load; for "
+        "the embedded models model.safetensors with one tensor per parameter and config.json (docs/training.md, "
+        "\"Export\"). From a node's --data-dir (its swarm average if written, else its checkpoint; --from picks), or "
+        "from a running node's monitor (--url), which first pulls and writes the swarm average.")
+    export.add_argument("--to", type=Path, required=True, metavar="DIR", help="the directory to write (must not exist, "
+                        "or be empty, unless --force)")
+    source = export.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data-dir", type=Path, metavar="DIR", help="a node's data directory")
+    source.add_argument("--url", help="monitor URL of a running node on this machine, e.g. http://127.0.0.1:7690")
+    export.add_argument("--from", dest="source", choices=("average", "checkpoint"),
+                        help="with --data-dir: the swarm average (swarm-average.safetensors) or this node's own "
+                        "checkpoint (default: the average if there is one)")
+    export.add_argument("--force", action="store_true", help="replace --to if it exists")
+    export.add_argument("--timeout", type=_number(float, lo=1.0), default=300.0, metavar="SECONDS",
+                        help="with --url: how long to wait for the node's swarm average (default 300)")
+    export.set_defaults(run=_run_export)
+
+    tokenizer = commands.add_parser(
+        Command.TOKENIZER, help="train a byte-level BPE tokenizer on local data",
+        description="Tokenizer tools. `murmur tokenizer train --data PATH --vocab N` trains a byte-level BPE with "
+        "the tokenizers library on local text, jsonl or parquet shards (no download) and writes a tokenizer.json "
+        "for --tokenizer.")
+    actions = tokenizer.add_subparsers(dest="action", required=True, metavar="ACTION")
+    train = actions.add_parser("train", help="train a byte-level BPE on local files",
+                               description="Train a byte-level BPE (EOS <|endoftext|> at id 0, the 256 bytes, then "
+                               "merges) on the training units of --data (the validation units are left out) and "
+                               "write it as a tokenizer.json.")
+    train.add_argument("--data", type=Path, required=True, metavar="PATH",
+                       help="a directory, file or glob of .txt, .jsonl or .parquet shards")
+    train.add_argument("--vocab", type=_number(int, lo=257, hi=1 << 21), required=True, metavar="N",
+                       help="vocabulary size, at least 257 (EOS and the 256 bytes)")
+    train.add_argument("--text-field", default="text", metavar="FIELD",
+                       help="the jsonl field or parquet column with the text (default text)")
+    train.add_argument("--out", type=Path, default=Path("tokenizer.json"), metavar="FILE",
+                       help="where to write the tokenizer (default ./tokenizer.json)")
+    train.set_defaults(run=_run_tokenizer_train)
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from node.cli.export import ExportUsage, run_export
+
+    if args.source is not None and args.url is not None:
+        raise UsageError("--from applies to --data-dir; with --url the node writes and exports its swarm average")
+    try:
+        return run_export(args.to, args.data_dir, args.url, args.source, args.force, args.timeout)
+    except ExportUsage as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _run_tokenizer_train(args: argparse.Namespace) -> int:
+    from node.cli.tokenizer import TokenizerUsage, run_tokenizer_train
+
+    try:
+        return run_tokenizer_train(args.data, args.vocab, args.out, args.text_field)
+    except TokenizerUsage as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _add_demo_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -166,11 +230,13 @@ def _add_demo_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
     demo.add_argument("--topology", choices=TOPOLOGY_NAMES, default="one-peer-exp",
                       help="gossip topology (default one-peer-exp)")
     demo.add_argument("--optimizer", choices=OPTIMIZERS, default="dadam", help="optimizer (default dadam)")
-    demo.add_argument("--model", choices=EMBEDDED_MODEL_NAMES, default=Model.MOE, help="embedded model (default moe)")
+    demo.add_argument("--model", choices=(*EMBEDDED_MODEL_NAMES, *HF_PRESET_NAMES), default=Model.MOE,
+                      help="embedded model, or a tiny Hugging Face preset built with transformers (default moe)")
     demo.add_argument("--lr", type=_number(float, lo=1e-12), help="peak learning rate (default: the node's, 3e-3)")
     demo.add_argument("--batch-size", type=_number(int, lo=1), default=16,
                       help="sequences per step on each node (default 16)")
-    demo.add_argument("--spes", action="store_true", help="sparse expert sync for the MoE model (SPES)")
+    demo.add_argument("--spes", action="store_true",
+                      help="sparse expert sync of the experts (SPES): --model moe or hf-tiny-mixtral")
     demo.add_argument("--dir", type=Path, help="keep node logs and checkpoints in this directory")
     demo.add_argument("--json", action="store_true",
                       help="end with one JSON object: initial_val_loss, averaged_val_loss and nodes (peer_id, "
@@ -179,8 +245,8 @@ def _add_demo_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    if args.spes and args.model != Model.MOE:
-        raise UsageError(f"--spes: SPES syncs the experts of the MoE model; --model {args.model} has none")
+    if args.spes and args.model not in (Model.MOE, "hf-tiny-mixtral"):
+        raise UsageError(f"--spes: SPES syncs the experts of an MoE model (moe, hf-tiny-mixtral); --model {args.model} has none")
     from node.cli.demo import DemoOptions, run_demo
 
     return run_demo(DemoOptions(nodes=args.nodes, steps=args.steps, topology=args.topology, optimizer=args.optimizer,
@@ -249,8 +315,8 @@ def _add_node_commands(commands: argparse._SubParsersAction[argparse.ArgumentPar
     evaluate.add_argument("--timeout", type=_number(float, lo=1.0), default=300.0, metavar="SECONDS",
                           help="how long to wait for the node's answer (default 300)")
     evaluate.add_argument("--save", action="store_true",
-                          help="the node also writes the average model to swarm-average.npz in its data "
-                          "directory (atomically; the previous one is kept as swarm-average.npz.prev)")
+                          help="the node also writes the average model to swarm-average.safetensors in its data "
+                          "directory (atomically; the previous one is kept as swarm-average.safetensors.prev)")
     evaluate.add_argument("--json", action="store_true",
                           help="print the node's JSON answer: loss, self, peers (peer_id, step, self), failed "
                           "(peer id -> reason), min_step, max_step, elapsed_s, saved, save_error, "
@@ -347,7 +413,24 @@ def node_config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> N
         raise ConfigError("no peer to join through: give --peers MULTIADDR (or MURMUR_PEERS, or "
                           "network.initial_peers in the config file)")
     check_environment(resolved, swarm=args.command in NODE, monitor=args.command in NODE)
+    if args.command == Command.NODE:
+        _check_founders_recipe(resolved)
     return resolved.config
+
+
+def _check_founders_recipe(resolved: ResolvedConfig) -> None:
+    """A founder's recipe must be one every node accepts (node.training.recipe's bounds): refuse it here,
+    naming the setting, rather than publish a document its own swarm would refuse."""
+    from node.training.recipe import SETTING_OF_FIELD, RecipeInvalid, field_at_fault, swarm_document
+
+    try:
+        swarm_document(resolved.config, 0.0)
+    except RecipeInvalid as exc:
+        fault = field_at_fault(exc)
+        key = SETTING_OF_FIELD.get(fault[0]) if fault is not None else None
+        if fault is None or key is None:
+            raise ConfigError(f"the swarm's recipe: {exc}") from None
+        raise ConfigError(f"{resolved.source(key)}: {fault[1]}") from None
 
 
 def parse_node_config(argv: Sequence[str], env: Mapping[str, str]) -> NodeConfig:

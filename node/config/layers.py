@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from node.config.kinds import toml_type
 from node.config.settings import DEFAULTS, ConfigError, NodeConfig, setting_value
-from node.config.table import SETTINGS_BY_KEY, TABLES, Model, Setting, Transport
+from node.config.table import HF_DENSE_PRESETS, SETTINGS_BY_KEY, TABLES, Model, Setting, Transport
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -154,7 +154,7 @@ def _check_combinations(merged: Mapping[str, Sourced]) -> None:
         if current(key) and current("network.transport") != Transport.LIBP2P:
             raise ConfigError(f"{source(key)}: only the libp2p data plane listens apart from p2pd; "
                               "add --transport libp2p or drop it")
-    if current("training.spes") and current("training.model") in (Model.VECTOR, Model.DENSE):
+    if current("training.spes") and current("training.model") in (Model.VECTOR, Model.DENSE, *HF_DENSE_PRESETS):
         raise ConfigError(f"{source('training.spes')}: SPES syncs the experts of a mixture-of-experts model; "
                           f"--model {current('training.model')} has none (use --model moe)")
     merge_every, sync_every = current("training.spes_merge_every"), current("training.spes_sync_every")

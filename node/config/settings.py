@@ -81,7 +81,7 @@ class TrainingConfig:
     """What the swarm trains and how (published by the founder; joiners take it from the swarm's config),
     and how this node runs it (device, precision, threads, evaluation and checkpoint cadence: its own)."""
 
-    model: str = "moe"  # "moe", "dense", "vector" or a user builder "package.module:callable"
+    model: str = "moe"  # "moe", "dense", "vector", an hf-tiny-* preset, "hf:PATH" or a builder "package.module:callable"
     optimizer: str = "dadam"
     lr: float = 3e-3
     warmup_steps: int = 10
@@ -90,7 +90,9 @@ class TrainingConfig:
     micro_batches: int = 1  # k: gradient accumulation
     batch_size: int = 16  # sequences per micro-batch on each node
     context: int = 128  # tokens per sequence
-    data: Path | None = None  # a directory of *.txt files; None: the embedded corpus
+    data: Path | None = None  # text/jsonl/parquet shards (a directory, file or glob); None: the embedded corpus
+    text_field: str = "text"  # the jsonl field / parquet column of --data holding the text
+    tokenizer: Path | None = None  # a tokenizer.json; None: bytes (or a pretrained checkpoint's own)
     device: str = "auto"
     precision: str = "auto"
     threads: int = 0  # torch CPU threads; 0: torch's default

@@ -21,6 +21,8 @@ class Command(StrEnum):
     BOOTSTRAP = "bootstrap"
     STATUS = "status"
     EVAL = "eval"
+    EXPORT = "export"
+    TOKENIZER = "tokenizer"
     TOPOLOGY = "topology"
     SIM = "sim"
     DEMO = "demo"
@@ -48,6 +50,9 @@ class Model(StrEnum):
 
 TRANSPORTS = tuple(Transport)
 EMBEDDED_MODEL_NAMES = (Model.MOE, Model.DENSE)
+# Tiny Hugging Face configs built with transformers (node.training.models.hf.PRESETS); hf:PATH names others
+HF_PRESET_NAMES = ("hf-tiny-llama", "hf-tiny-mixtral")
+HF_DENSE_PRESETS = ("hf-tiny-llama",)
 VECTOR_MODEL = Model.VECTOR
 NODE_CODECS = ("fp32", "fp16", "bf16", "int8")
 SPES_REFRESH_CODECS = ("bf16", "int8")  # what --spes-refresh-codec offers (gossip.spes takes fp32/fp16 too)
@@ -58,9 +63,11 @@ DEVICES_HELP = "auto, cpu, cuda or cuda:N"
 PRECISION_NAMES = ("auto", "fp32", "bf16", "fp16")
 
 # An embedded model, `vector`, or a user builder named by import path (imported when the node starts).
-MODEL_NAME = Named("model", "|".join((*EMBEDDED_MODEL_NAMES, VECTOR_MODEL, r"[\w.]+:[\w.]+")),
-                   hint="moe, dense, vector or package.module:callable",
-                   description="moe | dense | vector | package.module:callable", metavar="MODEL")
+MODEL_NAME = Named("model", "|".join((*EMBEDDED_MODEL_NAMES, VECTOR_MODEL, *HF_PRESET_NAMES, r"hf:.+",
+                                     r"[\w.]+:[\w.]+")),
+                   hint=f"moe, dense, vector, {', '.join(HF_PRESET_NAMES)}, hf:PATH or package.module:callable",
+                   description=f"moe | dense | vector | {' | '.join(HF_PRESET_NAMES)} | hf:PATH | package.module:callable",
+                   metavar="MODEL")
 DEVICE_NAME = Named("device", r"auto|cpu|cuda(:\d+)?", hint=DEVICES_HELP, description=DEVICES_HELP, metavar="DEVICE")
 
 
@@ -167,8 +174,10 @@ SETTINGS: tuple[Setting, ...] = (
             "clipping radius of --mixing clipped", NODE, optional=True),
     Setting("training.model", MODEL_NAME, "MURMUR_MODEL", "--model",
             "what the swarm trains: the embedded MoE or dense GPT, `vector` (no model: gossip a random vector "
-            "of --dim floats), or a builder by import path; a joiner takes the swarm's, and runs a builder only "
-            "if its own --model names the same one", NODE),
+            "of --dim floats), a tiny Hugging Face preset, hf:PATH (a transformers config directory or local "
+            "pretrained checkpoint: the swarm config carries the config, so joiners need no path), or a builder "
+            "by import path; a joiner takes the swarm's, and runs a builder only if its own --model names the "
+            "same one", NODE),
     Setting("training.optimizer", Choice("optimizer", OPTIMIZERS, metavar="OPTIMIZER"), "MURMUR_OPTIMIZER",
             "--optimizer", "dsgd (adapt-then-combine) or dadam (decentralized Adam, exchange overlapped "
             "with compute); a joiner takes the swarm's", NODE),
@@ -187,9 +196,16 @@ SETTINGS: tuple[Setting, ...] = (
             "sequences per micro-batch on each node (the swarm's)", NODE),
     Setting("training.context", Integer(2, noun="context"), "MURMUR_CONTEXT", "--context",
             "tokens per training sequence, at most the model's context (the swarm's)", NODE),
-    Setting("training.data", PathKind(metavar="DIR"), "MURMUR_DATA", "--data",
-            "a directory of *.txt files to train on (this node's own corpus; every node of a swarm "
-            "should have the same one)", NODE, optional=True, default_text="the embedded corpus"),
+    Setting("training.data", PathKind(metavar="PATH"), "MURMUR_DATA", "--data",
+            "a directory, file or glob of text (.txt), jsonl or parquet shards to train on, streamed; each peer "
+            "reads a disjoint part per epoch (docs/training.md, \"Data\"; this node's own)", NODE, optional=True,
+            default_text="the embedded corpus"),
+    Setting("training.text_field", Text(metavar="FIELD"), "MURMUR_TEXT_FIELD", "--text-field",
+            "the field (jsonl) or column (parquet) of --data that holds the text (this node's own)", NODE),
+    Setting("training.tokenizer", PathKind(metavar="FILE"), "MURMUR_TOKENIZER", "--tokenizer",
+            "a tokenizer.json (murmur tokenizer train) the swarm tokenizes with; its hash is in the swarm config, "
+            "and a joiner without the file fetches it from a peer (the founder's)", NODE, optional=True,
+            default_text="one token per byte, or a pretrained hf:PATH checkpoint's own tokenizer.json"),
     Setting("training.device", DEVICE_NAME, "MURMUR_DEVICE", "--device", "torch device of this node", NODE),
     Setting("training.precision", Choice("precision", PRECISION_NAMES, metavar="PRECISION"), "MURMUR_PRECISION",
             "--precision", "autocast precision; auto: bf16 (else fp16) on CUDA, fp32 on CPU", NODE),
@@ -201,7 +217,7 @@ SETTINGS: tuple[Setting, ...] = (
             "--checkpoint-every", "steps between checkpoints; one is also written when training ends "
             "and when the node stops", NODE),
     Setting("training.average_every", _NONNEG, "MURMUR_AVERAGE_EVERY", "--average-every",
-            "steps between writes of the swarm-average model to swarm-average.npz in the data directory "
+            "steps between writes of the swarm-average model to swarm-average.safetensors in the data directory "
             "(and one when training ends); each pulls every live peer's parameters; 0: only on request "
             "(murmur eval --save)", NODE),
     Setting("gossip.mixing.trim", Number(0.0, hi=0.5, hi_open=True, metavar="FRACTION"), "MURMUR_TRIM", "--trim",

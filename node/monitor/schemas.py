@@ -58,7 +58,7 @@ def openapi_document() -> dict[str, Any]:
         "summary": "evaluate the swarm-average model: pull every live peer's parameters, average them with "
                    "this node's, and return the validation loss (takes seconds; one at a time)",
         "parameters": [{"name": "save", "in": "query", "required": False, "schema": {"type": "boolean"},
-                        "description": "also write the average model to swarm-average.npz in the node's data "
+                        "description": "also write the average model to swarm-average.safetensors in the node's data "
                                        "directory (true/false, 1/0, yes/no, on/off)"}],
         "responses": {"200": {"description": "the swarm-average loss and who was in and out",
                               "content": {"application/json": {"schema": {"$ref": "#/components/schemas/swarm_eval"}}}},

@@ -15,15 +15,15 @@ import numpy as np
 
 from node.runtime.shutdown import bounded_cleanup
 from node.runtime.status import NodeRuntime
-from node.training.checkpoint import save_checkpoint
+from node.training.checkpoint import CHECKPOINT_FILE, SWARM_AVERAGE_FILE, save_checkpoint
+
+SWARM_AVERAGE_HF_DIR = "swarm-average-hf"  # a Hugging Face model's swarm average as a save_pretrained directory
 
 if TYPE_CHECKING:
     from node.training.swarm_eval import SwarmEvalResult
 
 logger = logging.getLogger("murmur.node")
 
-CHECKPOINT_FILE = "checkpoint.npz"  # in the data directory
-SWARM_AVERAGE_FILE = "swarm-average.npz"  # in the data directory, beside checkpoint.npz
 
 
 def checkpoint_path(runtime: NodeRuntime) -> Path:
@@ -66,4 +66,26 @@ async def save_swarm_average(runtime: NodeRuntime, tensors: Mapping[str, np.ndar
         "val_loss": result.loss, "min_step": result.min_step, "max_step": result.max_step,
         "peers": json.dumps([p.peer_id for p in result.included])}
     await asyncio.to_thread(save_checkpoint, path, tensors, meta)
+    await _export_hf_average(runtime, tensors, meta)
     return str(path)
+
+
+async def _export_hf_average(runtime: NodeRuntime, tensors: Mapping[str, np.ndarray],
+                             meta: Mapping[str, str | int | float]) -> None:
+    """A Hugging Face model's swarm average is also written as a save_pretrained directory beside it
+    (the previous one kept as .prev). A failure is logged and counted; the safetensors file stands."""
+    from node.training.export import recipe_of, replace_directory, tokenizer_bytes, write_export
+
+    try:
+        recipe = recipe_of(meta)
+        if recipe.model_config is None:
+            return
+        data_dir = runtime.config.data_dir
+        tokenizer = await asyncio.to_thread(tokenizer_bytes, recipe, data_dir)
+        manifest = {**{k: meta[k] for k in ("kind", "swarm", "config_hash", "min_step", "max_step", "val_loss")},
+                    "model": recipe.model, "peers": json.loads(str(meta["peers"]))}
+        await asyncio.to_thread(replace_directory, data_dir / SWARM_AVERAGE_HF_DIR,
+                                lambda d: write_export(d, recipe, tensors, tokenizer, manifest), True)
+    except (OSError, ValueError) as exc:
+        runtime.count("swarm_average_export_failed")
+        logger.error("swarm average not exported as a save_pretrained directory: %s", exc)

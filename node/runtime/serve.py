@@ -26,7 +26,7 @@ from node.runtime.status import NodeRuntime
 from node.runtime.training import start_training, train_until
 from node.runtime.vector import gossip_until, initial_state
 from node.training.checkpoint import Checkpoint, CheckpointUnreadable, load_checkpoint
-from node.training.recipe import RecipeInvalid, SwarmSettings, check_model_allowed, same_payload, swarm_document
+from node.training.recipe import RecipeInvalid, SwarmSettings, check_model_allowed, same_recipe, swarm_document
 
 if TYPE_CHECKING:
     from node.net.discovery import Discovery
@@ -114,7 +114,7 @@ async def _swarm_config(discovery: Discovery, config: NodeConfig, founding: bool
     if founding:
         if checkpoint is not None and "swarm_config" in checkpoint.meta:
             doc = json.loads(str(checkpoint.meta["swarm_config"]))
-            if same_payload(doc, config):
+            if same_recipe(doc, config):
                 return await discovery.publish_config(doc)  # a restarted founder keeps its swarm's epoch
         return await discovery.publish_config(swarm_document(config, epoch=time.time()))
     deadline = time.monotonic() + JOIN_CONFIG_TIMEOUT_S

@@ -19,6 +19,7 @@ from node.runtime.errors import StartupError
 from node.runtime.saving import save_swarm_average, write_checkpoint
 from node.runtime.shutdown import close_in_thread
 from node.runtime.status import NodeRuntime
+from node.runtime.tokenizer import obtain_tokenizer
 from node.training.checkpoint import Checkpoint
 from node.training.recipe import SwarmSettings, TrainingRecipe
 from node.training.settings import TrainingSettings
@@ -39,7 +40,8 @@ def training_settings(config: NodeConfig) -> TrainingSettings:
     # the config's precision is one of PRECISION_NAMES, the trainer's Precision; TrainerConfig checks it again
     return TrainingSettings(data_dir=config.data_dir, data=t.data, device=t.device, precision=cast(Precision, t.precision),
                             threads=t.threads, eval_every=t.eval_every, checkpoint_every=t.checkpoint_every,
-                            average_every=t.average_every, min_peers=config.gossip.min_peers)
+                            average_every=t.average_every, min_peers=config.gossip.min_peers, model=t.model,
+                            text_field=t.text_field, tokenizer=t.tokenizer)
 
 
 async def start_training(runtime: NodeRuntime, recipe: TrainingRecipe, settings: SwarmSettings,
@@ -53,13 +55,20 @@ async def start_training(runtime: NodeRuntime, recipe: TrainingRecipe, settings:
         build_trainer,
         checkpoint_matches,
         last_round_at,
+        local_weights,
     )
 
     config, transport, discovery = runtime.config, runtime.transport, runtime.discovery
     assert transport is not None and discovery is not None, "the data plane and discovery are started"
     me, local = transport.peer_id, training_settings(config)
+
+    async def dial(record: PeerRecordLike) -> None:
+        await transport.connect(record.peer_id, record.maddrs)
+
+    tokenizer = await obtain_tokenizer(recipe.tokenizer, config.data_dir, local.tokenizer, transport, discovery.view,
+                                       dial)
     try:
-        trainer = await asyncio.to_thread(build_trainer, local, recipe, me)
+        trainer = await asyncio.to_thread(build_trainer, local, recipe, me, tokenizer, runtime.count)
     except TrainingSetupError as exc:
         raise StartupError(f"cannot train the swarm's model here: {exc}") from None
     stack.push_async_callback(close_in_thread, trainer, "trainer")
@@ -68,7 +77,7 @@ async def start_training(runtime: NodeRuntime, recipe: TrainingRecipe, settings:
         await trainer.restore(checkpoint.tensors)
         logger.info("resuming from checkpoint at step %d", trainer.step)
     elif checkpoint is not None:
-        logger.warning("the checkpoint belongs to another swarm config; starting fresh (it stays as checkpoint.npz.prev)")
+        logger.warning("the checkpoint belongs to another swarm config; starting fresh (it stays as checkpoint.safetensors.prev)")
     peer = runtime.peer = GossipPeer(transport, exchange, await trainer.tensors(), step=trainer.step)
     peer.round = last_round_at(trainer.step, recipe)
     topologies: dict[int, Topology] = {}
@@ -104,10 +113,9 @@ async def start_training(runtime: NodeRuntime, recipe: TrainingRecipe, settings:
                                  record=runtime.record)
     training.status.started_from = StartedFrom.CHECKPOINT if resumed else StartedFrom.INIT
     runtime.training = training
+    training.must_download = (recipe.weights_sha256 is not None and not resumed
+                              and await asyncio.to_thread(local_weights, local.model, recipe) is None)
     from node.training.swarm_eval import SwarmEvaluator
-
-    async def dial(record: PeerRecordLike) -> None:
-        await transport.connect(record.peer_id, record.maddrs)
 
     swarm_eval = runtime.swarm_eval = SwarmEvaluator(
         trainer, peer, discovery.view, connect=dial, count=runtime.count,
@@ -124,6 +132,10 @@ async def train_until(stop: asyncio.Event, runtime: NodeRuntime, training: Swarm
     assert swarm_eval is not None, "start_training made the evaluator"
     await training.catch_up(stop, margin=settings.max_staleness * training.recipe.optimizer.local_steps,
                             look=not (runtime.founding and training.trainer.step == 0), epoch=settings.clock.epoch)
+    if training.must_download and not stop.is_set():
+        raise StartupError(f"the swarm starts from pretrained weights (sha256 {training.recipe.weights_sha256}) that "
+                           "this node does not have, and no peer served the swarm's parameters; start it with "
+                           "--model hf:PATH of that checkpoint")
     if training.trainer.step == 0:
         await training.wait_for_quorum(stop)
     try:

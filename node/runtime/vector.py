@@ -34,7 +34,7 @@ def initial_state(config: NodeConfig, settings: SwarmSettings, config_hash: str,
         if checkpoint.meta.get("config_hash") == config_hash and "params" in checkpoint.tensors:
             logger.info("resuming from checkpoint at round %s", checkpoint.meta.get("round"))
             return {"params": checkpoint.tensors["params"]}, int(checkpoint.meta.get("round", 0))
-        logger.warning("the checkpoint belongs to another swarm config; starting fresh (it stays as checkpoint.npz.prev)")
+        logger.warning("the checkpoint belongs to another swarm config; starting fresh (it stays as checkpoint.safetensors.prev)")
     rng = np.random.default_rng(config.seed)
     return {"params": rng.standard_normal(settings.dim).astype(np.float32)}, 0
 

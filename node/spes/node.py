@@ -48,7 +48,7 @@ from gossip.spes import (
 )
 from gossip.transport import Transport
 from node.spes.partition import ModelPartition, optimizer_state_covers, spes_average, tensor_manifest
-from node.training.models import MoE
+from node.training.models.experts import moe_expert_lists
 from node.training.trainer import PlanFor, StepStats, Tensors, Trainer
 from topology import PeerRound
 
@@ -93,10 +93,8 @@ class InMemoryExpertDirectory:
 def install_expert_casts(model: nn.Module) -> None:
     """Let experts whose weights are stored in another dtype (bf16 frozen copies) run inside a float32
     model: the expert computes in its weights' dtype and hands back the caller's dtype. Idempotent."""
-    for module in model.modules():
-        if not isinstance(module, MoE):
-            continue
-        for expert in module.experts:
+    for _, experts in moe_expert_lists(model):
+        for expert in experts:
             if getattr(expert, "_spes_casts", False):
                 continue
             expert.register_forward_pre_hook(_cast_input)

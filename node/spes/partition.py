@@ -12,6 +12,7 @@ from torch import nn
 
 from gossip.spes import ExpertKey, Ownership
 from node.training.models import expert_parameter_names, shared_parameter_names
+from node.training.models.experts import unsupported_expert_layouts
 from node.training.trainer import Tensors, Trainer, average_tensors
 
 
@@ -26,6 +27,10 @@ class ModelPartition:
 
     @classmethod
     def of(cls, model: nn.Module) -> ModelPartition:
+        unsupported = unsupported_expert_layouts(model)
+        if unsupported:
+            raise ValueError(f"SPES cannot split the experts of this model per expert: unsupported layout "
+                             f"{'; '.join(unsupported[:2])} (docs/spes.md, \"Hugging Face MoE models\")")
         experts = {key: tuple(names) for key, names in expert_parameter_names(model).items()}
         if not experts:
             raise ValueError("SPES needs a mixture-of-experts model; this one has no MoE layer")

@@ -40,14 +40,25 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("murmur.spes")
 
-GPU_MEMORY_SHARE = 0.5  # of the free GPU memory, what a node's SPES capacity may plan to use (the rest: activations)
+GPU_MEMORY_SHARE = 0.9  # of the free GPU memory, what a node's SPES capacity may plan with (the rest: fragmentation)
+TRAINED_BYTES = 16  # per trained parameter: fp32 value, gradient, two Adam moments
 CHECKPOINT_META_KEY = "spes_records"
 
 
-def capacity_for(trainer: Trainer, partition: ModelPartition, wanted: int | None) -> int:
+def spes_capacity(free_bytes: int, activation_bytes: int, shared_params: int, every_expert_params: int,
+                  experts_per_layer: int, frozen_bytes: int) -> int:
+    """Experts per MoE layer that fit in GPU_MEMORY_SHARE of `free_bytes` after the activations of one
+    micro-batch, the shared weights (trained) and every expert held frozen (`frozen_bytes` each: 2 in
+    bf16); each owned expert index then costs TRAINED_BYTES - frozen_bytes more per parameter. At least 1."""
+    per_index = every_expert_params // experts_per_layer  # one expert index, in every layer
+    room = GPU_MEMORY_SHARE * free_bytes - activation_bytes - TRAINED_BYTES * shared_params - frozen_bytes * every_expert_params
+    return max(1, min(experts_per_layer, int(room // ((TRAINED_BYTES - frozen_bytes) * max(1, per_index)))))
+
+
+async def capacity_for(trainer: Trainer, partition: ModelPartition, wanted: int | None, frozen_bf16: bool = True) -> int:
     """Experts per MoE layer this node trains: `wanted` (--experts, at most the layer's experts); else
-    all of them on CPU; on CUDA as many as fit in GPU_MEMORY_SHARE of the free memory, counting 16
-    bytes per trained parameter (fp32 value, gradient, two Adam moments) and 4 per frozen one, at least 1."""
+    all of them on CPU; on CUDA as many as fit in the free GPU memory with a micro-batch's activations,
+    measured (`spes_capacity`)."""
     experts = partition.experts_per_layer
     if wanted is not None:
         return min(wanted, experts)
@@ -56,10 +67,11 @@ def capacity_for(trainer: Trainer, partition: ModelPartition, wanted: int | None
     sizes = {name: p.numel() for name, p in trainer.model.named_parameters()}
     shared = sum(sizes[n] for n in partition.shared)
     every_expert = sum(sizes[n] for names in partition.experts.values() for n in names)
-    per_index = every_expert // experts  # one expert index, in every layer
+    activations = await trainer.measure_activation_bytes()
     free, _ = torch.cuda.mem_get_info(trainer.device)
-    room = GPU_MEMORY_SHARE * free - 16 * shared - 4 * every_expert
-    return max(1, min(experts, int(room // (12 * per_index))))
+    # the model already sits on the GPU in fp32: its bytes are free for the plan
+    free += 4 * (shared + every_expert)
+    return spes_capacity(int(free), activations, shared, every_expert, experts, 2 if frozen_bf16 else 4)
 
 
 def saved_records(meta: Mapping[str, Any] | None) -> dict[ExpertKey, ExpertRecord] | None:
@@ -89,14 +101,13 @@ class SpesSwarmTraining(SwarmTraining):
         assert self.recipe.spes is not None, "a SPES recipe"
         self.spes_config = self.recipe.spes
         self.partition = ModelPartition.of(self.trainer.model)
-        self.capacity = capacity_for(self.trainer, self.partition, capacity)
+        self._wanted_capacity = capacity
+        self.capacity = capacity if capacity is not None else self.partition.experts_per_layer  # set by run()
         self._exchange = exchange
         self._saved = saved
         self.directory = DhtExpertDirectory(self.discovery, swarm, heartbeat_s, ttl_s)
         self.node: SpesNode | None = None
         self.ownership_changes = 0
-        logger.info("SPES: this node trains %d of %d experts per MoE layer", self.capacity,
-                    self.partition.experts_per_layer)
 
     def ownership_from_view(self, my_capacity: int | None = None) -> Ownership:
         """The expert table every peer with the same view computes: over the peers training now (as the
@@ -118,6 +129,10 @@ class SpesSwarmTraining(SwarmTraining):
             keeper = group.create_task(self.directory.run())
             try:
                 if self.node is None:
+                    self.capacity = await capacity_for(self.trainer, self.partition, self._wanted_capacity,
+                                                       self.spes_config.frozen_bf16)
+                    logger.info("SPES: this node trains %d of %d experts per MoE layer", self.capacity,
+                                self.partition.experts_per_layer)
                     # Start owning what the swarm cannot do without (nothing, unless others lack room), then
                     # take up this node's share at the first step through set_ownership, which continues
                     # each expert from the freshest copy in the swarm; and announce the capacity only now,
@@ -205,4 +220,4 @@ def _indices(keys: frozenset[ExpertKey]) -> list[int]:
     return sorted({e for _, e in keys})
 
 
-__all__ = ["SpesSwarmTraining", "capacity_for", "saved_records"]
+__all__ = ["SpesSwarmTraining", "capacity_for", "saved_records", "spes_capacity"]

@@ -1,47 +1,113 @@
-"""Atomic checkpoints that survive crashes, full disks and corruption.
+"""Atomic checkpoints that survive crashes, full disks and corruption, in safetensors.
 
 A save writes a temporary file, fsyncs it, keeps the previous checkpoint as `<name>.prev` and
-renames the new one into place; a load that finds the newest file truncated or corrupt (zip CRC)
-falls back to the previous one. A failed save leaves both files as they were.
+renames the new one into place; a load that finds the newest file truncated or corrupt falls back to
+the previous one. A failed save leaves both files as they were.
+
+Layout (docs/training.md, "Checkpoints"): a safetensors file whose tensors are the named arrays, and
+whose metadata holds `murmur.meta` (the meta values as one JSON object, so ints and floats keep their
+type) and `murmur.sha256` (a digest over every tensor's name, dtype, shape and bytes, so a flipped
+bit is found: safetensors itself has no checksum). Checkpoints written by murmur before 0.2 are
+`.npz` files (numpy zip, CRC-checked); they are still read, from the path given or, when a
+`.safetensors` path does not exist, from the `.npz` beside it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
+import struct
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
 logger = logging.getLogger(__name__)
 
+CHECKPOINT_FILE = "checkpoint.safetensors"  # in a node's data directory (before 0.2: checkpoint.npz, still read)
+SWARM_AVERAGE_FILE = "swarm-average.safetensors"  # beside it: the swarm-average model
+META_KEY = "murmur.meta"
+DIGEST_KEY = "murmur.sha256"
+LEGACY_SUFFIX = ".npz"
+_ZIP_MAGIC = b"PK\x03\x04"
+
+MetaValue = str | int | float
+
 
 @dataclass(frozen=True)
 class Checkpoint:
     tensors: dict[str, np.ndarray]
-    meta: dict[str, str | int | float]
+    meta: dict[str, MetaValue]
 
 
 class CheckpointUnreadable(Exception):
     """Neither the checkpoint nor its previous copy could be read."""
 
 
+class CheckpointCorrupt(ValueError):
+    """A checkpoint's content does not match the digest it was written with."""
+
+
 def previous_path(path: Path) -> Path:
     return path.with_name(path.name + ".prev")
 
 
-def save_checkpoint(path: Path, tensors: Mapping[str, np.ndarray], meta: Mapping[str, str | int | float]) -> None:
+def _raw(array: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous array without a copy (an empty or 0-d one too)."""
+    return array.reshape(-1).view(np.uint8).data
+
+
+def tensors_digest(tensors: Mapping[str, np.ndarray]) -> str:
+    """sha256 over every tensor's name, dtype, shape and bytes, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        array = np.require(tensors[name], requirements="C")
+        digest.update(f"{name}\x00{array.dtype.str}\x00{array.shape}\x00".encode())
+        digest.update(_raw(array))
+    return digest.hexdigest()
+
+
+# numpy dtype -> safetensors dtype name
+_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "int64": "I64", "int32": "I32", "int16": "I16",
+           "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+def write_safetensors(f: BinaryIO, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> None:
+    """Stream `tensors` to `f` in the safetensors format (read back by `safetensors` itself).
+
+    safetensors' own writer either builds the whole file in memory (`save`) or reports a full disk as
+    an opaque SafetensorError (`save_file`); this writes tensor by tensor and lets OSError through."""
+    arrays = {name: np.require(t, requirements="C") for name, t in sorted(tensors.items())}
+    entries: dict[str, object] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for name, array in arrays.items():
+        if array.dtype.name not in _DTYPES:
+            raise ValueError(f"tensor {name!r} has dtype {array.dtype}, which safetensors does not store")
+        entries[name] = {"dtype": _DTYPES[array.dtype.name], "shape": list(array.shape),
+                         "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+    header = json.dumps(entries, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned
+    f.write(struct.pack("<Q", len(header)))
+    f.write(header)
+    for array in arrays.values():
+        f.write(_raw(array))
+
+
+def save_checkpoint(path: Path, tensors: Mapping[str, np.ndarray], meta: Mapping[str, MetaValue]) -> None:
     """Write atomically; raises OSError (e.g. disk full) with the old checkpoints untouched."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    arrays = {f"t/{name}": np.ascontiguousarray(t) for name, t in tensors.items()}
-    arrays.update({f"m/{k}": np.asarray(v) for k, v in meta.items()})
+    arrays = {name: np.require(t, requirements="C") for name, t in tensors.items()}
+    header = {META_KEY: json.dumps(dict(meta)), DIGEST_KEY: tensors_digest(arrays)}
     try:
         with open(tmp, "wb") as f:
-            np.savez(f, **arrays)  # type: ignore[arg-type]  # the stub reads ** as its allow_pickle flag
+            write_safetensors(f, arrays, header)
             f.flush()
             os.fsync(f.fileno())
         if path.exists():
@@ -56,21 +122,51 @@ def save_checkpoint(path: Path, tensors: Mapping[str, np.ndarray], meta: Mapping
         tmp.unlink(missing_ok=True)
 
 
-def _read(path: Path) -> Checkpoint:
+def _read_npz(path: Path) -> Checkpoint:
     with np.load(path, allow_pickle=False) as data:
         tensors = {k[2:]: data[k] for k in data.files if k.startswith("t/")}
         meta = {k[2:]: data[k].item() for k in data.files if k.startswith("m/")}
     return Checkpoint(tensors, meta)
 
 
+def _read_safetensors(path: Path) -> Checkpoint:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            header = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open is not a Mapping
+    except SafetensorError as exc:
+        raise ValueError(f"not a readable safetensors file: {exc}") from None
+    if DIGEST_KEY not in header or META_KEY not in header:
+        raise ValueError("not a murmur checkpoint: its metadata has no murmur.meta or murmur.sha256")
+    if tensors_digest(tensors) != header[DIGEST_KEY]:
+        raise CheckpointCorrupt("the tensors do not match the digest they were written with")
+    meta = json.loads(header[META_KEY])
+    if not isinstance(meta, dict):
+        raise ValueError("murmur.meta is not a JSON object")
+    return Checkpoint(tensors, meta)
+
+
+def read_checkpoint_file(path: Path) -> Checkpoint:
+    """One file, safetensors or a legacy npz (told apart by content); ValueError/OSError if unreadable."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    return _read_npz(path) if magic == _ZIP_MAGIC else _read_safetensors(path)
+
+
 def load_checkpoint(path: Path) -> Checkpoint | None:
-    """The newest readable checkpoint, None if there is none; CheckpointUnreadable if all are broken."""
+    """The newest readable checkpoint, None if there is none; CheckpointUnreadable if all are broken.
+    A `.safetensors` path that has neither file nor `.prev` falls back to a legacy `.npz` beside it."""
     candidates = [p for p in (path, previous_path(path)) if p.exists()]
+    if not candidates and path.suffix != LEGACY_SUFFIX:
+        legacy = path.with_suffix(LEGACY_SUFFIX)
+        candidates = [p for p in (legacy, previous_path(legacy)) if p.exists()]
     if not candidates:
         return None
     for candidate in candidates:
         try:
-            return _read(candidate)
-        except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+            return read_checkpoint_file(candidate)
+        except (OSError, ValueError, zipfile.BadZipFile, EOFError, json.JSONDecodeError) as exc:
             logger.warning("checkpoint %s is unreadable (%s); trying the previous one", candidate, exc)
     raise CheckpointUnreadable(f"no readable checkpoint among {', '.join(map(str, candidates))}")

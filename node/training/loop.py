@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -20,10 +21,12 @@ from gossip.exchange import GossipPeer
 from node.training.checkpoint import Checkpoint
 from node.training.data import load_corpus, peer_shard
 from node.training.joining import JoinOutcome, Refused, join_swarm, judge_steps, plausible_steps
-from node.training.models import build_named_model
-from node.training.recipe import TrainingRecipe
+from node.training.models import build_named_model, model_context, model_vocab_size
+from node.training.recipe import TrainingRecipe, embedded_options
 from node.training.settings import TrainingSettings
-from node.training.trainer import GossipTrainer, StepReport, Trainer, TrainerConfig
+from node.training.shards import ShardStream, open_dataset
+from node.training.tokenizer import SwarmTokenizer, TextTokenizer
+from node.training.trainer import GossipTrainer, StepReport, Trainer, TrainerConfig, resolve_device
 from topology import MembershipView, PeerRound, Topology, peer_round
 
 if TYPE_CHECKING:
@@ -90,26 +93,76 @@ class TrainingStatus:
                 "started_from": self.started_from, "joined": self.joined}
 
 
-def build_trainer(settings: TrainingSettings, recipe: TrainingRecipe, peer_id: str) -> Trainer:
-    """The model (seeded from the recipe, so every fresh peer starts from the same point), this peer's
-    data shard and its optimizer. Blocking (builds a model, may read a corpus): call in a thread."""
+def build_trainer(settings: TrainingSettings, recipe: TrainingRecipe, peer_id: str,
+                  tokenizer: SwarmTokenizer | None = None, count: Callable[[str], None] | None = None) -> Trainer:
+    """The model (seeded from the recipe, so every fresh peer starts from the same point, or the
+    pretrained weights the swarm starts from where this node has them), this peer's data (a shard of
+    the embedded corpus, or its part of --data streamed) and its optimizer. `tokenizer` is the swarm's
+    (None: bytes); `count` counts skipped records. Blocking (builds a model, reads data): call in a thread."""
     if settings.threads:
         torch.set_num_threads(settings.threads)
+    tokenizer = tokenizer or SwarmTokenizer(None)
+    stream: ShardStream | None = None
     try:
-        model = build_named_model(recipe.model, seed=recipe.seed)
-        corpus = load_corpus(settings.data, settings.data_dir)
-    except ValueError as exc:
+        model = build_swarm_model(settings, recipe)
+        text_tokenizer = tokenizer.load()
+        vocab = model_vocab_size(model)
+        if vocab is not None and vocab < text_tokenizer.vocab_size:
+            raise TrainingSetupError(f"the swarm's model has a vocabulary of {vocab}, smaller than its tokenizer's "
+                                     f"{text_tokenizer.vocab_size}")
+        if settings.data is not None:
+            stream = ShardStream(open_dataset(settings.data), text_tokenizer, peer_id, settings.text_field, count)
+            train_tokens, val_tokens = None, stream.val_tokens()
+        else:
+            corpus = load_corpus(None, settings.data_dir)
+            train_tokens, val_tokens = peer_shard(corpus, peer_id), corpus.val
+            if tokenizer.data is not None:  # the embedded corpus in the swarm's tokens
+                train_tokens, val_tokens = (_encode(text_tokenizer, t) for t in (train_tokens, val_tokens))
+    except (ValueError, OSError) as exc:
+        if stream is not None:
+            stream.close()
         raise TrainingSetupError(str(exc)) from None
-    model_context = getattr(getattr(model, "config", None), "context", None)
-    if model_context is not None and recipe.context > model_context:
-        raise TrainingSetupError(f"the swarm trains with context {recipe.context}, longer than the model's {model_context}")
+    model_max = model_context(model)
+    if model_max is not None and recipe.context > model_max:
+        raise TrainingSetupError(f"the swarm trains with context {recipe.context}, longer than the model's {model_max}")
     try:
         trainer_config = TrainerConfig(optimizer=recipe.optimizer, batch_size=recipe.batch_size, context=recipe.context,
                                        device=settings.device, precision=settings.precision,
                                        eval_batch_size=EVAL_BATCH_SIZE, eval_batches=EVAL_BATCHES, eval_every_rounds=None)
-        return Trainer(model, trainer_config, peer_id=peer_id, train_tokens=peer_shard(corpus, peer_id), val_tokens=corpus.val)
+        return Trainer(model, trainer_config, peer_id=peer_id, train_tokens=train_tokens, val_tokens=val_tokens,
+                       stream=stream)
     except ValueError as exc:
         raise TrainingSetupError(str(exc)) from None
+
+
+def _encode(tokenizer: TextTokenizer, tokens: torch.Tensor) -> torch.Tensor:
+    text = bytes(tokens.numpy()).decode("utf-8", errors="replace")
+    return torch.tensor(tokenizer.encode_batch([text])[0], dtype=torch.int64)
+
+
+def build_swarm_model(settings: TrainingSettings, recipe: TrainingRecipe) -> torch.nn.Module:
+    """The recipe's model on this node: a Hugging Face model from the config the swarm carries, checked
+    to fit in this machine's memory first, from pretrained weights where this node's own --model holds
+    the ones the swarm starts from; otherwise seeded."""
+    if recipe.model_config is None:
+        return build_named_model(recipe.model, seed=recipe.seed, options=embedded_options(recipe))
+    from node.training.models.hf import build_hf_model, check_fits
+
+    check_fits(recipe.model_config, resolve_device(settings.device))
+    return build_hf_model(recipe.model_config, recipe.seed, weights=local_weights(settings.model, recipe))
+
+
+def local_weights(own_model: str, recipe: TrainingRecipe) -> Path | None:
+    """This node's copy of the pretrained weights the swarm starts from (its own --model hf:PATH with the
+    same digest), or None: it starts from the seeded init and downloads the swarm's parameters."""
+    if recipe.weights_sha256 is None or not own_model.startswith("hf:"):
+        return None
+    from node.training.models.hf import read_source, weights_digest
+
+    source = read_source(own_model)
+    if source.weights is None or weights_digest(source.weights) != recipe.weights_sha256:
+        return None
+    return source.weights
 
 
 def checkpoint_matches(checkpoint: Checkpoint | None, config_hash: str) -> bool:
@@ -140,6 +193,8 @@ class SwarmTraining:
         # the monitor's history: record(step=, loss=, val_loss=, consensus_distance=, tokens=)
         self._record_sample = record
         self._gossip = GossipTrainer(trainer, peer)
+        # the swarm starts from pretrained weights this node lacks: it must download the parameters
+        self.must_download = False
         trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
         self.status = TrainingStatus(model=recipe.model, optimizer=recipe.optimizer.algorithm, steps_target=recipe.steps,
                                      trainable_params=trainable, step=trainer.step)
@@ -157,9 +212,15 @@ class SwarmTraining:
         await self._connect(view)
         # peers whose step budget is spent no longer run rounds: leave them out rather than wait for them
         members = MembershipView.of(p.peer_id for p in view if p.peer_id == self.peer.peer_id or not self._done(p.step))
+        self._share_data(members.peer_ids)
         plan = peer_round(self._topology_for(members.n), members, self.peer.peer_id, round_index)
         await self._wait_for_laggards(plan)
         return plan
+
+    def _share_data(self, members: Sequence[str]) -> None:
+        """--data: the training peers the next epoch's shard plan divides the units among."""
+        if isinstance(self.trainer.stream, ShardStream):
+            self.trainer.stream.set_members(members)
 
     async def _wait_for_laggards(self, plan: PeerRound) -> None:
         """Hold this round while a neighbour is more than the lag window behind (by its DHT record).
@@ -185,6 +246,8 @@ class SwarmTraining:
         the steps a peer can claim. With `look`, wait up to JOIN_LOOK_S for the view to show another
         peer: records arrive a moment after start."""
         me = self.peer.peer_id
+        if self.must_download:
+            margin, look = -1, True  # any live peer's parameters beat a random init of a pretrained model
         deadline = time.monotonic() + (JOIN_LOOK_S if look else 0.0)
         while True:
             view = self.discovery.view()
@@ -213,6 +276,7 @@ class SwarmTraining:
         await self.trainer.load_tensors(outcome.tensors)
         self.trainer.step = outcome.step
         self.peer.set_tensors(outcome.tensors, step=outcome.step, moved=False)
+        self.must_download = False
         self.peer.round = last_round_at(self.trainer.step, self.recipe)
         self.status.started_from = outcome.describe()
         self.status.step = self.trainer.step
@@ -240,6 +304,8 @@ class SwarmTraining:
         `average` starts writing the swarm average every `average_every` steps and at the end (0: never)."""
         every_eval, every_ckpt = self.settings.eval_every, self.settings.checkpoint_every
         every_average = self.settings.average_every
+        view = self.discovery.view()
+        self._share_data([p.peer_id for p in view if p.peer_id == self.peer.peer_id or not self._done(p.step)])
         # where we start (restored or downloaded) must show in our record before the first round, or
         # neighbours would hold their rounds for us as if we were far behind
         self.discovery.update(step=self.trainer.step, round=self.peer.round)

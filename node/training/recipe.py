@@ -1,23 +1,79 @@
 """The swarm's shared recipe: the document the founder publishes under `<swarm>.config` (topology,
-codec, round timing, mixing, and what is trained with which optimizer) and the validated settings a
-node reads back from it, so every peer of a swarm gossips and trains the same way."""
+codec, round timing, mixing, admission, and what is trained with which optimizer), declared as msgspec
+Structs with the bounds a node holds any founder to, and the validated settings a node reads back
+from it, so every peer of a swarm gossips and trains the same way.
+
+Adding a field: give it a default, declare its bounds with `Meta`, and leave the Struct's
+`omit_defaults` on, so a document that does not use the field keeps its bytes (and its config hash);
+tests/test_recipe.py checks every declared bound on both sides.
+"""
 
 from __future__ import annotations
 
 import enum
+import sys
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
-from typing import Any, cast
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal, cast
+
+import msgspec
 
 from gossip.codecs import Codec, get_codec
-from gossip.mixing import MixingRule
+from gossip.mixing import MixingKind, MixingRule
 from gossip.optimizers import Algorithm, OptimizerConfig
 from gossip.spes import SpesConfig
-from node.config import EMBEDDED_MODEL_NAMES, VECTOR_MODEL, NodeConfig
+from node.config import EMBEDDED_MODEL_NAMES, HF_PRESET_NAMES, VECTOR_MODEL, NodeConfig
+from node.config.table import MODEL_NAME
 from node.training.rounds import RoundClock
+from node.training.tokenizer import TokenizerSpec
 from topology import TopologySpec
 
+# The document's format; a node refuses a document of another format (the founder runs another murmur).
 SWARM_CONFIG_VERSION = 2
+
+# Bounds a swarm document is held to. They keep a hostile or mistaken founder from making a node
+# allocate without limit (max_staleness_rounds keeps that many copies of the model), divide by zero
+# (round_interval_s) or spin (tiny intervals), while leaving every sane recipe possible.
+MAX_STEPS = 10**9
+MAX_SEED = 2**63 - 1
+MAX_BATCH_SIZE = 4096
+MAX_CONTEXT = 1 << 17
+MAX_LR = 10.0
+MAX_LOCAL_STEPS = 10_000
+MAX_MICRO_BATCHES = 1024
+MAX_VECTOR_DIM = 1 << 27  # 512 MiB of float32
+MAX_STALENESS_ROUNDS = 16
+MIN_ROUND_INTERVAL_S = 1e-3
+MAX_ROUND_INTERVAL_S = 3600.0
+MAX_EPOCH = 1e11  # unix seconds, year ~5000
+MAX_RANKS = 1 << 16  # ranks a custom edge list may name
+MAX_EDGES = 1 << 16
+MAX_DEGREE = 256
+MAX_ROWS = 1 << 16
+MAX_SPES_EVERY = 10**6
+MAX_REPLICATION = 64
+MAX_MODEL_NAME = 256
+MAX_KEY_CHECK = 128
+# A Hugging Face model config (node.training.models.hf bounds its size and the fields that decide memory)
+MAX_MODEL_CONFIG_KEYS = 512
+MAX_MODEL_CONFIG_KEY = 128
+
+_FINITE_MAX = sys.float_info.max
+Steps = Annotated[int, msgspec.Meta(ge=0, le=MAX_STEPS)]
+Seed = Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)]
+PositiveSteps = Annotated[int, msgspec.Meta(ge=1, le=MAX_SPES_EVERY)]
+Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+CodecName = Literal["fp32", "fp16", "bf16", "int8"]
+RefreshCodecName = Literal["fp32", "fp16", "bf16", "int8"]
+ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_MODEL_NAME, pattern=f"^(?:{MODEL_NAME.pattern})$")]
+Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
+Sha256Hex = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+ModelConfigDoc = Annotated[dict[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_MODEL_CONFIG_KEY)], Any],
+                           msgspec.Meta(min_length=1, max_length=MAX_MODEL_CONFIG_KEYS)]
+TopologyName = Literal["ring", "torus", "complete", "star", "static-exp", "one-peer-exp", "hypercube", "random-regular",
+                       "custom"]
+WeightScheme = Literal["metropolis-hastings", "uniform", "max-degree"]
 
 
 class RecipeInvalid(ValueError):
@@ -31,11 +87,170 @@ class PayloadKind(enum.StrEnum):
     VECTOR = "vector"
 
 
+class AdmissionMode(enum.StrEnum):
+    """Who may take part in a swarm (docs/threat-model.md): anyone, holders of the swarm key, or peers
+    holding a membership certificate from the founder."""
+
+    OPEN = "open"
+    KEY = "key"
+    ALLOWLIST = "allowlist"
+
+
+class _Doc(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Every part of the document: declared fields only; fields at their default are left out."""
+
+
+class OptimizerDoc(_Doc, frozen=True):
+    algorithm: Literal["dsgd", "dadam"]
+    lr: Annotated[float, msgspec.Meta(gt=0.0, le=MAX_LR)]
+    warmup_steps: Steps
+    local_steps: Annotated[int, msgspec.Meta(ge=1, le=MAX_LOCAL_STEPS)]
+    micro_batches: Annotated[int, msgspec.Meta(ge=1, le=MAX_MICRO_BATCHES)]
+
+
+class SpesDoc(_Doc, frozen=True, omit_defaults=False):
+    """SPES's swarm-wide knobs. Written with every field: documents carried `expert_codec` before
+    defaults were left out, and their hash must not change (a new field here changes SPES swarms' hash)."""
+
+    sync_every: PositiveSteps
+    merge_every: PositiveSteps
+    merge_until: Steps
+    alpha0: Fraction
+    replication: Annotated[int, msgspec.Meta(ge=1, le=MAX_REPLICATION)]
+    refresh_codec: RefreshCodecName
+    expert_codec: CodecName = "fp32"
+
+
+class ModelPayload(_Doc, frozen=True, tag_field="kind", tag="model"):
+    """A trained model: which one, its initial seed, the per-node batch, the step budget, the optimizer."""
+
+    model: ModelName
+    seed: Seed
+    batch_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_BATCH_SIZE)]
+    context: Annotated[int, msgspec.Meta(ge=2, le=MAX_CONTEXT)]
+    steps: Steps  # 0: until stopped
+    optimizer: OptimizerDoc
+    spes: SpesDoc | None = None  # SPES's swarm-wide knobs; absent when off
+    # a Hugging Face model's config itself (not a path), so joiners build it without files; checked in
+    # depth (size, model type, memory-deciding fields) by node.training.models.hf.check_config_doc
+    model_config: ModelConfigDoc | None = None
+    weights_sha256: Sha256Hex | None = None  # the pretrained weights the swarm starts from (hf:PATH)
+    tokenizer: TokenizerSpec | None = None  # the swarm's tokenizer file; absent: one token per byte
+
+
+class VectorPayload(_Doc, frozen=True, tag_field="kind", tag="vector"):
+    """Vector mode: a random vector of `dim` floats instead of a model."""
+
+    dim: Annotated[int, msgspec.Meta(ge=1, le=MAX_VECTOR_DIM)]
+
+
+class TopologyDoc(_Doc, frozen=True):
+    name: TopologyName
+    weights: WeightScheme | None
+    degree: Annotated[int, msgspec.Meta(ge=1, le=MAX_DEGREE)]
+    seed: Seed
+    rows: Annotated[int, msgspec.Meta(ge=1, le=MAX_ROWS)] | None
+    edges: Annotated[tuple[tuple[Rank, Rank], ...], msgspec.Meta(max_length=MAX_EDGES)]
+    directed: bool
+
+
+class MixingDoc(_Doc, frozen=True):
+    kind: MixingKind
+    tau: Annotated[float, msgspec.Meta(gt=0.0, le=_FINITE_MAX)] | None
+    trim: Annotated[float, msgspec.Meta(ge=0.0, lt=0.5)]
+
+
+class GossipDoc(_Doc, frozen=True):
+    topology: TopologyDoc
+    codec: CodecName
+    round_interval_s: Annotated[float, msgspec.Meta(ge=MIN_ROUND_INTERVAL_S, le=MAX_ROUND_INTERVAL_S)]
+    max_staleness_rounds: Annotated[int, msgspec.Meta(ge=0, le=MAX_STALENESS_ROUNDS)]
+    mixing: MixingDoc
+
+
+class AdmissionDoc(_Doc, frozen=True):
+    """Who may take part (absent: open). In `key` mode `key_check` is an HMAC of the swarm name under the
+    swarm key (node.net.admission), so a member given the wrong key learns so at start."""
+
+    mode: Literal["open", "key", "allowlist"]
+    key_check: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$", max_length=MAX_KEY_CHECK)] | None = None
+
+
+class SwarmDocument(_Doc, frozen=True):
+    """The `<swarm>.config` document: its canonical JSON is what the config hash covers."""
+
+    version: int
+    epoch: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_EPOCH)]
+    payload: ModelPayload | VectorPayload
+    gossip: GossipDoc
+    admission: AdmissionDoc | None = None  # absent: open, so open swarms keep their config hash
+
+    @property
+    def admission_mode(self) -> AdmissionMode:
+        return AdmissionMode(self.admission.mode) if self.admission is not None else AdmissionMode.OPEN
+
+
+class _FormatOnly(msgspec.Struct):
+    version: Any = None
+
+
+def _check_format(version: object) -> None:
+    if version != SWARM_CONFIG_VERSION or isinstance(version, bool):
+        raise RecipeInvalid(f"the swarm's config has version {version!r}; this murmur reads {SWARM_CONFIG_VERSION}")
+
+
+def _schema_error(exc: msgspec.ValidationError | msgspec.DecodeError) -> RecipeInvalid:
+    """msgspec's `Expected ... - at `$.gossip.codec`` said as `gossip.codec: expected ...`."""
+    text, _, where = str(exc).partition(" - at `$")
+    where = where.rstrip("`").lstrip(".")
+    text = text[:1].lower() + text[1:]
+    return RecipeInvalid(f"the swarm's config is invalid: {where}: {text}" if where
+                         else f"the swarm's config is invalid: {text}")
+
+
+def parse_document(doc: Mapping[str, Any]) -> SwarmDocument:
+    """The declared document a decoded `<swarm>.config` mapping holds; RecipeInvalid naming the field at fault."""
+    if not isinstance(doc, Mapping):
+        raise RecipeInvalid("the swarm's config is invalid: not a map")
+    _check_format(doc.get("version"))
+    try:
+        document = msgspec.convert(dict(doc), SwarmDocument)
+    except msgspec.ValidationError as exc:
+        raise _schema_error(exc) from None
+    check_document(document)
+    return document
+
+
+def document_from_json(raw: bytes) -> SwarmDocument:
+    """The declared document of a config's canonical JSON bytes (what the DHT validators check)."""
+    try:
+        _check_format(msgspec.json.decode(raw, type=_FormatOnly).version)
+        document = msgspec.json.decode(raw, type=SwarmDocument)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise _schema_error(exc) from None
+    check_document(document)
+    return document
+
+
+def check_document(document: SwarmDocument) -> None:
+    """The rules a schema cannot declare (a custom topology needs edges, SPES's M a multiple of S...):
+    building the settings checks them all."""
+    SwarmSettings.from_document(document)
+
+
+def document_dict(document: SwarmDocument) -> dict[str, Any]:
+    """The plain mapping of a document as JSON gives it back (lists, not tuples): what is published and hashed."""
+    built: dict[str, Any] = msgspec.json.decode(msgspec.json.encode(document))
+    return built
+
+
 def check_model_allowed(swarm_model: str, own_model: str) -> None:
     """Raise RecipeInvalid unless this node may build the swarm's model. A model named by import path
-    is code that the swarm config (which any DHT peer can write) makes this node import and call, so a
-    joiner runs it only if its own --model names the same builder; embedded models are always allowed."""
-    if swarm_model in (*EMBEDDED_MODEL_NAMES, VECTOR_MODEL) or swarm_model == own_model:
+    is code that the swarm config makes this node import and call, so a joiner runs it only if its own
+    --model names the same builder; embedded models are always allowed."""
+    if swarm_model in (*EMBEDDED_MODEL_NAMES, VECTOR_MODEL, *HF_PRESET_NAMES) or swarm_model == own_model:
+        return
+    if swarm_model.startswith("hf:"):  # a transformers config, carried by the swarm config: no code to run
         return
     raise RecipeInvalid(f"the swarm trains the model built by {swarm_model!r}, code this node would import and "
                         f"run; start it with --model {swarm_model} to allow that")
@@ -53,36 +268,68 @@ class TrainingRecipe:
     context: int
     steps: int  # 0: until stopped
     spes: SpesConfig | None = None  # SPES's swarm-wide knobs when the MoE model is trained with it
+    # a Hugging Face model's config document (node.training.models.hf), carried so joiners need no path
+    model_config: dict[str, Any] | None = None
+    weights_sha256: str | None = None  # the pretrained weights the swarm starts from (hf:PATH of a checkpoint)
+    tokenizer: TokenizerSpec | None = None  # None: one token per byte
+
+    def to_payload(self) -> ModelPayload:
+        o, c = self.optimizer, self.spes
+        spes = None if c is None else SpesDoc(
+            sync_every=c.sync_every, merge_every=c.merge_every, merge_until=c.merge_until, alpha0=c.alpha0,
+            replication=c.replication, refresh_codec=cast(RefreshCodecName, c.refresh_codec),
+            expert_codec=cast(CodecName, c.expert_codec))
+        return ModelPayload(
+            model=self.model, seed=self.seed, batch_size=self.batch_size, context=self.context, steps=self.steps,
+            optimizer=OptimizerDoc(algorithm=o.algorithm, lr=o.lr, warmup_steps=o.warmup_steps,
+                                   local_steps=o.local_steps, micro_batches=o.micro_batches),
+            spes=spes, model_config=self.model_config, weights_sha256=self.weights_sha256, tokenizer=self.tokenizer)
 
     def to_doc(self) -> dict[str, Any]:
-        o = self.optimizer
-        doc = {"kind": PayloadKind.MODEL.value, "model": self.model, "seed": self.seed, "batch_size": self.batch_size,
-               "context": self.context, "steps": self.steps,
-               "optimizer": {"algorithm": o.algorithm, "lr": o.lr, "warmup_steps": o.warmup_steps,
-                             "local_steps": o.local_steps, "micro_batches": o.micro_batches}}
-        if self.spes is not None:  # absent when off, so a swarm without SPES keeps its config hash
-            c = self.spes
-            doc["spes"] = {"sync_every": c.sync_every, "merge_every": c.merge_every, "merge_until": c.merge_until,
-                           "alpha0": c.alpha0, "replication": c.replication, "refresh_codec": c.refresh_codec,
-                           "expert_codec": c.expert_codec}
-        return doc
+        built: dict[str, Any] = msgspec.to_builtins(self.to_payload())
+        return built
 
     @classmethod
-    def from_doc(cls, doc: dict[str, Any]) -> TrainingRecipe:
-        o, steps = doc["optimizer"], int(doc["steps"])
-        return cls(model=str(doc["model"]), seed=int(doc["seed"]), batch_size=int(doc["batch_size"]),
-                   context=int(doc["context"]), steps=steps,
-                   optimizer=optimizer_config(str(o["algorithm"]), float(o["lr"]), int(o["warmup_steps"]), steps,
-                                              int(o["local_steps"]), int(o["micro_batches"])),
-                   spes=_spes_from_doc(doc["spes"]) if doc.get("spes") is not None else None)
+    def from_payload(cls, p: ModelPayload) -> TrainingRecipe:
+        o = p.optimizer
+        return cls(model=p.model, seed=p.seed, batch_size=p.batch_size, context=p.context, steps=p.steps,
+                   optimizer=optimizer_config(o.algorithm, o.lr, o.warmup_steps, p.steps, o.local_steps,
+                                              o.micro_batches),
+                   spes=_spes_from_doc(p.spes) if p.spes is not None else None,
+                   model_config=_checked_model_config(p.model_config), weights_sha256=p.weights_sha256,
+                   tokenizer=p.tokenizer)
+
+    @classmethod
+    def from_doc(cls, doc: Mapping[str, Any]) -> TrainingRecipe:
+        try:
+            payload = msgspec.convert(dict(doc), ModelPayload)
+        except msgspec.ValidationError as exc:
+            raise _schema_error(exc) from None
+        return cls.from_payload(payload)
 
 
-def _spes_from_doc(doc: dict[str, Any]) -> SpesConfig:
-    """SpesConfig checks the values (ValueError names the bad one)."""
-    return SpesConfig(sync_every=int(doc["sync_every"]), merge_every=int(doc["merge_every"]),
-                      merge_until=int(doc["merge_until"]), alpha0=float(doc["alpha0"]),
-                      replication=int(doc["replication"]), refresh_codec=str(doc["refresh_codec"]),
-                      expert_codec=str(doc.get("expert_codec", "fp32")))
+def embedded_options(recipe: TrainingRecipe) -> dict[str, Any] | None:
+    """The embedded GPT's config overrides a recipe implies: a tokenizer's vocabulary instead of bytes."""
+    if recipe.model in EMBEDDED_MODEL_NAMES and recipe.tokenizer is not None:
+        return {"vocab_size": recipe.tokenizer.vocab_size}
+    return None
+
+
+def _checked_model_config(doc: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A Hugging Face config from the network, bounded in depth before anything builds it (ValueError)."""
+    if doc is None:
+        return None
+    from node.training.models.hf import check_config_doc
+
+    check_config_doc(doc)
+    return dict(doc)
+
+
+def _spes_from_doc(doc: SpesDoc) -> SpesConfig:
+    """SpesConfig checks what the schema cannot (M a multiple of S; ValueError names the bad value)."""
+    return SpesConfig(sync_every=doc.sync_every, merge_every=doc.merge_every, merge_until=doc.merge_until,
+                      alpha0=doc.alpha0, replication=doc.replication, refresh_codec=doc.refresh_codec,
+                      expert_codec=doc.expert_codec)
 
 
 def optimizer_config(algorithm: str, lr: float, warmup_steps: int, steps: int, local_steps: int,
@@ -95,35 +342,71 @@ def optimizer_config(algorithm: str, lr: float, warmup_steps: int, steps: int, l
 
 
 def training_recipe(config: NodeConfig) -> TrainingRecipe | None:
-    """The recipe a founder publishes from its own settings; None for the vector payload."""
+    """The recipe a founder publishes from its own settings; None for the vector payload. Reads the
+    tokenizer and a Hugging Face model's config (and hashes pretrained weights): RecipeInvalid says
+    what is wrong with them."""
     t = config.training
     if not t.trains_model:
         return None
+    try:
+        model_config, weights_sha256, tokenizer = _model_and_tokenizer(t.model, t.tokenizer)
+    except ValueError as exc:
+        raise RecipeInvalid(str(exc)) from None
     spes = SpesConfig(sync_every=t.spes_sync_every, merge_every=t.spes_merge_every, merge_until=t.spes_merge_until,
                       alpha0=t.spes_alpha0, replication=t.spes_replication,
                       refresh_codec=t.spes_refresh_codec, expert_codec=t.spes_expert_codec) if t.spes else None
     return TrainingRecipe(model=t.model, seed=config.seed, batch_size=t.batch_size, context=t.context, steps=t.steps,
                           optimizer=optimizer_config(t.optimizer, t.lr, t.warmup_steps, t.steps, t.local_steps,
-                                                     t.micro_batches), spes=spes)
+                                                     t.micro_batches), spes=spes, model_config=model_config,
+                          weights_sha256=weights_sha256, tokenizer=tokenizer)
 
 
-def swarm_document(config: NodeConfig, epoch: float) -> dict[str, Any]:
-    """What the founder publishes under `<swarm>.config`; joiners take these settings from it."""
-    topo = config.gossip.topology
+def _model_and_tokenizer(model: str, tokenizer: Path | None) -> tuple[dict[str, Any] | None, str | None,
+                                                                        TokenizerSpec | None]:
+    """A founder's model config, weights hash and tokenizer entry. A pretrained hf:PATH checkpoint with
+    a tokenizer.json of its own trains with that tokenizer unless --tokenizer names another."""
+    from node.training.tokenizer import read_tokenizer_file, spec_of
+
+    spec = spec_of(read_tokenizer_file(tokenizer)) if tokenizer is not None else None
+    if model not in HF_PRESET_NAMES and not model.startswith("hf:"):
+        return None, None, spec
+    from node.training.models.hf import read_source, weights_digest
+
+    source = read_source(model, spec.vocab_size if spec is not None else None)
+    if spec is None and source.weights is not None and source.tokenizer is not None:
+        spec = spec_of(read_tokenizer_file(source.tokenizer))
+    if spec is not None and int(source.config.get("vocab_size", 0)) < spec.vocab_size:
+        raise RecipeInvalid(f"--model {model}: vocab_size {source.config.get('vocab_size')} is smaller than the "
+                            f"tokenizer's {spec.vocab_size}")
+    return source.config, weights_digest(source.weights) if source.weights is not None else None, spec
+
+
+def build_document(config: NodeConfig, epoch: float, admission: AdmissionDoc | None = None) -> SwarmDocument:
+    """The document a founder with `config` publishes; RecipeInvalid if its settings are out of bounds."""
+    topo, gossip = config.gossip.topology, config.gossip
     recipe = training_recipe(config)
-    return {
+    raw = {
         "version": SWARM_CONFIG_VERSION,
         "epoch": epoch,
-        "payload": recipe.to_doc() if recipe is not None else {"kind": PayloadKind.VECTOR.value, "dim": config.dim},
+        "payload": msgspec.to_builtins(recipe.to_payload()) if recipe is not None
+        else {"kind": PayloadKind.VECTOR.value, "dim": config.dim},
         "gossip": {
             "topology": {"name": topo.name, "weights": topo.weights, "degree": topo.degree, "seed": topo.seed,
                          "rows": topo.rows, "edges": [list(e) for e in topo.edges], "directed": topo.directed},
-            "codec": config.gossip.codec,
-            "round_interval_s": config.gossip.round_interval_s,
-            "max_staleness_rounds": config.gossip.max_staleness_rounds,
-            "mixing": asdict(config.gossip.mixing),
+            "codec": gossip.codec,
+            "round_interval_s": gossip.round_interval_s,
+            "max_staleness_rounds": gossip.max_staleness_rounds,
+            "mixing": {"kind": gossip.mixing.kind.value, "tau": gossip.mixing.tau, "trim": gossip.mixing.trim},
         },
     }
+    if admission is not None and admission.mode != AdmissionMode.OPEN.value:
+        raw["admission"] = msgspec.to_builtins(admission)
+    return parse_document(raw)
+
+
+def swarm_document(config: NodeConfig, epoch: float, admission: AdmissionDoc | None = None) -> dict[str, Any]:
+    """What the founder publishes under `<swarm>.config`; joiners take these settings from it."""
+    return document_dict(build_document(config, epoch, admission))
 
 
 @dataclass(frozen=True)
@@ -137,33 +420,70 @@ class SwarmSettings:
     mixing: MixingRule
     dim: int  # floats of the vector payload; 0 when a model is trained
     training: TrainingRecipe | None
+    admission: AdmissionMode = AdmissionMode.OPEN
 
     @classmethod
     def from_doc(cls, doc: Mapping[str, Any]) -> SwarmSettings:
-        if doc.get("version") != SWARM_CONFIG_VERSION:
-            raise RecipeInvalid(f"the swarm's config has version {doc.get('version')!r}; "
-                                f"this murmur reads {SWARM_CONFIG_VERSION}")
+        return cls.from_document(parse_document(doc))
+
+    @classmethod
+    def from_document(cls, document: SwarmDocument) -> SwarmSettings:
+        g, t, payload = document.gossip, document.gossip.topology, document.payload
         try:
-            g = doc["gossip"]
-            t = g["topology"]
-            payload = doc["payload"]
-            if payload["kind"] not in tuple(PayloadKind):
-                raise ValueError(f"unknown payload kind {payload['kind']!r}")
-            kind = PayloadKind(payload["kind"])
             return cls(
-                topology=TopologySpec(t["name"], weights=t["weights"], degree=t["degree"], seed=t["seed"],
-                                      rows=t["rows"], edges=tuple(tuple(e) for e in t["edges"]), directed=t["directed"]),
-                codec=get_codec(g["codec"]),
-                clock=RoundClock(float(doc["epoch"]), float(g["round_interval_s"])),
-                max_staleness=int(g["max_staleness_rounds"]),
-                mixing=MixingRule(**g["mixing"]),
-                dim=int(payload["dim"]) if kind is PayloadKind.VECTOR else 0,
-                training=TrainingRecipe.from_doc(payload) if kind is PayloadKind.MODEL else None,
+                topology=TopologySpec(t.name, weights=t.weights, degree=t.degree, seed=t.seed, rows=t.rows,
+                                      edges=t.edges, directed=t.directed),
+                codec=get_codec(g.codec),
+                clock=RoundClock(document.epoch, g.round_interval_s),
+                max_staleness=g.max_staleness_rounds,
+                mixing=MixingRule(kind=g.mixing.kind, tau=g.mixing.tau, trim=g.mixing.trim),
+                dim=payload.dim if isinstance(payload, VectorPayload) else 0,
+                training=TrainingRecipe.from_payload(payload) if isinstance(payload, ModelPayload) else None,
+                admission=document.admission_mode,
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except ValueError as exc:
             raise RecipeInvalid(f"the swarm's config is invalid: {exc}") from None
 
 
-def same_payload(doc: dict[str, Any], config: NodeConfig) -> bool:
-    """Whether a founder restarting with `config` may keep the swarm document `doc` of its checkpoint."""
-    return doc.get("version") == SWARM_CONFIG_VERSION and doc.get("payload") == swarm_document(config, 0.0)["payload"]
+# The setting (node.config.table) each field of the document comes from, so a founder's bad flag is named.
+SETTING_OF_FIELD = {
+    "epoch": None, "payload.dim": "dim", "payload.model": "training.model", "payload.seed": "seed",
+    "payload.batch_size": "training.batch_size", "payload.context": "training.context", "payload.steps": "training.steps",
+    "payload.optimizer.algorithm": "training.optimizer", "payload.optimizer.lr": "training.lr",
+    "payload.optimizer.warmup_steps": "training.warmup_steps", "payload.optimizer.local_steps": "training.local_steps",
+    "payload.optimizer.micro_batches": "training.micro_batches", "payload.spes": "training.spes",
+    "payload.spes.sync_every": "training.spes_sync_every", "payload.spes.merge_every": "training.spes_merge_every",
+    "payload.spes.merge_until": "training.spes_merge_until", "payload.spes.alpha0": "training.spes_alpha0",
+    "payload.spes.replication": "training.spes_replication", "payload.spes.refresh_codec": "training.spes_refresh_codec",
+    "payload.spes.expert_codec": "training.spes_expert_codec", "payload.model_config": "training.model",
+    "payload.weights_sha256": "training.model", "payload.tokenizer": "training.tokenizer",
+    "payload.tokenizer.sha256": "training.tokenizer", "payload.tokenizer.vocab_size": "training.tokenizer",
+    "payload.tokenizer.bytes": "training.tokenizer", "gossip.topology.name": "gossip.topology.name",
+    "gossip.topology.weights": "gossip.topology.weights", "gossip.topology.degree": "gossip.topology.degree",
+    "gossip.topology.seed": "gossip.topology.seed", "gossip.topology.rows": "gossip.topology.rows",
+    "gossip.topology.edges": "gossip.topology.edges", "gossip.topology.directed": "gossip.topology.directed",
+    "gossip.codec": "gossip.codec", "gossip.round_interval_s": "gossip.round_interval_s",
+    "gossip.max_staleness_rounds": "gossip.max_staleness_rounds", "gossip.mixing.kind": "gossip.mixing.kind",
+    "gossip.mixing.tau": "gossip.mixing.tau", "gossip.mixing.trim": "gossip.mixing.trim",
+}
+
+
+def field_at_fault(error: RecipeInvalid) -> tuple[str, str] | None:
+    """(document field, what is wrong) of a schema refusal; None for a refusal that names no field."""
+    text = str(error).removeprefix("the swarm's config is invalid: ")
+    where, sep, problem = text.partition(": ")
+    if not sep or " " in where:
+        return None
+    return where.split("[")[0], problem
+
+
+def same_recipe(doc: Mapping[str, Any], config: NodeConfig, admission: AdmissionDoc | None = None) -> bool:
+    """Whether a founder restarting with `config` may keep the swarm document `doc` (of a checkpoint):
+    everything but the epoch is what it would publish now, so the swarm keeps its epoch and hash."""
+    if doc.get("version") != SWARM_CONFIG_VERSION:
+        return False
+    try:
+        now = swarm_document(config, 0.0, admission)
+    except RecipeInvalid:
+        return False
+    return {**doc, "epoch": 0.0} == now

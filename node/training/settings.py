@@ -14,7 +14,7 @@ class TrainingSettings:
     """Built from the node's config by the runtime (node.runtime.training.training_settings)."""
 
     data_dir: Path  # the node's data directory: the embedded corpus is cached there
-    data: Path | None  # a directory of *.txt files; None: the embedded corpus
+    data: Path | None  # text/jsonl/parquet shards (node.training.shards); None: the embedded corpus
     device: str  # auto, cpu, cuda or cuda:N
     precision: Precision
     threads: int  # torch CPU threads; 0: torch's default
@@ -22,3 +22,6 @@ class TrainingSettings:
     checkpoint_every: int  # steps between checkpoints (and one when training stops)
     average_every: int  # steps between writes of the swarm-average model (and one at the end); 0: never
     min_peers: int  # a fresh swarm starts training once this many peers are in the view
+    model: str = "moe"  # this node's own --model: where a joiner finds pretrained weights the swarm starts from
+    text_field: str = "text"  # the jsonl field / parquet column of `data` that holds the text
+    tokenizer: Path | None = None  # this node's own --tokenizer file (used when its hash is the swarm's)

@@ -19,7 +19,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Literal, TypeVar
+from typing import Literal, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -28,7 +28,8 @@ from torch import nn
 from gossip.exchange import GossipPeer, RoundOutcome
 from gossip.optimizers import LocalOptimizer, OptimizerConfig, clip_factor, consensus_distance, global_norm
 from node.training.data import training_batch, validation_batches
-from node.training.models import mean_cross_entropy
+from node.training.models import mean_cross_entropy, model_vocab_size
+from node.training.staging import HostStaging
 from topology import PeerRound
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,15 @@ LOSS_SCALE_GROWTH_INTERVAL = 1000
 # Checkpoint entry prefixes of Trainer.state().
 _PARAM, _OPT, _COUNT = "param/", "optimizer/", "optimizer_count/"
 _STEP, _SCALE = "trainer/step", "trainer/loss_scale"
+
+
+class TrainBatches(Protocol):
+    """A stream of training batches taken in order (node.training.shards.ShardStream), instead of
+    random windows of an in-memory token tensor."""
+
+    def train_batch(self, batch_size: int, context: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -132,8 +142,10 @@ class Trainer:
     model's own dtype; buffers are not exchanged. Call `close()` (or use `async with`) to stop the thread.
     """
 
-    def __init__(self, model: nn.Module, config: TrainerConfig, *, peer_id: str, train_tokens: torch.Tensor,
-                 val_tokens: torch.Tensor, step: int = 0) -> None:
+    def __init__(self, model: nn.Module, config: TrainerConfig, *, peer_id: str, train_tokens: torch.Tensor | None = None,
+                 val_tokens: torch.Tensor, step: int = 0, stream: TrainBatches | None = None) -> None:
+        if (train_tokens is None) == (stream is None):
+            raise ValueError("a trainer takes its training data from train_tokens or from a stream, one of them")
         self.config = config
         self.peer_id = peer_id
         self.step = step
@@ -143,6 +155,7 @@ class Trainer:
         self._params = dict(self.model.named_parameters())
         self._param_dtypes = {name: p.dtype for name, p in self._params.items()}  # restored when unfrozen
         self._train_tokens = train_tokens
+        self._stream = stream
         self._val_tokens = val_tokens
         self._amp_dtype = autocast_dtype(config.precision, self.device)
         self._loss_scale = INITIAL_LOSS_SCALE if self._amp_dtype == torch.float16 else None
@@ -152,6 +165,8 @@ class Trainer:
         self._pending: StepStats | None = None  # computed by compute_update, not yet applied
         self._state_bytes = 0
         self._eval_model: nn.Module | None = None
+        # a CUDA model's gossip tensors go through pinned host buffers (node.training.staging)
+        self._staging = HostStaging(pin=True) if self.device.type == "cuda" else None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"trainer-{peer_id}")
 
     async def __aenter__(self) -> Trainer:
@@ -161,11 +176,19 @@ class Trainer:
         await asyncio.to_thread(self.close)
 
     def close(self) -> None:
-        """Stop the worker thread, after the operation it is running, if any (this call waits for it)."""
+        """Stop the worker thread, after the operation it is running, if any (this call waits for it),
+        and the data stream's reader."""
+        if self._stream is not None:
+            self._stream.close()  # first: a step waiting for data ends (DataInvalid) instead of waiting on
         self._worker.shutdown(wait=True)
 
     async def _on_worker(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._worker, functools.partial(fn, *args))
+
+    @property
+    def stream(self) -> TrainBatches | None:
+        """Where training batches come from when they are streamed (--data), else None."""
+        return self._stream
 
     # ---- parameters ------------------------------------------------------------------------------
 
@@ -224,6 +247,8 @@ class Trainer:
 
     def _tensors_now(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
         chosen = self._params if names is None else {name: self._params[name] for name in names}
+        if self._staging is not None:
+            return self._staging.to_host(chosen.items())
         with torch.no_grad():
             return {name: p.detach().to("cpu", torch.float32, copy=True).reshape(-1).numpy()
                     for name, p in chosen.items()}
@@ -234,6 +259,9 @@ class Trainer:
         if not partial and tensors.keys() != self._params.keys():
             missing, extra = sorted(self._params.keys() - tensors.keys()), sorted(tensors.keys() - self._params.keys())
             raise ValueError(f"parameters do not match the model: missing {missing[:3]}, unknown {extra[:3]}")
+        if self._staging is not None:
+            self._staging.to_device(self._params, {name: tensors[name] for name in self._params if name in tensors})
+            return
         with torch.no_grad():
             for name, p in self._params.items():
                 if name in tensors:
@@ -285,8 +313,12 @@ class Trainer:
         self.model.zero_grad(set_to_none=True)
         total = 0.0
         for micro in range(micro_batches):
-            x, y = training_batch(self._train_tokens, self.peer_id, self.step * micro_batches + micro,
-                                  self.config.batch_size, self.config.context)
+            if self._stream is not None:
+                x, y = self._stream.train_batch(self.config.batch_size, self.config.context)
+            else:
+                assert self._train_tokens is not None
+                x, y = training_batch(self._train_tokens, self.peer_id, self.step * micro_batches + micro,
+                                      self.config.batch_size, self.config.context)
             with self._autocast():
                 _, loss = self.model(x.to(self.device), y.to(self.device))
             scale = self._loss_scale or 1.0
@@ -334,6 +366,30 @@ class Trainer:
         else:
             with torch.autocast(device_type=self.device.type, dtype=self._amp_dtype):
                 yield
+
+    async def measure_activation_bytes(self) -> int:
+        """CUDA: the GPU memory one micro-batch's forward and backward take beyond the parameters and
+        their gradients (peak allocated), measured on random tokens so no training data is used."""
+        return await self._on_worker(self._measure_activation_bytes_now)
+
+    def _measure_activation_bytes_now(self) -> int:
+        if self.device.type != "cuda":
+            raise ValueError("activation memory is measured on a CUDA device only")
+        vocab = model_vocab_size(self.model) or 256
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randint(vocab, (self.config.batch_size, self.config.context), generator=generator).to(self.device)
+        self.model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        with self._autocast():
+            _, loss = self.model(x, x)
+        loss.backward()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in self._params.values() if p.grad is not None)
+        self.model.zero_grad(set_to_none=True)
+        return max(0, peak - before - grads)
 
     # ---- evaluation ------------------------------------------------------------------------------
 
@@ -386,13 +442,18 @@ class Trainer:
             if key.startswith(_OPT):
                 name = key[len(_OPT):].rpartition("/")[0]
                 moments[key[len(_OPT):]] = _as_torch(value, name, self._params[name]).clone()
-        counts = {key[len(_COUNT):]: int(value) for key, value in state.items() if key.startswith(_COUNT)}
+        counts = {key[len(_COUNT):]: int(_scalar(value)) for key, value in state.items() if key.startswith(_COUNT)}
         self._optimizer.load_state(moments, counts)
         self._state_bytes = self._optimizer.state_bytes()
-        self.step = int(state[_STEP])
+        self.step = int(_scalar(state[_STEP]))
         if self._loss_scale is not None and _SCALE in state:
-            self._loss_scale = float(state[_SCALE])
+            self._loss_scale = float(_scalar(state[_SCALE]))
         self._pending = None
+
+
+def _scalar(value: np.ndarray) -> np.generic:
+    """A checkpoint's scalar: 0-d, or of shape (1,) in the .npz checkpoints of murmur 0.1."""
+    return np.asarray(value).reshape(-1)[0]  # type: ignore[no-any-return]
 
 
 def _as_torch(vector: np.ndarray, name: str, like: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 import urllib.request
 from collections.abc import Mapping, Sequence
@@ -71,40 +72,76 @@ def run_swarm(root: Path, identities: Path, setup: AttackSetup) -> SwarmRun:
             nodes[name] = swarm.spawn(name, seed=i, join=n0, hostile=hostile,
                                       min_peers=setup.recipe.get("min_peers", 4), **flags(name))
         swarm.wait_ready(list(nodes.values())[1:])
-        first_step: dict[str, float] = {}
-        seen: dict[str, dict] = {}
-        done_at: dict[str, float] = {}
-
-        def poll() -> bool:
-            now = time.monotonic()
-            for name in FOUNDING_HONEST:
-                status = nodes[name].status()
-                training = status["training"]
-                if training["step"] >= 1:
-                    first_step.setdefault(name, now)
-                if training["val_step"] == setup.steps and name not in seen:
-                    seen[name], done_at[name] = status, now
-            if "n4" in nodes:
-                status = nodes["n4"].status()
-                joiner = status["training"]
-                # it evaluates after its download, or once it gave up on downloading (`joined` says why)
-                caught_up = joiner.get("joined") is not None or joiner["started_from"] != "init"
-                if caught_up and joiner["val_step"] is not None:
-                    seen.setdefault("n4", status)
-            return len(seen) == len(FOUNDING_HONEST) + ("n4" in nodes)
-
-        wait_for(lambda: poll() or n0.status()["training"]["step"] >= setup.join_at, setup.timeout_s,
-                 f"the founder at step {setup.join_at}")
-        nodes["n4"] = swarm.spawn("n4", seed=4, join=n0, **flags("n4"))
-        swarm.wait_ready([nodes["n4"]])
-        wait_for(poll, setup.timeout_s, f"n0-n2 evaluated at step {setup.steps} and n4 joined")
+        watch = _Watch(nodes, setup.steps)
+        watch.start()
+        try:
+            wait_for(lambda: n0.status()["training"]["step"] >= setup.join_at, setup.timeout_s,
+                     f"the founder at step {setup.join_at}")
+            nodes["n4"] = swarm.spawn("n4", seed=4, join=n0, **flags("n4"))
+            swarm.wait_ready([nodes["n4"]])
+            wait_for(lambda: watch.complete() or watch.missed, setup.timeout_s,
+                     f"n0-n2 evaluated at step {setup.steps} and n4 joined")
+        finally:
+            watch.stop()
+        assert not watch.missed, "; ".join(watch.missed)
+        seen, seconds = watch.seen, watch.seconds()
         honest = [name for name in nodes if not (setup.hostile and name == HOSTILE)]
         metrics = {name: fetch_metrics(nodes[name]) for name in honest}
         counts = hostile_counts(nodes[HOSTILE].stderr()) if setup.hostile else {}
         codes = swarm.stop_all(list(nodes.values()))
         assert codes == [0] * len(nodes), f"exit statuses {codes}\n{swarm.logs()}"
-    seconds = {name: done_at[name] - first_step[name] for name in FOUNDING_HONEST}
     return SwarmRun(seen, nodes, seconds, metrics, counts)
+
+
+class _Watch(threading.Thread):
+    """Polls the nodes in the background for the whole run, so that no evaluation at `steps` is missed
+    while the test waits for something else (a node starting, on a loaded machine, takes a while)."""
+
+    def __init__(self, nodes: dict[str, Node], steps: int) -> None:
+        super().__init__(daemon=True, name="attack-watch")
+        self._nodes, self._steps = nodes, steps
+        self._stopping = threading.Event()
+        self.seen: dict[str, dict] = {}
+        self._first_step: dict[str, float] = {}
+        self._done_at: dict[str, float] = {}
+        self.missed: list[str] = []
+
+    def run(self) -> None:
+        while not self._stopping.wait(0.1):
+            for name in (*FOUNDING_HONEST, "n4"):
+                node = self._nodes.get(name)
+                if node is None or name in self.seen or not node.monitor_url or self.missed:
+                    continue
+                try:
+                    status = node.status()
+                except Exception:  # not answering yet
+                    continue
+                self._observe(name, status, time.monotonic())
+
+    def _observe(self, name: str, status: dict, now: float) -> None:
+        training = status["training"]
+        if name == "n4":
+            # it evaluates after its download, or once it gave up on downloading (`joined` says why)
+            caught_up = training.get("joined") is not None or training["started_from"] != "init"
+            if caught_up and training["val_step"] is not None:
+                self.seen[name] = status
+            return
+        if training["step"] >= 1:
+            self._first_step.setdefault(name, now)
+        if training["val_step"] == self._steps:
+            self.seen[name], self._done_at[name] = status, now
+        elif training["val_step"] is not None and training["val_step"] > self._steps:
+            self.missed.append(f"{name} evaluated at step {training['val_step']} before it was seen at {self._steps}")
+
+    def complete(self) -> bool:
+        return len(self.seen) == len(FOUNDING_HONEST) + 1
+
+    def seconds(self) -> dict[str, float]:
+        return {name: self._done_at[name] - self._first_step[name] for name in FOUNDING_HONEST}
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.join(10)
 
 
 def fetch_metrics(node: Node) -> str:

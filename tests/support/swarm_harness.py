@@ -21,6 +21,7 @@ import psutil
 
 from node.cli.ready_line import find_ready_line
 from node.cli.status import fetch_status
+from node.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
 
 MURMUR = Path(sys.executable).with_name("murmur")
 TESTS = Path(__file__).resolve().parent.parent  # on a hostile node's PYTHONPATH: `python -m support.hostile`
@@ -143,9 +144,10 @@ class Node:
         return fetch_status(self.monitor_url)
 
     def checkpoint(self) -> tuple[np.ndarray, int]:
-        """(vector, round) from the node's checkpoint.npz."""
-        with np.load(self.data_dir / "checkpoint.npz") as ckpt:
-            return ckpt["t/params"].copy(), int(ckpt["m/round"])
+        """(vector, round) from the node's checkpoint."""
+        ckpt = load_checkpoint(self.data_dir / CHECKPOINT_FILE)
+        assert ckpt is not None, f"no checkpoint in {self.data_dir}"
+        return ckpt.tensors["params"].copy(), int(ckpt.meta["round"])
 
     def signal(self, sig: signal.Signals) -> None:
         self.process.send_signal(sig)

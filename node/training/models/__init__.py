@@ -1,8 +1,17 @@
-"""Models a swarm trains: the embedded GPT (dense or mixture-of-experts), user models by import path,
-and the shared/expert parameter partition SPES syncs by."""
+"""Models a swarm trains: the embedded GPT (dense or mixture-of-experts), Hugging Face causal LMs
+(node.training.models.hf, imported only when one is built), user models by import path, and the
+shared/expert parameter partition SPES syncs by."""
 
 from node.training.models.evaluate import mean_cross_entropy
-from node.training.models.factory import EMBEDDED_MODELS, ModelFactory, build_named_model, load_model_factory
+from node.training.models.factory import (
+    EMBEDDED_MODELS,
+    ModelFactory,
+    build_named_model,
+    is_hf_model,
+    load_model_factory,
+    model_context,
+    model_vocab_size,
+)
 from node.training.models.gpt import DEFAULT, DENSE_DEFAULT, GPT, ModelConfig, MoE, Routing, build_model
 from node.training.models.params import expert_parameter_names, shared_parameter_names
 
@@ -18,7 +27,10 @@ __all__ = [
     "build_model",
     "build_named_model",
     "expert_parameter_names",
+    "is_hf_model",
     "load_model_factory",
     "mean_cross_entropy",
+    "model_context",
+    "model_vocab_size",
     "shared_parameter_names",
 ]

@@ -14,6 +14,24 @@ from torch import nn
 
 from node.training.models.gpt import DEFAULT, DENSE_DEFAULT, ModelConfig, build_model
 
+
+def is_hf_model(name: str) -> bool:
+    """A Hugging Face preset or hf:PATH (node.training.models.hf, imported only to build one)."""
+    from node.config import HF_PRESET_NAMES
+
+    return name in HF_PRESET_NAMES or name.startswith("hf:")
+
+
+def model_context(model: nn.Module) -> int | None:
+    """The longest sequence a model takes, where it says (the embedded GPT's config, a Hugging Face model)."""
+    context = getattr(model, "context", None) or getattr(getattr(model, "config", None), "context", None)
+    return int(context) if isinstance(context, int) else None
+
+
+def model_vocab_size(model: nn.Module) -> int | None:
+    vocab = getattr(model, "vocab_size", None) or getattr(getattr(model, "config", None), "vocab_size", None)
+    return int(vocab) if isinstance(vocab, int) else None
+
 EMBEDDED_MODELS: Mapping[str, ModelConfig] = MappingProxyType({"moe": DEFAULT, "dense": DENSE_DEFAULT})
 
 ModelFactory = Callable[[Mapping[str, Any] | None], nn.Module]
@@ -72,9 +90,15 @@ def load_model_factory(path: str) -> ModelFactory:
 
 
 def build_named_model(name: str, seed: int = 0, options: Mapping[str, Any] | None = None) -> nn.Module:
-    """An embedded model ("moe", "dense"; `options` override config fields) or a user model by import
-    path. Embedded models are bit-identical for a seed on every machine; a user model is built under
-    torch.manual_seed(seed), identical wherever torch's RNG is (same torch version and CPU kind)."""
+    """An embedded model ("moe", "dense"; `options` override config fields), a Hugging Face model (a
+    preset or hf:PATH; `options` is its config document, node.training.models.hf) or a user model by
+    import path. Embedded and Hugging Face models are bit-identical for a seed on every machine; a user
+    model is built under torch.manual_seed(seed), identical wherever torch's RNG is (same torch version
+    and CPU kind)."""
+    if is_hf_model(name):
+        from node.training.models.hf import build_hf_model, read_source
+
+        return build_hf_model(options if options is not None else read_source(name).config, seed)
     if name in EMBEDDED_MODELS:
         config = ModelConfig.from_dict({**EMBEDDED_MODELS[name].to_dict(), **(options or {})})
         return build_model(config, seed=seed)

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 from torch import nn
 
-from node.training.models.gpt import MoE
+from node.training.models.experts import moe_expert_lists
 
 
 def expert_parameter_names(model: nn.Module) -> dict[tuple[int, int], list[str]]:
-    """(layer, expert) -> that expert's full parameter names, its first matrix (`w1.weight`, the one
-    expert similarity is measured on) first. Layers number the model's MoE layers in module order,
-    which for GPT is the block index. Empty for a dense model."""
+    """(layer, expert) -> that expert's full parameter names, its first matrix (`w1.weight` of the
+    embedded GPT, `gate_up_proj` of a Hugging Face MoE: the one expert similarity is measured on)
+    first. Layers number the model's MoE layers in module order (node.training.models.experts).
+    Empty for a dense model."""
     names: dict[tuple[int, int], list[str]] = {}
-    moe_layers = [(prefix, module) for prefix, module in model.named_modules() if isinstance(module, MoE)]
-    for layer, (prefix, moe) in enumerate(moe_layers):
-        for expert, module in enumerate(moe.experts):
-            names[(layer, expert)] = [f"{prefix}.experts.{expert}.{name}" for name, _ in module.named_parameters()]
+    for layer, (prefix, experts) in enumerate(moe_expert_lists(model)):
+        for expert, module in enumerate(experts):
+            names[(layer, expert)] = [f"{prefix}.{expert}.{name}" for name, _ in module.named_parameters()]
     return names
 
 

@@ -1,0 +1,131 @@
+"""Three real node processes train `hf-tiny-llama` on a jsonl dataset the test writes, with a BPE
+tokenizer trained by `murmur tokenizer train`; the joiners are not given the tokenizer and fetch it
+from the founder. The validation loss falls by a third, a malformed line and a record without the text
+field are skipped and counted while training goes on, and `murmur export --url` writes a directory from
+which transformers loads a model and a tokenizer that generate text, with the swarm average's logits."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from node.training.checkpoint import SWARM_AVERAGE_FILE, load_checkpoint
+from node.training.data import synthetic_text
+from node.training.loop import EVAL_BATCH_SIZE, EVAL_BATCHES
+from node.training.models import mean_cross_entropy
+from node.training.recipe import SwarmSettings
+from support.swarm_harness import Swarm, wait_for
+
+pytestmark = pytest.mark.multiprocess
+
+MURMUR = str(Path(sys.executable).with_name("murmur"))
+STEPS = 60
+CONTEXT = 64
+RECIPE = {"model": "hf-tiny-llama", "context": CONTEXT, "batch_size": 8, "optimizer": "dadam", "lr": 3e-3,
+          "warmup_steps": 5, "steps": STEPS, "topology": "ring"}
+NODE = {"threads": 1, "eval_every": 20, "checkpoint_every": 30, "exchange_timeout": 3, "min_peers": 3,
+        "text_field": "body"}
+
+
+def write_dataset(directory: Path) -> int:
+    """Stories as jsonl records in two shards, plus one malformed line and one record without the field."""
+    directory.mkdir()
+    stories = [s for s in synthetic_text(0, 250_000).decode().split("\n\n") if s]
+    half = len(stories) // 2
+    for name, part in (("a.jsonl", stories[:half]), ("b.jsonl", stories[half:])):
+        with open(directory / name, "w") as f:
+            for i, story in enumerate(part):
+                f.write(json.dumps({"id": f"{name}:{i}", "body": story}) + "\n")
+                if name == "a.jsonl" and i == 3:
+                    f.write('{"id": "broken", "body": "no closing quote}\n')
+                    f.write(json.dumps({"id": "no-body", "title": "a record without the text field"}) + "\n")
+    return len(stories)
+
+
+def murmur(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([MURMUR, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(600)
+def test_three_nodes_train_hf_tiny_llama_with_a_trained_tokenizer_and_export_what_transformers_loads(tmp_path):
+    data = tmp_path / "data"
+    write_dataset(data)
+    tokenizer = tmp_path / "tokenizer.json"
+    trained = murmur("tokenizer", "train", "--data", str(data), "--text-field", "body", "--vocab", "512",
+                     "--out", str(tokenizer))
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    assert "trained a byte-level BPE of 512 tokens" in trained.stdout and "(2 skipped)" in trained.stdout
+
+    with Swarm(tmp_path / "swarm", heartbeat=1) as swarm:
+        founder = swarm.found(**RECIPE, **NODE, data=data, tokenizer=tokenizer)
+        # the joiners have the data but not the tokenizer: they fetch it from the founder by its hash
+        joiners = [swarm.spawn(f"n{i}", seed=i, join=founder, **NODE, data=data) for i in (1, 2)]
+        swarm.wait_ready(joiners)
+        nodes = [founder, *joiners]
+        wait_for(lambda: all(n.status()["training"]["done"] for n in nodes), 400, "every node to finish")
+        for joiner in joiners:
+            assert "fetched the swarm's tokenizer" in joiner.stderr(), joiner.log_tail()
+        # the two bad records sit in one unit: the node that read it logged and counted them, and trained on
+        statuses = swarm.statuses(nodes)
+        skipped = [s["errors"].get("data_bad_record", 0) + s["errors"].get("data_missing_field", 0) for s in statuses]
+        assert sum(skipped) % 2 == 0 and sum(skipped) >= 2, skipped
+        reader = nodes[next(i for i, n in enumerate(skipped) if n)]
+        assert reader.stderr().count("data: skipped data_bad_record") >= 1
+        assert reader.stderr().count("data: skipped data_missing_field") >= 1
+        assert all(s["training"]["step"] == STEPS for s in statuses)
+
+        exported = tmp_path / "export"
+        done = murmur("export", "--url", founder.monitor_url, "--to", str(exported))
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert f"to {exported}" in done.stdout
+        assert (founder.data_dir / "swarm-average-hf" / "config.json").is_file()  # written with the average
+        assert swarm.stop_all(nodes) == [0, 0, 0]
+
+    average = load_checkpoint(founder.data_dir / SWARM_AVERAGE_FILE)
+    assert average is not None and sorted(json.loads(average.meta["peers"])) == sorted(n.peer_id for n in nodes)
+    recipe = SwarmSettings.from_doc(json.loads(average.meta["swarm_config"])).training
+    assert recipe is not None and recipe.tokenizer is not None and recipe.model_config["vocab_size"] == 512
+
+    from node.training.models.hf import build_hf_model
+    from node.training.shards import ShardStream, open_dataset
+    from node.training.tokenizer import BpeTokenizer
+
+    # the validation loss of the untrained model and of the swarm average, as the nodes evaluate it
+    stream = ShardStream(open_dataset(data), BpeTokenizer(tokenizer.read_bytes()), "test", "body")
+    val = stream.val_tokens()
+    stream.close()
+    from node.training.data import validation_batches
+
+    def loss_of(model: torch.nn.Module) -> float:
+        return mean_cross_entropy(model, validation_batches(val, EVAL_BATCH_SIZE, CONTEXT, EVAL_BATCHES))
+
+    model = build_hf_model(recipe.model_config, recipe.seed)
+    initial = loss_of(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.from_numpy(average.tensors[name]).view_as(p))
+    final = loss_of(model)
+    assert final <= initial * 2 / 3, f"validation loss {initial:.3f} -> {final:.3f}: not a third lower"
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf_model = AutoModelForCausalLM.from_pretrained(str(exported))
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(exported))
+    prompt = hf_tokenizer("Mira walked to the garden and", return_tensors="pt")
+    with torch.no_grad():
+        exported_logits = hf_model(input_ids=prompt.input_ids).logits
+        average_logits, _ = model(prompt.input_ids)
+    np.testing.assert_allclose(exported_logits.numpy(), average_logits.numpy(), atol=1e-5, rtol=0)
+    generated = hf_model.generate(prompt.input_ids, max_new_tokens=12, do_sample=False)
+    text = hf_tokenizer.decode(generated[0][prompt.input_ids.shape[1]:], skip_special_tokens=True)
+    assert generated.shape[1] > prompt.input_ids.shape[1] and text.strip(), text
+    manifest = json.loads((exported / "murmur.json").read_text())
+    assert manifest["kind"] == "average" and manifest["model"] == "hf-tiny-llama"
+    # the steps the peers offered their parameters at, as the swarm average recorded them
+    assert manifest["max_step"] == average.meta["max_step"] >= STEPS - 1
