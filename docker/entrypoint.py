@@ -1,8 +1,11 @@
 """The image's entrypoint: runs `murmur ARGS...`, after one optional step for container swarms:
-with MURMUR_PEERS_FROM=URL, a `join` without peers takes them from the running node at URL.
+with MURMUR_PEERS_FROM=URL, a `join` without peers takes them from the running node at URL, and,
+when it was given no invite or founder either, that node's invite (NAME@FOUNDER_PEER_ID).
 
 Compose cannot know a founder's peer id before it starts, so a joiner asks the founder's monitor
-API (`URL/api/status`) for its multiaddrs, waiting for it to come up. Everything else is `murmur`'s.
+API (`URL/api/status`) for its multiaddrs and invite, waiting for it to come up. Setting
+MURMUR_PEERS_FROM is trusting that URL to name the swarm's founder: use it on a network you control
+(a compose network), not across the internet. Everything else is `murmur`'s.
 """
 
 from __future__ import annotations
@@ -39,6 +42,28 @@ def needs_peers(argv: Sequence[str], env: Mapping[str, str]) -> bool:
     if any(arg in ("-h", "--help") or arg == "--peers" or arg.startswith("--peers=") for arg in argv[1:]):
         return False
     return not env.get("MURMUR_PEERS", "").strip()
+
+
+def needs_invite(argv: Sequence[str], env: Mapping[str, str]) -> bool:
+    """A `join` that names no founder (flag, MURMUR_INVITE or MURMUR_FOUNDER) takes the node's invite too."""
+    flags = ("--invite", "--founder")
+    if any(arg in flags or arg.startswith(tuple(f"{f}=" for f in flags)) for arg in argv[1:]):
+        return False
+    return not (env.get("MURMUR_INVITE", "").strip() or env.get("MURMUR_FOUNDER", "").strip())
+
+
+def invite_of(status: Mapping[str, object]) -> str | None:
+    invite = status.get("invite")
+    return invite if isinstance(invite, str) and "@" in invite else None
+
+
+def fetch_invite(url: str) -> str | None:
+    """The invite the node at `url` reports (it is up: its addresses were just read); None if it gives none."""
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/api/status", timeout=REQUEST_TIMEOUT_S) as response:
+            return invite_of(json.load(response))
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
 
 
 def dialable_maddrs(status: Mapping[str, object]) -> list[str]:
@@ -92,6 +117,11 @@ def main(argv: Sequence[str]) -> int:
             return 1
         print(f"murmur: joining through {' '.join(maddrs)} (from {url})", file=sys.stderr, flush=True)
         env["MURMUR_PEERS"] = " ".join(maddrs)
+        if needs_invite(argv, env):
+            invite = fetch_invite(url)
+            if invite is not None:
+                print(f"murmur: joining swarm {invite} (the invite of {url})", file=sys.stderr, flush=True)
+                env["MURMUR_INVITE"] = invite
     os.execvpe("murmur", ["murmur", *argv], env)
     return 127  # not reached: exec replaces this process
 

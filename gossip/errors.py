@@ -69,6 +69,12 @@ class VersionMismatch(WireError):
     kind = "bad_version"
 
 
+class NotMember(WireError):
+    """The sender is not admitted to the swarm: it proves no membership (swarm key or founder's certificate)."""
+
+    kind = "not_member"
+
+
 WIRE_ERROR_KINDS: tuple[str, ...] = tuple(
     cls.kind
     for cls in (
@@ -81,5 +87,6 @@ WIRE_ERROR_KINDS: tuple[str, ...] = tuple(
         Truncated,
         WrongSwarm,
         VersionMismatch,
+        NotMember,
     )
 )

@@ -32,6 +32,7 @@ from enum import Enum, StrEnum
 
 import numpy as np
 
+from gossip.admission import OPEN, StreamAdmission
 from gossip.codecs import Codec
 from gossip.errors import BadSchema, ManifestMismatch, Truncated, WireError
 from gossip.mixing import IncrementalMix, MixingKind, MixingRule, effective_weights
@@ -41,6 +42,7 @@ from gossip.transport import GOSSIP_PROTOCOL, Stream, Transport
 from gossip.wire import (
     DEFAULT_LIMITS,
     Expectation,
+    HeaderFields,
     Message,
     MetaValue,
     TensorSpec,
@@ -95,6 +97,8 @@ class ExchangeSettings:
     limits: WireLimits = DEFAULT_LIMITS
     clip: ClipSettings = field(default_factory=ClipSettings)  # the adaptive_clip rule's radius
     value_bound: ValueBound = field(default_factory=ValueBound)  # received values beyond it are refused
+    # who may send to us, and the proof our own messages carry (key and allowlist swarms)
+    admission: StreamAdmission = OPEN
 
 
 @dataclass
@@ -192,7 +196,7 @@ class GossipPeer:
         self._specs = tensor_specs(self._tensors)
         # Requests and replies are read before their kind is known (a pull or a reject carries no
         # tensors), so the manifest is checked after reading, within limits sized to our own tensors.
-        self._expect_peer = Expectation(settings.swarm, settings.config_hash)
+        self._expect_peer = Expectation(settings.swarm, settings.config_hash, admit=settings.admission.admit)
         self._request_limits = _limits_for(self._tensors, settings.limits)
         self.round = 0  # the round in progress or last run; set by the daemon to place a fresh or resumed peer
         self.step = step
@@ -569,11 +573,12 @@ class GossipPeer:
                 meta: Mapping[str, MetaValue] | None = None) -> Frames:
         """A message from this peer, encoded as it is written (header problems raise here, before a
         byte is written; see MessageStream.send for the tensors' own)."""
-        return iter_message(
-            tensors, self._settings.codec, swarm=self._settings.swarm, config_hash=self._settings.config_hash,
-            sender=self.peer_id, round=self.round if round_index is None else round_index, step=self.step, kind=kind,
-            meta=meta, limits=self._settings.limits,
-        )
+        fields: HeaderFields = {"swarm": self._settings.swarm, "config_hash": self._settings.config_hash,
+                                "sender": self.peer_id, "round": self.round if round_index is None else round_index,
+                                "step": self.step, "kind": kind}
+        proof = self._settings.admission.credentials(fields)
+        return iter_message(tensors, self._settings.codec, meta={**(meta or {}), **proof},
+                            limits=self._settings.limits, **fields)
 
 
 def _check_manifest(message: Message, specs: tuple[TensorSpec, ...]) -> None:

@@ -10,7 +10,7 @@ import asyncio
 import collections
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from gossip.errors import BadSchema, WireError
@@ -85,7 +85,9 @@ class MessageStream:
             self.received += len(data)
             return data
 
-        message = await read_message(read_exactly, limits, expected, on_values=on_values)
+        # the sender is checked with the header, before any payload (and before the sender's admission)
+        checked = replace(expected, sender=self.remote_peer) if expected is not None else None
+        message = await read_message(read_exactly, limits, checked, on_values=on_values)
         if message.header.sender != self.remote_peer:
             raise BadSchema(f"header names sender {message.header.sender}, but the stream comes from {self.remote_peer}")
         return message

@@ -247,7 +247,8 @@ def test_compose_swarm_forms_survives_a_loss_and_stops_cleanly(built: Built) -> 
     assert founder_maddr in founder["maddrs"]
     # c joins as compose has it (MURMUR_PEERS_FROM); b as a user types it, with a's full multiaddr
     start_service(built, services["murmur-b"], b, network, volumes["murmur-b"],
-                  command=(*services["murmur-b"].command, "--peers", founder_maddr), drop_env=("MURMUR_PEERS_FROM",))
+                  command=(*services["murmur-b"].command, "--peers", founder_maddr, "--invite", founder["invite"]),
+                  drop_env=("MURMUR_PEERS_FROM",))
     start_service(built, services["murmur-c"], c, network, volumes["murmur-c"])
 
     assert_advancing(built, [a, b, c], peers=3)

@@ -23,7 +23,9 @@ from hivemind.p2p import P2P
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
+from node.config import NodeConfig, TrainingConfig
 from node.net.discovery import Discovery, DiscoverySettings
+from node.net.founder import sign_config
 from node.net.identity import ClaimedIdentity, Identity, claim_identity, create_identity
 from node.net.proc import create_subprocess_exec
 from node.net.records import (
@@ -33,10 +35,11 @@ from node.net.records import (
     decode_peer_entry,
     encode_peer_record,
     encode_withdrawal,
-    make_record_validator,
     peers_key,
 )
 from node.net.transport.p2pd import P2PSettings, start_p2pd
+from node.net.validation import make_record_validator
+from node.training.recipe import swarm_document
 
 REPO = Path(__file__).resolve().parents[1]
 SWARM = "testswarm"
@@ -160,11 +163,11 @@ def test_validator_accepts_only_what_a_peer_says_about_itself(
     assert not validator.validate(_signed(a, _owner_subkey(b), encode_withdrawal(b.peer_id)))
     # a signs correctly under its own subkey, but claims to be b.
     assert not validator.validate(_signed(a, _owner_subkey(a), b_record))
-    # Unowned subkeys and malformed values have no place under <swarm>.peers ...
+    # Unowned subkeys and malformed values have no place under <swarm>.peers, nor anywhere else
+    # (tests/test_validation.py checks every rule).
     assert not validator.validate(_signed(b, b"no owner here", b_record))
     assert not validator.validate(_signed(b, _owner_subkey(b), b"not a record"))
-    # ... while other keys are not this validator's business.
-    assert validator.validate(_signed(b, b"no owner here", b"anything", key=f"{SWARM}.experts"))
+    assert not validator.validate(_signed(b, b"no owner here", b"anything", key=f"{SWARM}.experts"))
 
 
 # ---- live swarms (real p2pd on loopback) ---------------------------------------------------------
@@ -214,12 +217,13 @@ async def eventually(condition: Callable[[], bool], timeout_s: float) -> None:
 def test_peers_find_each_other_share_config_and_withdraw_on_close(tmp_path: Path) -> None:
     # A long TTL, so that a peer vanishing quickly can only be its withdrawal.
     settings = DiscoverySettings(swarm=SWARM, heartbeat_s=0.5, ttl_heartbeats=20)
-    swarm_config = {"model": {"name": "tiny-moe", "layers": 2}, "lr": 0.01, "topology": "ring"}
+    swarm_config = swarm_document(NodeConfig(training=TrainingConfig(model="vector"), dim=8), epoch=1.0)
 
     async def scenario() -> None:
         async with contextlib.AsyncExitStack() as stack:
             founder = await stack.enter_async_context(member(tmp_path / "0.key", settings))
-            published = await founder.discovery.publish_config(swarm_config)
+            signed = sign_config(founder.claimed.identity.signing_key, SWARM, 1, swarm_config)
+            published = await founder.discovery.publish_config(signed)
             bootstrap = founder.discovery.local_record.maddrs
             joiner = await stack.enter_async_context(member(tmp_path / "1.key", settings, bootstrap))
             leaver = await stack.enter_async_context(member(tmp_path / "2.key", settings, bootstrap))
@@ -231,10 +235,11 @@ def test_peers_find_each_other_share_config_and_withdraw_on_close(tmp_path: Path
                     assert observer.record_of(subject.peer_id).maddrs == subject.discovery.local_record.maddrs
                     assert all(a.endswith(f"/p2p/{subject.peer_id}") for a in subject.discovery.local_record.maddrs)
 
-            fetched = await joiner.discovery.fetch_config()
-            assert fetched is not None
+            read = await joiner.discovery.read_config(founder.peer_id)
+            fetched = read.config
+            assert fetched is not None and read.failed is None and read.founders == {founder.peer_id}
             assert fetched.config_hash == published.config_hash == config_hash(swarm_config)
-            assert fetched.config == swarm_config
+            assert fetched.config == swarm_config and fetched.version == 1 and fetched.founder == founder.peer_id
 
             leaver.discovery.update(step=7, round=3, experts=[1, 4])
             await eventually(

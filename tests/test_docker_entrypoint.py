@@ -39,6 +39,21 @@ def test_only_a_join_without_peers_asks_another_node(argv, env, expected) -> Non
     assert entrypoint.needs_peers(argv, env) is expected
 
 
+@pytest.mark.parametrize("argv,env,expected", [
+    (["join"], {}, True),
+    (["join", "--invite", f"s@{PEER}"], {}, False),
+    (["join", f"--founder={PEER}"], {}, False),
+    (["join"], {"MURMUR_INVITE": f"s@{PEER}"}, False),
+    (["join"], {"MURMUR_FOUNDER": PEER}, False),
+])
+def test_a_join_naming_no_founder_takes_the_nodes_invite(argv, env, expected, status_server) -> None:
+    assert entrypoint.needs_invite(argv, env) is expected
+    url, answers = status_server
+    answers.append({"maddrs": [], "invite": f"local@{PEER}"})
+    assert entrypoint.fetch_invite(url) == f"local@{PEER}"
+    assert entrypoint.invite_of({"invite": None}) is None and entrypoint.invite_of({}) is None
+
+
 def test_loopback_and_malformed_addresses_are_not_taken() -> None:
     status = {"maddrs": [f"/ip4/127.0.0.1/tcp/31337/p2p/{PEER}", f"/dns4/murmur-a/tcp/31337/p2p/{PEER}",
                          f"/ip4/10.89.0.2/tcp/31337/p2p/{PEER}", f"/ip6/::1/tcp/31337/p2p/{PEER}",

@@ -61,6 +61,7 @@ class ReadyNode:
     peer_id: str
     monitor_url: str
     maddrs: tuple[str, ...]
+    invite: str
 
 
 def start_node(link: VethLink, side: int, command: str, data_dir: Path, *args: str) -> NodeProcess:
@@ -78,7 +79,7 @@ def wait_ready(node: NodeProcess) -> ReadyNode:
     while time.monotonic() < deadline:
         found = find_ready_line(node.log.read_text(errors="replace"))
         if found:
-            return ReadyNode(node, found.peer_id, found.monitor_url, found.maddrs)
+            return ReadyNode(node, found.peer_id, found.monitor_url, found.maddrs, found.invite)
         if node.process.poll() is not None:
             pytest.fail(f"node {node.side} exited with {node.process.returncode}:\n{node.log_tail()}")
         time.sleep(0.2)
@@ -149,7 +150,7 @@ def test_two_nodes_exchange_across_a_rate_limited_link(tmp_path: Path, capsys: p
             founder = wait_ready(started[0])
             link_maddrs = [m for m in founder.maddrs if m.startswith(f"/ip4/{link.addresses[0]}/")]
             assert link_maddrs, f"the founder announces no address on the link: {founder.maddrs}"
-            started.append(start_node(link, 1, "join", tmp_path / "joiner", "--swarm", swarm,
+            started.append(start_node(link, 1, "join", tmp_path / "joiner", "--invite", founder.invite,
                                       "--peers", link_maddrs[0], "--transport", transport))
             joiner = wait_ready(started[1])
             initial, rounds, final = watch_rounds(link, [founder, joiner])

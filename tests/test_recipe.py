@@ -90,8 +90,8 @@ def test_a_founders_settings_give_the_document_murmur_always_published():
                                 spes_refresh_codec="bf16", spes_expert_codec="fp32"))
     assert recipe.swarm_document(config, 1234.5) == MODEL_DOC
     # open admission leaves the document (and its hash) as it was; key admission adds its part
-    assert recipe.swarm_document(config, 1234.5, recipe.AdmissionDoc(mode="open")) == MODEL_DOC
-    with_key = recipe.swarm_document(config, 1234.5, recipe.AdmissionDoc(mode="key", key_check=KEY_CHECK))
+    assert recipe.swarm_document(config, 1234.5, recipe.AdmissionDoc(mode=recipe.AdmissionMode.OPEN)) == MODEL_DOC
+    with_key = recipe.swarm_document(config, 1234.5, recipe.AdmissionDoc(mode=recipe.AdmissionMode.KEY, key_check=KEY_CHECK))
     assert with_key == {**MODEL_DOC, "admission": {"mode": "key", "key_check": KEY_CHECK}}
 
 
@@ -101,7 +101,7 @@ def test_the_schemas_names_are_the_projects():
     assert typing.get_args(recipe.CodecName) == NODE_CODECS
     assert typing.get_args(recipe.RefreshCodecName) == REFRESH_CODECS
     assert typing.get_args(typing.get_type_hints(recipe.OptimizerDoc)["algorithm"]) == ALGORITHMS
-    assert typing.get_args(typing.get_type_hints(recipe.AdmissionDoc)["mode"]) == tuple(recipe.AdmissionMode)
+    assert typing.get_type_hints(recipe.AdmissionDoc)["mode"] is recipe.AdmissionMode
 
 
 Path = tuple[str | int, ...]

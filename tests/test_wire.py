@@ -250,6 +250,7 @@ def test_error_kinds_are_the_documented_labels() -> None:
         errors.Truncated: "truncated",
         errors.WrongSwarm: "wrong_swarm",
         errors.VersionMismatch: "bad_version",
+        errors.NotMember: "not_member",
     }
     for cls, kind in expected.items():
         assert issubclass(cls, WireError) and cls.kind == kind
@@ -351,8 +352,9 @@ def test_other_protocol_version_is_version_mismatch() -> None:
 
 
 def test_limits_on_header_contents_are_frame_too_large() -> None:
-    limits = WireLimits(max_tensors=2, max_ndim=3, max_name_len=12, max_meta_entries=1)
+    limits = WireLimits(max_tensors=2, max_ndim=3, max_name_len=12, max_meta_entries=1, max_meta_value_len=20)
     cases = [
+        ({"meta": {"m": "x" * 21}}, "meta 'm' is 21 bytes long, over max_meta_value_len"),
         ({"manifest": [["a", "float32", [1], 4]] * 3}, "3 tensors, over max_tensors"),
         ({"manifest": [["w", "float32", [1, 1, 1, 6], 24]]}, "4 dimensions, over max_ndim"),
         ({"manifest": [["a_longer_name", "float32", [6], 24]]}, "13 bytes long, over max_name_len"),
@@ -620,3 +622,31 @@ def test_schema_errors_name_the_field_at_fault() -> None:
     for changes, match in cases:
         with pytest.raises(BadSchema, match=match):
             decode_message(raw_message(header_dict(**changes), PAYLOAD_24))
+
+
+def test_a_meta_value_may_be_longer_than_a_name_up_to_its_own_bound() -> None:
+    """A membership certificate (~360 bytes) travels in meta: its values have their own, larger bound."""
+    limits = WireLimits(max_name_len=12, max_meta_value_len=20)
+    message = decode_message(raw_message(header_dict(meta={"m": "x" * 20}), PAYLOAD_24), limits)
+    assert message.header.meta == {"m": "x" * 20}
+
+
+def test_expectation_checks_the_sender_then_admission_before_the_payload() -> None:
+    """The sender must be the stream's peer and be admitted; both are refused from the header alone."""
+    admitted: list[str] = []
+
+    def admit(header) -> None:
+        admitted.append(header.sender)
+        if header.sender != "12D3KooWpeer":
+            raise errors.NotMember(f"{header.sender} proves no membership")
+
+    raw = raw_message(header_dict(), PAYLOAD_24)
+    header_only = raw[: len(raw) - len(PAYLOAD_24) - 8]  # no payload: a refusal must come from the header
+    expect = Expectation("tiny-moe", "c0ffee", sender="12D3KooWother")
+    with pytest.raises(BadSchema, match="names sender 12D3KooWpeer, but the stream comes from 12D3KooWother"):
+        decode_message(header_only, expected=expect)
+    with pytest.raises(errors.NotMember, match="proves no membership"):
+        decode_message(raw_message(header_dict(sender="12D3KooWother"), PAYLOAD_24)[: len(header_only) + 2],
+                       expected=Expectation("tiny-moe", "c0ffee", sender="12D3KooWother", admit=admit))
+    assert decode_message(raw, expected=Expectation("tiny-moe", "c0ffee", sender="12D3KooWpeer", admit=admit))
+    assert admitted == ["12D3KooWother", "12D3KooWpeer"]

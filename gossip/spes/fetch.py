@@ -32,6 +32,7 @@ from gossip.transport import Stream, Transport
 from gossip.wire import (
     DEFAULT_LIMITS,
     Expectation,
+    HeaderFields,
     MetaValue,
     TensorSpec,
     WireLimits,
@@ -113,7 +114,7 @@ class ExpertFetch:
         directory showed) and at most `max_version` (`gossip.spes.version_bound`). RefreshFailed says why not."""
         expected = Expectation(self._settings.swarm, self._settings.config_hash,
                                tuple(TensorSpec(n, "float32", a.shape) for n, a in like.items()),
-                               frozenset({self._refresh_codec_name}))
+                               frozenset({self._refresh_codec_name}), admit=self._settings.admission.admit)
         try:
             async with asyncio.timeout(self._settings.exchange_timeout_s):
                 stream = MessageStream(await self._transport.open_stream(source, FETCH_PROTOCOL), self._accounting)
@@ -162,7 +163,8 @@ class ExpertFetch:
         peer = stream.remote_peer
         try:
             async with asyncio.timeout(self._settings.exchange_timeout_s):
-                request = await stream.read(REQUEST_LIMITS, Expectation(self._settings.swarm, self._settings.config_hash))
+                request = await stream.read(REQUEST_LIMITS, Expectation(self._settings.swarm, self._settings.config_hash,
+                                                                          admit=self._settings.admission.admit))
                 if request.header.kind != FETCH or request.header.manifest:
                     raise BadSchema(f"expected a fetch request without tensors, got a {request.header.kind!r} message")
                 label = request.header.meta.get("expert")
@@ -192,9 +194,10 @@ class ExpertFetch:
     def _frames(self, tensors: Mapping[str, np.ndarray], kind: str, meta: Mapping[str, MetaValue],
                 codec: Codec) -> Frames:
         # encoded whole before a byte is written: an expert copy that fails its check is refused as such
-        return encode_message(tensors, codec, swarm=self._settings.swarm, config_hash=self._settings.config_hash,
-                              sender=self._transport.peer_id, round=0, step=self._step(), kind=kind, meta=meta,
-                              limits=self._settings.limits)
+        fields: HeaderFields = {"swarm": self._settings.swarm, "config_hash": self._settings.config_hash,
+                                "sender": self._transport.peer_id, "round": 0, "step": self._step(), "kind": kind}
+        proof = self._settings.admission.credentials(fields)
+        return encode_message(tensors, codec, meta={**meta, **proof}, limits=self._settings.limits, **fields)
 
 
 def _limits_for(like: Mapping[str, np.ndarray]) -> WireLimits:

@@ -27,9 +27,22 @@ Header (a msgpack map with exactly these keys; any other key is a schema error; 
     ``codec_opts``  map str -> int/float, e.g. {"block": 256} or {"ratio": 0.01}; {} for none
     ``manifest``    list of [name: str, dtype: "float32"|"float16"|"float64", shape: list of int >= 0,
                     nbytes: int, the tensor's encoded length on the wire]
-    ``meta``        map str -> None/bool/int/float/str, for extensions (bounded by `WireLimits`)
-    Strings are UTF-8, non-empty and at most `max_name_len` bytes; ints are below 2^63; map keys
-    are unique. Tensor names are unique. Decoded tensors come back in the manifest's dtype and shape.
+    ``meta``        map str -> None/bool/int/float/str, for extensions (bounded by `WireLimits`); the
+                    keys murmur's protocols use are listed under "Meta keys" below
+    Strings are UTF-8, non-empty and at most `max_name_len` bytes (meta's string values: at most
+    `max_meta_value_len`); ints are below 2^63; map keys are unique. Tensor names are unique. Decoded
+    tensors come back in the manifest's dtype and shape.
+
+Meta keys
+    ``error``       str, in a ``reject``: why (a `gossip.errors` kind or a refusal such as "late")
+    ``current``     true, in a ``pull`` outside any round (a joiner's download): answer with the current tensors
+    ``expert``, ``version``, ``hash``   the SPES fetch protocol's (gossip.spes.fetch)
+    ``proof``       str, in a swarm admitting by key: the sender's HMAC-SHA256 (hex) under the swarm key of
+                    (swarm, config_hash, sender, round, kind) (node.net.admission)
+    ``member``      str, in an allowlist swarm: the sender's membership certificate from the founder,
+                    "EXPIRES.SIGNATURE" (node.net.admission)
+    Every message of a key or allowlist swarm carries its sender's proof; a receiver checks it with the
+    header, before any payload, and refuses a sender it does not admit (NotMember, "not_member").
 
 Validation (receiver), in this order, each failure its own `gossip.errors` exception:
     1. header length prefix against `max_header_bytes` before reading the body (FrameTooLarge);
@@ -40,7 +53,8 @@ Validation (receiver), in this order, each failure its own `gossip.errors` excep
     4. codec known (UnknownCodec) and its options valid (BadSchema);
     5. manifest: every entry's nbytes is what the codec needs for its shape (ManifestMismatch),
        total payload <= `max_payload_bytes` and decoded size <= `max_decoded_bytes` (FrameTooLarge);
-    6. against the receiver's `Expectation`, if any: swarm and config hash (WrongSwarm), codec
+    6. against the receiver's `Expectation`, if any: sender equal to the stream's authenticated peer
+       (BadSchema), swarm and config hash (WrongSwarm), sender admitted to the swarm (NotMember), codec
        allowed (UnknownCodec), manifest equal to the local model's names, dtypes, shapes
        (ManifestMismatch);
     7. each chunk length: non-zero (BadSchema), <= `max_chunk_bytes` (FrameTooLarge), <= what the
@@ -63,6 +77,7 @@ from gossip.wire.header import (
     DEFAULT_LIMITS,
     HEADER_KEYS,
     PROTOCOL_VERSION,
+    Admit,
     Expectation,
     Header,
     HeaderFields,
@@ -82,6 +97,7 @@ __all__ = [
     "HEADER_KEYS",
     "PREFIX_BYTES",
     "PROTOCOL_VERSION",
+    "Admit",
     "Expectation",
     "Header",
     "HeaderFields",

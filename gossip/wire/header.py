@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, NamedTuple, TypedDict, Unpack, cast
 
@@ -40,8 +40,9 @@ class WireLimits:
     max_chunk_bytes: int = 4 << 20
     max_payload_bytes: int = 4 << 30
     max_decoded_bytes: int = 4 << 30  # decoded tensors in their manifest dtypes, all together
-    max_name_len: int = 256  # every string in the header, in UTF-8 bytes
+    max_name_len: int = 256  # every string in the header but meta's values, in UTF-8 bytes
     max_meta_entries: int = 64
+    max_meta_value_len: int = 1024  # a meta string value (a membership certificate is ~360 bytes)
 
 
 DEFAULT_LIMITS = WireLimits()
@@ -104,14 +105,21 @@ class HeaderFields(TypedDict):
     kind: str
 
 
+# Raises gossip.errors.NotMember unless the header's sender (the stream's peer) is admitted to the swarm.
+Admit = Callable[["Header"], None]
+
+
 @dataclass(frozen=True)
 class Expectation:
-    """What a receiver accepts: its swarm and config, optionally its model's exact manifest and codecs."""
+    """What a receiver accepts: its swarm and config, optionally its model's exact manifest and codecs,
+    the sender the stream comes from, and who is admitted (checked before any payload is read)."""
 
     swarm: str
     config_hash: str
     manifest: tuple[TensorSpec, ...] | None = None  # None: any manifest within the limits
     allowed_codecs: frozenset[str] | None = None  # None: any known codec
+    sender: str | None = None  # the stream's peer, as its transport authenticated it; None: any
+    admit: Admit | None = None  # None: anyone (an open swarm)
 
     def __post_init__(self) -> None:
         if self.manifest is not None:
@@ -311,8 +319,9 @@ def _check_bounds(header: Header, limits: WireLimits) -> None:
         raise FrameTooLarge(f"meta has {len(header.meta)} entries, over max_meta_entries ({limits.max_meta_entries})")
     for key, value in header.meta.items():
         _check_len(key, "a meta key", limits)
-        if type(value) is str:
-            _check_len(value, f"meta {key!r}", limits)
+        if type(value) is str and len(value.encode()) > limits.max_meta_value_len:
+            raise FrameTooLarge(f"meta {key!r} is {len(value.encode())} bytes long, over max_meta_value_len "
+                                f"({limits.max_meta_value_len})")
     if len(header.manifest) > limits.max_tensors:
         raise FrameTooLarge(f"manifest has {len(header.manifest)} tensors, over max_tensors ({limits.max_tensors})")
 
@@ -368,11 +377,16 @@ def parse_header(body: bytes | bytearray | memoryview, limits: WireLimits = DEFA
 
 
 def check_expectation(header: Header, expected: Expectation) -> None:
-    """Step 6: WrongSwarm, UnknownCodec or ManifestMismatch if `header` is not what the receiver accepts."""
+    """Step 6: BadSchema, WrongSwarm, NotMember, UnknownCodec or ManifestMismatch if `header` is not what
+    the receiver accepts."""
+    if expected.sender is not None and header.sender != expected.sender:
+        raise BadSchema(f"header names sender {header.sender}, but the stream comes from {expected.sender}")
     if header.swarm != expected.swarm:
         raise WrongSwarm(f"swarm {header.swarm!r}, expected {expected.swarm!r}")
     if header.config_hash != expected.config_hash:
         raise WrongSwarm(f"config hash {header.config_hash!r}, expected {expected.config_hash!r}")
+    if expected.admit is not None:
+        expected.admit(header)
     if expected.allowed_codecs is not None and header.codec not in expected.allowed_codecs:
         allowed = ", ".join(sorted(expected.allowed_codecs))
         raise UnknownCodec(f"codec {header.codec!r} is not accepted here (allowed: {allowed})")

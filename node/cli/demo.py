@@ -61,6 +61,7 @@ class DemoNode:
     peer_id: str = ""
     monitor_url: str = ""
     maddrs: tuple[str, ...] = ()
+    invite: str = ""
     status: dict[str, Any] = field(default_factory=dict)
 
     def ready_line(self) -> ReadyLine | None:
@@ -86,7 +87,7 @@ def node_args(options: DemoOptions, index: int, data_dir: Path, swarm: str, foun
             recipe += ["--spes"]
         return [murmur, "node", *common, *recipe, "--seed", "0"]
     # a joiner takes the swarm's recipe, but runs a model given by import path only if it names it too
-    return [murmur, "join", *common, "--peers", founder.maddrs[0], "--model", options.model]
+    return [murmur, "join", *common, "--peers", founder.maddrs[0], "--invite", founder.invite, "--model", options.model]
 
 
 class Demo:
@@ -120,6 +121,7 @@ class Demo:
                     raise DemoFailed(f"{node.name} was not ready within {READY_TIMEOUT_S:g} s:\n{node.log_tail()}")
                 time.sleep(0.2)
             node.peer_id, node.monitor_url, node.maddrs = match.peer_id, match.monitor_url, match.maddrs
+            node.invite = match.invite
 
     def start(self) -> None:
         founder = self.spawn(0, None)

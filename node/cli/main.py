@@ -1,5 +1,5 @@
 """The `murmur` command line: argument parsing, validation and dispatch to the commands
-(node, join, bootstrap, status, eval, topology, sim, demo, export, tokenizer).
+(node, join, bootstrap, status, eval, invite, topology, sim, demo, export, tokenizer).
 
 Bad flags and values exit with status 2 and one line saying what is wrong. Heavy imports (torch,
 hivemind) happen inside the commands that need them, so `murmur topology` and `--help` stay quick.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 import urllib.parse
@@ -150,10 +151,61 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = OneLineErrorParse
     _add_topology_options(sim)
     sim.set_defaults(run=_run_sim)
     _add_node_commands(commands)
+    _add_invite_command(commands)
     _add_demo_command(commands)
     _add_hf_commands(commands)
     return parser
 
+
+def _add_invite_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    invite = commands.add_parser(
+        Command.INVITE, help="admit a peer to an allowlist swarm: issue its membership certificate (founder)",
+        epilog=_PRECEDENCE,
+        description="Issue the membership certificate of PEER_ID in the swarm, signed with the founder's identity "
+        "key: run it where the founder's node runs (its --data-dir or --identity; the running node may keep "
+        "running). The peer joins with `murmur join --invite SWARM@FOUNDER --certificate FILE`. Only an allowlist "
+        "swarm (`murmur node --admission allowlist`) asks for certificates.")
+    _add_config_flag(invite)
+    invite.add_argument("peer_id", metavar="PEER_ID", help="peer id of the node to admit (its `murmur status` shows it)")
+    for setting in settings_for(Command.INVITE):
+        _add_setting_flag(invite, setting)
+    invite.add_argument("--valid-days", type=_number(float, lo=0.001, hi=36500), default=365.0, metavar="DAYS",
+                        help="days until the certificate expires (default 365)")
+    invite.add_argument("--out", type=Path, metavar="FILE", help="write the certificate to FILE instead of stdout")
+    invite.set_defaults(run=_run_invite)
+
+
+def _run_invite(args: argparse.Namespace) -> int:
+    import time
+
+    from node.net.founder import check_peer_id, issue_certificate
+    from node.net.identity import IdentityError, load_identity
+
+    config = _resolve(args, os.environ).config
+    try:
+        peer_id = check_peer_id(args.peer_id)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if not config.identity_path.exists():
+        raise UsageError(f"no founder identity at {config.identity_path}: run `murmur invite` with the founder "
+                         "node's --data-dir or --identity")
+    try:
+        identity = load_identity(config.identity_path)
+    except IdentityError as exc:
+        raise UsageError(str(exc)) from None
+    certificate = issue_certificate(identity.signing_key, config.swarm, peer_id,
+                                    int(time.time() + args.valid_days * 86400))
+    if args.out is None:
+        sys.stdout.write(certificate.text)
+    else:
+        try:
+            args.out.write_text(certificate.text)
+        except OSError as exc:
+            raise UsageError(f"--out {args.out}: {exc.strerror}") from None
+    print(f"murmur invite: {peer_id} may join swarm {config.swarm!r} until "
+          f"{time.strftime('%Y-%m-%d', time.gmtime(certificate.expires))} with `murmur join --invite "
+          f"{config.swarm}@{identity.peer_id} --certificate FILE`", file=sys.stderr)
+    return 0
 
 def _add_hf_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     export = commands.add_parser(
@@ -415,7 +467,29 @@ def node_config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> N
     check_environment(resolved, swarm=args.command in NODE, monitor=args.command in NODE)
     if args.command == Command.NODE:
         _check_founders_recipe(resolved)
+        return resolved.config
+    if args.command == Command.JOIN:
+        return _with_invite(resolved)
     return resolved.config
+
+
+def _with_invite(resolved: ResolvedConfig) -> NodeConfig:
+    """A joiner's config with its invite's swarm name and founder (which must agree with --swarm and
+    --founder where those are given too)."""
+    config = resolved.config
+    if config.invite is None:
+        return config
+    from node.net.founder import parse_invite
+
+    try:
+        invite = parse_invite(config.invite)
+    except ValueError as exc:
+        raise ConfigError(f"{resolved.source('invite')}: {exc}") from None
+    for key, given, wanted in (("swarm", config.swarm, invite.swarm), ("founder", config.founder, invite.founder)):
+        if key in resolved.sources and given != wanted:
+            raise ConfigError(f"{resolved.source(key)}: {given!r} differs from the invite's {wanted!r} "
+                              f"({resolved.source('invite')}); give one of them")
+    return dataclasses.replace(config, swarm=invite.swarm, founder=invite.founder)
 
 
 def _check_founders_recipe(resolved: ResolvedConfig) -> None:
@@ -423,8 +497,12 @@ def _check_founders_recipe(resolved: ResolvedConfig) -> None:
     naming the setting, rather than publish a document its own swarm would refuse."""
     from node.training.recipe import SETTING_OF_FIELD, RecipeInvalid, field_at_fault, swarm_document
 
+    config = resolved.config
+    if config.training.trains_model:  # the flags' bounds, without reading a model's or tokenizer's files here
+        config = dataclasses.replace(config, training=dataclasses.replace(config.training, model="moe",
+                                                                            tokenizer=None))
     try:
-        swarm_document(resolved.config, 0.0)
+        swarm_document(config, 0.0)
     except RecipeInvalid as exc:
         fault = field_at_fault(exc)
         key = SETTING_OF_FIELD.get(fault[0]) if fault is not None else None

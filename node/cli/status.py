@@ -32,6 +32,10 @@ def _duration(seconds: float) -> str:
 def format_status(status: dict[str, Any]) -> str:
     """The human-readable report: one aligned line per topic."""
     lines = [f"peer     {status['peer_id']}", f"swarm    {status['swarm']}"]
+    if status.get("invite"):
+        behind = status.get("config_not_followed")
+        lines.append(f"invite   {status['invite']}   (config version {status.get('config_version')}, admission "
+                     f"{status.get('admission')}{'; not following ' + behind if behind else ''})")
     lines += [f"address  {addr}" for addr in status["maddrs"]]
     lines.append(f"round    {status['round']}   step {status['step']}   peers {len(status['peers'])}")
     if status.get("loss") is not None or status.get("training"):

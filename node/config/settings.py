@@ -121,6 +121,12 @@ class NodeConfig:
     flag, environment variable and TOML key, and docs/cli.md for the table."""
 
     swarm: str = "murmur"  # namespaces the swarm's DHT keys
+    invite: str | None = None  # join: NAME@FOUNDER_PEER_ID; node_config_from_args copies it into swarm and founder
+    founder: str | None = None  # join: the founder's peer id (else the pinned one, see node.runtime.swarm_config)
+    trust_first_founder: bool = False  # join: trust the founder of the config found when none is known
+    admission: str = "open"  # node: who may take part (node.training.recipe.AdmissionMode), the swarm's
+    swarm_key_file: Path | None = None  # key swarms: the swarm key (the founder creates it)
+    certificate_file: Path | None = None  # allowlist swarms: this node's certificate from the founder
     data_dir: Path = Path("murmur-data")  # identity, checkpoints and logs; relative to the working dir
     identity_file: Path | None = None  # None: <data_dir>/identity.key (see `identity_path`)
     heartbeat_s: float = 2.0  # seconds between DHT heartbeats; a record lives for 3 of them

@@ -26,10 +26,13 @@ class Command(StrEnum):
     TOPOLOGY = "topology"
     SIM = "sim"
     DEMO = "demo"
+    INVITE = "invite"
 
 
 NODE = frozenset({Command.NODE, Command.JOIN})
 DAEMONS = NODE | {Command.BOOTSTRAP}
+FOUNDING = frozenset({Command.NODE})
+JOINING = frozenset({Command.JOIN})
 MONITOR_CLIENTS = NODE | {Command.STATUS, Command.EVAL}  # commands that find a node by its monitor
 
 
@@ -58,6 +61,7 @@ NODE_CODECS = ("fp32", "fp16", "bf16", "int8")
 SPES_REFRESH_CODECS = ("bf16", "int8")  # what --spes-refresh-codec offers (gossip.spes takes fp32/fp16 too)
 SPES_EXPERT_CODECS = ("fp32", "fp16", "bf16", "int8")  # what --spes-expert-codec offers
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+ADMISSION_MODES = ("open", "key", "allowlist")  # node.training.recipe.AdmissionMode
 OPTIMIZERS = ("dsgd", "dadam")
 DEVICES_HELP = "auto, cpu, cuda or cuda:N"
 PRECISION_NAMES = ("auto", "fp32", "bf16", "fp16")
@@ -69,6 +73,12 @@ MODEL_NAME = Named("model", "|".join((*EMBEDDED_MODEL_NAMES, VECTOR_MODEL, *HF_P
                    description=f"moe | dense | vector | {' | '.join(HF_PRESET_NAMES)} | hf:PATH | package.module:callable",
                    metavar="MODEL")
 DEVICE_NAME = Named("device", r"auto|cpu|cuda(:\d+)?", hint=DEVICES_HELP, description=DEVICES_HELP, metavar="DEVICE")
+_BASE58 = r"[1-9A-HJ-NP-Za-km-z]{20,128}"
+PEER_ID = Named("peer id", _BASE58, hint="the founder's peer id, like 12D3KooW... or Qm...",
+                description="libp2p peer id", metavar="PEER_ID")
+INVITE_TEXT = Named("invite", r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}@" + _BASE58,
+               hint="NAME@FOUNDER_PEER_ID, as the founder's `murmur node` prints it",
+               description="NAME@FOUNDER_PEER_ID", metavar="NAME@PEER_ID")
 
 
 @dataclass(frozen=True)
@@ -98,15 +108,34 @@ _NONNEG = Integer(0)
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("swarm", Text(), "MURMUR_SWARM", "--swarm", "swarm name: namespaces the swarm's DHT keys; "
-            "1-64 letters, digits, '.', '_' or '-'", NODE),
+            "1-64 letters, digits, '.', '_' or '-'", NODE | {Command.INVITE}),
+    Setting("invite", INVITE_TEXT, "MURMUR_INVITE", "--invite",
+            "the swarm to join and the founder whose signed config to trust: NAME@FOUNDER_PEER_ID (sets the "
+            "swarm name and --founder)", JOINING, optional=True, default_text="none"),
+    Setting("founder", PEER_ID, "MURMUR_FOUNDER", "--founder",
+            "peer id of the swarm's founder: only configs it signed are taken; pinned in the data directory "
+            "once joined", JOINING, optional=True, default_text="the one pinned by an earlier join"),
+    Setting("trust_first_founder", Boolean(), "MURMUR_TRUST_FIRST_FOUNDER", "--trust-first-founder",
+            "without --invite/--founder or a pinned founder: trust the founder of the signed config found "
+            "(refused when several founders' configs are there) and pin it. Unsafe on an open network: whoever "
+            "answers first names the swarm", JOINING),
+    Setting("admission", Choice("admission mode", ADMISSION_MODES, metavar="MODE"), "MURMUR_ADMISSION",
+            "--admission", "who may take part: open (anyone), key (holders of the swarm key, --swarm-key-file) "
+            "or allowlist (peers with the founder's certificate, `murmur invite`) (the swarm's)", FOUNDING),
+    Setting("swarm_key_file", PathKind(metavar="FILE"), "MURMUR_SWARM_KEY_FILE", "--swarm-key-file",
+            "the swarm key of a key-admission swarm; the founder creates it (mode 0600) if missing. Give it to "
+            "members out of band", NODE, optional=True, default_text="none"),
+    Setting("certificate_file", PathKind(metavar="FILE"), "MURMUR_CERTIFICATE", "--certificate",
+            "this node's membership certificate in an allowlist swarm, as `murmur invite` wrote it", JOINING,
+            optional=True, default_text="none"),
     Setting("data_dir", PathKind(metavar="DIR"), "MURMUR_DATA_DIR", "--data-dir",
-            "directory for the identity, checkpoints and logs; created if missing", DAEMONS,
+            "directory for the identity, checkpoints and logs; created if missing", DAEMONS | {Command.INVITE},
             default_text="./murmur-data"),
     Setting("identity_file", PathKind(metavar="FILE"), "MURMUR_IDENTITY", "--identity",
             "libp2p RSA key file that gives the node its peer id; created (mode 0600) if missing",
-            DAEMONS, optional=True, default_text="<data-dir>/identity.key"),
-    Setting("heartbeat_s", Number(0.0, lo_open=True, metavar="S"), "MURMUR_HEARTBEAT", "--heartbeat",
-            "seconds between DHT heartbeats; a peer's record expires after 3 missed ones", NODE),
+            DAEMONS | {Command.INVITE}, optional=True, default_text="<data-dir>/identity.key"),
+    Setting("heartbeat_s", Number(0.0, lo_open=True, hi=30.0, metavar="S"), "MURMUR_HEARTBEAT", "--heartbeat",
+            "seconds between DHT heartbeats, at most 30; a peer's record expires after 3 missed ones", NODE),
     Setting("dim", Integer(1, noun="dim"), "MURMUR_DIM", "--dim",
             "floats in the random vector gossiped while no model is trained", NODE),
     Setting("seed", _NONNEG, "MURMUR_SEED", "--seed", "seed of the node's own randomness", NODE),

@@ -1,6 +1,8 @@
 """Swarm membership over hivemind's DHT: the service that keeps this peer's signed, expiring record
-alive, keeps the swarm's config, and holds a membership view (peers sorted by id) that tells its
-subscribers when the set of peers changes. The records themselves are node.net.records.
+alive, keeps the swarm's founder-signed config (and watches for newer versions of it), and holds a
+membership view (admitted peers of this config, sorted by id) that tells its subscribers when the set
+of peers changes. The records are node.net.records, the config envelope node.net.founder, the rules
+every DHT value is held to node.net.validation.
 
 Runs hivemind's asyncio `DHTNode` in the node's own event loop on the node's `P2P` (one daemon, one
 identity). `hivemind.DHT` would instead fork a process that replicates the daemon connection and
@@ -15,7 +17,6 @@ import collections
 import contextlib
 import dataclasses
 import importlib.metadata
-import json
 import logging
 import math
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -28,32 +29,39 @@ from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P
 from hivemind.utils.timed_storage import get_dht_time
 
+from node.net.admission import Admission
+from node.net.founder import ConfigRefused, NotAdmitted, SwarmConfig, verify_config
 from node.net.identity import Identity
 from node.net.records import (
     MAX_MADDRS,
     DiscoveryError,
     PeerRecord,
-    SwarmConfig,
     SwarmConfigInvalid,
-    canonical_config_bytes,
-    config_hash,
     config_key,
-    decode_config,
     decode_peer_entry,
-    encode_config,
     encode_peer_record,
     encode_withdrawal,
     experts_key,
-    make_record_validator,
     owner_peer_id,
     peers_key,
     validate_swarm_name,
 )
+from node.net.validation import (
+    CONFIG_TTL_S,
+    MAX_HEARTBEAT_S,
+    MAX_RECORD_TTL_S,
+    RECORD_TTL_HEARTBEATS,
+    RefusalCounts,
+    SwarmMembership,
+    make_record_validator,
+)
+from node.training.recipe import RecipeInvalid, parse_document
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "BootstrapFailed",
+    "ConfigRead",
     "Discovery",
     "DiscoveryError",
     "DiscoverySettings",
@@ -68,6 +76,18 @@ class BootstrapFailed(DiscoveryError):
     """None of the initial peers answered."""
 
 
+@dataclass(frozen=True)
+class ConfigRead:
+    """What one read of `<swarm>.config` found: the latest config of the founder (or None), whether the
+    read itself failed (a DHT timeout or error: not the same as a swarm without a config), the
+    founders whose valid configs were there, and the values refused, by reason."""
+
+    config: SwarmConfig | None
+    failed: str | None = None  # why the DHT read failed; None when it answered (even with nothing)
+    founders: frozenset[str] = frozenset()
+    refused: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+
 def _software_version() -> str:
     try:
         return importlib.metadata.version("murmur")
@@ -79,18 +99,22 @@ def _software_version() -> str:
 class DiscoverySettings:
     swarm: str
     heartbeat_s: float = 2.0
-    ttl_heartbeats: int = 3  # a record outlives its heartbeat by this many periods
+    ttl_heartbeats: int = RECORD_TTL_HEARTBEATS  # a record outlives its heartbeat by this many periods
     view_refresh_s: float | None = None  # how often the view is re-read; default half a heartbeat
     rpc_timeout_s: float = 2.0  # one DHT RPC to one peer
     request_timeout_s: float = 5.0  # one whole DHT store/get (several RPCs)
     bootstrap_timeout_s: float = 10.0
-    config_ttl_s: float = 600.0
+    config_ttl_s: float = CONFIG_TTL_S
+    config_check_s: float | None = None  # how often a joiner looks for a newer config; default 5 heartbeats
     version: str = dataclasses.field(default_factory=_software_version)
 
     def __post_init__(self) -> None:
         validate_swarm_name(self.swarm)
-        if self.heartbeat_s <= 0 or self.ttl_heartbeats < 1:
-            raise ValueError("heartbeat_s must be positive and ttl_heartbeats at least 1")
+        if not 0 < self.heartbeat_s <= MAX_HEARTBEAT_S or self.ttl_heartbeats < 1:
+            raise ValueError(f"heartbeat_s must be in (0, {MAX_HEARTBEAT_S:g}] and ttl_heartbeats at least 1")
+        if self.ttl_s > MAX_RECORD_TTL_S:
+            raise ValueError(f"a record's time to live ({self.ttl_s:g} s) must be at most {MAX_RECORD_TTL_S:g} s, "
+                             "what the swarm's validators accept")
 
     @property
     def ttl_s(self) -> float:
@@ -100,12 +124,18 @@ class DiscoverySettings:
     def refresh_s(self) -> float:
         return self.view_refresh_s if self.view_refresh_s is not None else self.heartbeat_s / 2
 
+    @property
+    def check_config_s(self) -> float:
+        return self.config_check_s if self.config_check_s is not None else max(2.0, 5 * self.heartbeat_s)
+
 
 class Discovery:
     """This peer's presence in the swarm and its view of the others.
 
     Usage: `await d.start()` (or `async with d:`), then `d.view()` / `async for view in d.changes()`,
-    `d.update(step=..., round=...)` as training advances, and `await d.close()` to withdraw.
+    `d.update(step=..., round=...)` as training advances, and `await d.close()` to withdraw. A node of
+    a real swarm starts with `start(publish=False)`, reads or publishes the signed config, and then
+    `enter()`s the swarm with it: only then does it publish its record (with its membership proof).
     The caller owns `p2p` and shuts it down after `close()`. `initial_peers` must also have been given
     to the daemon (P2PSettings.initial_peers) so it knows where they are.
     """
@@ -137,7 +167,9 @@ class Discovery:
         self._settings = settings
         self._initial_peers = tuple(initial_peers)
         signer = RSASignatureValidator(identity.signing_key)
-        self._validator = make_record_validator(signer, settings.swarm)
+        self._membership = SwarmMembership()
+        self.refused = RefusalCounts()  # DHT values the validators refused, by reason
+        self._validator = make_record_validator(signer, settings.swarm, self._membership, self.refused)
         # This peer's subkey in `<swarm>.peers`: its public key, so only its signature is accepted there.
         self._owner_subkey = signer.local_public_key
         self._local = PeerRecord(
@@ -158,6 +190,10 @@ class Discovery:
         self._closed = False
         self._config: SwarmConfig | None = None
         self._config_refreshed_at = -math.inf
+        self._admission = Admission.open(settings.swarm)
+        self._watch_config = False
+        self._newer_config = asyncio.Event()
+        self.latest_config: SwarmConfig | None = None  # the newest of the founder's configs seen
         self._errors: collections.Counter[str] = collections.Counter()
 
     @property
@@ -175,11 +211,20 @@ class Discovery:
 
     @property
     def errors(self) -> dict[str, int]:
-        """Counts of failed DHT operations and rejected records, by kind."""
-        return dict(self._errors)
+        """Counts of failed DHT operations and rejected records, by kind (`dht_refused_<reason>`: values
+        the validators refused)."""
+        errors = dict(self._errors)
+        for reason, n in self.refused.counts.items():
+            errors[f"dht_refused_{reason}"] = n
+        return errors
 
-    async def start(self) -> None:
-        """Join the DHT, publish this peer and read the swarm once, then heartbeat in the background.
+    @property
+    def config(self) -> SwarmConfig | None:
+        return self._config
+
+    async def start(self, *, publish: bool = True) -> None:
+        """Join the DHT; with `publish`, also publish this peer and read the swarm once, then heartbeat in
+        the background (else `enter()` does that once the swarm's config is known).
 
         Raises BootstrapFailed if the DHT cannot be joined. On failure the caller should shut the
         daemon down: a cancelled DHT start may leave its handlers registered there.
@@ -207,10 +252,40 @@ class Discovery:
             raise BootstrapFailed(f"{exc} (initial peers: {', '.join(self._initial_peers)})") from None
         self._dht_maddrs = maddrs
         self._local = msgspec.structs.replace(self._local, maddrs=self._data_maddrs or maddrs)
+        if publish:
+            await self._begin()
+
+    async def _begin(self) -> None:
         # Publish and read once before returning, so the caller starts with itself and its peers in view.
         await self._publish_record()
         await self._refresh_view()
         self._runner = asyncio.create_task(self._run(), name=f"discovery-{self._settings.swarm}")
+
+    def pin_founder(self, founder: str) -> None:
+        """Accept `<swarm>.config` values of this founder only (the validators refuse the others)."""
+        self._membership.founder = founder
+
+    async def enter(self, config: SwarmConfig, admission: Admission, *, watch_config: bool = False) -> None:
+        """Take part in the swarm under `config`: publish this peer's record (carrying the config hash and
+        its membership proof), keep the config stored, admit to the view only peers of this config that
+        `admission` admits, and with `watch_config`, watch for a newer version of the founder's config
+        (`newer_config()`)."""
+        if self._dht is None or self._closed or self._runner is not None:
+            raise RuntimeError("Discovery.enter() follows start(publish=False), once")
+        self._config, self.latest_config, self._admission = config, config, admission
+        self._membership.founder = config.founder or self._membership.founder
+        self._membership.admission = admission
+        self._watch_config = watch_config
+        self._local = msgspec.structs.replace(self._local, config_hash=config.config_hash)
+        if config.signed and self._config_refreshed_at == -math.inf:  # a founder has just stored it
+            await self._store_config(config)
+        await self._begin()
+
+    async def newer_config(self) -> SwarmConfig:
+        """Wait until a newer version of the founder's config than the one entered with is seen."""
+        await self._newer_config.wait()
+        assert self.latest_config is not None
+        return self.latest_config
 
     async def close(self) -> None:
         """Stop heartbeats, withdraw this peer's record, and stop the DHT node (not the daemon)."""
@@ -292,37 +367,44 @@ class Discovery:
 
     # ---- swarm config ----------------------------------------------------------------------
 
-    async def publish_config(self, config: Mapping[str, Any]) -> SwarmConfig:
-        """Write the swarm's config (founder). This peer then keeps it alive in the DHT.
-
-        Raises DiscoveryError if no DHT peer (this one included) stored it.
-        """
-        published = SwarmConfig(config=json.loads(canonical_config_bytes(config)), config_hash=config_hash(config))
-        self._config = published
-        if not await self._store_config(published):
+    async def publish_config(self, config: SwarmConfig) -> SwarmConfig:
+        """Store the founder's signed config (in this peer's subkey); every member stores it again in its
+        own, so the swarm outlives its founder. Raises DiscoveryError if no DHT peer stored it."""
+        if not await self._store_config(config):
             raise DiscoveryError("the swarm config could not be stored in the DHT")
-        return published
-
-    async def fetch_config(self) -> SwarmConfig | None:
-        """Read the swarm's config (joiner); None if the swarm has none in the DHT. This peer then
-        keeps it alive too, so the swarm outlives its founder.
-
-        Raises SwarmConfigInvalid for a malformed config, DiscoveryError if the DHT does not answer.
-        """
-        dht = self._require_started()
-        try:
-            async with asyncio.timeout(self._settings.request_timeout_s):
-                found = await dht.get(config_key(self._settings.swarm), latest=True)
-        except TimeoutError:
-            raise DiscoveryError(
-                f"reading the swarm config timed out after {self._settings.request_timeout_s:g} s"
-            ) from None
-        if found is None:
-            return None
-        config = decode_config(found.value)
-        self._config = config
-        self._config_refreshed_at = asyncio.get_running_loop().time()
         return config
+
+    async def read_config(self, founder: str | None) -> ConfigRead:
+        """The latest config of `founder` (of any founder, when None and only one is there) under
+        `<swarm>.config`, checked (signature, swarm, recipe bounds); values that fail are counted
+        (`config_refused_<reason>`) and skipped. `failed` says why, when the DHT read itself failed."""
+        entries, failure = await self._read_entries(config_key(self._settings.swarm), "reading the swarm config")
+        if entries is None:
+            self._errors["config_read_failed"] += 1
+            return ConfigRead(None, failed=failure or "the DHT did not answer")
+        refused: collections.Counter[str] = collections.Counter()
+        valid: list[SwarmConfig] = []
+        now = get_dht_time()
+        for item in entries.values():
+            if item.expiration_time <= now:
+                continue
+            try:
+                config = verify_config(item.value, self._settings.swarm, founder)
+                parse_document(config.config)
+            except ConfigRefused as exc:
+                refused[str(exc.reason)] += 1
+                continue
+            except RecipeInvalid:
+                refused["bad_recipe"] += 1
+                continue
+            valid.append(config)
+        for reason, n in refused.items():
+            self._errors[f"config_refused_{reason}"] += n
+        founders = frozenset(c.founder for c in valid)
+        if not valid or (founder is None and len(founders) > 1):
+            return ConfigRead(None, founders=founders, refused=dict(refused))
+        latest = max(valid, key=lambda c: (c.version, c.config_hash))
+        return ConfigRead(latest, founders=founders, refused=dict(refused))
 
     # ---- other per-peer keys (SPES's `<swarm>.experts`) ---------------------------------------
 
@@ -334,16 +416,20 @@ class Discovery:
     async def read_owned(self, key: str, *, what: str) -> dict[str, bytes] | None:
         """The live values under `key`, by the peer whose signed subkey holds each (a subkey naming
         no single owner is counted and skipped); None when the DHT read failed."""
-        entries = await self._read_entries(key, f"reading the swarm's {what}")
+        entries, _ = await self._read_entries(key, f"reading the swarm's {what}")
         if entries is None:
             return None
         now, out = get_dht_time(), {}
+        members = None if self._admission.is_open else {record.peer_id for record in self._view}
         for subkey, item in entries.items():
             if item.expiration_time <= now:
                 continue
             owner = owner_peer_id(subkey) if isinstance(subkey, bytes) else None
             if owner is None or not isinstance(item.value, bytes):
                 self._errors[f"{what.replace(' ', '_')}_invalid"] += 1
+                continue
+            if members is not None and owner not in members:
+                self._errors[f"{what.replace(' ', '_')}_not_member"] += 1
                 continue
             out[owner] = item.value
         return out
@@ -359,6 +445,8 @@ class Discovery:
         async with asyncio.TaskGroup() as group:
             group.create_task(self._heartbeat_loop())
             group.create_task(self._watch_loop())
+            if self._watch_config:
+                group.create_task(self._config_watch_loop())
 
     async def _heartbeat_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -375,10 +463,22 @@ class Discovery:
             await asyncio.sleep(self._settings.refresh_s)
             await self._refresh_view()
 
+    async def _config_watch_loop(self) -> None:
+        current = self._config
+        assert current is not None
+        while True:
+            await asyncio.sleep(self._settings.check_config_s)
+            found = (await self.read_config(current.founder or None)).config
+            if found is not None and found.version > current.version and (
+                    self.latest_config is None or found.version > self.latest_config.version):
+                self.latest_config = found
+                self._newer_config.set()
+
     async def _publish_record(self) -> None:
         dht = self._require_started()
         now = get_dht_time()
-        self._local = msgspec.structs.replace(self._local, heartbeat=now)
+        self._local = msgspec.structs.replace(self._local, heartbeat=now,
+                                              credential=self._admission.record_credential(self.peer_id, now))
         expiration = now + self._settings.ttl_s
         # Remember before storing: a store that times out may still have reached some replicas,
         # and the withdrawal must outrank every record that might be out there.
@@ -404,13 +504,14 @@ class Discovery:
                 logger.warning("no DHT peer accepted this peer's %s", what)
 
     async def _store_config(self, config: SwarmConfig) -> bool:
+        """Store the signed config in this peer's subkey (the founder's signature is inside the value)."""
         dht = self._require_started()
-        value = encode_config(config)
         self._config_refreshed_at = asyncio.get_running_loop().time()
         stored = False
         async with self._counting_failures("dht_store", "storing the swarm config"):
             expiration = get_dht_time() + self._settings.config_ttl_s
-            stored = bool(await dht.store(config_key(self._settings.swarm), value, expiration))
+            stored = bool(await dht.store(config_key(self._settings.swarm), config.signed, expiration,
+                                          subkey=self._owner_subkey))
             if not stored:
                 self._errors["dht_store_rejected"] += 1
                 logger.warning("no DHT peer accepted the swarm config")
@@ -430,17 +531,27 @@ class Discovery:
             self._errors[f"{kind}_failed"] += 1
             logger.warning("%s in the DHT failed: %s", doing, exc)
 
-    async def _read_entries(self, key: str, doing: str) -> dict[Any, Any] | None:
-        """The subkey entries under `key` (empty when there are none); None when the read failed (counted)."""
+    async def _read_entries(self, key: str, doing: str) -> tuple[dict[Any, Any] | None, str | None]:
+        """The subkey entries under `key` (empty when there are none), or None and why the read failed (counted)."""
         dht = self._require_started()
         entries = None
-        async with self._counting_failures("dht_get", doing):
-            found = await dht.get(key, latest=True)
+        failure: str | None = None
+        try:
+            async with asyncio.timeout(self._settings.request_timeout_s):
+                found = await dht.get(key, latest=True)
             entries = found.value if found is not None and isinstance(found.value, dict) else {}
-        return entries
+        except TimeoutError:
+            self._errors["dht_get_timeout"] += 1
+            failure = f"timed out after {self._settings.request_timeout_s:g} s"
+            logger.warning("%s in the DHT timed out", doing)
+        except Exception as exc:
+            self._errors["dht_get_failed"] += 1
+            failure = f"failed: {exc}"
+            logger.warning("%s in the DHT failed: %s", doing, exc)
+        return entries, failure
 
     async def _refresh_view(self) -> None:
-        entries = await self._read_entries(peers_key(self._settings.swarm), "reading the swarm's peers")
+        entries, _ = await self._read_entries(peers_key(self._settings.swarm), "reading the swarm's peers")
         if entries is None:
             return  # keep the last view rather than report everyone gone after one failed read
         records = {self.peer_id: self._local}
@@ -467,7 +578,19 @@ class Discovery:
         if entry.peer_id != owner_peer_id(subkey):
             self._errors["peer_record_invalid"] += 1
             return None
-        return entry if isinstance(entry, PeerRecord) else None
+        if not isinstance(entry, PeerRecord):
+            return None
+        own_hash = self._local.config_hash
+        if own_hash and entry.config_hash != own_hash:
+            self._errors["peer_record_other_config"] += 1  # a peer of another config (or founder) of this name
+            return None
+        if not self._admission.is_open:
+            try:
+                self._admission.check_record(entry.peer_id, entry.heartbeat, entry.credential)
+            except NotAdmitted:
+                self._errors["peer_record_not_member"] += 1
+                return None
+        return entry
 
     def _set_view(self, view: tuple[PeerRecord, ...]) -> None:
         membership_changed = [r.peer_id for r in view] != [r.peer_id for r in self._view]

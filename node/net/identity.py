@@ -266,3 +266,12 @@ def peer_id_of_ssh_key(ssh_public_key: bytes) -> str:
     if not isinstance(key, rsa.RSAPublicKey):
         raise ValueError("not an RSA public key")
     return peer_id_of(key)
+
+
+@functools.lru_cache(maxsize=4096)
+def owner_key_bits(ssh_public_key: bytes) -> int:
+    """The size of the OpenSSH-encoded RSA key; ValueError for anything that is not an RSA public key."""
+    key = serialization.load_ssh_public_key(ssh_public_key)
+    if not isinstance(key, rsa.RSAPublicKey):
+        raise ValueError("not an RSA public key")
+    return key.key_size

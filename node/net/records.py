@@ -1,5 +1,6 @@
-"""What murmur keeps in hivemind's DHT: the keys of a swarm, the declared schemas of its peer and config
-records with their encoding, and the validator that lets only a peer speak for itself."""
+"""What murmur keeps in hivemind's DHT: the keys of a swarm, the declared schemas of its peer records and
+SPES expert records with their encoding, and the config's canonical bytes and hash. The signed config
+envelope is node.net.founder's; the validators that hold every DHT value to these are node.net.validation."""
 
 from __future__ import annotations
 
@@ -8,16 +9,14 @@ import json
 import re
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Annotated, Any
 
+import msgpack
 import msgspec
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.dht.routing import DHTID
-from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
-from hivemind.utils.serializer import MSGPackSerializer
 
-from node.net.identity import peer_id_of_ssh_key
+from gossip.spes import ExpertKey, ExpertRecord, records_from_wire
+from node.net.identity import owner_key_bits, peer_id_of_ssh_key
 
 _SWARM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _OWNER_KEY = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
@@ -29,6 +28,9 @@ _MAX_MADDR_CHARS = 512
 _MAX_EXPERTS = 8192
 _MAX_VERSION_CHARS = 64
 _MAX_PEER_ID_CHARS = 128
+MAX_CREDENTIAL_CHARS = 1024  # a membership certificate token is ~360 characters, a key proof 64
+MAX_EXPERT_RECORDS_BYTES = 1 << 20  # a peer's SPES records: ~80 bytes per expert copy; more is refused unread
+MIN_OWNER_KEY_BITS = 2048  # what go-libp2p (and so every real peer id) requires of an RSA key
 
 PeerId = Annotated[str, msgspec.Meta(min_length=1, max_length=_MAX_PEER_ID_CHARS)]
 Count = Annotated[int, msgspec.Meta(ge=0)]
@@ -40,6 +42,8 @@ Maddrs = Annotated[
 ]
 Experts = Annotated[tuple[Count, ...], msgspec.Meta(max_length=_MAX_EXPERTS)]
 Version = Annotated[str, msgspec.Meta(max_length=_MAX_VERSION_CHARS)]
+Credential = Annotated[str, msgspec.Meta(max_length=MAX_CREDENTIAL_CHARS)]
+ConfigHash = Annotated[str, msgspec.Meta(max_length=64)]
 
 
 class DiscoveryError(Exception):
@@ -85,6 +89,8 @@ class PeerRecord(msgspec.Struct, frozen=True):
     heartbeat: Finite  # DHT (unix) time when the record was published
     gossip_from: Count = 0  # first round this peer gossips in; 0 while it waits for a quorum (see node.training.rounds)
     loss: Finite | None = None  # the peer's latest training loss, for the monitors of its peers
+    config_hash: ConfigHash = ""  # the swarm config this peer runs; peers of another config are not in a view
+    credential: Credential = ""  # proof of membership in a key or allowlist swarm (node.net.admission)
 
 
 class Withdrawal(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -101,25 +107,9 @@ class _EntryHead(msgspec.Struct, frozen=True):
     withdrawn: Any = False  # only `true` makes a tombstone; any other value belongs to a record
 
 
-class _ConfigRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The `<swarm>.config` value: the canonical JSON bytes of the config and their sha256."""
-
-    config: bytes
-    hash: str
-
-
-@dataclass(frozen=True)
-class SwarmConfig:
-    """The swarm's training config as its founder published it, with the hash peers compare."""
-
-    config: Mapping[str, Any]
-    config_hash: str
-
-
 _ENCODER = msgspec.msgpack.Encoder()
 _HEAD_DECODER = msgspec.msgpack.Decoder(_EntryHead)
 _RECORD_DECODER = msgspec.msgpack.Decoder(PeerRecord)
-_CONFIG_DECODER = msgspec.msgpack.Decoder(_ConfigRecord)
 
 
 def canonical_config_bytes(config: Mapping[str, Any]) -> bytes:
@@ -157,67 +147,36 @@ def decode_peer_entry(raw: bytes) -> PeerRecord | Withdrawal:
     return record
 
 
-def encode_config(config: SwarmConfig) -> bytes:
-    return _ENCODER.encode(_ConfigRecord(config=canonical_config_bytes(config.config), hash=config.config_hash))
-
-
-def decode_config(value: object) -> SwarmConfig:
-    """The swarm config a `<swarm>.config` value holds; SwarmConfigInvalid if it is malformed or altered."""
-    try:
-        if not isinstance(value, bytes):
-            raise TypeError("not bytes")
-        record = _CONFIG_DECODER.decode(value)
-        config = json.loads(record.config)
-    except (TypeError, ValueError):  # msgspec's and json's decode errors are ValueErrors
-        raise SwarmConfigInvalid("the swarm config in the DHT is malformed") from None
-    if not isinstance(config, dict):
-        raise SwarmConfigInvalid("the swarm config in the DHT is malformed")
-    actual_hash = hashlib.sha256(record.config).hexdigest()
-    if actual_hash != record.hash or canonical_config_bytes(config) != record.config:
-        raise SwarmConfigInvalid(f"the swarm config in the DHT does not match its hash {record.hash[:12]}")
-    return SwarmConfig(config=config, config_hash=record.hash)
+def owner_key(subkey: bytes) -> bytes | None:
+    """The OpenSSH RSA key embedded (as `[owner:...]`) in a DHT subkey, if exactly one is."""
+    keys = set(_OWNER_KEY.findall(subkey))
+    return keys.pop() if len(keys) == 1 else None
 
 
 def owner_peer_id(subkey: bytes) -> str | None:
-    """The peer id whose RSA key is embedded (as `[owner:...]`) in a DHT subkey, if exactly one is."""
-    keys = set(_OWNER_KEY.findall(subkey))
-    if len(keys) != 1:
+    """The peer id whose RSA key (of at least MIN_OWNER_KEY_BITS) is embedded in a DHT subkey, if exactly one is."""
+    key = owner_key(subkey)
+    if key is None:
         return None
     try:
-        return peer_id_of_ssh_key(keys.pop())
+        return peer_id_of_ssh_key(key) if owner_key_bits(key) >= MIN_OWNER_KEY_BITS else None
     except ValueError:
         return None
 
 
-class PeerRecordValidator(RecordValidatorBase):  # type: ignore[misc]  # hivemind is untyped
-    """Only a peer can speak for itself in `<swarm>.peers`.
+def encode_expert_records(records: Mapping[ExpertKey, ExpertRecord]) -> bytes:
+    from gossip.spes import records_to_wire
 
-    hivemind's RSASignatureValidator (which runs first) checks that a subkey's value is signed by the
-    key in the subkey; this one requires that key to be there and the record to be about the peer
-    that key identifies, so a peer can neither overwrite another's record nor add one in its name.
-    """
-
-    def __init__(self, swarm: str) -> None:
-        self._peers_key_id = DHTID.generate(source=peers_key(swarm)).to_bytes()
-
-    def validate(self, record: DHTRecord) -> bool:
-        if record.key != self._peers_key_id:
-            return True
-        owner = owner_peer_id(record.subkey)
-        if owner is None:
-            return False
-        try:
-            value = MSGPackSerializer.loads(record.value)
-            return isinstance(value, bytes) and decode_peer_entry(value).peer_id == owner
-        except Exception:
-            return False
-
-    @property
-    def priority(self) -> int:
-        # Below RSASignatureValidator's 10: validated after it, on the value with its signature stripped.
-        return 5
+    packed: bytes = msgpack.packb(records_to_wire(records), use_bin_type=True)
+    return packed
 
 
-def make_record_validator(signer: RSASignatureValidator, swarm: str) -> CompositeValidator:
-    """What every murmur DHT node checks records with: signatures first, then peer-record ownership."""
-    return CompositeValidator([signer, PeerRecordValidator(swarm)])
+def decode_expert_records(raw: bytes) -> dict[ExpertKey, ExpertRecord]:
+    """A peer's `<swarm>.experts` value; ValueError saying what is wrong."""
+    if len(raw) > MAX_EXPERT_RECORDS_BYTES:
+        raise ValueError(f"expert records of {len(raw)} bytes exceed {MAX_EXPERT_RECORDS_BYTES}")
+    try:
+        value = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several types for malformed input
+        raise ValueError(f"expert records are not msgpack: {exc}") from None
+    return records_from_wire(value)

@@ -30,10 +30,12 @@ def checkpoint_path(runtime: NodeRuntime) -> Path:
     return runtime.config.data_dir / CHECKPOINT_FILE
 
 
-def swarm_meta(runtime: NodeRuntime) -> dict[str, str]:
+def swarm_meta(runtime: NodeRuntime) -> dict[str, str | int]:
     """What a file this node writes carries of the swarm it belongs to (a checkpoint, the swarm average)."""
+    swarm = runtime.swarm_config
     return {"swarm": runtime.config.swarm, "config_hash": runtime.config_hash,
-            "swarm_config": json.dumps(runtime.swarm_doc)}
+            "swarm_config": json.dumps(runtime.swarm_doc), "config_version": swarm.version if swarm else 0,
+            "founder": swarm.founder if swarm else ""}
 
 
 async def write_checkpoint(runtime: NodeRuntime, path: Path) -> None:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import dataclasses
+import enum
 import logging
 import sys
-import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
@@ -23,22 +23,34 @@ from node.runtime.host import identity_and_daemon
 from node.runtime.saving import checkpoint_path, final_checkpoint
 from node.runtime.shutdown import close, install_stop_signals, shut_down
 from node.runtime.status import NodeRuntime
+from node.runtime.swarm_config import found_swarm, join_swarm, node_admission, why_not_follow
 from node.runtime.training import start_training, train_until
 from node.runtime.vector import gossip_until, initial_state
-from node.training.checkpoint import Checkpoint, CheckpointUnreadable, load_checkpoint
-from node.training.recipe import RecipeInvalid, SwarmSettings, check_model_allowed, same_recipe, swarm_document
+from node.training.checkpoint import CheckpointUnreadable, load_checkpoint, switch_checkpoint
+from node.training.recipe import RecipeInvalid, SwarmSettings, check_model_allowed
 
 if TYPE_CHECKING:
+    from hivemind.p2p import P2P
+
     from node.net.discovery import Discovery
-    from node.net.records import SwarmConfig
+    from node.net.founder import SwarmConfig
+    from node.net.identity import Identity
+    from node.net.validation import RefusalCounts
 
 logger = logging.getLogger("murmur.node")
 
-JOIN_CONFIG_TIMEOUT_S = 30.0
 BOOTSTRAP_DHT_TIMEOUT_S = 30.0
 
 
-async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, runtime: NodeRuntime) -> None:
+class SessionEnd(enum.Enum):
+    """Why `serve_node` returned: the node was told to stop, or it follows its founder's newer config
+    (run_node then starts a new session under it)."""
+
+    STOPPED = "stopped"
+    NEW_CONFIG = "new_config"
+
+
+async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, runtime: NodeRuntime) -> SessionEnd:
     from node.net.discovery import BootstrapFailed, Discovery, DiscoverySettings
 
     def data_plane_died() -> None:
@@ -47,14 +59,15 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
 
     async with contextlib.AsyncExitStack() as stack:
         claimed, p2p = await identity_and_daemon(config, stack)
-        transport = await start_data_plane(config, claimed.identity, p2p, data_plane_died, stack)
+        identity = claimed.identity
+        transport = await start_data_plane(config, identity, p2p, data_plane_died, stack)
         runtime.transport = transport
         stack.push_async_callback(close, transport, "transport")
-        discovery = Discovery(p2p, claimed.identity, DiscoverySettings(config.swarm, heartbeat_s=config.heartbeat_s),
+        discovery = Discovery(p2p, identity, DiscoverySettings(config.swarm, heartbeat_s=config.heartbeat_s),
                               initial_peers=config.network.initial_peers,
-                              data_maddrs=await advertised_data_maddrs(config, transport, claimed.identity.peer_id))
+                              data_maddrs=await advertised_data_maddrs(config, transport, identity.peer_id))
         try:
-            await discovery.start()
+            await discovery.start(publish=False)  # this peer's record waits for the swarm's config and rules
         except BootstrapFailed as exc:
             raise StartupError(str(exc)) from None
         runtime.discovery = discovery
@@ -62,20 +75,28 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
         runtime.maddrs = discovery.dht_maddrs  # what `murmur join --peers` takes; the record has the data plane's
 
         ckpt_path = checkpoint_path(runtime)
-        try:
-            checkpoint = load_checkpoint(ckpt_path)
-        except CheckpointUnreadable as exc:
-            logger.warning("%s; starting fresh", exc)
-            checkpoint = None
-        swarm = await _swarm_config(discovery, config, founding, checkpoint)
-        runtime.config_hash, runtime.swarm_doc = swarm.config_hash, swarm.config
+        if founding:
+            swarm = await found_swarm(discovery, config, identity, ckpt_path)
+        else:
+            swarm = await join_swarm(discovery, config)
         try:
             settings = SwarmSettings.from_doc(swarm.config)
             if settings.training is not None:
                 check_model_allowed(settings.training.model, config.training.model)
         except RecipeInvalid as exc:
             raise StartupError(str(exc)) from None
-        exchange = exchange_settings(config, swarm.config_hash, settings)
+        admission = node_admission(config, swarm, identity)
+        runtime.swarm_config, runtime.config_hash, runtime.swarm_doc = swarm, swarm.config_hash, swarm.config
+        moved = switch_checkpoint(ckpt_path, swarm.config_hash)
+        if moved:
+            logger.info("%s", moved)
+        try:
+            checkpoint = load_checkpoint(ckpt_path)
+        except CheckpointUnreadable as exc:
+            logger.warning("%s; starting fresh", exc)
+            checkpoint = None
+        await discovery.enter(swarm, admission, watch_config=not founding)
+        exchange = dataclasses.replace(exchange_settings(config, swarm.config_hash, settings), admission=admission)
         training = None
         if settings.training is not None:
             training = await start_training(runtime, settings.training, settings, exchange, checkpoint, stack)
@@ -91,11 +112,24 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
         runtime.monitor_url = api.url
         stack.push_async_callback(close, api, "local API")
         stack.push_async_callback(final_checkpoint, runtime, ckpt_path)
-        print(format_ready_line(transport.peer_id, config.swarm, api.url, runtime.maddrs), flush=True)
+        session = asyncio.Event()  # set when this session ends: the node stops, or follows a newer config
+        followed: list[SwarmConfig] = []
+        for watcher in (_when_set(stop, session),
+                        _follow_newer_config(discovery, config, identity, runtime, followed, session)):
+            task = asyncio.create_task(watcher)
+            stack.callback(task.cancel)
+        invite = f"{config.swarm}@{swarm.founder}"
+        print(format_ready_line(transport.peer_id, config.swarm, api.url, runtime.maddrs, invite), flush=True)
+        if runtime.maddrs:
+            logger.info("invite others: murmur join --invite %s --peers %s", invite, runtime.maddrs[0])
         if training is not None:
-            await train_until(stop, runtime, training, settings, ckpt_path)
+            await train_until(session, runtime, training, settings, ckpt_path)
         else:
-            await gossip_until(stop, runtime, settings, ckpt_path)
+            await gossip_until(session, runtime, settings, ckpt_path)
+        if followed and not stop.is_set():
+            runtime.next_initial_peers = await _connected_peers(p2p)
+            return SessionEnd.NEW_CONFIG
+    return SessionEnd.STOPPED
 
 
 def exchange_settings(config: NodeConfig, config_hash: str, settings: SwarmSettings) -> ExchangeSettings:
@@ -107,24 +141,42 @@ def exchange_settings(config: NodeConfig, config_hash: str, settings: SwarmSetti
                             rule=config.gossip.mixing)
 
 
-async def _swarm_config(discovery: Discovery, config: NodeConfig, founding: bool,
-                        checkpoint: Checkpoint | None) -> SwarmConfig:
-    """A founder publishes its swarm's document (a restarted one keeps its checkpoint's, and so its
-    epoch, when the payload is unchanged); a joiner reads it from the DHT."""
-    if founding:
-        if checkpoint is not None and "swarm_config" in checkpoint.meta:
-            doc = json.loads(str(checkpoint.meta["swarm_config"]))
-            if same_recipe(doc, config):
-                return await discovery.publish_config(doc)  # a restarted founder keeps its swarm's epoch
-        return await discovery.publish_config(swarm_document(config, epoch=time.time()))
-    deadline = time.monotonic() + JOIN_CONFIG_TIMEOUT_S
-    while time.monotonic() < deadline:
-        found = await discovery.fetch_config()
-        if found is not None:
-            return found
-        await asyncio.sleep(0.5)
-    raise StartupError(f"no config for swarm {config.swarm!r} found through {', '.join(config.network.initial_peers)} "
-                       f"within {JOIN_CONFIG_TIMEOUT_S:g} s: is the swarm name right?")
+async def _connected_peers(p2p: P2P) -> tuple[str, ...]:
+    """Full multiaddrs of the DHT peers this node is connected to: where a new session joins the DHT
+    (the peers it started with may be gone, as a restarted founder's old address is)."""
+    try:
+        async with asyncio.timeout(5.0):
+            peers = await p2p.list_peers()
+    except Exception as exc:  # the daemon is in trouble: the new session starts from the configured peers
+        logger.warning("could not list the connected DHT peers: %s", exc)
+        return ()
+    return tuple(f"{addr}/p2p/{info.peer_id.to_base58()}" for info in peers for addr in info.addrs
+                 if "/p2p" not in str(addr))
+
+
+async def _when_set(event: asyncio.Event, then: asyncio.Event) -> None:
+    await event.wait()
+    then.set()
+
+
+async def _follow_newer_config(discovery: Discovery, config: NodeConfig, identity: Identity, runtime: NodeRuntime,
+                               followed: list[SwarmConfig], session: asyncio.Event) -> None:
+    """End the session when the founder publishes a newer config this node can run; else say, once per
+    version, why it keeps running the one it has (a log line, `config_not_followed`, status)."""
+    while True:
+        newer = await discovery.newer_config()
+        reason = why_not_follow(newer, config, identity)
+        if reason is None:
+            logger.warning("the founder published version %d of the swarm's config (hash %s): following it "
+                           "(this node restarts its part in the swarm)", newer.version, newer.config_hash[:12])
+            followed.append(newer)
+            session.set()
+            return
+        runtime.count("config_not_followed")
+        runtime.config_not_followed = f"version {newer.version}: {reason}"
+        logger.error("not following version %d of the swarm's config (hash %s): %s; this node keeps running "
+                     "version %d", newer.version, newer.config_hash[:12], reason,
+                     runtime.swarm_config.version if runtime.swarm_config else 0)
 
 
 async def _start_api(runtime: NodeRuntime, config: NodeConfig) -> MonitorServer:
@@ -159,11 +211,37 @@ def run_node(config: NodeConfig, founding: bool) -> int:
     async def main() -> int:
         stop = asyncio.Event()
         install_stop_signals(stop)
-        runtime = NodeRuntime(config, founding)
-        await serve_node(config, founding, stop, runtime)
-        return 0
+        session_config = config
+        while True:
+            runtime = NodeRuntime(session_config, founding)
+            if await serve_node(session_config, founding, stop, runtime) is not SessionEnd.NEW_CONFIG:
+                return 0
+            logger.info("starting again under the swarm's new config")
+            peers = tuple(dict.fromkeys((*runtime.next_initial_peers, *config.network.initial_peers)))
+            session_config = dataclasses.replace(config, network=dataclasses.replace(config.network,
+                                                                                     initial_peers=peers))
 
     return _run(main)
+
+
+REFUSALS_REPORT_S = 5.0
+
+
+async def _report_refusals(refused: RefusalCounts, stop: asyncio.Event) -> None:
+    """Log the DHT values refused so far, when they changed, every few seconds and at the end (a
+    bootstrap has no monitor: this is where its refusals are counted)."""
+    reported: dict[str, int] = {}
+    while True:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(REFUSALS_REPORT_S):
+                await stop.wait()
+        counts = dict(refused.counts)
+        if counts != reported:
+            logger.warning("murmur bootstrap: refused DHT values: %s",
+                           ", ".join(f"{reason}={n}" for reason, n in sorted(counts.items())))
+            reported = counts
+        if stop.is_set():
+            return
 
 
 def run_bootstrap(config: NodeConfig) -> int:
@@ -171,18 +249,27 @@ def run_bootstrap(config: NodeConfig) -> int:
     _log_to_stderr(config)
 
     async def main() -> int:
+        from hivemind.dht.crypto import RSASignatureValidator
         from hivemind.dht.node import DHTNode
+
+        from node.net.validation import RefusalCounts, make_record_validator
 
         stop = asyncio.Event()
         install_stop_signals(stop)
+        refused = RefusalCounts()
         async with contextlib.AsyncExitStack() as stack:
-            _, p2p = await identity_and_daemon(config, stack)
+            claimed, p2p = await identity_and_daemon(config, stack)
+            # the rules for every key (node.net.validation): a bootstrap knows no swarm, so no swarm's own rules
+            validator = make_record_validator(RSASignatureValidator(claimed.identity.signing_key), refused=refused)
             async with asyncio.timeout(BOOTSTRAP_DHT_TIMEOUT_S):
-                dht = await DHTNode.create(p2p=p2p, initial_peers=list(config.network.initial_peers) or None)
+                dht = await DHTNode.create(p2p=p2p, initial_peers=list(config.network.initial_peers) or None,
+                                           record_validator=validator)
             stack.push_async_callback(shut_down, dht, "DHT")
             maddrs = [str(a) for a in await p2p.get_visible_maddrs()]
             print(f"murmur: bootstrap peer {p2p.peer_id} ready; maddrs {' '.join(maddrs)}", flush=True)
+            reporter = asyncio.create_task(_report_refusals(refused, stop))
             await stop.wait()
+            await reporter
         return 0
 
     return _run(main)

@@ -19,6 +19,7 @@ from topology import MembershipView, Topology, build_topology
 
 if TYPE_CHECKING:
     from node.net.discovery import Discovery
+    from node.net.founder import SwarmConfig
     from node.net.records import PeerRecord
     from node.runtime.data_plane import DataPlane
     from node.training.loop import SwarmTraining
@@ -40,6 +41,9 @@ class NodeRuntime:
         self.maddrs: tuple[str, ...] = ()
         self.config_hash = ""
         self.swarm_doc: Mapping[str, Any] = {}
+        self.swarm_config: SwarmConfig | None = None  # the founder's signed config this session runs
+        self.config_not_followed: str | None = None  # why a newer config of the founder is not followed
+        self.next_initial_peers: tuple[str, ...] = ()  # where the next session (a followed config) joins the DHT
         self.monitor_url = ""
         self.node_errors: dict[str, int] = {}
         self.gossip_from = 0
@@ -176,6 +180,7 @@ class NodeRuntime:
             "peer_id": self._me(),
             "swarm": self.config.swarm,
             "config_hash": self.config_hash,
+            **self._identity_status(),
             "maddrs": list(self.maddrs),
             "monitor_url": self.monitor_url,
             "peers": [{"peer_id": p.peer_id, "maddrs": list(p.maddrs), "step": p.step, "round": p.round,
@@ -198,6 +203,20 @@ class NodeRuntime:
             "experts": list(discovery.local_record.experts) if discovery else [],
             "uptime_s": time.time() - self.started,
         }
+
+
+    def _identity_status(self) -> dict[str, Any]:
+        """The swarm's identity and config version: what `murmur join --invite` takes, and whether this
+        node runs the founder's latest config (and why not)."""
+        swarm, discovery = self.swarm_config, self.discovery
+        latest = discovery.latest_config if discovery is not None else None
+        admission = SwarmSettings.from_doc(self.swarm_doc).admission.value if swarm is not None else None
+        return {"invite": f"{self.config.swarm}@{swarm.founder}" if swarm is not None else None,
+                "founder": swarm.founder if swarm is not None else None,
+                "config_version": swarm.version if swarm is not None else None,
+                "config_latest_version": latest.version if latest is not None else None,
+                "config_not_followed": self.config_not_followed,
+                "admission": admission}
 
 
 def _address(maddrs: Sequence[str]) -> str | None:

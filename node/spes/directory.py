@@ -15,32 +15,11 @@ import contextlib
 import logging
 from collections.abc import Mapping
 
-import msgpack
-
-from gossip.spes import ExpertKey, ExpertRecord, RecordsByPeer, records_from_wire, records_to_wire
+from gossip.spes import ExpertKey, ExpertRecord, RecordsByPeer
 from node.net.discovery import Discovery
-from node.net.records import experts_key
+from node.net.records import decode_expert_records, encode_expert_records, experts_key
 
 logger = logging.getLogger(__name__)
-
-MAX_RECORDS_BYTES = 1 << 20  # a peer's records: ~80 bytes per expert copy; more is refused unread
-
-
-def encode_records(records: Mapping[ExpertKey, ExpertRecord]) -> bytes:
-    packed: bytes = msgpack.packb(records_to_wire(records), use_bin_type=True)
-    return packed
-
-
-def decode_records(raw: bytes) -> dict[ExpertKey, ExpertRecord]:
-    """A peer's `<swarm>.experts` value; ValueError saying what is wrong."""
-    if len(raw) > MAX_RECORDS_BYTES:
-        raise ValueError(f"expert records of {len(raw)} bytes exceed {MAX_RECORDS_BYTES}")
-    try:
-        value = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several types for malformed input
-        raise ValueError(f"expert records are not msgpack: {exc}") from None
-    return records_from_wire(value)
-
 
 class DhtExpertDirectory:
     """`node.spes.node.ExpertDirectory` over a running `Discovery`. `run()` (inside the training's task
@@ -89,7 +68,7 @@ class DhtExpertDirectory:
             self._dirty.clear()
             started = loop.time()
             if self._mine:
-                await self._discovery.store_own(self._key, encode_records(self._mine), self._ttl_s,
+                await self._discovery.store_own(self._key, encode_expert_records(self._mine), self._ttl_s,
                                                 what="expert records")
             await asyncio.sleep(max(0.0, self._heartbeat_s / 2 - (loop.time() - started)))
 
@@ -102,7 +81,7 @@ class DhtExpertDirectory:
             if peer == self.peer_id:
                 continue
             try:
-                others[peer] = decode_records(raw)
+                others[peer] = decode_expert_records(raw)
             except ValueError as exc:
                 self.errors["expert_records_invalid"] += 1
                 if peer not in self._warned:  # logged once per peer; every one is counted
@@ -111,4 +90,4 @@ class DhtExpertDirectory:
         self._others = others
 
 
-__all__ = ["DhtExpertDirectory", "decode_records", "encode_records"]
+__all__ = ["DhtExpertDirectory"]

@@ -10,6 +10,10 @@ type) and `murmur.sha256` (a digest over every tensor's name, dtype, shape and b
 bit is found: safetensors itself has no checksum). Checkpoints written by murmur before 0.2 are
 `.npz` files (numpy zip, CRC-checked); they are still read, from the path given or, when a
 `.safetensors` path does not exist, from the `.npz` beside it.
+
+A checkpoint belongs to one swarm config (its `config_hash` meta). A node that runs another config
+moves it aside as `<name>-<hash[:16]><suffix>` (with its `.prev`) instead of overwriting it, and moves
+it back when it runs that config again (`switch_checkpoint`).
 """
 
 from __future__ import annotations
@@ -153,6 +157,82 @@ def read_checkpoint_file(path: Path) -> Checkpoint:
     with open(path, "rb") as f:
         magic = f.read(4)
     return _read_npz(path) if magic == _ZIP_MAGIC else _read_safetensors(path)
+
+
+def kept_path(path: Path, config_hash: str) -> Path:
+    """Where the checkpoint of config `config_hash` waits while another config runs."""
+    return path.with_name(f"{path.stem}-{config_hash[:16]}{path.suffix}")
+
+
+def _file_meta(path: Path) -> dict[str, MetaValue]:
+    """A checkpoint file's meta without reading its tensors; ValueError/OSError if unreadable."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic == _ZIP_MAGIC:
+        with np.load(path, allow_pickle=False) as data:
+            return {k[2:]: data[k].item() for k in data.files if k.startswith("m/")}
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            header = f.metadata() or {}
+    except SafetensorError as exc:
+        raise ValueError(f"not a readable safetensors file: {exc}") from None
+    meta = json.loads(header.get(META_KEY, "null"))
+    if not isinstance(meta, dict):
+        raise ValueError("not a murmur checkpoint")
+    return meta
+
+
+def read_meta(path: Path) -> dict[str, MetaValue] | None:
+    """The meta of the newest readable of `path` and its previous copy (None if neither is)."""
+    for candidate in (path, previous_path(path)):
+        if candidate.exists():
+            try:
+                return _file_meta(candidate)
+            except (OSError, ValueError, zipfile.BadZipFile, EOFError, json.JSONDecodeError):
+                continue
+    return None
+
+
+def _move(source: Path, target: Path) -> None:
+    for a, b in ((source, target), (previous_path(source), previous_path(target))):
+        if a.exists():
+            os.replace(a, b)
+        elif b.exists():
+            b.unlink()  # a stale previous copy must not pass for the moved checkpoint's
+
+
+def switch_checkpoint(path: Path, config_hash: str) -> str | None:
+    """Make `path` (or the legacy `.npz` beside it) the checkpoint of config `config_hash`: a checkpoint
+    of another config there moves to `kept_path` under its own hash, and the one kept for
+    `config_hash` (if any) comes back. Returns what it did, in words, or None."""
+    done = []
+    places = [path] if path.suffix == LEGACY_SUFFIX else [path, path.with_suffix(LEGACY_SUFFIX)]
+    for place in places:
+        meta = read_meta(place)
+        other = str(meta.get("config_hash", "")) if meta is not None else ""
+        if other and other != config_hash:
+            _move(place, kept_path(place, other))
+            done.append(f"kept the checkpoint of config {other[:12]} as {kept_path(place, other).name}")
+    if not any(p.exists() or previous_path(p).exists() for p in places):
+        for place in places:
+            if kept_path(place, config_hash).exists():
+                _move(kept_path(place, config_hash), place)
+                done.append(f"took back the checkpoint kept for config {config_hash[:12]}")
+                break
+    return "; ".join(done) or None
+
+
+def kept_metas(path: Path) -> list[dict[str, MetaValue]]:
+    """The metas of the checkpoint at `path` (or its legacy `.npz`) and of every one kept beside it for
+    another config."""
+    suffixes = [path.suffix] if path.suffix == LEGACY_SUFFIX else [path.suffix, LEGACY_SUFFIX]
+    files = [path.with_suffix(s) for s in suffixes]
+    for suffix in suffixes:
+        files += sorted(path.parent.glob(f"{path.stem}-*{suffix}"))
+    metas = [read_meta(p) for p in files]
+    return [m for m in metas if m is not None]
 
 
 def load_checkpoint(path: Path) -> Checkpoint | None:

@@ -172,7 +172,7 @@ class AdmissionDoc(_Doc, frozen=True):
     """Who may take part (absent: open). In `key` mode `key_check` is an HMAC of the swarm name under the
     swarm key (node.net.admission), so a member given the wrong key learns so at start."""
 
-    mode: Literal["open", "key", "allowlist"]
+    mode: AdmissionMode
     key_check: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$", max_length=MAX_KEY_CHECK)] | None = None
 
 
@@ -187,7 +187,7 @@ class SwarmDocument(_Doc, frozen=True):
 
     @property
     def admission_mode(self) -> AdmissionMode:
-        return AdmissionMode(self.admission.mode) if self.admission is not None else AdmissionMode.OPEN
+        return self.admission.mode if self.admission is not None else AdmissionMode.OPEN
 
 
 class _FormatOnly(msgspec.Struct):
@@ -399,7 +399,7 @@ def build_document(config: NodeConfig, epoch: float, admission: AdmissionDoc | N
             "mixing": {"kind": gossip.mixing.kind.value, "tau": gossip.mixing.tau, "trim": gossip.mixing.trim},
         },
     }
-    if admission is not None and admission.mode != AdmissionMode.OPEN.value:
+    if admission is not None and admission.mode is not AdmissionMode.OPEN:
         raw["admission"] = msgspec.to_builtins(admission)
     return parse_document(raw)
 

@@ -1,8 +1,11 @@
 """A hostile murmur node for attack tests: the real node (`murmur node` / `murmur join`, the same flags,
 the same code) with one behaviour replaced, started as a process of its own:
 
-    python -m support.hostile --mode noise -- join --peers ADDR --swarm S ...   (tests/ on sys.path)
-    python -m tests.support.hostile --mode noise -- join ...                     (from the repository root)
+    python tests/support/hostile.py --mode noise -- join --peers ADDR --invite S@FOUNDER ...
+    python -m support.hostile --mode noise -- join ...     (with tests/ on sys.path; -m tests.support.hostile
+                                                            from the repository root)
+
+(`Swarm.spawn(..., hostile=hostile_argv([...]))` in tests/support/swarm_harness.py starts it.)
 
 Everything before `--` configures the attack; everything after it is a `murmur` command line. Modes
 (`Mode`; the definitions are in `BEHAVIOURS`):
@@ -350,10 +353,10 @@ def hostile_argv(modes: Sequence[Mode | str], *, cycle_rounds: int = 0,
 
 def parse(argv: Sequence[str]) -> tuple[HostileContext, list[str]]:
     if "--" not in argv:
-        raise SystemExit("usage: python -m support.hostile --mode MODE [--mode MODE]... [--cycle-rounds N] "
+        raise SystemExit("usage: hostile.py --mode MODE [--mode MODE]... [--cycle-rounds N] "
                          "[--option KEY=VALUE]... [--seed N] -- node|join [murmur flags]")
     split = list(argv).index("--")
-    parser = argparse.ArgumentParser(prog="support.hostile", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="hostile.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", action="append", required=True, choices=[str(m) for m in Mode],
                         help="; ".join(f"{m}: {b.help}" for m, b in BEHAVIOURS.items()))
     parser.add_argument("--cycle-rounds", type=int, default=0, help="tensor modes take turns every N rounds")

@@ -24,7 +24,7 @@ from node.cli.status import fetch_status
 from node.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
 
 MURMUR = Path(sys.executable).with_name("murmur")
-TESTS = Path(__file__).resolve().parent.parent  # on a hostile node's PYTHONPATH: `python -m support.hostile`
+HOSTILE = Path(__file__).resolve().with_name("hostile.py")  # a hostile node: the real one with a behaviour replaced
 # Importing torch and hivemind costs ~4 s of CPU per process; a loaded 2-core machine starts 8 at once.
 READY_TIMEOUT_S = 120.0
 
@@ -116,6 +116,7 @@ class Node:
     peer_id: str = ""
     monitor_url: str = ""
     maddrs: tuple[str, ...] = ()
+    invite: str = ""  # NAME@FOUNDER_PEER_ID, from the ready line
     # the node's child processes (p2pd), recorded once it is ready, so they can be checked and killed
     children: list[psutil.Process] = field(default_factory=list)
 
@@ -142,6 +143,16 @@ class Node:
 
     def status(self) -> dict:
         return fetch_status(self.monitor_url)
+
+    def reread_ready_line(self) -> bool:
+        """Take the node's latest ready line (a node that follows a new config prints another); whether
+        it changed."""
+        ready = find_ready_line(self.stdout(), latest=True)
+        if ready is None or ready.monitor_url == self.monitor_url:
+            return False
+        self.peer_id, self.monitor_url, self.maddrs, self.invite = ready.peer_id, ready.monitor_url, ready.maddrs, \
+            ready.invite
+        return True
 
     def checkpoint(self) -> tuple[np.ndarray, int]:
         """(vector, round) from the node's checkpoint."""
@@ -184,32 +195,35 @@ class Swarm:
     # ---- starting ------------------------------------------------------------------------------
 
     def spawn(self, name: str, *, seed: int, join: Node | None, data_dir: Path | None = None,
-              extra_args: Iterable[str] = (), hostile: Sequence[str] = (), **flags: object) -> Node:
-        """Start one process (no waiting): `murmur node` if `join` is None, else `murmur join` through it.
-        `hostile` is the attack's part of a hostile node's command line (support.hostile.hostile_argv):
-        the node then runs as `python -m support.hostile ... -- node|join ...`."""
+              extra_args: Iterable[str] = (), launcher: Iterable[str] = (str(MURMUR),), hostile: Sequence[str] = (),
+              **flags: object) -> Node:
+        """Start one process (no waiting): `murmur node` if `join` is None, else `murmur join` through it
+        (with the founder's invite). `launcher` runs the command line instead of `murmur` (a hostile node);
+        `hostile` is the attack's part of a support.hostile command line (`hostile_argv`), a shorthand
+        for the launcher `python tests/support/hostile.py <hostile> --`."""
         merged = {**self.flags, **flags}
         # the vector payload's tests check the weighted rule's exact averages: the robust default
         # (adaptive_clip) bends them on purpose, so vector nodes ask for the weighted rule unless told
         if merged.get("model") == "vector":
             merged.setdefault("mixing", "weighted")
         data_dir = data_dir or self.root / name
-        args = ["node" if join is None else "join", "--data-dir", str(data_dir), "--monitor-port", "0",
+        argv = ["node" if join is None else "join", "--data-dir", str(data_dir), "--monitor-port", "0",
                 "--seed", str(seed), *_flag_args(merged), *extra_args]
         if join is not None:
-            args += ["--peers", join.maddrs[0]]
-        env = clean_env()
+            argv += ["--peers", join.maddrs[0], "--invite", join.invite]
         if hostile:
-            argv = [sys.executable, "-m", "support.hostile", *hostile, "--", *args]
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
-        else:
-            argv = [str(MURMUR), *args]
+            launcher = (sys.executable, str(HOSTILE), *hostile, "--")
+        return self.launch(name, [*launcher, *argv], data_dir=data_dir, seed=seed, dim=int(merged["dim"]))
+
+    def launch(self, name: str, argv: list[str], *, data_dir: Path | None = None, seed: int = 0,
+               dim: int = 0) -> Node:
+        """Start any process of the test (a bootstrap node, a hostile helper) under the same cleanup."""
         suffix = sum(1 for n in self.nodes if n.name == name or n.name.startswith(f"{name}~"))
         log_name = name if suffix == 0 else f"{name}~{suffix}"  # a restarted node keeps its old logs
         with open(self.log_dir / f"{log_name}.out", "wb") as out, open(self.log_dir / f"{log_name}.err", "wb") as err:
-            process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
+            process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=clean_env(),
                                        cwd=self.root, start_new_session=True)
-        node = Node(log_name, data_dir, seed, int(merged["dim"]), argv, process, self.log_dir)
+        node = Node(log_name, data_dir or self.root / name, seed, dim, argv, process, self.log_dir)
         self.nodes.append(node)
         return node
 
@@ -221,6 +235,7 @@ class Swarm:
                 ready = find_ready_line(node.stdout())
                 if ready:
                     node.peer_id, node.monitor_url, node.maddrs = ready.peer_id, ready.monitor_url, ready.maddrs
+                    node.invite = ready.invite
                     with contextlib.suppress(psutil.NoSuchProcess):
                         node.children = psutil.Process(node.pid).children(recursive=True)
                     pending.remove(node)

@@ -1,0 +1,202 @@
+"""The DHT validators every murmur DHT node runs, `murmur bootstrap` included: what a value under any key
+must be before it is stored or taken from another node (hivemind calls them on both).
+
+- Every key (`DhtRules`, the only rules a bootstrap, which knows no swarm, can apply): the value sits
+  in a subkey that names its owner's RSA key (of at least 2048 bits, as every libp2p peer id has) and
+  carries that owner's signature (hivemind's RSASignatureValidator checks it), so no plain value is
+  kept anywhere; it is at most MAX_DHT_VALUE_BYTES; it expires at most MAX_CONFIG_TTL_S (plus clock
+  skew) from now.
+- A swarm's own keys (`SwarmRules`, on that swarm's nodes): `<swarm>.peers` holds a peer record or a
+  withdrawal about the subkey's owner, expiring within MAX_RECORD_TTL_S and, in a key or allowlist
+  swarm, proving the owner's membership; `<swarm>.experts` holds SPES records within their bounds and
+  the same expiry; `<swarm>.config` holds a config envelope signed by the swarm's founder (the pinned
+  one, once known) whose document is inside the recipe schema's bounds.
+
+hivemind refuses a whole dictionary from a node when one of its entries fails, so a node that stored
+what the swarm refuses (a bootstrap knows none of a swarm's rules) loses only its own copy: the swarm's
+nodes read the key from the others. Each refusal is counted by reason (`RecordRefusal`).
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+from dataclasses import dataclass, field
+
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
+from hivemind.utils.serializer import MSGPackSerializer
+from hivemind.utils.timed_storage import get_dht_time
+
+from node.net.admission import Admission
+from node.net.founder import MAX_CONFIG_BYTES as _MAX_CONFIG_DOC_BYTES
+from node.net.founder import ConfigRefused, NotAdmitted, verify_config
+from node.net.identity import owner_key_bits
+from node.net.records import (
+    MAX_EXPERT_RECORDS_BYTES,
+    MAX_RECORD_BYTES,
+    MIN_OWNER_KEY_BITS,
+    PeerRecord,
+    config_key,
+    decode_expert_records,
+    decode_peer_entry,
+    experts_key,
+    owner_key,
+    owner_peer_id,
+    peers_key,
+)
+from node.training.recipe import RecipeInvalid, parse_document
+
+MAX_CLOCK_SKEW_S = 30.0  # how far ahead of ours another node's clock may run
+MAX_HEARTBEAT_S = 30.0  # the longest `--heartbeat` a node takes
+RECORD_TTL_HEARTBEATS = 3  # a record outlives its heartbeat by this many periods
+MAX_RECORD_TTL_S = (RECORD_TTL_HEARTBEATS + 1) * MAX_HEARTBEAT_S  # peer and expert records, withdrawals
+CONFIG_TTL_S = 300.0  # every holder of the config stores it again every quarter of this
+MAX_CONFIG_TTL_S = 2 * CONFIG_TTL_S
+MAX_DHT_VALUE_BYTES = MAX_EXPERT_RECORDS_BYTES + 8192  # the largest murmur value, with signature and framing
+_MAX_CONFIG_VALUE_BYTES = _MAX_CONFIG_DOC_BYTES + 16384
+
+
+class RecordRefusal(enum.StrEnum):
+    """Why a DHT value was refused (counted as `dht_refused_<reason>`)."""
+
+    UNSIGNED = "unsigned"  # no single owner key in the subkey: a plain value
+    WEAK_KEY = "weak_key"  # an owner key no libp2p peer could have (RSA under 2048 bits)
+    TOO_LARGE = "too_large"
+    EXPIRATION = "expiration"  # expires further ahead than the key's time to live allows
+    MALFORMED = "malformed"  # not a record of the key's schema
+    NOT_OWNER = "not_owner"  # a record about another peer than the subkey's owner
+    NOT_MEMBER = "not_member"  # a record that proves no membership in a key or allowlist swarm
+    CONFIG = "config"  # a config that is not the founder's, or outside the recipe's bounds (see ConfigRefusal)
+
+
+@dataclass
+class RefusalCounts:
+    """Refused DHT values by reason (RecordRefusal, and `config_<ConfigRefusal>` for configs)."""
+
+    counts: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    def refuse(self, reason: str) -> bool:
+        self.counts[str(reason)] += 1
+        return False
+
+
+class DhtRules(RecordValidatorBase):  # type: ignore[misc]  # hivemind is untyped
+    """The rules for every key: signed by an owner with a real peer key, bounded in size and expiry."""
+
+    def __init__(self, refused: RefusalCounts) -> None:
+        self._refused = refused
+
+    def validate(self, record: DHTRecord) -> bool:
+        key = owner_key(record.subkey)
+        if key is None or owner_key(record.key) is not None:
+            return self._refused.refuse(RecordRefusal.UNSIGNED)
+        try:
+            if owner_key_bits(key) < MIN_OWNER_KEY_BITS:
+                return self._refused.refuse(RecordRefusal.WEAK_KEY)
+        except ValueError:
+            return self._refused.refuse(RecordRefusal.UNSIGNED)
+        if len(record.value) > MAX_DHT_VALUE_BYTES:
+            return self._refused.refuse(RecordRefusal.TOO_LARGE)
+        if record.expiration_time > get_dht_time() + MAX_CONFIG_TTL_S + MAX_CLOCK_SKEW_S:
+            return self._refused.refuse(RecordRefusal.EXPIRATION)
+        return True
+
+    @property
+    def priority(self) -> int:
+        # Above RSASignatureValidator's 10: the cheap checks run before its signature check.
+        return 20
+
+
+@dataclass
+class SwarmMembership:
+    """What a swarm's node knows of its swarm, for its validators and its view: the founder it pinned
+    and who is admitted. Set once the signed config is read; until then only the founder may be known."""
+
+    founder: str | None = None
+    admission: Admission | None = None
+
+
+class SwarmRules(RecordValidatorBase):  # type: ignore[misc]  # hivemind is untyped
+    """The rules for one swarm's keys; other keys are left to DhtRules."""
+
+    def __init__(self, swarm: str, membership: SwarmMembership, refused: RefusalCounts) -> None:
+        self._swarm = swarm
+        self._membership = membership
+        self._refused = refused
+        self._peers = DHTID.generate(source=peers_key(swarm)).to_bytes()
+        self._experts = DHTID.generate(source=experts_key(swarm)).to_bytes()
+        self._config = DHTID.generate(source=config_key(swarm)).to_bytes()
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.key not in (self._peers, self._experts, self._config):
+            return True
+        try:
+            value = MSGPackSerializer.loads(record.value)
+        except Exception:
+            return self._refused.refuse(RecordRefusal.MALFORMED)
+        if not isinstance(value, bytes):
+            return self._refused.refuse(RecordRefusal.MALFORMED)
+        if record.key == self._config:
+            return self._valid_config(record, value)
+        if record.expiration_time > get_dht_time() + MAX_RECORD_TTL_S + MAX_CLOCK_SKEW_S:
+            return self._refused.refuse(RecordRefusal.EXPIRATION)
+        if record.key == self._peers:
+            return self._valid_peer_entry(record, value)
+        if len(value) > MAX_EXPERT_RECORDS_BYTES:
+            return self._refused.refuse(RecordRefusal.TOO_LARGE)
+        try:
+            decode_expert_records(value)
+        except ValueError:
+            return self._refused.refuse(RecordRefusal.MALFORMED)
+        return True
+
+    def _valid_peer_entry(self, record: DHTRecord, value: bytes) -> bool:
+        if len(value) > MAX_RECORD_BYTES:
+            return self._refused.refuse(RecordRefusal.TOO_LARGE)
+        try:
+            entry = decode_peer_entry(value)
+        except ValueError:
+            return self._refused.refuse(RecordRefusal.MALFORMED)
+        if entry.peer_id != owner_peer_id(record.subkey):
+            return self._refused.refuse(RecordRefusal.NOT_OWNER)
+        admission = self._membership.admission
+        if isinstance(entry, PeerRecord) and admission is not None and not admission.is_open:
+            try:
+                admission.check_record(entry.peer_id, entry.heartbeat, entry.credential)
+            except NotAdmitted:
+                return self._refused.refuse(RecordRefusal.NOT_MEMBER)
+        return True
+
+    def _valid_config(self, record: DHTRecord, value: bytes) -> bool:
+        if len(value) > _MAX_CONFIG_VALUE_BYTES:
+            return self._refused.refuse(RecordRefusal.TOO_LARGE)
+        if record.expiration_time > get_dht_time() + MAX_CONFIG_TTL_S + MAX_CLOCK_SKEW_S:
+            return self._refused.refuse(RecordRefusal.EXPIRATION)
+        try:
+            config = verify_config(value, self._swarm, self._membership.founder)
+        except ConfigRefused as exc:
+            return self._refused.refuse(f"config_{exc.reason}")
+        try:
+            parse_document(config.config)
+        except RecipeInvalid:
+            return self._refused.refuse("config_bad_recipe")
+        return True
+
+    @property
+    def priority(self) -> int:
+        # Below RSASignatureValidator's 10: validated after it, on the value with its signature stripped.
+        return 5
+
+
+def make_record_validator(signer: RSASignatureValidator, swarm: str | None = None,
+                          membership: SwarmMembership | None = None,
+                          refused: RefusalCounts | None = None) -> CompositeValidator:
+    """What a murmur DHT node checks records with: the rules for every key, signatures, then (with a
+    swarm) that swarm's rules. `murmur bootstrap` passes no swarm."""
+    counts = refused if refused is not None else RefusalCounts()
+    validators: list[RecordValidatorBase] = [signer, DhtRules(counts)]
+    if swarm is not None:
+        validators.append(SwarmRules(swarm, membership if membership is not None else SwarmMembership(), counts))
+    return CompositeValidator(validators)

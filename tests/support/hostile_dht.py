@@ -1,0 +1,263 @@
+"""A hostile DHT peer, started as a process by the tests: it joins a swarm's DHT with keys of its own and
+writes what an attacker would, in one of these modes (each bounded in count and time):
+
+- `forge-config`: under `<swarm>.config`, a plain (unsigned) value, a config envelope it signed itself
+  with a far expiration, the same with an ordinary one, an envelope claiming the founder's key with its
+  own signature, and an oversized value; again every `--every` seconds until `--duration` is over.
+- `flood-records`: `--count` fake peer records under `<swarm>.peers`: `--keys` of them from identities
+  with real (2048-bit) keys of their own (each signs its own record: valid in an open swarm, proving no
+  membership in another), some from 1024-bit keys no libp2p peer can have, and the rest in its own
+  subkey but naming other peer ids.
+
+It signs with its own keys and accepts anything itself; its DHT node runs in client mode and never
+stores locally, so what it wrote lives only on the honest nodes (and `murmur bootstrap`) that accepted it. At the end it asks each
+`--probe` peer directly (one DHT find RPC) what that peer holds under the key, and writes a JSON report:
+what it tried, and for each probed peer which of its values that peer kept. Several modes run one
+after the other in one process.
+
+Usage: python -m tests.support.hostile_dht --mode forge-config [flood-records] --swarm S --peers MADDR... --identity FILE
+       --report FILE [--probe MADDR...] [--founder PEER_ID] [--count N --keys K] [--duration S --every S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.node import DHTNode
+from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DictionaryDHTValue
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.p2p import PeerID
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.serializer import MSGPackSerializer
+from hivemind.utils.timed_storage import get_dht_time
+
+from node.config import NodeConfig, TrainingConfig
+from node.net.founder import SignedConfig, sign_config
+from node.net.identity import claim_identity, peer_id_of_ssh_key
+from node.net.records import PeerRecord, config_key, encode_peer_record, peers_key
+from node.net.transport.p2pd import P2PSettings, start_p2pd
+from node.training.recipe import swarm_document
+
+MODES = ("forge-config", "flood-records")
+STORE_TIMEOUT_S = 10.0
+FLOOD_BATCH = 100
+
+
+class SignsWithWhateverKey(RecordValidatorBase):  # type: ignore[misc]  # hivemind is untyped
+    """The attacker's validator: signs each value with the key its subkey names (it holds all of them)
+    and accepts everything it reads."""
+
+    def __init__(self, keys: dict[bytes, RSAPrivateKey]) -> None:
+        self.keys = keys  # owner marker -> private key
+
+    def validate(self, record: DHTRecord) -> bool:
+        return True
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        for marker, key in self.keys.items():
+            if marker in record.subkey:
+                return record.value + b"[signature:" + key.sign(MSGPackSerializer.dumps(dataclasses.astuple(record))) \
+                    + b"]"
+        return record.value
+
+    def strip_value(self, record: DHTRecord) -> bytes:
+        stripped: bytes = RSASignatureValidator._SIGNATURE_RE.sub(b"", record.value)
+        return stripped
+
+
+def _key(bits: int) -> RSAPrivateKey:
+    key = RSAPrivateKey.__new__(RSAPrivateKey)
+    private = rsa.generate_private_key(public_exponent=65537, key_size=bits)
+    key.__setstate__({"_private_key": private.private_bytes(serialization.Encoding.DER,
+                                                            serialization.PrivateFormat.TraditionalOpenSSL,
+                                                            serialization.NoEncryption())})
+    return key
+
+
+def _marker(key: RSAPrivateKey) -> bytes:
+    return RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", key.get_public_key().to_bytes())
+
+
+def _fake_record(peer_id: str) -> PeerRecord:
+    return PeerRecord(peer_id=peer_id, maddrs=(f"/ip4/127.0.0.1/tcp/9/p2p/{peer_id}",), step=10**9, round=10**9,
+                      experts=(), capacity=2**62, version="evil", heartbeat=time.time(), gossip_from=1)
+
+
+async def _store(dht: DHTNode, key: str, value: bytes, expiration: float, subkey: bytes | None) -> bool:
+    try:
+        async with asyncio.timeout(STORE_TIMEOUT_S):
+            return bool(await dht.store(key, value, expiration, subkey=subkey, exclude_self=True))
+    except Exception:
+        return False
+
+
+async def founder_key_of(dht: DHTNode, swarm: str, founder: str) -> bytes | None:
+    """The founder's public key, as its genuine envelope in the DHT carries it."""
+    try:
+        async with asyncio.timeout(STORE_TIMEOUT_S):
+            found = await dht.get(config_key(swarm), latest=True)
+    except Exception:
+        return None
+    for item in (found.value.values() if found is not None and isinstance(found.value, dict) else ()):
+        try:
+            envelope = msgspec.msgpack.decode(item.value, type=SignedConfig)
+            if peer_id_of_ssh_key(envelope.founder_key) == founder:
+                return envelope.founder_key
+        except (msgspec.DecodeError, ValueError, TypeError):
+            continue
+    return None
+
+
+async def forge_config(dht: DHTNode, own: RSAPrivateKey, swarm: str, founder_key: bytes | None) -> dict[str, bool]:
+    """One round of forged configs; for each, whether any DHT node accepted it."""
+    now = get_dht_time()
+    evil = swarm_document(NodeConfig(training=TrainingConfig(model="vector"), dim=64, seed=666), epoch=time.time())
+    forged = sign_config(own, swarm, 10**6, evil)  # a huge version: it would win if a joiner took it
+    mine = _marker(own)
+    attempts: dict[str, tuple[bytes, float, bytes | None]] = {
+        "plain": (b"unsigned", now + 10**6, None),
+        "own_key_far_expiration": (forged.signed, now + 10**6, mine),
+    }
+    if founder_key is not None:  # claims to be the founder: the founder's key, the attacker's signature
+        envelope = msgspec.msgpack.decode(forged.signed, type=SignedConfig)
+        attempts["claims_founder"] = (msgspec.msgpack.encode(msgspec.structs.replace(envelope, founder_key=founder_key)),
+                                      now + 190, mine)
+    attempts["own_key"] = (forged.signed, now + 200, mine)  # what a DHT node that knows no founder may keep
+    attempts["oversized"] = (b"x" * (3 << 20), now + 210, mine)
+    # one at a time: stores of one subkey at once would race each other on the replicas
+    return {what: await _store(dht, config_key(swarm), *attempt) for what, attempt in attempts.items()}
+
+
+async def flood_records(dht: DHTNode, validator: SignsWithWhateverKey, own: RSAPrivateKey, swarm: str,
+                        count: int, keys: int) -> dict[str, int]:
+    """`count` fake peer records (bounded), stored in batches; how many of each kind were tried and accepted."""
+    weak = min(100, max(0, count - keys))
+    identities = [_key(2048) for _ in range(min(keys, count))] + [_key(1024) for _ in range(weak)]
+    for key in identities:
+        validator.keys[_marker(key)] = key
+    expiration = get_dht_time() + 60
+    jobs: list[tuple[str, bytes, bytes]] = []
+    for i, key in enumerate(identities):
+        peer_id = peer_id_of_ssh_key(key.get_public_key().to_bytes())
+        jobs.append(("real_key" if i < keys else "weak_key", _marker(key), encode_peer_record(_fake_record(peer_id))))
+    own_marker = _marker(own)
+    for i in range(count - len(identities)):  # in its own subkey, naming peer ids that are not its own
+        fake = "Qm" + f"{i:044d}".replace("0", "z")
+        jobs.append(("not_owner", own_marker, encode_peer_record(_fake_record(fake))))
+    if not jobs:
+        return {}
+    tried = {kind: sum(1 for job in jobs if job[0] == kind) for kind in ("real_key", "weak_key", "not_owner")}
+    accepted = {kind: 0 for kind in tried}
+    for start in range(0, len(jobs), FLOOD_BATCH):  # one store RPC per DHT node and batch
+        batch = jobs[start:start + FLOOD_BATCH]
+        try:
+            async with asyncio.timeout(STORE_TIMEOUT_S):
+                stored = await dht.store_many([peers_key(swarm)] * len(batch), [value for _, _, value in batch],
+                                              expiration, subkeys=[marker for _, marker, _ in batch],
+                                              exclude_self=True)
+        except Exception:
+            continue
+        kinds = {marker: kind for kind, marker, _ in batch}
+        for (_, marker), ok in stored.items():
+            accepted[kinds[marker]] += bool(ok)
+    # `accepted`: by the DHT node that answered last, per distinct subkey (hivemind reports no more)
+    return {**{f"tried_{k}": v for k, v in tried.items()}, **{f"accepted_{k}": v for k, v in accepted.items()}}
+
+
+async def probe(dht: DHTNode, maddr: str, key: str) -> dict[str, object]:
+    """What the peer at `maddr` holds under `key`, asked directly: subkey owner -> (value size, expires in)."""
+    peer = PeerID.from_base58(maddr.rsplit("/p2p/", 1)[1])
+    key_id = DHTID.generate(source=key)
+    async with asyncio.timeout(STORE_TIMEOUT_S):
+        found = await dht.protocol.call_find(peer, [key_id])
+    if not found or found.get(key_id) is None or found[key_id][0] is None:
+        return {}
+    value = found[key_id][0]
+    now = get_dht_time()
+    if not isinstance(value.value, DictionaryDHTValue):  # a plain value
+        return {"plain": {"bytes": len(value.value), "expires_in": value.expiration_time - now}}
+    held: dict[str, object] = {}
+    for subkey, item in value.value.items():
+        owner = "?"
+        if isinstance(subkey, bytes) and b"[owner:" in subkey:
+            try:
+                owner = peer_id_of_ssh_key(subkey.split(b"[owner:", 1)[1].rstrip(b"]"))
+            except ValueError:
+                owner = "weak"
+        held[owner] = {"bytes": len(item.value) if isinstance(item.value, bytes) else -1,
+                       "expires_in": item.expiration_time - now}
+    return held
+
+
+async def main(args: argparse.Namespace) -> int:
+    report: dict[str, object] = {"mode": args.mode}
+    with claim_identity(args.identity) as claimed:
+        own = claimed.identity.signing_key
+        report["peer_id"] = claimed.identity.peer_id
+        validator = SignsWithWhateverKey({_marker(own): own})
+        p2p = await start_p2pd(P2PSettings(identity_path=claimed.identity.path, initial_peers=tuple(args.peers)))
+        try:
+            async with asyncio.timeout(20):
+                dht = await DHTNode.create(p2p=p2p, initial_peers=list(args.peers), record_validator=validator,
+                                           client_mode=True, wait_timeout=5.0)
+            try:
+                held: dict[str, dict[str, object]] = {}
+                for mode in args.mode:  # in the order given
+                    if mode == "forge-config":
+                        founder_key = await founder_key_of(dht, args.swarm, args.founder) if args.founder else None
+                        report["found_founder_key"] = founder_key is not None
+                        rounds = []
+                        deadline = time.monotonic() + args.duration
+                        while True:
+                            rounds.append(await forge_config(dht, own, args.swarm, founder_key))
+                            if time.monotonic() + args.every > deadline:
+                                break
+                            await asyncio.sleep(args.every)
+                        report["forged"] = rounds
+                        key, what = config_key(args.swarm), "config"
+                    else:
+                        report["flood"] = await flood_records(dht, validator, own, args.swarm, args.count, args.keys)
+                        key, what = peers_key(args.swarm), "peers"
+                    held[what] = {maddr: await probe(dht, maddr, key) for maddr in args.probe}
+                report["held"] = held
+            finally:
+                await dht.shutdown()
+        finally:
+            await p2p.shutdown()
+    args.report.write_text(json.dumps(report, indent=1))
+    print("hostile_dht: done", flush=True)
+    return 0
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="hostile_dht")
+    parser.add_argument("--mode", choices=MODES, nargs="+", required=True, help="one or more, run in this order")
+    parser.add_argument("--swarm", required=True)
+    parser.add_argument("--peers", nargs="+", required=True)
+    parser.add_argument("--identity", type=Path, required=True)
+    parser.add_argument("--report", type=Path, required=True)
+    parser.add_argument("--probe", nargs="*", default=[])
+    parser.add_argument("--founder")
+    parser.add_argument("--count", type=int, default=1000)
+    parser.add_argument("--keys", type=int, default=20)
+    parser.add_argument("--duration", type=float, default=0.0)
+    parser.add_argument("--every", type=float, default=2.0)
+    args = parser.parse_args(argv)
+    if not 0 < args.count <= 5000 or not 0 <= args.keys <= 100 or not 0 <= args.duration <= 120:
+        parser.error("bounded: --count 1..5000, --keys 0..100, --duration 0..120")
+    return args
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main(parse(sys.argv[1:]))))
