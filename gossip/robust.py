@@ -92,15 +92,17 @@ class AdaptiveRadius:
 
 class Standing:
     """How far each neighbour has recently been from this node, in radii: per encounter the ratio
-    ||x_j - x_i|| / ||tau|| over all tensors, and per neighbour the lower median of its last `history`
-    ratios. A neighbour's radius is tau / max(1, that median).
+    ||x_j - x_i|| / ||tau|| over all tensors, and per neighbour s = the lower median of its last
+    `history` ratios. A neighbour's radius is tau / max(1, s)^2.
 
     Clipping alone bounds one round; a hostile peer that pulls the same way every time (replaying
     stale parameters, reversing its updates) still adds w * tau per encounter, which over many rounds
-    outweighs training that moves in noisy steps. Honest neighbours sit within the radius (ratio <= 1)
-    and keep the full radius; a neighbour that is far in round after round gets a radius shrunk by
-    how far it is, so its pull fades to tau^2 / distance. It is never cut off: honest peers that drifted
-    apart (a healed partition) still meet, more slowly the further apart they are.
+    outweighs training that moves in noisy steps. Honest neighbours sit within the radius (ratio about
+    1/2, since tau is twice the median distance) and keep the full radius; a neighbour that is far
+    round after round gets a radius shrunk by the square of how far it is, so its pull fades to
+    tau^3 / distance^2 (a copy reversing its update at 3 radii pulls a ninth of the radius). It is never
+    cut off: honest peers that drifted apart (a healed partition) still meet, the more slowly the
+    further apart they are.
     """
 
     def __init__(self, history: int, tracked: int) -> None:
@@ -240,9 +242,9 @@ class Mixer:
         for peer in peers:
             if tau_norm > 0.0:
                 far = math.sqrt(sum(d[peer] ** 2 for d in distances.values())) / tau_norm
-                shrink[peer] = max(1.0, self.standing.record(peer, far))
+                shrink[peer] = max(1.0, self.standing.record(peer, far)) ** 2
             else:  # no radius yet: nothing moves this round, and there is nothing to measure by
-                shrink[peer] = max(1.0, self.standing.of(peer))
+                shrink[peer] = max(1.0, self.standing.of(peer)) ** 2
         clipped: set[str] = set()
         out: dict[str, np.ndarray] = {}
         for name, x in own.items():

@@ -91,11 +91,11 @@ def test_a_far_neighbour_moves_each_tensor_by_at_most_its_weight_times_the_radiu
     out = mixer.mix(own, far, 0.5, {"bad": 0.5})
     moved_w = float(np.linalg.norm(out.tensors["w"] - own["w"]))
     moved_b = float(np.linalg.norm(out.tensors["b"] - own["b"]))
-    assert 0 < moved_w <= 0.5 * 0.4 and 0 < moved_b <= 0.5 * 0.02
+    assert 0 < moved_w <= 0.5 * 0.4 and moved_b <= 0.5 * 0.02
     assert out.clipped == ("bad",)
 
 
-def test_a_neighbour_far_in_round_after_round_has_its_radius_shrunk_by_how_far_it_is() -> None:
+def test_a_neighbour_far_in_round_after_round_has_its_radius_shrunk_by_the_square_of_how_far_it_is() -> None:
     mixer = Mixer(ADAPTIVE)
     own = {"w": np.zeros(10, np.float32)}
     mixer.radius.observe("w", [0.5] * 32)  # radius 1
@@ -103,8 +103,8 @@ def test_a_neighbour_far_in_round_after_round_has_its_radius_shrunk_by_how_far_i
     for _ in range(3):
         out = mixer.mix(own, {"far": {"w": far}, "near": {"w": near}}, 0.5, {"far": 0.25, "near": 0.25})
     assert mixer.standing.of("near") < 1 and mixer.standing.of("far") == pytest.approx(np.sqrt(1000), rel=1e-5)
-    pull = out.tensors["w"] - own["w"] - 0.25 * near  # what the far one added: 0.25 * clip(far, 1 / 31.6)
-    assert np.linalg.norm(pull) == pytest.approx(0.25 / np.sqrt(1000), rel=1e-4)
+    pull = out.tensors["w"] - own["w"] - 0.25 * near  # what the far one added: 0.25 * clip(far, 1 / 31.6^2)
+    assert np.linalg.norm(pull) == pytest.approx(0.25 / 1000, rel=1e-4)
     assert out.clipped == ("far",)
 
 

@@ -37,7 +37,9 @@ def check_no_takeover(attack: SwarmRun) -> None:
     assert counts.get("huge-step: record claims", 0) >= 1, counts
     hostile = attack.nodes[HOSTILE].peer_id
     for name in FOUNDING_HONEST:
-        assert attack.statuses[name]["training"]["started_from"] == "init", attack.statuses[name]["training"]
+        # they start from the seed, or (one that started late on a loaded machine) from honest peers
+        training = attack.statuses[name]["training"]
+        assert training["started_from"] == "init" or hostile not in training["joined"]["sources"], training
     training = attack.statuses["n4"]["training"]
     joined = training["joined"]
     assert joined["refused"].get(hostile) == "step_out_of_bounds", joined
@@ -53,6 +55,7 @@ def test_one_hostile_node_among_five_neither_takes_over_nor_poisons_the_honest_o
     attack = run_swarm(tmp_path / "attack", ids, ATTACK)
 
     report = {name: (round(control.val_loss(name), 4), round(attack.val_loss(name), 4)) for name in FOUNDING_HONEST}
+    print(f"validation loss at step {STEPS}, control and attack: {report}")
     for name, (base, attacked) in report.items():
         assert attacked <= LOSS_RATIO * base, f"{name}: val loss {attacked} under attack vs {base}; all: {report}"
     check_no_takeover(attack)
@@ -61,10 +64,16 @@ def test_one_hostile_node_among_five_neither_takes_over_nor_poisons_the_honest_o
         training = run.statuses["n4"]["training"]
         best_source = min(training["joined"]["losses"][p] for p in training["joined"]["sources"])
         assert training["val_loss"] <= LOSS_RATIO * best_source, training
-    # honest nodes kept their rounds: every step had its round, none waited out a timeout on the attacker
+    # honest nodes kept their rounds: every step had its round, and the attacker (which answers at once)
+    # cost no exchange deadlines; one that did would be a neighbour in a third of the rounds (~20 here),
+    # while a loaded machine makes a few honest exchanges miss theirs in any run
     for name in FOUNDING_HONEST:
         status = attack.statuses[name]
-        assert status["rounds_run"] >= STEPS - 1 and status["skipped"].get("timeout", 0) <= 2, (name, status)
+        started = status["training"]["started_from"]
+        first = int(started.rsplit(" ", 1)[1]) if started.startswith("peer") else 0  # a late start downloaded
+        ran, waited = status["rounds_run"], status["skipped"].get("timeout", 0)
+        allowed = max(5, 2 * control.statuses[name]["skipped"].get("timeout", 0))
+        assert ran >= STEPS - first - 1 and waited <= allowed, (name, started, ran, status["skipped"])
     # the hostile traffic is counted: its scaled values refused, the rest clipped
     refused = sum(metric(t, "murmur_errors_total", '{kind="out_of_range"}') for t in attack.metrics.values())
     clipped = sum(metric(t, "murmur_mixing_clipped_total") for t in attack.metrics.values())

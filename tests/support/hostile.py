@@ -291,21 +291,21 @@ def install_lifecycle(ctx: HostileContext) -> None:
     start, close = discovery.Discovery.start, discovery.Discovery.close
     tasks: list[asyncio.Task[None]] = []
 
-    async def started(self: Discovery) -> None:
+    async def started(self: Discovery, *args: Any, **kwargs: Any) -> None:
         for hook in ctx.start_hooks:
             hook(self)
-        await start(self)
+        await start(self, *args, **kwargs)
         handle = HostileNode(runtimes[-1] if runtimes else None, self)
         for work in ctx.backgrounds:
             tasks.append(asyncio.create_task(work(handle), name=f"hostile-{getattr(work, '__name__', 'work')}"))
 
-    async def closed(self: Discovery) -> None:
+    async def closed(self: Discovery, *args: Any, **kwargs: Any) -> None:
         for task in tasks:
             task.cancel()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        await close(self)
+        await close(self, *args, **kwargs)
 
     discovery.Discovery.start = started  # type: ignore[method-assign]
     discovery.Discovery.close = closed  # type: ignore[method-assign]
