@@ -19,6 +19,7 @@ from typing import Annotated
 
 import msgspec
 
+from gossip.limits import DEFAULT_INCOMING, IncomingLimits, PeerBuckets
 from gossip.transport import Stream, Transport
 from gossip.wire.frames import PREFIX_BYTES, frame_prefix, read_prefix
 
@@ -28,6 +29,7 @@ BLOB_PROTOCOL = "/murmur/blob/1"
 VERSION = 1
 MAX_REQUEST_BYTES = 1024
 TIMEOUT_S = 30.0
+RATE_LIMITED = "rate_limited"  # the answer's error when an asker asks too often
 
 Sha256Hex = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
 
@@ -86,8 +88,12 @@ async def fetch_blob(transport: Transport, peer: str, sha256: str, size: int, ti
     return data
 
 
-async def serve_blobs(transport: Transport, source: BlobSource, timeout_s: float = TIMEOUT_S) -> None:
-    """Answer blob requests from `source` (a request for an unknown hash is refused, not an error)."""
+async def serve_blobs(transport: Transport, source: BlobSource, timeout_s: float = TIMEOUT_S,
+                      limits: IncomingLimits = DEFAULT_INCOMING) -> None:
+    """Answer blob requests from `source` (a request for an unknown hash is refused, not an error).
+    An asker gets blobs at the rate of its pulls of current parameters (`limits`): a request is a
+    kilobyte and its answer may be megabytes, so it must not loop; beyond that, "rate_limited"."""
+    answered = PeerBuckets(limits.current_pulls_per_s, limits.current_pulls_burst, limits.tracked_peers)
 
     async def handler(stream: Stream) -> None:
         try:
@@ -97,9 +103,10 @@ async def serve_blobs(transport: Transport, source: BlobSource, timeout_s: float
                 except (BlobFailed, msgspec.DecodeError, msgspec.ValidationError) as exc:
                     logger.info("blob request from %s refused: %s", stream.remote_peer, exc)
                     request = None
-                data = await source(request.sha256) if request is not None else None
+                limited = request is not None and not answered.take(stream.remote_peer)
+                data = await source(request.sha256) if request is not None and not limited else None
                 if data is None:
-                    error = "malformed request" if request is None else "unknown blob"
+                    error = "malformed request" if request is None else RATE_LIMITED if limited else "unknown blob"
                     await _write_frame(stream, msgspec.msgpack.encode(BlobAnswer(VERSION, False, error)))
                 else:
                     await _write_frame(stream, msgspec.msgpack.encode(BlobAnswer(VERSION, True)))

@@ -10,9 +10,12 @@ Who opens a stream in round r (every peer computes this from its own view):
   arrives before the larger id has begun round r waits for it (see `GossipPeer._claim_partner_slot`).
 - j is an in-neighbour of i only (directed graphs: static and one-peer exponential): i sends a
   `pull` request (no tensors) and j replies with its input to round r.
-A peer answers every valid pull, whatever its own view says. An exchange is answered with a reply
-only when the answering peer is waiting for that asker in that round; otherwise (the round is over,
-the asker is not its partner, the round is too far ahead) it answers `reject`, and neither side mixes.
+A peer answers every valid pull within its limits (`gossip.limits.IncomingLimits`: a round pull at most
+twice per asker and round, within the staleness bound; a pull of the current tensors at a bounded rate),
+whatever its own view says (which peers may open streams at all is the transport's `IncomingGate`). An
+exchange is answered with a reply only when the answering peer is waiting for that asker in that round;
+otherwise (the round is over, the asker is not its partner, the round is too far ahead) it answers
+`reject`, and neither side mixes. Every request's header is read and checked before any of its payload.
 
 Every exchange has a deadline; a neighbour that is dead, frozen, slow, rejects us or is more than
 `max_staleness` rounds away is skipped and its weight goes back to the local tensors (see
@@ -35,13 +38,15 @@ import numpy as np
 from gossip.admission import OPEN, StreamAdmission
 from gossip.codecs import Codec
 from gossip.errors import BadSchema, ManifestMismatch, Truncated, WireError
+from gossip.limits import DEFAULT_INCOMING, CountPerKey, IncomingLimits, PeerBuckets
 from gossip.mixing import IncrementalMix, MixingKind, MixingRule, effective_weights
 from gossip.robust import ClipSettings, Mixer, ValueBound
-from gossip.stream import Accounting, Frames, MessageStream, TensorsUnsendable
+from gossip.stream import Accounting, Frames, IncomingMessage, MessageStream, TensorsUnsendable
 from gossip.transport import GOSSIP_PROTOCOL, Stream, Transport
 from gossip.wire import (
     DEFAULT_LIMITS,
     Expectation,
+    Header,
     HeaderFields,
     Message,
     MetaValue,
@@ -51,6 +56,7 @@ from gossip.wire import (
     iter_message,
     tensor_specs,
 )
+from gossip.wire.header import make_header, pack_header
 from topology import PeerRound
 
 logger = logging.getLogger(__name__)
@@ -58,9 +64,8 @@ logger = logging.getLogger(__name__)
 PULL, EXCHANGE, REPLY, REJECT, ACK = "pull", "exchange", "reply", "reject", "ack"
 # meta flag of a pull outside any round (`fetch`): answered at once with the current tensors
 CURRENT = "current"
-# exchange requests held at once until their round begins; each holds one copy of the tensors
-MAX_WAITING_REQUESTS = 16
-
+# exchange requests held at once until their round begins
+MAX_WAITING_REQUESTS = 16  # each holds the request's header: its tensors are read once its round claims it
 
 
 class Refusal(StrEnum):
@@ -70,6 +75,7 @@ class Refusal(StrEnum):
     NOT_PARTNER = "not_partner"  # our plan for that round does not wait for this asker's exchange
     STALE = "stale"  # more than max_staleness rounds away from ours (the asker skips us as `stale`)
     BUSY = "busy"  # MAX_WAITING_REQUESTS requests already wait for their rounds
+    RATE_LIMITED = "rate_limited"  # the asker pulled this round, or the current tensors, too often (IncomingLimits)
 
 
 class Skip(StrEnum):
@@ -97,6 +103,7 @@ class ExchangeSettings:
     limits: WireLimits = DEFAULT_LIMITS
     clip: ClipSettings = field(default_factory=ClipSettings)  # the adaptive_clip rule's radius
     value_bound: ValueBound = field(default_factory=ValueBound)  # received values beyond it are refused
+    incoming: IncomingLimits = DEFAULT_INCOMING
     # who may send to us, and the proof our own messages carry (key and allowlist swarms)
     admission: StreamAdmission = OPEN
 
@@ -194,10 +201,11 @@ class GossipPeer:
         self._settings = settings
         self._tensors: dict[str, np.ndarray] = dict(tensors)
         self._specs = tensor_specs(self._tensors)
-        # Requests and replies are read before their kind is known (a pull or a reject carries no
-        # tensors), so the manifest is checked after reading, within limits sized to our own tensors.
+        # A request's header is read and checked first (its kind says whether tensors follow, and
+        # their manifest must be ours; the sender's admission) within limits sized to our own tensors
+        # and header.
         self._expect_peer = Expectation(settings.swarm, settings.config_hash, admit=settings.admission.admit)
-        self._request_limits = _limits_for(self._tensors, settings.limits)
+        self._request_limits = _limits_for(self._tensors, settings)
         self.round = 0  # the round in progress or last run; set by the daemon to place a fresh or resumed peer
         self.step = step
         self.stats = ExchangeStats()
@@ -216,14 +224,25 @@ class GossipPeer:
         self._partner_slots: dict[tuple[str, int], _PartnerSlot] = {}
         # sender -> the latest round of its exchange requests: a peer asks for round r only after it
         # is done with earlier rounds, so our waits for its earlier requests can end at once
+        # (bounded: rounds are clamped to a little past ours and pruned as rounds pass; senders are
+        # the peers the transport's gate admits, and at most `incoming.tracked_peers` of them)
         self._latest_request: dict[str, int] = {}
         self._waiting_requests = 0
+        incoming = settings.incoming
+        # (asker, round) -> pulls of that round answered; pruned as rounds pass
+        self._round_pulls: CountPerKey[tuple[str, int]] = CountPerKey(incoming.round_pulls, incoming.tracked_peers * 4)
+        self._current_pulls = PeerBuckets(incoming.current_pulls_per_s, incoming.current_pulls_burst,
+                                          incoming.tracked_peers)
         # notified when a round begins or a sender's latest request round grows
         self._round_began = asyncio.Condition()
 
     @property
     def peer_id(self) -> str:
         return self._transport.peer_id
+
+    @property
+    def settings(self) -> ExchangeSettings:
+        return self._settings
 
     @property
     def tensors(self) -> dict[str, np.ndarray]:
@@ -262,6 +281,8 @@ class GossipPeer:
             self._round_inputs[round_index] = own_snapshot
             self._partner_slots = {(peer, round_index): _PartnerSlot() for peer in awaited}
             self._latest_request = {p: r for p, r in self._latest_request.items() if r > round_index}
+            bound = max(1, self._settings.max_staleness)
+            self._round_pulls.prune(lambda key: key[1] >= round_index - bound)
             self._round_began.notify_all()
         received: dict[str, _Received] = {}
         skipped: dict[str, str] = {}  # neighbour -> why, as the outcome shows it
@@ -397,7 +418,7 @@ class GossipPeer:
                     raise PeerRejected(str(reply.header.meta.get("error", "unspecified")))
                 if reply.header.kind != REPLY:
                     raise BadSchema(f"expected a reply, got a {reply.header.kind!r} message")
-                _check_manifest(reply, self._specs)
+                _check_manifest(reply.header, self._specs)
             if kind == EXCHANGE:
                 # The ack commits both sides to mixing: the answering peer mixes our tensors only if
                 # it reads the ack, so it is sent only once the reply is known to be good and in time.
@@ -428,28 +449,21 @@ class GossipPeer:
         peer = stream.remote_peer
         deadline = asyncio.get_running_loop().time() + self._settings.exchange_timeout_s
         try:
-            async with asyncio.timeout_at(deadline):
-                request = await stream.read(self._request_limits, self._expect_peer)
-            kind = request.header.kind
+            # The header first, and nothing more: its kind, sender, round and manifest decide whether
+            # any payload is read at all (a pull has none; an exchange's is read once it is claimed).
+            async with asyncio.timeout(min(self._settings.incoming.header_timeout_s, self._settings.exchange_timeout_s)):
+                request = await stream.read_header(self._request_limits, self._expect_peer)
+            header = request.header
+            kind = header.kind
             if kind == EXCHANGE:
-                _check_manifest(request, self._specs)
+                _check_manifest(header, self._specs)
                 refused = await self._answer_exchange(stream, request, deadline)
                 if refused is None:
                     return  # the asker hangs up only after we do (see _request)
             elif kind == PULL:
-                if request.header.manifest:
+                if header.manifest:
                     raise BadSchema("a pull request carries no tensors")
-                answer: tuple[Tensors, int]
-                if request.header.meta.get(CURRENT) is True:
-                    answer = (self._tensors, self.round)
-                else:
-                    async with asyncio.timeout_at(deadline):
-                        answer = await self._pull_answer(request.header.round)
-                # The reply gets its own deadline: one shared with the wait above could cut the reply
-                # halfway, and the asker, still within its deadline, would read a truncated message.
-                async with asyncio.timeout(self._settings.exchange_timeout_s):
-                    await stream.send(self._frames(*answer, REPLY))
-                self.stats.exchanges_ok += 1
+                await self._answer_pull(stream, header, deadline)
             else:
                 raise BadSchema(f"expected a pull or exchange request, got a {kind!r} message")
         except WireError as exc:
@@ -465,9 +479,40 @@ class GossipPeer:
             return
         await stream.linger(self._settings.exchange_timeout_s)
 
-    async def _answer_exchange(self, stream: MessageStream, request: Message, deadline: float) -> Refusal | None:
-        """Answer an exchange request: a reply with our input to its round and, once the asker's ack
-        arrives, its tensors handed to that round; or a `reject` saying why not (returned)."""
+    def _pull_refusal(self, peer: str, header: Header) -> Refusal | None:
+        """Whether a pull is over its limits: a round pull outside the staleness bound (answered now
+        with a reject instead of tensors the asker would drop as stale) or asked more than
+        `round_pulls` times; a pull of the current tensors beyond the asker's token bucket."""
+        if header.meta.get(CURRENT) is True:
+            return None if self._current_pulls.take(peer) else Refusal.RATE_LIMITED
+        bound = max(1, self._settings.max_staleness)
+        if abs(header.round - self.round) > bound:
+            return Refusal.STALE
+        return None if self._round_pulls.take((peer, header.round)) else Refusal.RATE_LIMITED
+
+    async def _answer_pull(self, stream: MessageStream, header: Header, deadline: float) -> None:
+        refusal = self._pull_refusal(stream.remote_peer, header)
+        if refusal is not None:
+            self.stats.refused[str(refusal)] += 1
+            logger.debug("pull of round %d from %s refused: %s", header.round, stream.remote_peer, refusal)
+            await self._try_reject(stream, str(refusal))
+            return
+        answer: tuple[Tensors, int]
+        if header.meta.get(CURRENT) is True:
+            answer = (self._tensors, self.round)
+        else:
+            async with asyncio.timeout_at(deadline):
+                answer = await self._pull_answer(header.round)
+        # The reply gets its own deadline: one shared with the wait above could cut the reply
+        # halfway, and the asker, still within its deadline, would read a truncated message.
+        async with asyncio.timeout(self._settings.exchange_timeout_s):
+            await stream.send(self._frames(*answer, REPLY))
+        self.stats.exchanges_ok += 1
+
+    async def _answer_exchange(self, stream: MessageStream, request: IncomingMessage, deadline: float) -> Refusal | None:
+        """Answer an exchange request whose header is read: claim our round's wait for this asker,
+        read its tensors, reply with our input to its round and, once the asker's ack arrives, hand
+        its tensors to that round; or a `reject` saying why not (returned), its payload left unread."""
         peer, round_index = stream.remote_peer, request.header.round
         claimed = await self._claim_partner_slot(peer, round_index, deadline)
         if isinstance(claimed, Refusal):
@@ -480,12 +525,13 @@ class GossipPeer:
         failure = str(Skip.TIMEOUT)
         try:
             async with asyncio.timeout(self._settings.exchange_timeout_s):
+                message = await request.rest()
                 await stream.send(self._frames(inputs, round_index, REPLY))
                 ack = await stream.read(self._request_limits, self._expect_peer)
             if ack.header.kind != ACK or ack.header.round != round_index or ack.header.manifest:
                 raise BadSchema(f"expected the ack of round {round_index}, got a {ack.header.kind!r} message "
                                 f"of round {ack.header.round}")
-            received = _Received(round_index, request.header.step, request.tensors)
+            received = _Received(round_index, message.header.step, message.tensors)
             self.stats.exchanges_ok += 1
         except WireError as exc:
             failure = exc.kind
@@ -515,8 +561,12 @@ class GossipPeer:
             # A request from a peer ahead, even too far ahead to answer, says it is done with every
             # earlier round: our waits for its requests of those rounds end now, not at their deadline
             # (else two halves of a swarm further apart than the bound wait a deadline every round).
-            if round_index >= self.round - bound and round_index > self._latest_request.get(peer, -1):
-                self._latest_request[peer] = round_index
+            latest = self._latest_request.get(peer)
+            if round_index >= self.round - bound and round_index > (latest if latest is not None else -1) and (
+                    latest is not None or len(self._latest_request) < self._settings.incoming.tracked_peers):
+                # clamped just past the furthest round we would answer: as telling for our waits, and
+                # pruned once our rounds pass it (a far-future round would otherwise stay for good)
+                self._latest_request[peer] = min(round_index, self.round + bound + 1)
                 self._round_began.notify_all()
                 for (partner, r), waiting in self._partner_slots.items():
                     if partner == peer and r < round_index:
@@ -581,10 +631,10 @@ class GossipPeer:
                             limits=self._settings.limits, **fields)
 
 
-def _check_manifest(message: Message, specs: tuple[TensorSpec, ...]) -> None:
-    got = tuple(entry.spec for entry in message.header.manifest)
+def _check_manifest(header: Header, specs: tuple[TensorSpec, ...]) -> None:
+    got = tuple(entry.spec for entry in header.manifest)
     if got != specs:
-        raise ManifestMismatch(f"{message.header.kind} manifest {_describe(got)} differs from the local {_describe(specs)}")
+        raise ManifestMismatch(f"{header.kind} manifest {_describe(got)} differs from the local {_describe(specs)}")
 
 
 def _describe(specs: tuple[TensorSpec, ...]) -> str:
@@ -593,15 +643,25 @@ def _describe(specs: tuple[TensorSpec, ...]) -> str:
     return f"[{len(specs)} tensors, first {specs[0].name!r}]"
 
 
-def _limits_for(tensors: Tensors, limits: WireLimits) -> WireLimits:
+def _limits_for(tensors: Tensors, settings: ExchangeSettings) -> WireLimits:
     """Limits sized to our own tensors, so a message we read before knowing its kind stays that small.
 
-    Top-k can take up to 8 bytes per element; every other codec takes at most 8.
+    Top-k can take up to 8 bytes per element; every other codec takes at most 8. A header may be at
+    most twice our own (with the most and longest meta entries allowed: admission proofs ride there)
+    plus 4 KiB: names and ids differ in length.
     """
+    limits = settings.limits
     elements = sum(int(t.size) for t in tensors.values())
     decoded = sum(int(t.nbytes) for t in tensors.values())
+    longest = "x" * limits.max_name_len
+    own = make_header(tensor_specs(tensors), settings.codec,
+                      meta={f"{i:0{limits.max_name_len}d}": "x" * limits.max_meta_value_len
+                            for i in range(limits.max_meta_entries)},
+                      swarm=settings.swarm, config_hash=settings.config_hash, sender=longest, round=0, step=0,
+                      kind=longest)
     return replace(
         limits,
+        max_header_bytes=min(limits.max_header_bytes, 2 * len(pack_header(own)) + 4096),
         max_payload_bytes=min(limits.max_payload_bytes, 8 * elements + 1024),
         max_decoded_bytes=min(limits.max_decoded_bytes, decoded + 1024),
         max_tensors=min(limits.max_tensors, max(1, len(tensors))),

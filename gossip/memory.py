@@ -28,6 +28,7 @@ import random
 from collections import deque
 from dataclasses import dataclass
 
+from gossip.limits import IncomingGate
 from gossip.transport import Stream, StreamClosed, StreamHandler
 
 _log = logging.getLogger(__name__)
@@ -68,12 +69,13 @@ class InMemoryNetwork:
         # When each link direction finishes sending what is already queued on it (loop time).
         self._busy_until: dict[tuple[str, str], float] = {}
 
-    def transport(self, peer_id: str) -> InMemoryTransport:
-        """Create the transport of `peer_id`; an id whose previous transport was closed may return."""
+    def transport(self, peer_id: str, gate: IncomingGate | None = None) -> InMemoryTransport:
+        """Create the transport of `peer_id`; an id whose previous transport was closed may return.
+        With `gate`, incoming streams pass it before their handler sees them (gossip.limits)."""
         current = self._peers.get(peer_id)
         if current is not None and current.alive:
             raise ValueError(f"peer {peer_id!r} already has a live transport in this network")
-        transport = InMemoryTransport(self, peer_id)
+        transport = InMemoryTransport(self, peer_id, gate)
         self._peers[peer_id] = transport
         return transport
 
@@ -138,9 +140,10 @@ class InMemoryNetwork:
 class InMemoryTransport:
     """One peer's endpoint in an InMemoryNetwork; implements gossip.transport.Transport."""
 
-    def __init__(self, network: InMemoryNetwork, peer_id: str) -> None:
+    def __init__(self, network: InMemoryNetwork, peer_id: str, gate: IncomingGate | None = None) -> None:
         self._network = network
         self._peer_id = peer_id
+        self._gate = gate
         self._handlers: dict[str, StreamHandler] = {}
         self._streams: set[_StreamEnd] = set()
         self._handler_tasks: set[asyncio.Task[None]] = set()
@@ -206,7 +209,7 @@ class InMemoryTransport:
         self._check_alive()
         if protocol in self._handlers:
             raise ValueError(f"peer {self._peer_id!r} already serves protocol {protocol!r}")
-        self._handlers[protocol] = handler
+        self._handlers[protocol] = handler if self._gate is None else self._gate.guard(handler)
 
     async def close(self) -> None:
         """Close every stream (the other sides get the bytes in flight, then StreamClosed) and stop handlers."""

@@ -15,7 +15,7 @@ from typing import Protocol
 
 from gossip.errors import BadSchema, WireError
 from gossip.transport import Stream
-from gossip.wire import Expectation, Message, ValuesSink, WireLimits, read_message
+from gossip.wire import Expectation, Header, Message, MessageReader, ValuesSink, WireLimits
 
 Frames = Iterable[bytes | memoryview]
 
@@ -44,6 +44,19 @@ class Accounting:
     def count_refused(self, exc: WireError, peer: str) -> None:
         self.counts.errors[exc.kind] += 1
         self.logger.warning("%s from %s: %s: %s", self.refused, peer, exc.kind, exc)
+
+
+class IncomingMessage:
+    """A message whose header has been read and checked; `rest()` reads its payload."""
+
+    __slots__ = ("_reader", "header")
+
+    def __init__(self, header: Header, reader: MessageReader) -> None:
+        self.header = header
+        self._reader = reader
+
+    async def rest(self) -> Message:
+        return await self._reader.rest()
 
 
 class MessageStream:
@@ -79,6 +92,12 @@ class MessageStream:
     async def read(self, limits: WireLimits, expected: Expectation | None,
                    on_values: ValuesSink | None = None) -> Message:
         """One message, from the peer at the other end (BadSchema if its header names another sender)."""
+        return await (await self.read_header(limits, expected, on_values)).rest()
+
+    async def read_header(self, limits: WireLimits, expected: Expectation | None,
+                          on_values: ValuesSink | None = None) -> IncomingMessage:
+        """One message's header, checked (BadSchema if it names another sender than the stream's
+        peer), and not a byte of its payload: the caller decides whether to read the rest."""
         async def read_exactly(n: int) -> bytes:
             data = await self._stream.read_exactly(n)
             self._accounting.counts.bytes_received += len(data)
@@ -87,10 +106,11 @@ class MessageStream:
 
         # the sender is checked with the header, before any payload (and before the sender's admission)
         checked = replace(expected, sender=self.remote_peer) if expected is not None else None
-        message = await read_message(read_exactly, limits, checked, on_values=on_values)
-        if message.header.sender != self.remote_peer:
-            raise BadSchema(f"header names sender {message.header.sender}, but the stream comes from {self.remote_peer}")
-        return message
+        reader = MessageReader(read_exactly, limits, checked, on_values)
+        header = await reader.header()
+        if header.sender != self.remote_peer:
+            raise BadSchema(f"header names sender {header.sender}, but the stream comes from {self.remote_peer}")
+        return IncomingMessage(header, reader)
 
     def count_refused(self, exc: WireError) -> None:
         self._accounting.count_refused(exc, self.remote_peer)

@@ -223,7 +223,7 @@ def fake_daemon(monkeypatch):
     daemon.run_node = lambda config, founding: calls.append(("run_node", config, founding)) or 0
     daemon.run_bootstrap = lambda config: calls.append(("run_bootstrap", config)) or 0
     status = types.ModuleType("node.cli.status")
-    status.run_status = lambda url, as_json: calls.append(("run_status", url, as_json)) or 3
+    status.run_status = lambda url, as_json, token=None: calls.append(("run_status", url, as_json)) or 3
     monkeypatch.setitem(sys.modules, "node.runtime.serve", daemon)
     monkeypatch.setitem(sys.modules, "node.cli.status", status)
     return calls
@@ -262,6 +262,26 @@ def test_status_asks_the_monitor_the_node_would_serve(workdir, fake_daemon, monk
         monkeypatch.setenv(name, value)
     assert cli.main([*argv, "--json"]) == 3  # run_status's own exit status is passed on
     assert fake_daemon == [("run_status", url, True)]
+
+
+@pytest.mark.parametrize(
+    "argv,token",
+    [
+        (["status"], "from-the-data-dir"),  # ./murmur-data/monitor.token, to the loopback default
+        (["status", "--url", "http://localhost:7700"], "from-the-data-dir"),
+        (["status", "--token", "given"], "given"),
+        # a node elsewhere does not learn this machine's token, unless the data dir is named
+        (["status", "--url", "http://10.1.2.3:8000"], None),
+        (["status", "--url", "http://10.1.2.3:8000", "--data-dir", "murmur-data"], "from-the-data-dir"),
+        (["status", "--data-dir", "elsewhere"], None),  # no token there
+    ],
+)
+def test_status_and_eval_send_the_monitor_token_of_the_data_dir(workdir, argv, token):
+    (workdir / "murmur-data").mkdir()
+    (workdir / "murmur-data" / "monitor.token").write_text("from-the-data-dir\n")
+    args = cli.build_parser().parse_args(argv)
+    url = cli.status_url(args, {})
+    assert cli.monitor_token(args, {}, url) == token
 
 
 def test_topology_and_sim_still_parse_as_before():

@@ -135,13 +135,45 @@ def test_dead_and_frozen_neighbours_are_skipped_within_the_deadline():
     asyncio.run(main())
 
 
-async def _raw_request(net, victim: str, frames) -> bytes:
-    attacker = net.transport("zz-attacker")
-    stream = await attacker.open_stream(victim, GOSSIP_PROTOCOL)
+async def _raw_request(net, victim: str, frames, *, sender: str = "zz-attacker", read_answer: bool = False) -> bytes:
+    """Write `frames` on a gossip stream from `sender`; with `read_answer`, read the answer's header
+    frame before closing."""
+    stream = await net.transport(sender).open_stream(victim, GOSSIP_PROTOCOL)
+    answer = b""
     for f in frames:
-        await stream.write(f)
+        if read_answer:
+            try:
+                await stream.write(f)
+            except ConnectionError:
+                break  # the victim hung up before reading it all: the point of some tests
+        else:
+            await stream.write(f)
+    if read_answer:
+        async with asyncio.timeout(5):
+            length = int.from_bytes(await stream.read_exactly(8), "big")
+            answer = await stream.read_exactly(length)
     await stream.close()
-    return b""
+    return answer
+
+
+def _bad_frames(case: str, sender: str) -> list:
+    good = {"w": np.ones(DIM, np.float32)}
+    common = dict(swarm=SWARM, config_hash=HASH, sender=sender, round=0, step=0)
+    fp32 = get_codec("fp32")
+    if case == "garbage":
+        return [b"\xff" * 64]
+    if case == "wrong_hash":
+        return encode_message(good, fp32, **{**common, "config_hash": "other"}, kind="exchange")
+    if case == "wrong_manifest":
+        return encode_message({"w": np.ones(DIM + 1, np.float32)}, fp32, **common, kind="exchange")
+    if case == "nan":
+        body = bytearray(b"".join(bytes(f) for f in encode_message(good, fp32, **common, kind="exchange")))
+        body[-4:] = np.array([np.nan], np.float32).tobytes()
+        return [bytes(body)]
+    if case == "half":
+        whole = b"".join(bytes(f) for f in encode_message(good, fp32, **common, kind="exchange"))
+        return [whole[: len(whole) // 2]]
+    return encode_message(good, fp32, **common, kind="reply")
 
 
 @pytest.mark.parametrize(
@@ -150,12 +182,10 @@ async def _raw_request(net, victim: str, frames) -> bytes:
         ("garbage", "too_large"),
         ("wrong_hash", "wrong_swarm"),
         ("wrong_manifest", "manifest_mismatch"),
-        ("nan", "non_finite"),
-        ("half", "truncated"),
         ("not_a_request", "bad_schema"),
     ],
 )
-def test_bad_requests_are_counted_and_leave_honest_tensors_alone(case, kind):
+def test_bad_request_headers_are_counted_and_leave_honest_tensors_alone(case, kind):
     async def main():
         net = InMemoryNetwork()
         peers = make_swarm(net, 2)
@@ -164,26 +194,7 @@ def test_bad_requests_are_counted_and_leave_honest_tensors_alone(case, kind):
         victim_id, other_id = sorted(peers)
         victim = peers[victim_id]
         before = victim.tensors["w"].copy()
-        good = {"w": np.ones(DIM, np.float32)}
-        common = dict(swarm=SWARM, config_hash=HASH, sender="zz-attacker", round=0, step=0)
-        fp32 = get_codec("fp32")
-        if case == "garbage":
-            frames = [b"\xff" * 64]
-        elif case == "wrong_hash":
-            frames = encode_message(good, fp32, **{**common, "config_hash": "other"}, kind="exchange")
-        elif case == "wrong_manifest":
-            frames = encode_message({"w": np.ones(DIM + 1, np.float32)}, fp32, **common, kind="exchange")
-        elif case == "nan":
-            frames = encode_message(good, fp32, **common, kind="exchange")
-            body = bytearray(b"".join(bytes(f) for f in frames))
-            body[-4:] = np.array([np.nan], np.float32).tobytes()
-            frames = [bytes(body)]
-        elif case == "half":
-            whole = b"".join(bytes(f) for f in encode_message(good, fp32, **common, kind="exchange"))
-            frames = [whole[: len(whole) // 2]]
-        else:
-            frames = encode_message(good, fp32, **common, kind="reply")
-        await _raw_request(net, victim_id, frames)
+        await _raw_request(net, victim_id, _bad_frames(case, "zz-attacker"))
         for _ in range(50):
             if victim.stats.errors:
                 break
@@ -193,6 +204,47 @@ def test_bad_requests_are_counted_and_leave_honest_tensors_alone(case, kind):
         # and it still gossips with honest peers afterwards
         await run_rounds(peers, "complete", range(1))
         np.testing.assert_array_equal(victim.tensors["w"], peers[other_id].tensors["w"])
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("case,kind", [("nan", "non_finite"), ("half", "truncated")])
+def test_a_partner_whose_tensors_are_bad_is_counted_and_skipped(case, kind):
+    """The payload of an exchange is read only once the round has claimed it for that partner; a bad
+    one is then refused by kind, and the round skips the partner."""
+    async def main():
+        net = InMemoryNetwork()
+        victim = GossipPeer(net.transport("victim"), settings(), {"w": np.zeros(DIM, np.float32)})
+        await victim.start()
+        # "attacker" < "victim": the victim waits for the attacker's exchange request of round 0
+        plan = PeerRound(0.5, {"attacker": 0.5}, ("attacker",))
+        round_task = asyncio.create_task(victim.run_round(0, plan))
+        await asyncio.sleep(0.05)
+        await _raw_request(net, "victim", _bad_frames(case, "attacker"), sender="attacker")
+        outcome = await round_task
+        assert victim.stats.errors == {kind: 1}
+        assert outcome.skipped == {"attacker": kind}
+        np.testing.assert_array_equal(victim.tensors["w"], 0)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("case", ["nan", "half"])
+def test_an_exchange_no_round_waits_for_is_refused_before_its_payload_is_read(case):
+    """A non-partner's exchange is refused on its header alone: not a byte of its tensors is read, so
+    what they hold (NaN here, or a cut) is never seen and never counted as an error."""
+    async def main():
+        net = InMemoryNetwork()
+        victim = GossipPeer(net.transport("victim"), settings(), {"w": np.zeros(DIM, np.float32)})
+        await victim.start()
+        await victim.run_round(0, PeerRound(1.0, {}, ()))  # round 0 has begun, and waits for no one
+        frames = _bad_frames(case, "zz-attacker")
+        header_bytes = 8 + int.from_bytes(bytes(frames[0])[:8], "big")
+        answer = await _raw_request(net, "victim", frames, read_answer=True)
+        assert victim.stats.errors == {}
+        assert victim.stats.refused == {"not_partner": 1}
+        assert victim.stats.bytes_received == header_bytes
+        assert b"not_partner" in answer  # the reject says why
 
     asyncio.run(main())
 
@@ -287,7 +339,8 @@ def test_an_exchange_that_arrives_before_the_partner_begins_the_round_gets_its_i
         await a.start()
         await b.start()
         asking = asyncio.create_task(a.run_round(0, plan["a"](0)))
-        await _until(lambda: b.stats.bytes_received >= DIM * 4)  # a's request (with its tensors) is in
+        # a's request is in: its header (b reads its tensors only once its round claims the exchange)
+        await _until(lambda: b.stats.bytes_received > 0)
         await asyncio.sleep(0.05)
         b.set_tensors({"w": np.full(DIM, 3.0, np.float32)}, step=1)  # b's step, then its round
         outcome_b = await b.run_round(0, plan["b"](0))
@@ -365,9 +418,10 @@ def test_a_partner_that_moved_on_ends_the_wait_for_its_request_at_once():
         await b.start()
         # b is busy elsewhere for longer than a's deadline: a gives up on round 0 ...
         assert (await a.run_round(0, plan["a"](0))).skipped == {"b": "timeout"}
+        first = b.stats.bytes_received  # the header of a's request of round 0
         # ... and asks for round 1, which tells b that a is done with round 0
         asking = asyncio.create_task(a.run_round(1, plan["a"](1)))
-        await _until(lambda: b.stats.bytes_received >= 2 * DIM * 4)
+        await _until(lambda: b.stats.bytes_received > first)  # that request's header is in
         started = asyncio.get_running_loop().time()
         outcome_b0 = await b.run_round(0, plan["b"](0))
         assert outcome_b0.skipped == {"a": "moved_on"}

@@ -241,11 +241,56 @@ def test_the_page_and_its_files_are_served_from_the_package(pair):
 
 def test_a_node_that_trains_no_model_refuses_the_swarm_average_in_one_line(pair):
     _, nodes = pair  # vector mode: gossip only, no model and no validation split
-    request = urllib.request.Request(nodes[0].monitor_url + "/api/eval/average", data=b"", method="POST")
+    token = (nodes[0].data_dir / "monitor.token").read_text().strip()
+    request = urllib.request.Request(nodes[0].monitor_url + "/api/eval/average", data=b"", method="POST",
+                                     headers={"Authorization": f"Bearer {token}"})
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=30)
     assert refused.value.code == 422
     assert "trains no model" in json.loads(refused.value.read())["error"]
-    done = subprocess.run([MURMUR, "eval", "--url", nodes[0].monitor_url], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([MURMUR, "eval", "--url", nodes[0].monitor_url, "--data-dir", str(nodes[0].data_dir)],
+                          capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and done.stdout == ""
     assert len(done.stderr.strip().splitlines()) == 1 and "trains no model" in done.stderr
+
+
+def request(url: str, method: str = "GET", headers: dict[str, str] | None = None) -> int:
+    data = b"" if method == "POST" else None
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=data, method=method, headers=headers or {}),
+                                    timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_the_monitor_refuses_a_foreign_host_and_a_post_without_the_token(pair):
+    """DNS rebinding: a page at evil.example whose name now resolves to 127.0.0.1 sends its own name as
+    Host; every endpoint refuses it, GET included. A POST needs this run's token, which the node wrote
+    to its data directory for its user alone."""
+    _, nodes = pair
+    node = nodes[0]
+    url, port = node.monitor_url, node.monitor_url.rsplit(":", 1)[1]
+    evil = {"Host": f"evil.example:{port}"}
+    for path in ("/", "/monitor.js", "/api/status", "/api/peers", "/api/topology", "/api/events", "/metrics"):
+        assert request(url + path, headers=evil) == 403, path
+    assert request(url + "/api/eval/average", "POST", headers=evil) == 403
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "localhost"):
+        assert request(url + "/api/status", headers={"Host": host}) == 200, host
+
+    token_file = node.data_dir / "monitor.token"
+    assert token_file.stat().st_mode & 0o777 == 0o600
+    token = token_file.read_text().strip()
+    assert len(token) >= 32
+    assert request(url + "/api/eval/average", "POST") == 401
+    assert request(url + "/api/eval/average", "POST", {"Authorization": "Bearer not-the-token"}) == 401
+    assert request(url + "/api/eval/average", "POST", {"Authorization": f"Bearer {token}"}) == 422  # vector mode
+    # the token is this node's alone: the other node's does not open this one
+    other = (nodes[1].data_dir / "monitor.token").read_text().strip()
+    assert other != token
+    assert request(url + "/api/eval/average", "POST", {"Authorization": f"Bearer {other}"}) == 401
+
+    families = {f.name: f for f in text_string_to_metric_families(get(url + "/metrics")[2].decode())}
+    refused = {s.labels["reason"]: s.value for s in families["murmur_monitor_refused"].samples}
+    assert refused["host"] >= 8 and refused["token"] >= 3, refused
+    assert node.alive()

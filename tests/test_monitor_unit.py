@@ -182,6 +182,9 @@ class FakeNode:
             raise RuntimeError("broken on purpose")
         return {"rho": None, "nodes": [{"peer_id": p} for p in self.view], "edges": []}
 
+    async def refresh_topology(self) -> None:
+        pass
+
     def counters(self) -> Counters:
         return Counters(step=0, round=0, bytes_sent=0, bytes_received=0, peers_alive=len(self.view))
 

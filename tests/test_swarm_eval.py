@@ -310,6 +310,9 @@ class FakeNode:
     def topology(self) -> dict[str, Any]:
         return {"rho": None, "nodes": [], "edges": []}
 
+    async def refresh_topology(self) -> None:
+        pass
+
     def counters(self) -> Counters:
         return Counters(step=0, round=0, bytes_sent=0, bytes_received=0, peers_alive=1)
 
@@ -331,7 +334,7 @@ def test_the_endpoint_answers_the_result_busy_not_training_and_bad_queries(capsy
         server = await start_monitor(node, "127.0.0.1", 0, interval_s=60)
         url = f"{server.url}/api/eval/average"
         try:
-            async with aiohttp.ClientSession() as session:
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {server.token}"}) as session:
                 async with session.post(url) as ok:
                     assert ok.status == 200 and await ok.json() == ANSWER
                     assert schema_errors(ANSWER, schema("swarm_eval")) == []
@@ -360,19 +363,21 @@ def test_the_endpoint_answers_the_result_busy_not_training_and_bad_queries(capsy
             assert node.calls == 7  # the bad queries, the GET and the cross-site request evaluated nothing
 
             # `murmur eval` on the same server: a refusal is one line and exit 1, an answer is a report
-            assert await asyncio.to_thread(run_eval, server.url, False) == 1
+            assert await asyncio.to_thread(functools.partial(run_eval, server.url, False, token=server.token)) == 1
             err = capsys.readouterr().err.strip().splitlines()
             assert err == [f"murmur eval: error: the node at {server.url} refused: this node trains no model"]
             node.refusal = None
-            assert await asyncio.to_thread(run_eval, server.url, True) == 0
+            assert await asyncio.to_thread(functools.partial(run_eval, server.url, True, token=server.token)) == 0
             assert json.loads(capsys.readouterr().out) == ANSWER and node.saves[-1] is False
             # `murmur eval --save`: the report ends with where the node wrote the average
-            assert await asyncio.to_thread(functools.partial(run_eval, server.url, False, save=True)) == 0
+            assert await asyncio.to_thread(functools.partial(run_eval, server.url, False, save=True,
+                                                             token=server.token)) == 0
             assert capsys.readouterr().out.splitlines()[-1] == "written to /data/swarm-average.safetensors"
             assert node.saves[-1] is True
             # a node that could not write it: the report says so and the exit status is 1, for scripts
             node.save_error = "[Errno 28] No space left on device"
-            assert await asyncio.to_thread(functools.partial(run_eval, server.url, False, save=True)) == 1
+            assert await asyncio.to_thread(functools.partial(run_eval, server.url, False, save=True,
+                                                             token=server.token)) == 1
             assert capsys.readouterr().out.splitlines()[-1] == (
                 "NOT written: [Errno 28] No space left on device (the previous file is kept)")
         finally:

@@ -81,7 +81,8 @@ def test_three_nodes_train_hf_tiny_llama_with_a_trained_tokenizer_and_export_wha
         assert all(s["training"]["step"] == STEPS for s in statuses)
 
         exported = tmp_path / "export"
-        done = murmur("export", "--url", founder.monitor_url, "--to", str(exported))
+        token = (founder.data_dir / "monitor.token").read_text().strip()
+        done = murmur("export", "--url", founder.monitor_url, "--token", token, "--to", str(exported))
         assert done.returncode == 0, done.stderr[-2000:]
         assert f"to {exported}" in done.stdout
         assert (founder.data_dir / "swarm-average-hf" / "config.json").is_file()  # written with the average

@@ -11,7 +11,7 @@ import time
 
 import psutil
 import pytest
-from test_swarm_bad_peers import ATTACKS, attack, wire_errors
+from test_swarm_bad_peers import WIRE_ATTACKS, attack, wire_errors
 
 from support.swarm_harness import Node, Swarm, check_consensus, summary, wait_for
 
@@ -77,8 +77,8 @@ def test_a_libp2p_swarm_reaches_the_exact_average_while_a_peer_sends_it_garbage(
         status = victim.status()
         # the attacker runs p2pd and dials the victim's child, where the victim's record says it gossips
         asyncio.run(attack(dataclasses.replace(victim, maddrs=data_maddrs(victim)), tmp_path / "attacker.key",
-                           status["swarm"], status["config_hash"]))
-        assert sum(wire_errors(victim).values()) == len(ATTACKS)
+                           status["swarm"], status["config_hash"], dht_maddrs=victim.maddrs))
+        assert sum(wire_errors(victim).values()) == len(WIRE_ATTACKS)
         ran = max(s["rounds_run"] for s in swarm.statuses(nodes))
         swarm.wait_rounds(nodes, ran + 2, timeout_s=60)
         report = summary(nodes, swarm.statuses(nodes))

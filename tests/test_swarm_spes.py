@@ -84,7 +84,8 @@ def test_spes_swarm_trains_only_owned_experts_and_survives_losing_both_owners(sw
     peers = {p["peer_id"]: p for p in statuses[0]["peers"]}
     assert set(peers) == set(ids)
     # the swarm-average loss on request (SPES's average: each expert over its owners) covers all four
-    asked = subprocess.run([MURMUR, "eval", "--url", founder.monitor_url, "--json"], capture_output=True, text=True,
+    asked = subprocess.run([MURMUR, "eval", "--url", founder.monitor_url, "--data-dir", str(founder.data_dir), "--json"],
+                           capture_output=True, text=True,
                            timeout=120)
     assert asked.returncode == 0, asked.stderr
     answer = json.loads(asked.stdout)

@@ -105,7 +105,8 @@ def test_kill_join_restart_and_parity(swarm, tmp_path):
     assert statuses[-1]["rounds_run"] > 0 and statuses[-1]["bytes_received"] > 0, "the joiner never gossiped"
     # the swarm-average loss asked of a running node: every live node is in it (their parameters no
     # longer change once done, so it is checked below against the average of their final checkpoints)
-    asked = subprocess.run([MURMUR, "eval", "--url", founder.monitor_url, "--save", "--json"], capture_output=True,
+    asked = subprocess.run([MURMUR, "eval", "--url", founder.monitor_url, "--data-dir", str(founder.data_dir),
+                            "--save", "--json"], capture_output=True,
                            text=True, timeout=120)
     assert asked.returncode == 0, asked.stderr[-2000:]
     swarm_eval = json.loads(asked.stdout)

@@ -6,6 +6,7 @@ and the figures that describe it (degree, rho, spectral gap).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -156,3 +157,28 @@ def build_topology(spec: TopologySpec | str, n: int, **options: object) -> Topol
     for g in period_graphs:
         check_scheme(spec.weight_scheme, g)
     return Topology(spec, n, period_graphs)
+
+
+def schedule_period(spec: TopologySpec, n: int) -> int:
+    """Rounds after which the family's graphs over n ranks repeat (1 for static families), without
+    building them."""
+    return graphs.exponential_period(n) if spec.time_varying else 1
+
+
+class TopologyCache:
+    """The topologies of one spec for the last few swarm sizes (least recently used dropped): a view
+    whose size keeps changing rebuilds no more than that, and holds no more than that many graphs."""
+
+    def __init__(self, spec: TopologySpec | str, capacity: int = 4) -> None:
+        self.spec = spec if isinstance(spec, TopologySpec) else TopologySpec(spec)
+        self._capacity = capacity
+        self._built: OrderedDict[int, Topology] = OrderedDict()
+
+    def get(self, n: int) -> Topology:
+        topology = self._built.get(n)
+        if topology is None:
+            topology = self._built[n] = build_topology(self.spec, n)
+            while len(self._built) > self._capacity:
+                self._built.popitem(last=False)
+        self._built.move_to_end(n)
+        return topology

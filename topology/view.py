@@ -41,6 +41,16 @@ class PeerRound:
     in_weights: dict[str, float]  # peers whose values this peer mixes in -> weight
     out_peers: tuple[str, ...]  # peers that mix in this peer's value
 
+    def without(self, peers: Iterable[str]) -> PeerRound:
+        """This round with `peers` left out, their weights moved onto this peer's own value: what a
+        skipped neighbour amounts to, decided before the round instead of at its deadline."""
+        gone = set(peers)
+        if not gone & (set(self.in_weights) | set(self.out_peers)):
+            return self
+        kept = {p: w for p, w in self.in_weights.items() if p not in gone}
+        moved = sum(w for p, w in self.in_weights.items() if p in gone)
+        return PeerRound(self.self_weight + moved, kept, tuple(p for p in self.out_peers if p not in gone))
+
 
 def peer_round(topology: Topology, view: MembershipView, peer_id: str, round_index: int) -> PeerRound:
     if topology.n != view.n:

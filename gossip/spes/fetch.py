@@ -17,8 +17,9 @@ from typing import Protocol
 import numpy as np
 
 from gossip.codecs import Codec, get_codec
-from gossip.errors import BadSchema, WireError
+from gossip.errors import BadSchema, Truncated, WireError
 from gossip.exchange import ExchangeSettings
+from gossip.limits import LruTable, ThrottledLog
 from gossip.spes.rules import (
     ExpertHashMismatch,
     ExpertKey,
@@ -60,6 +61,9 @@ class FetchSkip(StrEnum):
     NO_RECORD = "no_record"  # no owner published a record of the expert
 
 
+RATE_LIMITED = "rate_limited"  # the reject's error when an asker fetched one copy too often
+
+
 @dataclass
 class FetchStats:
     """Counters of the frozen-copy refresh protocol (both directions)."""
@@ -70,6 +74,8 @@ class FetchStats:
     fetched: int = 0
     errors: collections.Counter[str] = field(default_factory=collections.Counter)  # refused input, by kind
     skipped: collections.Counter[str] = field(default_factory=collections.Counter)  # refreshes not done, by reason
+    # fetch requests answered with a reject for their rate (RATE_LIMITED), not for being invalid
+    refused: collections.Counter[str] = field(default_factory=collections.Counter)
 
 
 class RefreshFailed(Exception):
@@ -100,6 +106,11 @@ class ExpertFetch:
         self._step = step  # the node's current step, for the headers it sends
         self.stats = FetchStats()
         self._accounting = Accounting(self.stats, logger, "refused expert message")
+        # (asker, expert) -> (the version it was last served, how often): a refresh fetches a changed
+        # copy once, so an asker gets each version at most `fetches_per_version` times
+        incoming = settings.incoming
+        self._served: LruTable[tuple[str, ExpertKey], tuple[int, int]] = LruTable(incoming.tracked_peers * 4)
+        self._refusals = ThrottledLog(logger, "expert fetch")
 
     async def serve(self, holder: ExpertHolder) -> None:
         async def handler(stream: Stream) -> None:
@@ -120,7 +131,12 @@ class ExpertFetch:
                 stream = MessageStream(await self._transport.open_stream(source, FETCH_PROTOCOL), self._accounting)
                 try:
                     await stream.send(self._frames({}, FETCH, {"expert": expert_label(key)}, get_codec("fp32")))
-                    reply = await stream.read(_limits_for(like), None)
+                    try:
+                        reply = await stream.read(_limits_for(like), None)
+                    except Truncated:
+                        if stream.received == 0:  # closed unanswered (e.g. by its stream limits): no message cut
+                            raise ConnectionError(f"{source} hung up without answering") from None
+                        raise
                 finally:
                     await stream.close()
         except TimeoutError:
@@ -161,10 +177,12 @@ class ExpertFetch:
 
     async def _serve(self, stream: MessageStream, holder: ExpertHolder) -> None:
         peer = stream.remote_peer
+        incoming = self._settings.incoming
         try:
-            async with asyncio.timeout(self._settings.exchange_timeout_s):
+            async with asyncio.timeout(min(incoming.header_timeout_s, self._settings.exchange_timeout_s)):
                 request = await stream.read(REQUEST_LIMITS, Expectation(self._settings.swarm, self._settings.config_hash,
                                                                           admit=self._settings.admission.admit))
+            async with asyncio.timeout(self._settings.exchange_timeout_s):
                 if request.header.kind != FETCH or request.header.manifest:
                     raise BadSchema(f"expected a fetch request without tensors, got a {request.header.kind!r} message")
                 label = request.header.meta.get("expert")
@@ -175,10 +193,16 @@ class ExpertFetch:
                 if key is None or not holder.holds(key):
                     raise BadSchema(f"fetch request for unknown expert {label!r}")
                 tensors, record = await holder.served_copy(key)
-                await stream.send(self._frames(tensors, EXPERT,
-                                               {"expert": label, "version": record.version,
-                                                "hash": record.hash}, self._refresh_codec))
-                self.stats.served += 1
+                if self._may_serve(peer, key, record.version):
+                    await stream.send(self._frames(tensors, EXPERT,
+                                                   {"expert": label, "version": record.version,
+                                                    "hash": record.hash}, self._refresh_codec))
+                    self.stats.served += 1
+                else:
+                    self.stats.refused[RATE_LIMITED] += 1
+                    self._refusals.refused(RATE_LIMITED, peer)
+                    await stream.try_reject(lambda: self._frames({}, REJECT, {"error": RATE_LIMITED}, get_codec("fp32")),
+                                            min(1.0, self._settings.exchange_timeout_s))
         except WireError as exc:
             stream.count_refused(exc)
             reason = exc.kind
@@ -190,6 +214,14 @@ class ExpertFetch:
             return
         # the asker hangs up once it has read the answer (see MessageStream.linger)
         await stream.linger(self._settings.exchange_timeout_s)
+
+    def _may_serve(self, peer: str, key: ExpertKey, version: int) -> bool:
+        last = self._served.get((peer, key))
+        times = last[1] if last is not None and last[0] == version else 0
+        if times >= self._settings.incoming.fetches_per_version:
+            return False
+        self._served.put((peer, key), (version, times + 1))
+        return True
 
     def _frames(self, tensors: Mapping[str, np.ndarray], kind: str, meta: Mapping[str, MetaValue],
                 codec: Codec) -> Frames:

@@ -89,7 +89,7 @@ from gossip.wire.header import (
     parse_header,
     tensor_specs,
 )
-from gossip.wire.reader import read_message
+from gossip.wire.reader import MessageReader, read_message
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -104,6 +104,7 @@ __all__ = [
     "ManifestEntry",
     "Message",
     "MessageDecoder",
+    "MessageReader",
     "MetaValue",
     "TensorSpec",
     "ValuesSink",

@@ -9,7 +9,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from node.cli.status import no_node, print_answer
+from node.cli.status import auth_headers, no_node, print_answer
 
 # The node pulls each peer for at most 30 s (node.training.swarm_eval.FETCH_TIMEOUT_S), then evaluates.
 DEFAULT_TIMEOUT_S = 300.0
@@ -19,10 +19,13 @@ class EvalRefused(Exception):
     """The node answered with an error (busy, not training...): its message."""
 
 
-def request_swarm_eval(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, save: bool = False) -> dict[str, Any]:
-    """The node's answer; raises EvalRefused for an error answer, URLError/OSError/ValueError otherwise."""
+def request_swarm_eval(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, save: bool = False,
+                       token: str | None = None) -> dict[str, Any]:
+    """The node's answer; raises EvalRefused for an error answer, URLError/OSError/ValueError otherwise.
+    `token` is the node's monitor token (its POST endpoints need it)."""
     query = "?save=true" if save else ""
-    request = urllib.request.Request(f"{url.rstrip('/')}/api/eval/average{query}", data=b"", method="POST")
+    request = urllib.request.Request(f"{url.rstrip('/')}/api/eval/average{query}", data=b"", method="POST",
+                                     headers=auth_headers(token))
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             answer: dict[str, Any] = json.load(response)
@@ -58,12 +61,14 @@ def format_swarm_eval(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_eval(url: str, as_json: bool, timeout_s: float = DEFAULT_TIMEOUT_S, save: bool = False) -> int:
+def run_eval(url: str, as_json: bool, timeout_s: float = DEFAULT_TIMEOUT_S, save: bool = False,
+             token: str | None = None) -> int:
     """Exit 0 with the report; 1 when the node refused, did not answer, or could not write the average."""
     try:
-        result = request_swarm_eval(url, timeout_s, save)
+        result = request_swarm_eval(url, timeout_s, save, token)
     except EvalRefused as exc:
-        print(f"murmur eval: error: the node at {url} refused: {exc}", file=sys.stderr)
+        hint = "" if token else " (no monitor token found: run in the node's directory, or give --data-dir or --token)"
+        print(f"murmur eval: error: the node at {url} refused: {exc}{hint}", file=sys.stderr)
         return 1
     except TimeoutError:
         print(f"murmur eval: error: no answer from {url} within {timeout_s:g} s (--timeout)", file=sys.stderr)

@@ -16,7 +16,8 @@ class ExportUsage(ValueError):
 
 
 def run_export(to: Path, data_dir: Path | None, url: str | None, source: str | None, force: bool,
-               timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
+               timeout_s: float = DEFAULT_TIMEOUT_S, token: str | None = None) -> int:
+    """`token`: with `url`, the node's monitor token (its POST endpoints need it)."""
     from node.training.checkpoint import CheckpointUnreadable
     from node.training.export import ExportFailed, ExportSource, export_data_dir
     from node.training.models.hf import HfModelInvalid
@@ -28,7 +29,7 @@ def run_export(to: Path, data_dir: Path | None, url: str | None, source: str | N
     chosen = ExportSource(source) if source is not None else None
     if url is not None:
         try:
-            answer = request_swarm_eval(url, timeout_s, save=True)
+            answer = request_swarm_eval(url, timeout_s, save=True, token=token)
         except EvalRefused as exc:
             print(f"murmur export: error: the node at {url} refused: {exc}", file=sys.stderr)
             return 1

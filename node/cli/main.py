@@ -45,6 +45,7 @@ from node.config import (
     read_flags,
     settings_for,
 )
+from node.config.settings import MONITOR_TOKEN_FILE
 from topology import TOPOLOGY_NAMES, WEIGHT_SCHEMES, TopologySpec, build_topology
 
 
@@ -226,6 +227,8 @@ def _add_hf_commands(commands: argparse._SubParsersAction[argparse.ArgumentParse
     export.add_argument("--force", action="store_true", help="replace --to if it exists")
     export.add_argument("--timeout", type=_number(float, lo=1.0), default=300.0, metavar="SECONDS",
                         help="with --url: how long to wait for the node's swarm average (default 300)")
+    export.add_argument("--token", help="with --url: the node's monitor token (default: read from "
+                        "./murmur-data/monitor.token for a loopback URL; its POST endpoints need it)")
     export.set_defaults(run=_run_export)
 
     tokenizer = commands.add_parser(
@@ -254,8 +257,13 @@ def _run_export(args: argparse.Namespace) -> int:
 
     if args.source is not None and args.url is not None:
         raise UsageError("--from applies to --data-dir; with --url the node writes and exports its swarm average")
+    if args.token is not None and args.url is None:
+        raise UsageError("--token applies to --url")
+    token = None
+    if args.url is not None:
+        token = args.token.strip() if args.token is not None else _loopback_token(args.url, NodeConfig().data_dir)
     try:
-        return run_export(args.to, args.data_dir, args.url, args.source, args.force, args.timeout)
+        return run_export(args.to, args.data_dir, args.url, args.source, args.force, args.timeout, token=token)
     except ExportUsage as exc:
         raise UsageError(str(exc)) from None
 
@@ -377,13 +385,18 @@ def _add_node_commands(commands: argparse._SubParsersAction[argparse.ArgumentPar
 
 
 def _add_monitor_target(parser: argparse.ArgumentParser) -> None:
-    """The flags that find a running node (`status`, `eval`): its monitor's port and host, or --url."""
+    """The flags that find a running node (`status`, `eval`): its monitor's port and host, or --url;
+    and its monitor token (from its data dir, or --token)."""
     _add_config_flag(parser)
     target = parser.add_mutually_exclusive_group()
     _add_setting_flag(target, SETTINGS_BY_KEY["monitor.port"], help="TCP port of the node's monitor page")
     target.add_argument("--url", help="monitor URL of the node, e.g. http://127.0.0.1:7690 (instead of "
                         "--monitor-host/--monitor-port)")
     _add_setting_flag(parser, SETTINGS_BY_KEY["monitor.host"], help="host of the node's monitor page")
+    _add_setting_flag(parser, SETTINGS_BY_KEY["data_dir"], help="the node's data directory, where its monitor "
+                      "token is (monitor.token)")
+    parser.add_argument("--token", help="the node's monitor token (default: read from <data-dir>/monitor.token; "
+                        "a node's POST endpoints need it)")
 
 
 def _add_config_flag(parser: argparse.ArgumentParser) -> None:
@@ -559,18 +572,45 @@ def _run_bootstrap(args: argparse.Namespace) -> int:
     return exit_status
 
 
+def monitor_token(args: argparse.Namespace, env: Mapping[str, str], url: str) -> str | None:
+    """The monitor token a parsed `status` or `eval` command line sends: --token, else the one in the
+    data directory. The data directory's token goes only to a loopback URL unless the data directory
+    was named (flag, environment, config file): a node elsewhere must not learn this machine's token."""
+    if args.token is not None:
+        return str(args.token).strip()
+    resolved = _resolve(args, env)
+    if "data_dir" in resolved.sources:
+        return _read_token(resolved.config.data_dir)
+    return _loopback_token(url, resolved.config.data_dir)
+
+
+def _loopback_token(url: str, data_dir: Path) -> str | None:
+    """The token in `data_dir`, if `url` is on this machine's loopback (else None: not sent elsewhere)."""
+    host = (urllib.parse.urlsplit(url).hostname or "").lower()
+    if host not in ("localhost", "::1") and not host.startswith("127."):
+        return None
+    return _read_token(data_dir)
+
+
+def _read_token(data_dir: Path) -> str | None:
+    try:
+        return (data_dir / MONITOR_TOKEN_FILE).read_text().strip() or None
+    except OSError:
+        return None
+
+
 def _run_status(args: argparse.Namespace) -> int:
     url = status_url(args, os.environ)
     from node.cli.status import run_status
 
-    return run_status(url, args.json)
+    return run_status(url, args.json, token=monitor_token(args, os.environ, url))
 
 
 def _run_eval(args: argparse.Namespace) -> int:
     url = status_url(args, os.environ)
     from node.cli.eval import run_eval
 
-    return run_eval(url, args.json, args.timeout, save=args.save)
+    return run_eval(url, args.json, args.timeout, save=args.save, token=monitor_token(args, os.environ, url))
 
 
 @contextlib.contextmanager

@@ -12,9 +12,15 @@ from typing import Any
 TIMEOUT_S = 5.0
 
 
-def fetch_status(url: str) -> dict[str, Any]:
+def auth_headers(token: str | None) -> dict[str, str]:
+    """The header that carries a node's monitor token (its POST endpoints need it)."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def fetch_status(url: str, token: str | None = None) -> dict[str, Any]:
     """The node's `/api/status` answer; raises URLError, OSError or ValueError."""
-    with urllib.request.urlopen(f"{url.rstrip('/')}/api/status", timeout=TIMEOUT_S) as response:
+    request = urllib.request.Request(f"{url.rstrip('/')}/api/status", headers=auth_headers(token))
+    with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
         status: dict[str, Any] = json.load(response)
     return status
 
@@ -83,9 +89,9 @@ def print_answer(command: str, url: str, answer: dict[str, Any], as_json: bool,
     return 0
 
 
-def run_status(url: str, as_json: bool) -> int:
+def run_status(url: str, as_json: bool, token: str | None = None) -> int:
     try:
-        status = fetch_status(url)
+        status = fetch_status(url, token)
     except (urllib.error.URLError, OSError, ValueError) as exc:
         return no_node("status", url, exc)
     return print_answer("status", url, status, as_json, format_status)

@@ -15,6 +15,7 @@ from topology import TopologySpec
 # a free port (tests, several nodes on one machine), which the node then reports in its log.
 DEFAULT_MONITOR_PORT = 7690
 IDENTITY_FILE_NAME = "identity.key"
+MONITOR_TOKEN_FILE = "monitor.token"  # this run's monitor token (node.monitor.access), in the data dir
 # Frozen, so one instance can be every config's default.
 DEFAULT_TOPOLOGY = TopologySpec("one-peer-exp")
 # Robust by default: centered clipping with an adaptive radius bounds a hostile neighbour's pull (gossip.robust).

@@ -129,7 +129,9 @@ SETTINGS: tuple[Setting, ...] = (
             "this node's membership certificate in an allowlist swarm, as `murmur invite` wrote it", JOINING,
             optional=True, default_text="none"),
     Setting("data_dir", PathKind(metavar="DIR"), "MURMUR_DATA_DIR", "--data-dir",
-            "directory for the identity, checkpoints and logs; created if missing", DAEMONS | {Command.INVITE},
+            "directory for the identity, checkpoints, logs and the monitor's per-run token (monitor.token); "
+            "created if missing. status and eval read the token there",
+            DAEMONS | {Command.INVITE, Command.STATUS, Command.EVAL},
             default_text="./murmur-data"),
     Setting("identity_file", PathKind(metavar="FILE"), "MURMUR_IDENTITY", "--identity",
             "libp2p RSA key file that gives the node its peer id; created (mode 0600) if missing",

@@ -5,7 +5,7 @@ from node.monitor.eventlog import EventLog, LogEntry
 from node.monitor.history import Counters, HistoryRecorder, MixingStepEstimate, Sample, TrainingFigures
 from node.monitor.server import MonitorServer, start_monitor
 from node.monitor.source import MonitorSource
-from node.monitor.topology_view import round_graph
+from node.monitor.topology_view import RoundGraphCache, round_graph
 
 __all__ = [
     "Counters",
@@ -15,6 +15,7 @@ __all__ = [
     "MixingStepEstimate",
     "MonitorServer",
     "MonitorSource",
+    "RoundGraphCache",
     "Sample",
     "TrainingFigures",
     "round_graph",

@@ -32,14 +32,23 @@ METRIC_NAMES = (
     "murmur_experts_owned",
     "murmur_topology_rho",
     "murmur_monitor_bad_requests_total",
+    "murmur_monitor_refused_total",
+    "murmur_streams_refused_total",
+    "murmur_requests_refused_total",
+    "murmur_incoming_streams",
+    "murmur_dials_total",
+    "murmur_dials_backing_off",
+    "murmur_view_overflow",
 )
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class NodeCollector(Collector):
-    def __init__(self, source: MonitorSource, bad_requests: Callable[[], int]) -> None:
+    def __init__(self, source: MonitorSource, bad_requests: Callable[[], int],
+                 refused: Callable[[], dict[str, int]]) -> None:
         self._source = source
         self._bad_requests = bad_requests
+        self._refused = refused
 
     def collect(self) -> Iterator[Metric]:
         s = self._source.status()
@@ -71,6 +80,24 @@ class NodeCollector(Collector):
         yield _optional(GaugeMetricFamily("murmur_topology_rho", "rho of the current round's topology", labels=[]), rho)
         yield CounterMetricFamily("murmur_monitor_bad_requests", "monitor requests refused with 400",
                                   value=self._bad_requests())
+        yield _labelled(CounterMetricFamily("murmur_monitor_refused", "monitor requests refused before handling: "
+                                            "foreign Host, POST without the token, too many event streams",
+                                            labels=["reason"]), self._refused())
+        limits = s.get("limits") or {}
+        yield _labelled(CounterMetricFamily("murmur_streams_refused", "incoming streams closed before a byte was "
+                                            "read: per-peer or total cap, or a peer not in view", labels=["reason"]),
+                        limits.get("streams_refused", {}))
+        yield _labelled(CounterMetricFamily("murmur_requests_refused", "requests answered with a reject after "
+                                            "their header: rate limits, rounds out of bounds, timing",
+                                            labels=["reason"]), limits.get("requests_refused", {}))
+        yield GaugeMetricFamily("murmur_incoming_streams", "incoming streams open now",
+                                value=limits.get("open_streams", 0))
+        yield _labelled(CounterMetricFamily("murmur_dials", "dials of the view's peers, by outcome",
+                                            labels=["outcome"]), limits.get("dials", {}))
+        yield GaugeMetricFamily("murmur_dials_backing_off", "peers whose last dial failed, waiting to be retried",
+                                value=limits.get("dials_backing_off", 0))
+        yield GaugeMetricFamily("murmur_view_overflow", "live peer records left out of the view by its cap",
+                                value=limits.get("view_overflow", 0))
 
 
 def _labelled(family: CounterMetricFamily, counts: dict[str, int]) -> CounterMetricFamily:
@@ -85,9 +112,10 @@ def _optional(family: GaugeMetricFamily, value: float | None) -> GaugeMetricFami
     return family
 
 
-def metrics_registry(source: MonitorSource, bad_requests: Callable[[], int]) -> CollectorRegistry:
+def metrics_registry(source: MonitorSource, bad_requests: Callable[[], int],
+                     refused: Callable[[], dict[str, int]] = dict) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(NodeCollector(source, bad_requests))
+    registry.register(NodeCollector(source, bad_requests, refused))
     return registry
 
 

@@ -1,10 +1,12 @@
 """The monitor's web server (aiohttp, in the node's event loop): the page, the JSON API, server-sent
 events and `/metrics`, plus the sampler that appends a history sample and pushes an update every
-interval. Bound to 127.0.0.1 unless the node is told otherwise (`--monitor-host`)."""
+interval. Bound to 127.0.0.1 unless the node is told otherwise (`--monitor-host`); answers only the Host
+names node.monitor.access allows, and POSTs only with the run's token."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import time
@@ -17,6 +19,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from node.config import Boolean
+from node.monitor.access import MAX_EVENT_CLIENTS, AccessRefusal, HostAllowlist, new_token, token_matches
 from node.monitor.eventlog import LogCapture, Snapshot, log_changes
 from node.monitor.metrics import CONTENT_TYPE, exposition, metrics_registry
 from node.monitor.schemas import openapi_document
@@ -128,6 +131,14 @@ class Sampler:
         done, self._tick = self._tick, asyncio.Event()
         done.set()
 
+    async def refresh_safely(self) -> None:
+        """The source's topology brought up to date (in a thread); a failure is logged, and the last
+        graph stays."""
+        try:
+            await self.source.refresh_topology()
+        except Exception:
+            logger.debug("monitor topology refresh failed", exc_info=True)
+
     def sample_safely(self) -> None:
         """sample_once, but a failure is logged and counted: it must not end the page's updates."""
         try:
@@ -146,6 +157,7 @@ class Sampler:
     async def run(self) -> None:
         while not self.closed:
             await asyncio.sleep(self.interval_s)
+            await self.refresh_safely()
             self.sample_safely()
 
     def close(self) -> None:
@@ -160,6 +172,7 @@ class MonitorServer:
     sampler: Sampler
     task: asyncio.Task[None]
     capture: LogCapture
+    token: str  # POST requests need it (Authorization: Bearer <token>)
 
     async def close(self) -> None:
         self.sampler.close()
@@ -174,10 +187,35 @@ def _static(name: str) -> bytes:
     return resources.files(__package__).joinpath("static", name).read_bytes()
 
 
-def build_app(source: MonitorSource, sampler: Sampler) -> web.Application:
+def build_app(source: MonitorSource, sampler: Sampler, *, host: str = "127.0.0.1", token: str | None = None,
+              max_event_clients: int = MAX_EVENT_CLIENTS) -> web.Application:
+    """The monitor's app, answering Host names `HostAllowlist(host)` allows and POSTs with `token`
+    (a fresh one that no client knows when None)."""
     bad_requests = [0]  # one cell per app: the middleware counts, /metrics reads
-    registry = metrics_registry(source, lambda: bad_requests[0])
+    refused: collections.Counter[str] = collections.Counter()  # by AccessRefusal
+    event_clients = [0]
+    allowlist = HostAllowlist(host)
+    secret = token if token is not None else new_token()
+    registry = metrics_registry(source, lambda: bad_requests[0], lambda: dict(refused))
     pages = {path: (_static(name), kind) for path, (name, kind) in STATIC_FILES.items()}
+
+    @web.middleware
+    async def access(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not allowlist.allows(request.headers.get("Host")):
+            refused[AccessRefusal.HOST] += 1
+            logger.info("monitor: 403 for Host %r (%s %s)", request.headers.get("Host"), request.method, request.path)
+            return _error(403, f"this monitor answers to loopback names and {host!r}, not to the Host "
+                               f"{request.headers.get('Host')!r}")
+        # (a path or method that does not exist gets its 404/405 from the router, token or not)
+        routed = request.match_info.http_exception is None
+        if routed and request.method == "POST" and not token_matches(request.headers.get("Authorization"), secret):
+            refused[AccessRefusal.TOKEN] += 1
+            logger.info("monitor: 401 for %s %s without this run's token", request.method, request.path)
+            response = _error(401, "POST needs this run's monitor token (Authorization: Bearer <token>, from "
+                                   "<data-dir>/monitor.token; murmur eval reads it)")
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return response
+        return await handler(request)
 
     @web.middleware
     async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -219,11 +257,25 @@ def build_app(source: MonitorSource, sampler: Sampler) -> web.Application:
 
     async def metrics(request: web.Request) -> web.Response:
         _parse_query(request.query, {})
+        await sampler.refresh_safely()
         body = await asyncio.to_thread(exposition, registry)  # collect() only reads: safe off the loop
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     async def events(request: web.Request) -> web.StreamResponse:
         _parse_query(request.query, {})
+        if event_clients[0] >= max_event_clients:
+            refused[AccessRefusal.EVENT_CLIENTS] += 1
+            logger.info("monitor: 503 for an event stream: %d are open", event_clients[0])
+            response = _error(503, f"{max_event_clients} event streams are open already; try again later")
+            response.headers["Retry-After"] = "5"
+            return response
+        event_clients[0] += 1
+        try:
+            return await _event_stream(request)
+        finally:
+            event_clients[0] -= 1
+
+    async def _event_stream(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                "X-Accel-Buffering": "no"})
         await response.prepare(request)
@@ -258,12 +310,17 @@ def build_app(source: MonitorSource, sampler: Sampler) -> web.Application:
         except EvalUnavailable as exc:
             return _error(422, str(exc))
 
-    app = web.Application(middlewares=[json_errors])
+    async def topology(request: web.Request) -> web.Response:
+        _parse_query(request.query, {})
+        await sampler.refresh_safely()
+        return _json(source.topology())
+
+    app = web.Application(middlewares=[access, json_errors])
     for path in STATIC_FILES:
         app.router.add_get(path, page)
     app.router.add_get("/api/status", endpoint(lambda _: source.status(), {}))
     app.router.add_get("/api/peers", endpoint(peers, {}))
-    app.router.add_get("/api/topology", endpoint(lambda _: source.topology(), {}))
+    app.router.add_get("/api/topology", topology)
     app.router.add_get("/api/history", endpoint(history, {"since": _finite_float, "limit": _positive_int}))
     app.router.add_get("/api/log", endpoint(
         lambda q: {"entries": [e.as_json() for e in source.events.entries(q.get("after", 0), q.get("limit"))]},
@@ -280,12 +337,15 @@ async def _write(response: web.StreamResponse, text: str) -> None:
         await response.write(text.encode())
 
 
-async def start_monitor(source: MonitorSource, host: str, port: int,
-                        interval_s: float = SAMPLE_INTERVAL_S) -> MonitorServer:
-    """Start serving and sampling; port 0 picks a free port, reported in the returned url."""
+async def start_monitor(source: MonitorSource, host: str, port: int, interval_s: float = SAMPLE_INTERVAL_S, *,
+                        token: str | None = None, max_event_clients: int = MAX_EVENT_CLIENTS) -> MonitorServer:
+    """Start serving and sampling; port 0 picks a free port, reported in the returned url. POSTs need
+    `token` (a fresh one when None: `MonitorServer.token`)."""
+    token = token if token is not None else new_token()
     sampler = Sampler(source, interval_s)
+    await sampler.refresh_safely()
     sampler.sample_safely()  # the page has something to show from its first request
-    runner = web.AppRunner(build_app(source, sampler), access_log=None, handle_signals=False,
+    runner = web.AppRunner(build_app(source, sampler, host=host, token=token, max_event_clients=max_event_clients), access_log=None, handle_signals=False,
                            shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     try:
@@ -300,4 +360,4 @@ async def start_monitor(source: MonitorSource, host: str, port: int,
     capture = LogCapture(source.events)
     logging.getLogger().addHandler(capture)
     task = asyncio.create_task(sampler.run(), name="monitor sampler")
-    return MonitorServer(runner, f"http://{shown}:{bound_port}", sampler, task, capture)
+    return MonitorServer(runner, f"http://{shown}:{bound_port}", sampler, task, capture, token)

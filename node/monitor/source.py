@@ -32,7 +32,11 @@ class MonitorSource(Protocol):
         """The membership view, one object per peer (the items of schemas/peers.json)."""
 
     def topology(self) -> dict[str, Any]:
-        """The current round's graph (schemas/topology.json)."""
+        """The current round's graph (schemas/topology.json), as of the last `refresh_topology`."""
+
+    async def refresh_topology(self) -> None:
+        """Bring `topology()` up to date; heavy work (a dense matrix, its eigenvalues) runs in a thread,
+        and only when the graph's inputs changed."""
 
     def counters(self) -> Counters:
         """What one history sample takes from the node's counters."""

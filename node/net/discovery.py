@@ -55,6 +55,7 @@ from node.net.validation import (
     SwarmMembership,
     make_record_validator,
 )
+from node.net.view import MAX_VIEW, cap_view
 from node.training.recipe import RecipeInvalid, parse_document
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ class DiscoverySettings:
     config_ttl_s: float = CONFIG_TTL_S
     config_check_s: float | None = None  # how often a joiner looks for a newer config; default 5 heartbeats
     version: str = dataclasses.field(default_factory=_software_version)
+    max_view: int = MAX_VIEW  # peers in the view at most, this one included (node.net.view)
 
     def __post_init__(self) -> None:
         validate_swarm_name(self.swarm)
@@ -115,6 +117,8 @@ class DiscoverySettings:
         if self.ttl_s > MAX_RECORD_TTL_S:
             raise ValueError(f"a record's time to live ({self.ttl_s:g} s) must be at most {MAX_RECORD_TTL_S:g} s, "
                              "what the swarm's validators accept")
+        if self.max_view < 2:
+            raise ValueError("max_view must be at least 2")
 
     @property
     def ttl_s(self) -> float:
@@ -195,6 +199,11 @@ class Discovery:
         self._newer_config = asyncio.Event()
         self.latest_config: SwarmConfig | None = None  # the newest of the founder's configs seen
         self._errors: collections.Counter[str] = collections.Counter()
+        self.view_overflow = 0  # live records left out of the view by its cap at the last refresh
+        self._refreshing: asyncio.Task[None] | None = None  # a read of the view started by read_after
+        self._refreshed_at = -math.inf  # loop time the latest read of the view began
+        self._last_read_began = -math.inf  # ... of the latest read that has ended
+        self._read_done = asyncio.Condition()  # notified as each read ends
 
     @property
     def peer_id(self) -> str:
@@ -292,6 +301,8 @@ class Discovery:
         if self._closed:
             return
         self._closed = True
+        if self._refreshing is not None:
+            self._refreshing.cancel()
         if self._runner is not None:
             self._runner.cancel()
             try:
@@ -550,7 +561,35 @@ class Discovery:
             logger.warning("%s in the DHT failed: %s", doing, exc)
         return entries, failure
 
+    async def read_after(self, since: float, min_interval_s: float) -> None:
+        """Return once a read of the view that began at or after loop time `since` has ended (the
+        background reads count); start one if none is running and none began in the last
+        `min_interval_s`. Concurrent callers share the reads (an unknown peer's stream asks this,
+        node.net.membership)."""
+        loop = asyncio.get_running_loop()
+        while not self._closed and self._dht is not None and self._last_read_began < since:
+            if self._refreshing is None or self._refreshing.done():
+                wait = self._refreshed_at + min_interval_s - loop.time()
+                if wait <= 0:
+                    self._refreshing = asyncio.create_task(self._refresh_view(), name="discovery view read")
+                else:
+                    async with self._read_done:
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(wait):
+                                await self._read_done.wait()
+                    continue
+            await asyncio.shield(self._refreshing)
+
     async def _refresh_view(self) -> None:
+        began = self._refreshed_at = asyncio.get_running_loop().time()
+        try:
+            await self._read_view()
+        finally:
+            self._last_read_began = max(self._last_read_began, began)
+            async with self._read_done:
+                self._read_done.notify_all()
+
+    async def _read_view(self) -> None:
         entries, _ = await self._read_entries(peers_key(self._settings.swarm), "reading the swarm's peers")
         if entries is None:
             return  # keep the last view rather than report everyone gone after one failed read
@@ -560,6 +599,12 @@ class Discovery:
             record = self._live_record(subkey, item.value, item.expiration_time, now)
             if record is not None and record.peer_id != self.peer_id:
                 records[record.peer_id] = record
+        records, left_out = cap_view(records, self.peer_id, {r.peer_id for r in self._view}, self._settings.max_view,
+                                     self._settings.swarm)
+        if left_out and not self.view_overflow:
+            logger.warning("%d live peer records left out of the view: it holds at most %d peers", left_out,
+                           self._settings.max_view)
+        self.view_overflow = left_out
         self._set_view(tuple(records[peer_id] for peer_id in sorted(records)))
 
     def _live_record(self, subkey: object, value: object, expiration: float, now: float) -> PeerRecord | None:

@@ -10,6 +10,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from gossip.limits import IncomingGate
 from gossip.transport import Transport
 from node.config import NodeConfig
 from node.runtime.errors import StartupError
@@ -17,8 +18,9 @@ from node.runtime.errors import StartupError
 if TYPE_CHECKING:
     from hivemind.p2p import P2P
 
+    from node.net.dialer import Dialer
+    from node.net.discovery import Discovery
     from node.net.identity import Identity
-    from node.net.records import PeerRecord
     from node.net.transport.libp2p import LibP2PTransport
 
 logger = logging.getLogger("murmur.node")
@@ -33,13 +35,13 @@ class DataPlane(Transport, Protocol):
 
 
 async def start_data_plane(config: NodeConfig, identity: Identity, p2p: P2P, on_death: Callable[[], None],
-                           stack: contextlib.AsyncExitStack) -> DataPlane:
-    """The gossip transport `--transport` selects. `on_death` runs if the py-libp2p child dies; the
-    node then stops, and the exit reports why once its parts have stopped."""
+                           stack: contextlib.AsyncExitStack, gate: IncomingGate) -> DataPlane:
+    """The gossip transport `--transport` selects, its incoming streams behind `gate`. `on_death` runs
+    if the py-libp2p child dies; the node then stops, and the exit reports why once its parts have stopped."""
     if config.network.transport == "p2pd":
         from node.net.transport.p2pd import P2PDTransport
 
-        return P2PDTransport(p2p)
+        return P2PDTransport(p2p, gate=gate)
     from node.net.transport.libp2p import ChildFailed, LibP2PSettings, LibP2PTransport, data_listen_maddrs
 
     if config.network.announce and not config.network.data_announce:
@@ -48,7 +50,7 @@ async def start_data_plane(config: NodeConfig, identity: Identity, p2p: P2P, on_
     listen = config.network.data_listen or data_listen_maddrs(config.network.listen)
     try:
         transport = await LibP2PTransport.start(LibP2PSettings(identity.path, identity.peer_id, listen=listen),
-                                                on_death=on_death)
+                                                on_death=on_death, gate=gate)
     except ChildFailed as exc:
         raise StartupError(str(exc)) from None
     stack.push_async_callback(_stopped_by_dead_child, transport)  # runs once the node's parts have stopped
@@ -68,19 +70,19 @@ async def advertised_data_maddrs(config: NodeConfig, transport: DataPlane, peer_
     return await transport.maddrs()
 
 
-async def connect_new(transport: DataPlane, view: Sequence[PeerRecord], me: str, connected: set[str]) -> None:
-    """Give the data plane the addresses of peers it has not dialled yet (from their DHT records)."""
-    new = [p for p in view if p.peer_id != me and p.peer_id not in connected]
-    if not new:
-        return
+async def start_dialer(transport: DataPlane, discovery: Discovery, stack: contextlib.AsyncExitStack) -> Dialer:
+    """Dial the view's peers in the background (node.net.dialer), by the routability rule applied to
+    this node's own addresses (its record's and its DHT's); stopped with the node."""
+    from node.net.dialer import Dialer
 
-    async def dial(record: PeerRecord) -> None:
-        try:
-            await transport.connect(record.peer_id, record.maddrs)
-            connected.add(record.peer_id)
-        except (ConnectionError, TimeoutError, ValueError) as exc:
-            logger.info("could not dial %s yet: %s", record.peer_id, exc)
+    dialer = Dialer(transport, discovery.peer_id,
+                    lambda: (*discovery.local_record.maddrs, *discovery.dht_maddrs))
+    task = asyncio.create_task(dialer.run(discovery.view), name="dialer")
 
-    async with asyncio.TaskGroup() as group:
-        for record in new:
-            group.create_task(dial(record))
+    async def stop() -> None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    stack.push_async_callback(stop)
+    return dialer

@@ -14,10 +14,13 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from gossip.exchange import ExchangeSettings, GossipPeer
+from gossip.limits import IncomingGate
 from node.cli.ready_line import format_ready_line
 from node.config import NodeConfig
 from node.monitor import MonitorServer, start_monitor
-from node.runtime.data_plane import advertised_data_maddrs, start_data_plane
+from node.monitor.access import new_token, remove_token, write_token
+from node.net.membership import ViewMembership
+from node.runtime.data_plane import advertised_data_maddrs, start_data_plane, start_dialer
 from node.runtime.errors import StartupError
 from node.runtime.host import identity_and_daemon
 from node.runtime.saving import checkpoint_path, final_checkpoint
@@ -60,7 +63,10 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
     async with contextlib.AsyncExitStack() as stack:
         claimed, p2p = await identity_and_daemon(config, stack)
         identity = claimed.identity
-        transport = await start_data_plane(config, identity, p2p, data_plane_died, stack)
+        # incoming streams are admitted only from peers in view once discovery runs (see below); until
+        # then the node serves no protocol
+        gate = runtime.gate = IncomingGate()
+        transport = await start_data_plane(config, identity, p2p, data_plane_died, stack, gate)
         runtime.transport = transport
         stack.push_async_callback(close, transport, "transport")
         discovery = Discovery(p2p, identity, DiscoverySettings(config.swarm, heartbeat_s=config.heartbeat_s),
@@ -72,6 +78,8 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
             raise StartupError(str(exc)) from None
         runtime.discovery = discovery
         stack.push_async_callback(close, discovery, "discovery")
+        gate.membership = ViewMembership(discovery)
+        runtime.dialer = await start_dialer(transport, discovery, stack)
         runtime.maddrs = discovery.dht_maddrs  # what `murmur join --peers` takes; the record has the data plane's
 
         ckpt_path = checkpoint_path(runtime)
@@ -110,6 +118,7 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
         await peer.start()
         api = await _start_api(runtime, config)
         runtime.monitor_url = api.url
+        stack.callback(remove_token, config.data_dir, api.token)
         stack.push_async_callback(close, api, "local API")
         stack.push_async_callback(final_checkpoint, runtime, ckpt_path)
         session = asyncio.Event()  # set when this session ends: the node stops, or follows a newer config
@@ -180,8 +189,14 @@ async def _follow_newer_config(discovery: Discovery, config: NodeConfig, identit
 
 
 async def _start_api(runtime: NodeRuntime, config: NodeConfig) -> MonitorServer:
+    """The monitor, with this run's POST token written to <data-dir>/monitor.token (0600) first."""
+    token = new_token()
     try:
-        return await start_monitor(runtime, config.monitor.host, config.monitor.port)
+        write_token(config.data_dir, token)
+    except OSError as exc:
+        raise StartupError(f"cannot write the monitor token to {config.data_dir}: {exc.strerror or exc}") from None
+    try:
+        return await start_monitor(runtime, config.monitor.host, config.monitor.port, token=token)
     except OSError as exc:
         raise StartupError(f"monitor port {config.monitor.host}:{config.monitor.port} unavailable: {exc.strerror}") from None
 

@@ -12,12 +12,14 @@ import numpy as np
 
 from gossip.exchange import GossipPeer
 from node.config import NodeConfig
-from node.monitor import Counters, EventLog, HistoryRecorder, MixingStepEstimate, round_graph
+from node.monitor import Counters, EventLog, HistoryRecorder, MixingStepEstimate, RoundGraphCache, round_graph
 from node.training.recipe import SwarmSettings
 from node.training.rounds import PeerTiming, participants
-from topology import MembershipView, Topology, build_topology
+from topology import MembershipView, TopologySpec
 
 if TYPE_CHECKING:
+    from gossip.limits import IncomingGate
+    from node.net.dialer import Dialer
     from node.net.discovery import Discovery
     from node.net.founder import SwarmConfig
     from node.net.records import PeerRecord
@@ -38,6 +40,8 @@ class NodeRuntime:
         self.peer: GossipPeer | None = None
         self.discovery: Discovery | None = None
         self.transport: DataPlane | None = None
+        self.gate: IncomingGate | None = None  # admission of incoming streams (gossip.limits)
+        self.dialer: Dialer | None = None  # background dials of the view's peers
         self.maddrs: tuple[str, ...] = ()
         self.config_hash = ""
         self.swarm_doc: Mapping[str, Any] = {}
@@ -52,7 +56,8 @@ class NodeRuntime:
         self.history = HistoryRecorder()  # the monitor's charts; the trainer feeds it through record()
         self.events = EventLog()  # the monitor's recent events and errors
         self._mixing_step = MixingStepEstimate()
-        self._topologies: dict[tuple[str, int], Topology] = {}
+        self._graphs = RoundGraphCache()  # the monitor's topology, computed off the event loop
+        self._spec: tuple[str, TopologySpec] | None = None  # (config hash, its topology)
 
     def count(self, kind: str) -> None:
         self.node_errors[kind] = self.node_errors.get(kind, 0) + 1
@@ -138,8 +143,10 @@ class NodeRuntime:
                  "capacity": p.capacity, "version": p.version, "last_seen": p.heartbeat, "age_s": now - p.heartbeat,
                  "gossip_from": p.gossip_from} for p in self._view()]
 
-    def topology(self) -> dict[str, Any]:
-        """The current round's graph as this node computes it from its view (see node.monitor.topology_view)."""
+    def _graph_inputs(self) -> tuple[list[str], MembershipView, TopologySpec | None, str, int]:
+        """What the current round's graph depends on: the view, the round's members (as the round loop
+        takes them: everyone in view when training, else the peers with 0 < gossip_from <= round), the
+        swarm's topology, this node and the round."""
         view, me = self._view(), self._me()
         round_index = self.peer.round if self.peer else 0
         if self.training is not None:  # a trained swarm's rounds mix over everyone in view (SwarmTraining.plan_for)
@@ -147,14 +154,21 @@ class NodeRuntime:
         else:
             timings = [PeerTiming(p.peer_id, p.gossip_from) for p in view if p.peer_id != me]
             members = participants([*timings, PeerTiming(me, self.gossip_from)], round_index)
-        topo = None
-        if members.n and self.swarm_doc:
-            key = (self.config_hash, members.n)
-            if key not in self._topologies:
-                spec = SwarmSettings.from_doc(self.swarm_doc).topology
-                self._topologies[key] = build_topology(spec, members.n)
-            topo = self._topologies[key]
-        return round_graph((p.peer_id for p in view), members, topo, me, round_index)
+        spec = None
+        if self.swarm_doc:
+            if self._spec is None or self._spec[0] != self.config_hash:
+                self._spec = (self.config_hash, SwarmSettings.from_doc(self.swarm_doc).topology)
+            spec = self._spec[1]
+        return [p.peer_id for p in view], members, spec, me, round_index
+
+    async def refresh_topology(self) -> None:
+        await self._graphs.refresh(*self._graph_inputs())
+
+    def topology(self) -> dict[str, Any]:
+        """The current round's graph as this node computes it from its view (node.monitor.topology_view),
+        as of the last refresh_topology; before the first, the view's nodes without edges."""
+        view_ids, members, _, me, round_index = self._graph_inputs()
+        return self._graphs.latest(round_index) or round_graph(view_ids, members, None, me, round_index)
 
     async def evaluate_swarm_average(self, save: bool = False) -> dict[str, Any]:
         """`POST /api/eval/average`: the swarm-average model's validation loss (node.training.swarm_eval), with
@@ -168,6 +182,23 @@ class NodeRuntime:
         s = self.training.status
         return {**result.as_dict(), "local": {"val_loss": finite_or_none(s.val_loss), "val_step": s.val_step,
                                               "loss": finite_or_none(s.loss), "step": s.step}}
+
+    def limits(self) -> dict[str, Any]:
+        """What the resource limits refused and hold (docs/monitor.md): incoming streams refused before a
+        byte was read, requests refused after their header, dials, the view's overflow."""
+        gate, dialer, discovery, peer = self.gate, self.dialer, self.discovery, self.peer
+        requests: dict[str, int] = dict(peer.stats.refused) if peer else {}
+        spes = self.training.spes_status() if self.training is not None else None
+        for reason, n in ((spes or {}).get("refused") or {}).items():
+            requests[reason] = requests.get(reason, 0) + n
+        return {
+            "streams_refused": dict(gate.refused) if gate else {},
+            "requests_refused": requests,
+            "open_streams": gate.open_streams if gate else 0,
+            "dials": dict(dialer.counts) if dialer else {},
+            "dials_backing_off": dialer.backing_off if dialer else 0,
+            "view_overflow": discovery.view_overflow if discovery else 0,
+        }
 
     def status(self) -> dict[str, Any]:
         peer, discovery, view = self.peer, self.discovery, self._view()
@@ -202,6 +233,7 @@ class NodeRuntime:
             "version": discovery.local_record.version if discovery else "",
             "experts": list(discovery.local_record.experts) if discovery else [],
             "uptime_s": time.time() - self.started,
+            "limits": self.limits(),
         }
 
 

@@ -14,17 +14,17 @@ from typing import TYPE_CHECKING, cast
 
 from gossip.exchange import ExchangeSettings, GossipPeer
 from node.config import NodeConfig
-from node.runtime.data_plane import connect_new
 from node.runtime.errors import StartupError
 from node.runtime.saving import save_swarm_average, write_checkpoint
 from node.runtime.shutdown import close_in_thread
 from node.runtime.status import NodeRuntime
 from node.runtime.tokenizer import obtain_tokenizer
 from node.training.checkpoint import Checkpoint
+from node.training.progress import PeerProgress, stalled_after
 from node.training.recipe import SwarmSettings, TrainingRecipe
 from node.training.settings import TrainingSettings
 from node.training.trainer import Precision
-from topology import Topology, build_topology
+from topology import Topology, TopologyCache
 
 if TYPE_CHECKING:
     from node.net.records import PeerRecord
@@ -49,6 +49,7 @@ async def start_training(runtime: NodeRuntime, recipe: TrainingRecipe, settings:
                          stack: contextlib.AsyncExitStack) -> SwarmTraining:
     """Build the trainer and its gossip peer; restore this node's checkpoint when it is of this swarm."""
     from node.training.loop import (
+        CATCH_UP_DIAL_S,
         StartedFrom,
         SwarmTraining,
         TrainingSetupError,
@@ -62,8 +63,11 @@ async def start_training(runtime: NodeRuntime, recipe: TrainingRecipe, settings:
     assert transport is not None and discovery is not None, "the data plane and discovery are started"
     me, local = transport.peer_id, training_settings(config)
 
+    dialer = runtime.dialer
+    assert dialer is not None, "the dialer is started"
+
     async def dial(record: PeerRecordLike) -> None:
-        await transport.connect(record.peer_id, record.maddrs)
+        await dialer.ensure([record], CATCH_UP_DIAL_S)
 
     tokenizer = await obtain_tokenizer(recipe.tokenizer, config.data_dir, local.tokenizer, transport, discovery.view,
                                        dial)
@@ -80,16 +84,13 @@ async def start_training(runtime: NodeRuntime, recipe: TrainingRecipe, settings:
         logger.warning("the checkpoint belongs to another swarm config; starting fresh (it stays as checkpoint.safetensors.prev)")
     peer = runtime.peer = GossipPeer(transport, exchange, await trainer.tensors(), step=trainer.step)
     peer.round = last_round_at(trainer.step, recipe)
-    topologies: dict[int, Topology] = {}
-    connected: set[str] = set()
+    topologies = TopologyCache(settings.topology)
 
     def topology_for(n: int) -> Topology:
-        if n not in topologies:
-            topologies[n] = build_topology(settings.topology, n)
-        return topologies[n]
+        return topologies.get(n)
 
-    async def connect(view: Sequence[PeerRecord]) -> None:
-        await connect_new(transport, view, me, connected)
+    async def connect(records: Sequence[PeerRecord]) -> None:
+        await dialer.ensure(records, CATCH_UP_DIAL_S)
 
     local_steps = recipe.optimizer.local_steps
     # DHT records lag by up to a heartbeat: the window leaves room for that beyond the staleness bound
@@ -112,6 +113,7 @@ async def start_training(runtime: NodeRuntime, recipe: TrainingRecipe, settings:
         training = SwarmTraining(trainer, peer, discovery, recipe, local, topology_for, connect, lag_window,
                                  record=runtime.record)
     training.status.started_from = StartedFrom.CHECKPOINT if resumed else StartedFrom.INIT
+    training.progress = PeerProgress(stalled_after(config.heartbeat_s, config.gossip.exchange_timeout_s))
     runtime.training = training
     training.must_download = (recipe.weights_sha256 is not None and not resumed
                               and await asyncio.to_thread(local_weights, local.model, recipe) is None)

@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 
 from node.config import NodeConfig
-from node.runtime.data_plane import connect_new
 from node.runtime.saving import write_checkpoint
 from node.runtime.status import NodeRuntime
 from node.training.checkpoint import Checkpoint
+from node.training.progress import PeerProgress, leave_out_stalled, record_lag_rounds, stalled_after
 from node.training.recipe import SwarmSettings
 from node.training.rounds import PeerTiming, announce_round, participants, start_round
-from topology import Topology, build_topology, peer_round
+from topology import TopologyCache, peer_round
 
 logger = logging.getLogger("murmur.node")
 
@@ -41,15 +41,16 @@ def initial_state(config: NodeConfig, settings: SwarmSettings, config_hash: str,
 
 async def gossip_until(stop: asyncio.Event, runtime: NodeRuntime, settings: SwarmSettings, ckpt_path: Path) -> None:
     """Run round after round on the swarm's clock until `stop` is set."""
-    peer, discovery, transport, config = runtime.peer, runtime.discovery, runtime.transport, runtime.config
-    assert peer is not None and discovery is not None and transport is not None, "the node's parts are started"
+    peer, discovery, config = runtime.peer, runtime.discovery, runtime.config
+    assert peer is not None and discovery is not None, "the node's parts are started"
     me = peer.peer_id
     clock = settings.clock
     lead_s = 4 * config.heartbeat_s + 1.0
     announced, waiting_since = 0, time.monotonic()
     start: int | None = None
-    topologies: dict[int, Topology] = {}
-    connected: set[str] = set()
+    topologies = TopologyCache(settings.topology)
+    progress = PeerProgress(stalled_after(config.heartbeat_s, config.gossip.exchange_timeout_s))
+    lag_rounds = record_lag_rounds(config.heartbeat_s, config.gossip.exchange_timeout_s, clock.interval_s)
     last_round = -1
     while not stop.is_set():
         next_round = clock.next_round(time.time(), last_round, settings.max_staleness)
@@ -60,6 +61,7 @@ async def gossip_until(stop: asyncio.Event, runtime: NodeRuntime, settings: Swar
             return
         last_round = next_round
         view = discovery.view()
+        progress.observe(view)
         timings = [PeerTiming(p.peer_id, p.gossip_from) for p in view if p.peer_id != me]
         if not announced and len(view) >= config.gossip.min_peers:
             announced = announce_round(clock, time.time(), lead_s)
@@ -75,16 +77,16 @@ async def gossip_until(stop: asyncio.Event, runtime: NodeRuntime, settings: Swar
                 logger.info("gossip starts at round %d (now %d)", start, next_round)
                 # our tensors are our input to that round: label replies so, not as `stale`
                 peer.round = max(peer.round, start - 1)
-        # dial before the first gossip round, so that round is not late for the dialling
-        await connect_new(transport, view, me, connected)
+        # (peers are dialled in the background, node.net.dialer: a round never waits for a dial)
         if start is None or next_round < start:
             continue
         members = participants([*timings, PeerTiming(me, announced)], next_round)
         if me not in members.peer_ids:
             continue
-        if members.n not in topologies:
-            topologies[members.n] = build_topology(settings.topology, members.n)
-        plan = peer_round(topologies[members.n], members, me, next_round)
+        plan, stalled = leave_out_stalled(peer_round(topologies.get(members.n), members, me, next_round), view,
+                                          progress, next_round, settings.max_staleness, lag_rounds)
+        for _ in stalled:
+            peer.stats.skipped["stalled"] += 1
         outcome = await peer.run_round(next_round, plan)
         discovery.update(round=next_round, step=peer.step)
         if outcome.skipped:

@@ -200,10 +200,18 @@ class SpesNode:
     @property
     def errors(self) -> dict[str, int]:
         """Refused input by kind: the fetch protocol's and every gossip peer's (shared and experts)."""
-        total = collections.Counter(self.fetch_stats.errors)
+        return self._summed("errors")
+
+    @property
+    def refused(self) -> dict[str, int]:
+        """Requests refused for their rate or timing, by reason: the fetch protocol's and every gossip peer's."""
+        return self._summed("refused")
+
+    def _summed(self, counter: str) -> dict[str, int]:
+        total: collections.Counter[str] = collections.Counter(getattr(self.fetch_stats, counter))
         for peer in (self._shared_peer, *self._expert_peers.values()):
             if peer is not None:
-                total.update(peer.stats.errors)
+                total.update(getattr(peer.stats, counter))
         return dict(total)
 
     # ---- set-up and ownership ------------------------------------------------------------------------

@@ -212,6 +212,7 @@ class SpesSwarmTraining(SwarmTraining):
             "bytes_sent": node.bytes_sent, "bytes_received": node.bytes_received,
             "fetched": node.fetch_stats.fetched, "served": node.fetch_stats.served,
             "skipped": dict(node.fetch_stats.skipped), "errors": errors, "clipped": node.clipped,
+            "refused": node.refused,
         }
 
 

@@ -22,6 +22,7 @@ from node.training.checkpoint import Checkpoint
 from node.training.data import load_corpus, peer_shard
 from node.training.joining import JoinOutcome, Refused, join_swarm, judge_steps, plausible_steps
 from node.training.models import build_named_model, model_context, model_vocab_size
+from node.training.progress import PeerProgress, leave_out_stalled
 from node.training.recipe import TrainingRecipe, embedded_options
 from node.training.settings import TrainingSettings
 from node.training.shards import ShardStream, open_dataset
@@ -38,7 +39,9 @@ logger = logging.getLogger("murmur.train")
 STEP_GRACE_S = 2.0  # a stop waits this long for the step in flight before it abandons it
 JOIN_LOOK_S = 10.0  # how long a joiner looks for live peers to download parameters from
 EVAL_BATCHES = 8
-LAG_WAIT_S = 30.0  # longest a round waits for a neighbour that is far behind before it goes on without
+LAG_WAIT_S = 30.0  # longest a round waits for a laggard that is catching up before it goes on without
+CATCH_UP_DIAL_S = 10.0  # how long a starting node waits for dials to the peers it downloads from
+STALLED_AFTER_S = 10.0  # default: a record unchanged this long shows no progress (node.training.progress)
 EVAL_BATCH_SIZE = 32
 
 
@@ -60,7 +63,7 @@ class RecordSample(Protocol):
                  consensus_distance: float | None = None, tokens: int = 0) -> None: ...
 
 
-# dials the peers of a view this node has not dialled yet
+# dials these peers now (not in a round: a start-up download), waiting for the dials a bounded time
 Connect = Callable[[Sequence["PeerRecord"]], Awaitable[None]]
 
 
@@ -193,6 +196,7 @@ class SwarmTraining:
         # the monitor's history: record(step=, loss=, val_loss=, consensus_distance=, tokens=)
         self._record_sample = record
         self._gossip = GossipTrainer(trainer, peer)
+        self.progress = PeerProgress(STALLED_AFTER_S)  # the runtime sets the bound from heartbeat and deadline
         # the swarm starts from pretrained weights this node lacks: it must download the parameters
         self.must_download = False
         trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
@@ -207,14 +211,19 @@ class SwarmTraining:
         return self.recipe.steps > 0 and step >= self.recipe.steps
 
     async def plan_for(self, round_index: int) -> PeerRound:
-        """This peer's neighbours and weights in round `round_index`, from the current view."""
+        """This peer's neighbours and weights in round `round_index`, from the current view. Dials
+        happen in the background (node.net.dialer): a round never waits for one."""
         view = self.discovery.view()
-        await self._connect(view)
+        self.progress.observe(view)
         # peers whose step budget is spent no longer run rounds: leave them out rather than wait for them
         members = MembershipView.of(p.peer_id for p in view if p.peer_id == self.peer.peer_id or not self._done(p.step))
         self._share_data(members.peer_ids)
         plan = peer_round(self._topology_for(members.n), members, self.peer.peer_id, round_index)
         await self._wait_for_laggards(plan)
+        plan, stalled = leave_out_stalled(plan, self.discovery.view(), self.progress, round_index,
+                                          self.peer.settings.max_staleness)
+        for _ in stalled:
+            self.peer.stats.skipped["stalled"] += 1
         return plan
 
     def _share_data(self, members: Sequence[str]) -> None:
@@ -223,17 +232,23 @@ class SwarmTraining:
             self.trainer.stream.set_members(members)
 
     async def _wait_for_laggards(self, plan: PeerRound) -> None:
-        """Hold this round while a neighbour is more than the lag window behind (by its DHT record).
+        """Hold this round while a neighbour that is catching up is more than the lag window behind
+        (by its DHT record).
 
         A neighbour beyond the staleness bound answers with parameters too old to mix, so a node that
         ran ahead (it started first, or its neighbours are slower) would train alone; waiting keeps the
-        swarm together. A neighbour that died leaves the view within a few heartbeats and ends the wait.
+        swarm together. Only a laggard whose record shows its step rising is waited for: a record that
+        never moves (a peer at step 0 that never trains, a frozen peer) holds no round, and is left out
+        of it once it is stale (see plan_for). A neighbour that died leaves the view within a few heartbeats.
         """
         deadline = time.monotonic() + LAG_WAIT_S
         while time.monotonic() < deadline:
-            records = {p.peer_id: p for p in self.discovery.view()}
+            view = self.discovery.view()
+            self.progress.observe(view)
+            records = {p.peer_id: p for p in view}
             floor = self.trainer.step - self._lag_window
-            behind = [p for p in plan.in_weights if p in records and records[p].step < floor and not self._done(records[p].step)]
+            behind = [p for p in plan.in_weights if p in records and records[p].step < floor
+                      and not self._done(records[p].step) and self.progress.progressing(p)]
             if not behind:
                 return
             await asyncio.sleep(0.2)

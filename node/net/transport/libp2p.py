@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from gossip.limits import IncomingGate
 from gossip.transport import PeerUnreachable, StreamHandler
 from node.net.proc import create_subprocess_exec
 from node.net.transport import control
@@ -76,9 +77,11 @@ class LibP2PSettings:
 class LibP2PTransport:
     """`gossip.transport.Transport` through a py-libp2p child process. Use `await LibP2PTransport.start(...)`."""
 
-    def __init__(self, settings: LibP2PSettings, on_death: Callable[[], None] | None) -> None:
+    def __init__(self, settings: LibP2PSettings, on_death: Callable[[], None] | None,
+                 gate: IncomingGate | None = None) -> None:
         self._settings = settings
         self._on_death = on_death
+        self._gate = gate  # incoming streams pass it before their handler reads a byte
         self._dir = Path(tempfile.mkdtemp(prefix="murmur-libp2p-"))  # mode 0700: only we reach the sockets
         self._stream_socket = self._dir / "child.sock"
         self._node_socket = self._dir / "node.sock"
@@ -100,9 +103,11 @@ class LibP2PTransport:
     # ---- life cycle ------------------------------------------------------------------------------
 
     @classmethod
-    async def start(cls, settings: LibP2PSettings, *, on_death: Callable[[], None] | None = None) -> LibP2PTransport:
-        """Start the child and wait for its `ready`; ChildFailed if it does not come up."""
-        transport = cls(settings, on_death)
+    async def start(cls, settings: LibP2PSettings, *, on_death: Callable[[], None] | None = None,
+                    gate: IncomingGate | None = None) -> LibP2PTransport:
+        """Start the child and wait for its `ready`; ChildFailed if it does not come up. With `gate`,
+        incoming streams pass it before their handler sees them (gossip.limits)."""
+        transport = cls(settings, on_death, gate)
         try:
             await transport._start()
         except BaseException:
@@ -251,7 +256,7 @@ class LibP2PTransport:
     async def serve(self, protocol: str, handler: StreamHandler) -> None:
         if protocol in self._handlers:
             raise ValueError(f"{protocol} is already served")
-        self._handlers[protocol] = handler
+        self._handlers[protocol] = handler if self._gate is None else self._gate.guard(handler)
         try:
             await self._request(control.Op.SERVE, protocol=protocol)
         except BaseException:

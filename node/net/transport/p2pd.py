@@ -19,6 +19,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure, raise_if_fail
 from hivemind.proto import p2pd_pb2
 from hivemind.utils.multiaddr import Multiaddr
 
+from gossip.limits import IncomingGate
 from gossip.transport import PeerUnreachable, StreamClosed, StreamHandler
 from node.net.proc import asyncio_children_die_with_us
 
@@ -177,8 +178,10 @@ class P2PDTransport:
     and whoever started the `P2P` shuts it down afterwards.
     """
 
-    def __init__(self, p2p: P2P, *, open_timeout_s: float = 10.0, close_timeout_s: float = 5.0) -> None:
+    def __init__(self, p2p: P2P, *, open_timeout_s: float = 10.0, close_timeout_s: float = 5.0,
+                 gate: IncomingGate | None = None) -> None:
         self._p2p = p2p
+        self._gate = gate  # incoming streams pass it before their handler reads a byte
         self._open_timeout_s = open_timeout_s
         self._close_timeout_s = close_timeout_s
         self._counts = _ByteCounts()
@@ -268,6 +271,8 @@ class P2PDTransport:
             raise RuntimeError("transport is closed")
         if protocol in self._protocols:
             raise ValueError(f"{protocol} is already served")
+        if self._gate is not None:
+            handler = self._gate.guard(handler)
 
         async def on_stream(info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             stream = P2PDStream(
