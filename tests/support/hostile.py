@@ -22,6 +22,28 @@ Everything before `--` configures the attack; everything after it is a `murmur` 
 - spes-capacity: its peer record claims SPES capacity 2^62, and its expert records (and expert fetch
   replies) claim version 2^62 for every expert it holds, as their owner.
 
+The attacks that have launcher scripts of their own run here too, from inside the real node (each
+starts `attack-after` seconds after the node's discovery started, default 5, and is bounded by
+`duration`, default 30 s; `--option KEY=VALUE`):
+
+- forge-config: under `<swarm>.config`, a plain value, a config it signed itself with a far
+  expiration (and an ordinary one), one claiming the founder's key, an oversized one, every `every`
+  seconds (hostile_dht.forge_config, through a client-mode DHT node on the node's own p2pd).
+- flood-records: `count` (1000) fake peer records, `keys` (20) of them from real keys of their own
+  (hostile_dht.flood_records).
+- flood-streams / flood-pulls: held incoming streams (`streams`, 64 per victim) carrying an exchange
+  request's whole vector, and back-to-back pulls of the current parameters, of rounds and of far-future
+  rounds (`pullers`, 4 per victim), to every peer of its view (hostile_flood.hold_streams and
+  flood_pulls; the vector of `dim` floats is the swarm's own for a vector model).
+- unroutable: its record names only addresses that route nowhere (hostile_flood.UNROUTABLE_MADDRS).
+- stalled-record: its record stays at step 0 and round 0, and every gossip stream to it hangs.
+- wrong-key / stolen-certificate: in a key / allowlist swarm, it presents proofs under a random key, or
+  the certificate file `certificate` (another peer's), and admits everyone itself
+  (hostile_intruder.forge_admission).
+
+The separate launchers stay for the tests that drive them (test_swarm_identity, test_limits_swarm,
+bench_floods): hostile_dht and hostile_flood run as peers without a node and write a JSON report.
+
 Several `--mode` flags combine (say huge-step with noise). With `--cycle-rounds N` the tensor modes
 among them (noise, scaled, sign-flip, stale-replay) take turns, each for N rounds, by the round a
 message belongs to.
@@ -47,8 +69,10 @@ import contextlib
 import enum
 import re
 import sys
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -66,6 +90,7 @@ SIGN_FLIP_FACTOR = 10.0
 NOISE_MIN_STD = 0.01
 REPORT_EVERY = 10
 PREFIX = "murmur hostile: "
+MAX_ATTACK_S = 300.0  # every DHT or flood attack ends within this, whatever `duration` says
 
 
 class Mode(enum.StrEnum):
@@ -77,6 +102,15 @@ class Mode(enum.StrEnum):
     SIGN_FLIP = "sign-flip"
     STALE_REPLAY = "stale-replay"
     SPES_CAPACITY = "spes-capacity"
+    # the attacks of hostile_dht.py, hostile_flood.py and hostile_intruder.py, from inside a real node
+    FORGE_CONFIG = "forge-config"
+    FLOOD_RECORDS = "flood-records"
+    FLOOD_STREAMS = "flood-streams"
+    FLOOD_PULLS = "flood-pulls"
+    UNROUTABLE = "unroutable"
+    STALLED_RECORD = "stalled-record"
+    WRONG_KEY = "wrong-key"
+    STOLEN_CERTIFICATE = "stolen-certificate"
 
 
 # the modes that replace the tensors a node serves (they take turns under --cycle-rounds)
@@ -110,6 +144,9 @@ class HostileContext:
 
     def option(self, name: str, default: float) -> float:
         return float(self.options.get(name, default))
+
+    def text(self, name: str, default: str = "") -> str:
+        return str(self.options.get(name, default))
 
     def count(self, mode: Mode | str, what: str) -> None:
         """Tally one hostile act; report the first and every REPORT_EVERY-th on stderr."""
@@ -271,6 +308,159 @@ def install_spes_capacity(ctx: HostileContext) -> None:
     spes_node.SpesNode.served_copy = served  # type: ignore[method-assign]
 
 
+# ---- attacks with launcher scripts of their own, from inside the node --------------------------------
+
+
+def _support() -> None:
+    """Make `support.*` importable when this file runs as a script (sys.path[0] is tests/support)."""
+    tests = str(Path(__file__).resolve().parents[1])
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+
+
+def _deadline(ctx: HostileContext) -> float:
+    return time.monotonic() + min(ctx.option("duration", 30.0), MAX_ATTACK_S)
+
+
+def install_dht_attacks(ctx: HostileContext) -> None:
+    """forge-config and flood-records: hostile_dht's writes, signed with the node's own key by a
+    client-mode DHT node on the node's p2pd (client mode serves nothing, so it shares the daemon)."""
+    _support()
+    from hivemind.dht.node import DHTNode
+
+    from support import hostile_dht
+
+    async def attack(node: HostileNode) -> None:
+        await asyncio.sleep(ctx.option("attack-after", 5.0))
+        discovery = node.discovery
+        own = discovery._identity.signing_key
+        swarm = discovery._settings.swarm
+        validator = hostile_dht.SignsWithWhateverKey({hostile_dht._marker(own): own})
+        async with asyncio.timeout(20):
+            dht = await DHTNode.create(p2p=discovery._p2p, initial_peers=list(discovery._initial_peers) or None,
+                                       record_validator=validator, client_mode=True, wait_timeout=5.0)
+        try:
+            if Mode.FORGE_CONFIG in ctx.modes:
+                config = node.runtime.swarm_config if node.runtime else None
+                founder_key = config.founder_key if config is not None and config.founder_key else None
+                deadline = _deadline(ctx)
+                while True:
+                    for what, ok in (await hostile_dht.forge_config(dht, own, swarm, founder_key)).items():
+                        ctx.count(Mode.FORGE_CONFIG, f"{what} {'stored' if ok else 'refused'}")
+                    if time.monotonic() + ctx.option("every", 2.0) > deadline:
+                        break
+                    await asyncio.sleep(ctx.option("every", 2.0))
+            if Mode.FLOOD_RECORDS in ctx.modes:
+                count = max(1, min(int(ctx.option("count", 1000)), 5000))
+                keys = max(0, min(int(ctx.option("keys", 20)), 100))
+                flood = await hostile_dht.flood_records(dht, validator, own, swarm, count, keys)
+                for what, n in flood.items():
+                    for _ in range(n):
+                        ctx.count(Mode.FLOOD_RECORDS, what)
+        finally:
+            await dht.shutdown()
+
+    ctx.background(attack)
+
+
+def install_floods(ctx: HostileContext) -> None:
+    """flood-pulls, then flood-streams (each half of `duration` when both run), against every peer of
+    the node's view: hostile_flood's loops on the node's own data plane."""
+    _support()
+    from support import hostile_flood
+
+    async def attack(node: HostileNode) -> None:
+        await asyncio.sleep(ctx.option("attack-after", 5.0))
+        runtime = node.runtime
+        if runtime is None or runtime.transport is None:
+            raise RuntimeError("the flood modes need the node's data plane")
+        transport, me = runtime.transport, node.discovery.peer_id
+        victims = tuple(hostile_flood.Victim(r.peer_id, tuple(r.maddrs)) for r in node.discovery.view()
+                        if r.peer_id != me)
+        floods = [m for m in (Mode.FLOOD_PULLS, Mode.FLOOD_STREAMS) if m in ctx.modes]
+        target = hostile_flood.Target(
+            swarm=node.discovery._settings.swarm, config_hash=runtime.config_hash,
+            dim=int(ctx.option("dim", getattr(runtime.config, "dim", 64))), victims=victims, workdir=Path("."),
+            modes=(), streams_per_id=int(ctx.option("streams", 64)), pullers=int(ctx.option("pullers", 4)),
+            extra_ids=0)
+        report = hostile_flood.Report()
+
+        def round_of(peer: str) -> Callable[[], int]:
+            return lambda: next((r.round for r in node.discovery.view() if r.peer_id == peer), 0)
+
+        started = time.monotonic()
+        total = min(ctx.option("duration", 30.0), MAX_ATTACK_S)
+        for mode in floods:
+            deadline = time.monotonic() + total / len(floods)
+            if mode is Mode.FLOOD_STREAMS:
+                await asyncio.gather(*(hostile_flood.hold_streams(transport, target, v, target.streams_per_id,
+                                                                  round_of(v.peer_id), deadline, report)
+                                       for v in victims))
+            else:
+                await asyncio.gather(*(hostile_flood.flood_pulls(transport, target, v, round_of(v.peer_id),
+                                                                 deadline, report) for v in victims))
+        for what, n in (("streams opened", report.streams_opened),
+                        ("streams closed by the victim", report.streams_closed_by_victim),
+                        *((f"pulls answered {k}", n) for k, n in report.pulls.items()),
+                        *((f"far-ahead exchanges answered {k}", n) for k, n in report.exchanges_far_ahead.items())):
+            ctx.counts[f"{Mode.FLOOD_STREAMS if 'stream' in what else Mode.FLOOD_PULLS}: {what}"] += n
+        for key in sorted(k for k in ctx.counts if k.startswith(("flood-streams:", "flood-pulls:"))):
+            print(f"{PREFIX}{key} {ctx.counts[key]}", file=sys.stderr, flush=True)
+        print(f"{PREFIX}floods: done in {time.monotonic() - started:.0f} s 1", file=sys.stderr, flush=True)
+
+    ctx.background(attack)
+
+
+def install_unroutable(ctx: HostileContext) -> None:
+    """Its record names only addresses that route nowhere (its p2pd still answers where it listens)."""
+    _support()
+    from support.hostile_flood import UNROUTABLE_MADDRS
+
+    def unroutable(discovery: Discovery) -> None:
+        discovery._data_maddrs = tuple(f"{a}/p2p/{discovery.peer_id}" for a in UNROUTABLE_MADDRS)
+        ctx.count(Mode.UNROUTABLE, "record names unroutable addresses")
+
+    ctx.before_start(unroutable)
+
+
+def install_stalled_record(ctx: HostileContext) -> None:
+    """Its record stays at step 0 and round 0; every gossip stream to it hangs (a frozen peer)."""
+    from gossip import exchange
+    from node.net import discovery
+
+    update = discovery.Discovery.update
+
+    def stalled(self: Discovery, **changes: Any) -> None:
+        dropped = [changes.pop(what, None) for what in ("step", "round")]
+        if any(value is not None for value in dropped):
+            ctx.count(Mode.STALLED_RECORD, "record kept at step 0")
+        update(self, **changes)
+
+    discovery.Discovery.update = stalled  # type: ignore[method-assign]
+
+    async def frozen(self: GossipPeer, stream: Any) -> None:
+        ctx.count(Mode.STALLED_RECORD, "gossip streams held")
+        async with asyncio.timeout(MAX_ATTACK_S):
+            await asyncio.Event().wait()
+
+    exchange.GossipPeer._serve = frozen  # type: ignore[method-assign]
+
+
+def install_intruder(ctx: HostileContext) -> None:
+    """wrong-key / stolen-certificate: hostile_intruder's forged admission."""
+    _support()
+    from node.net.admission import read_certificate
+    from support import hostile_intruder
+
+    if Mode.WRONG_KEY in ctx.modes:
+        hostile_intruder.forge_admission(hostile_intruder.wrong_key(), None)
+    else:
+        path = ctx.text("certificate")
+        if not path:
+            raise SystemExit("stolen-certificate needs --option certificate=FILE")
+        hostile_intruder.forge_admission(None, read_certificate(Path(path)).token)
+
+
 # ---- hooks into the node's life ---------------------------------------------------------------------
 
 
@@ -324,6 +514,16 @@ BEHAVIOURS: dict[Mode, Behaviour] = {
     Mode.SIGN_FLIP: Behaviour("serves its update reversed, x_prev - k (x - x_prev)", install_tensor_modes),
     Mode.STALE_REPLAY: Behaviour("serves the first tensors it ever served, forever", install_tensor_modes),
     Mode.SPES_CAPACITY: Behaviour("claims SPES capacity 2^62 and expert versions 2^62", install_spes_capacity),
+    Mode.FORGE_CONFIG: Behaviour("forges <swarm>.config: plain, self-signed with a far expiration, claiming "
+                                 "the founder's key, oversized", install_dht_attacks),
+    Mode.FLOOD_RECORDS: Behaviour("floods 1000 fake peer records (option count, keys)", install_dht_attacks),
+    Mode.FLOOD_STREAMS: Behaviour("holds many incoming gossip streams open at every peer", install_floods),
+    Mode.FLOOD_PULLS: Behaviour("pulls parameters and far-future rounds back to back", install_floods),
+    Mode.UNROUTABLE: Behaviour("its record names only unroutable addresses", install_unroutable),
+    Mode.STALLED_RECORD: Behaviour("its record stays at step 0, its gossip streams hang", install_stalled_record),
+    Mode.WRONG_KEY: Behaviour("proves membership of a key swarm with a wrong key", install_intruder),
+    Mode.STOLEN_CERTIFICATE: Behaviour("presents another peer's certificate (option certificate=FILE)",
+                                       install_intruder),
 }
 
 
