@@ -1,9 +1,10 @@
 """One hostile node among five real `murmur` processes (an open swarm), against a control run of the same
 swarm with an honest node in its place (same identities, seeds and recipe). The hostile node claims step
 10^9 and serves, by turns, noise, its parameters x 1000, its updates reversed and its initial parameters
-(support.hostile). No honest node installs its parameters (a node joining mid-run ignores its claim and
+(support.hostile), and forges the swarm's config in the DHT. No honest node installs its parameters (a node joining mid-run ignores its claim and
 downloads from the honest ones), the honest nodes' validation loss after a fixed number of steps stays
-within 10% of the control's, they keep their rounds, and the hostile traffic shows on /metrics.
+within 10% of the control's, they keep their rounds and the founder's config, and the hostile traffic
+shows on /metrics.
 bench/bench_attacks.py runs every mode on its own, for longer (figures in docs/benchmarks.md)."""
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ RECIPE = {"model": "tiny_model:build", "context": TINY.context, "batch_size": 16
           "warmup_steps": 8, "steps": 0, "topology": "one-peer-exp", "min_peers": 4}
 NODE = {"threads": 1, "eval_every": STEPS, "checkpoint_every": 1000, "exchange_timeout": 3, "heartbeat": 1}
 CONTROL = AttackSetup(RECIPE, NODE, steps=STEPS, join_at=12)
+# it also forges the swarm's config in the DHT meanwhile (a few times, from 2 s after it started)
 ATTACK = AttackSetup(RECIPE, NODE, steps=STEPS, join_at=12, hostile=hostile_argv(
-    [Mode.HUGE_STEP, Mode.NOISE, Mode.SCALED, Mode.SIGN_FLIP, Mode.STALE_REPLAY], cycle_rounds=4))
+    [Mode.HUGE_STEP, Mode.NOISE, Mode.SCALED, Mode.SIGN_FLIP, Mode.STALE_REPLAY, Mode.FORGE_CONFIG], cycle_rounds=4,
+    options={"attack-after": 2, "duration": 15, "every": 5}))
 LOSS_RATIO = 1.10
 
 
@@ -47,6 +50,23 @@ def check_no_takeover(attack: SwarmRun) -> None:
     assert training["started_from"].startswith("peers ") and joined["step"] < 10**6, training
 
 
+def check_config_kept(attack: SwarmRun) -> None:
+    """The forged configs were tried, no honest node stored any, and every honest node (n4 joined after
+    the forgeries began) runs the founder's config; the refusals are counted."""
+    counts = attack.hostile_counts
+    for forged in ("plain", "own_key_far_expiration", "claims_founder", "oversized"):
+        assert counts.get(f"forge-config: {forged} refused", 0) >= 1, counts
+        assert f"forge-config: {forged} stored" not in counts, counts
+    honest = [*FOUNDING_HONEST, "n4"]
+    founder = attack.statuses["n0"]
+    for name in honest:
+        status = attack.statuses[name]
+        assert (status["config_hash"], status["config_version"]) == (founder["config_hash"], 1), (name, status)
+    errors = {kind: sum(attack.statuses[n]["errors"].get(kind, 0) for n in honest)
+              for kind in ("dht_refused_unsigned", "dht_refused_expiration", "dht_refused_too_large")}
+    assert all(errors.values()), errors
+
+
 @pytest.mark.timeout(1500)
 def test_one_hostile_node_among_five_neither_takes_over_nor_poisons_the_honest_ones(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", with_support_path(os.environ))
@@ -59,6 +79,7 @@ def test_one_hostile_node_among_five_neither_takes_over_nor_poisons_the_honest_o
     for name, (base, attacked) in report.items():
         assert attacked <= LOSS_RATIO * base, f"{name}: val loss {attacked} under attack vs {base}; all: {report}"
     check_no_takeover(attack)
+    check_config_kept(attack)
     # a joiner's model right after its download is as good as the honest models it came from
     for run in (control, attack):
         training = run.statuses["n4"]["training"]
