@@ -21,6 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,11 +41,13 @@ def recipes(optimizer: str, lr: float) -> dict[str, dict[str, object]]:
     common = {"batch_size": 16, "optimizer": optimizer, "lr": lr, "warmup_steps": 10, "steps": 0,
               "topology": "one-peer-exp", "min_peers": 4}
     return {"dense": {"model": "tiny_model:build", "context": TINY.context, **common},
-            "spes": {"model": "tiny_moe:build", "context": TINY_MOE.context, "spes": "", **common}}
+            "spes": {"model": "tiny_moe:build", "context": TINY_MOE.context, **common}}  # the founder adds --spes
 
 
-def node_flags(steps: int) -> dict[str, object]:
-    return {"threads": 1, "eval_every": steps, "checkpoint_every": 100_000, "exchange_timeout": 3, "heartbeat": 1}
+def node_flags(steps: int, spes_experts: int | None) -> dict[str, object]:
+    # SPES: every node at its default capacity (every expert on a CPU) unless --spes-experts says less
+    return {"threads": 1, "eval_every": steps, "checkpoint_every": 100_000, "exchange_timeout": 3, "heartbeat": 1,
+            "experts": spes_experts}
 
 
 def summarize(mode: str, control: SwarmRun, attack: SwarmRun) -> dict[str, object]:
@@ -95,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=200, help="S: losses are compared at this step")
     parser.add_argument("--optimizer", choices=("dadam", "dsgd"), default="dadam")
     parser.add_argument("--lr", type=float, help="default: 1.5e-2 for dadam, 0.5 for dsgd")
+    parser.add_argument("--spes-experts", type=int, help="the honest SPES nodes' capacity (default: every expert)")
     parser.add_argument("--dir", type=Path, help="keep the runs' logs here (default: a temporary directory)")
     args = parser.parse_args(argv)
     modes = [Mode(m) for m in args.modes.split(",")]
@@ -111,15 +115,13 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes:
             kind = "spes" if mode in SPES_MODES else "dense"
             recipe = recipes(args.optimizer, lr)[kind]
-            setup = AttackSetup(recipe, node_flags(args.steps), steps=args.steps, join_at=args.steps // 5,
-                                timeout_s=1800.0)
+            setup = AttackSetup(recipe, node_flags(args.steps, args.spes_experts if kind == "spes" else None), steps=args.steps, join_at=args.steps // 5,
+                                timeout_s=1800.0, founder_args=("--spes",) if kind == "spes" else ())
             if kind not in controls:
                 controls[kind] = run_swarm(root / f"control-{kind}", ids / kind, setup)
                 print(f"  control ({kind}): {[round(controls[kind].val_loss(n), 4) for n in FOUNDING_HONEST]}",
                       flush=True)
-            attack = run_swarm(root / f"attack-{mode}", ids / kind,
-                               AttackSetup(recipe, setup.node, setup.steps, setup.join_at, hostile_argv([mode]),
-                                           setup.timeout_s))
+            attack = run_swarm(root / f"attack-{mode}", ids / kind, replace(setup, hostile=hostile_argv([mode])))
             rows.append(summarize(str(mode), controls[kind], attack))
             print(f"  {mode}: {rows[-1]}", flush=True)
     print("\n".join(table(rows, args.steps)))

@@ -16,6 +16,7 @@ import pytest
 from support.attacks import FOUNDING_HONEST, HOSTILE, AttackSetup, SwarmRun, metric, run_swarm, with_support_path
 from support.hostile import Mode, hostile_argv
 from support.tiny_model import TINY
+from support.tiny_moe import TINY_MOE
 
 pytestmark = pytest.mark.multiprocess
 
@@ -99,3 +100,46 @@ def test_one_hostile_node_among_five_neither_takes_over_nor_poisons_the_honest_o
     refused = sum(metric(t, "murmur_errors_total", '{kind="out_of_range"}') for t in attack.metrics.values())
     clipped = sum(metric(t, "murmur_mixing_clipped_total") for t in attack.metrics.values())
     assert refused >= 1 and clipped >= 1, (refused, clipped)
+
+
+SPES_STEPS = 30
+SPES_RECIPE = {**RECIPE, "model": "tiny_moe:build", "context": TINY_MOE.context}
+# every node at its default capacity (every expert on a CPU): the most an honest node claims, and what
+# the hostile's 2^62 counts as (docs/threat-model.md, "What is not bounded")
+SPES_NODE = {**NODE, "eval_every": SPES_STEPS}
+SPES_ATTACK = AttackSetup(SPES_RECIPE, SPES_NODE, steps=SPES_STEPS, join_at=8, founder_args=("--spes",),
+                          hostile=hostile_argv([Mode.SPES_CAPACITY]))
+
+
+@pytest.mark.timeout(900)
+def test_a_hostile_spes_member_claiming_capacity_2_62_and_huge_versions_is_bounded(tmp_path):
+    """SPES (tiny MoE): the hostile node claims capacity 2^62 in its record and version 2^62 for every
+    expert record it publishes and every copy it serves. Its capacity counts as the layer's expert count
+    (every expert keeps honest owners, every honest node owns experts), no honest node takes a version
+    beyond its bound (they are refused and counted), and the honest nodes train. No control run: at 30
+    steps a SPES swarm's validation loss varies between runs of the same seeds by more than the 10%
+    the issue allows (ownership changes when the joiner arrives, at a step the machine's load decides),
+    so the loss ratio is bench/bench_attacks.py's, over longer runs (docs/benchmarks.md)."""
+    os.environ["PYTHONPATH"] = with_support_path(os.environ)
+    attack = run_swarm(tmp_path / "attack", tmp_path / "identities", SPES_ATTACK)
+
+    counts = attack.hostile_counts
+    assert counts.get("spes-capacity: record claims", 0) >= 1 and counts.get(
+        "spes-capacity: expert records inflated", 0) >= 1, counts
+    hostile = attack.nodes[HOSTILE].peer_id
+    honest_ids = {attack.nodes[n].peer_id for n in (*FOUNDING_HONEST, "n4")}
+    refused = 0
+    for name in FOUNDING_HONEST:
+        status = attack.statuses[name]
+        spes = status["spes"]
+        assert hostile in spes["peers"], spes  # it takes part, with a capped share
+        for expert, owners in spes["owners"].items():
+            assert honest_ids & set(owners), (name, expert, owners)  # never owned by the hostile alone
+        assert len(spes["owned_experts"]) >= 1, spes
+        assert all(version < 10**6 for version, _ in spes["records"].values()), spes["records"]
+        refused += spes["errors"].get("version_out_of_bounds", 0)
+        # it trains: the loss at step 30 is far below an untrained model's ln(256 bytes) = 5.5
+        assert status["training"]["val_loss"] < 3.5, status["training"]
+    assert refused >= 1, "no honest node counted the hostile's versions as out of bounds"
+    print(f"SPES under attack: validation loss at step {SPES_STEPS}: "
+          f"{ {n: round(attack.val_loss(n), 4) for n in FOUNDING_HONEST} }")

@@ -34,6 +34,7 @@ class AttackSetup:
     join_at: int
     hostile: Sequence[str] = ()  # support.hostile.hostile_argv for n3; empty: the control
     timeout_s: float = 600.0
+    founder_args: Sequence[str] = ()  # flags of the founder's without a value (e.g. --spes)
 
 
 @dataclass
@@ -64,7 +65,7 @@ def run_swarm(root: Path, identities: Path, setup: AttackSetup) -> SwarmRun:
         return {**setup.node, "identity": identities / f"{name}.key", **(model if name != "n0" else {})}
 
     with Swarm(root) as swarm:
-        n0 = swarm.found("n0", seed=0, **setup.recipe, **flags("n0"))
+        n0 = swarm.found("n0", seed=0, extra_args=list(setup.founder_args), **setup.recipe, **flags("n0"))
         nodes = {"n0": n0}
         for i in (1, 2, 3):
             name = f"n{i}"
