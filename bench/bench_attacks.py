@@ -57,7 +57,7 @@ def summarize(mode: str, control: SwarmRun, attack: SwarmRun) -> dict[str, objec
     cadence = statistics.median(attack.seconds[n] / control.seconds[n] for n in FOUNDING_HONEST)
     refused = sum(metric(t, "murmur_errors_total", '{kind="out_of_range"}') for t in attack.metrics.values())
     clipped = sum(metric(t, "murmur_mixing_clipped_total") for t in attack.metrics.values())
-    versions = sum(int(s.get("spes", {}) and (s["spes"] or {}).get("errors", {}).get("version_out_of_bounds", 0))
+    versions = sum(int(((s.get("spes") or {}).get("errors") or {}).get("version_out_of_bounds", 0))
                    for s in attack.statuses.values())
     return {
         "mode": mode,
