@@ -66,6 +66,9 @@ PULL, EXCHANGE, REPLY, REJECT, ACK = "pull", "exchange", "reply", "reject", "ack
 CURRENT = "current"
 # exchange requests held at once until their round begins
 MAX_WAITING_REQUESTS = 16  # each holds the request's header: its tensors are read once its round claims it
+# How long a round waits for a symmetric partner to ask again after its stream was cut: the asker does
+# so at once (on another connection, or another relay's circuit); a dead one must not hold the round.
+RETRY_GRACE_S = 0.5
 
 
 class Refusal(StrEnum):
@@ -122,6 +125,8 @@ class ExchangeStats:
     # valid exchange requests answered with a `reject` because of their round (LATE, NOT_PARTNER, ...)
     refused: collections.Counter[str] = field(default_factory=collections.Counter)
     clipped: int = 0  # neighbour values mixed after clipping (a clipping rule's radius cut their pull)
+    # requests sent again after their stream was cut (a relay or connection lost mid-exchange)
+    retried: int = 0
 
 
 @dataclass(frozen=True)
@@ -169,7 +174,8 @@ class _PartnerSlot:
     answers the request leaves the outcome.
 
     OPEN -> CLAIMED -> DONE | FAILED, or OPEN -> CLOSED (a request arriving later is refused as
-    LATE). Every change sets `changed`.
+    LATE); CLAIMED -> OPEN when the claiming request's stream is cut before its ack, so that the
+    asker's second try finds the slot. Every change sets `changed`.
     """
 
     __slots__ = ("changed", "failure", "received", "state")
@@ -183,6 +189,13 @@ class _PartnerSlot:
     def settle(self, received: _Received | None, failure: str = "") -> None:
         self.state = _SlotState.DONE if received is not None else _SlotState.FAILED
         self.received, self.failure = received, failure
+        self.changed.set()
+
+    def reopen(self, failure: str) -> None:
+        """A claim that fell through before the asker's ack (a cut stream): the asker may claim it again;
+        `failure` is the skip reason if it does not."""
+        self.state = _SlotState.OPEN
+        self.failure = failure
         self.changed.set()
 
 
@@ -301,8 +314,8 @@ class GossipPeer:
                     got = await self._await_partner(peer, round_index, deadline)
                 else:
                     kind = EXCHANGE if peer in plan.out_peers else PULL
-                    got = await self._request(peer, kind, own_snapshot, round_index, deadline,
-                                              running.add if running is not None else None)
+                    got = await self._request_again_if_cut(peer, kind, own_snapshot, round_index, deadline,
+                                                           running.add if running is not None else None)
             except TimeoutError:
                 skip(peer, Skip.TIMEOUT)
             except PartnerMissed as exc:
@@ -372,24 +385,31 @@ class GossipPeer:
         wait ends early once `peer` has asked for a later round: it is done with this one.
         """
         slot = self._partner_slots[(peer, round_index)]
-        while slot.state is _SlotState.OPEN:
-            if self._latest_request.get(peer, -1) > round_index:
-                slot.state = _SlotState.CLOSED
-                raise PartnerMissed(str(Skip.MOVED_ON))
-            slot.changed.clear()
-            try:
-                async with asyncio.timeout_at(deadline):
-                    await slot.changed.wait()
-            except TimeoutError:
-                if slot.state is _SlotState.OPEN:  # else a request claimed it just as time ran out
+        wait_until = deadline
+        while slot.state in (_SlotState.OPEN, _SlotState.CLAIMED):
+            while slot.state is _SlotState.OPEN:
+                if self._latest_request.get(peer, -1) > round_index:
                     slot.state = _SlotState.CLOSED
-                    raise
-        # Claimed: the handler settles the slot within its own reply deadline. This bound only
-        # guards against a handler that never does (a bug), so it is generous.
-        async with asyncio.timeout(2 * self._settings.exchange_timeout_s + 1.0):
-            while slot.state is _SlotState.CLAIMED:
+                    raise PartnerMissed(str(Skip.MOVED_ON))
                 slot.changed.clear()
-                await slot.changed.wait()
+                try:
+                    async with asyncio.timeout_at(wait_until):
+                        await slot.changed.wait()
+                except TimeoutError:
+                    if slot.state is _SlotState.OPEN:  # else a request claimed it just as time ran out
+                        slot.state = _SlotState.CLOSED
+                        if slot.failure:  # the asker's stream was cut and it did not ask again in time
+                            raise PartnerMissed(slot.failure) from None
+                        raise
+            # Claimed: the handler settles the slot within its own reply deadline (or reopens it for
+            # the asker's second try). This bound only guards against a handler that never does (a
+            # bug), so it is generous.
+            async with asyncio.timeout(2 * self._settings.exchange_timeout_s + 1.0):
+                while slot.state is _SlotState.CLAIMED:
+                    slot.changed.clear()
+                    await slot.changed.wait()
+            if slot.state is _SlotState.OPEN:  # reopened: the asker gets a short grace to ask again
+                wait_until = min(deadline, asyncio.get_running_loop().time() + RETRY_GRACE_S)
         if slot.received is None:
             raise PartnerMissed(slot.failure)
         return slot.received
@@ -405,6 +425,26 @@ class GossipPeer:
         """This peer runs no more rounds (its training is done): answer pulls at once with the
         current tensors instead of waiting for rounds that will never begin."""
         self._parked = True
+
+    async def _request_again_if_cut(self, peer: str, kind: str, own: Tensors, round_index: int, deadline: float,
+                                    on_values: ValuesSink | None) -> _Received:
+        """`_request`, sent once more on a new stream if the first one is cut before the answer is
+        complete (a relay that died, a connection reset) and a quarter of the exchange deadline is left.
+
+        Nothing of a cut attempt is used: the answering peer mixes only after our ack, which a cut
+        attempt never sent, and reopens its wait for us; an incremental mix fed part of the first
+        answer is spoiled by the second one starting over, so the round mixes afterwards instead.
+        """
+        try:
+            return await self._request(peer, kind, own, round_index, deadline, on_values)
+        except (ConnectionError, Truncated) as exc:
+            left = deadline - asyncio.get_running_loop().time()
+            if left < self._settings.exchange_timeout_s / 4:
+                raise
+            self.stats.retried += 1
+            logger.info("round %d: the %s stream to %s was cut (%s); asking again", round_index, kind, peer,
+                        exc or type(exc).__name__)
+        return await self._request(peer, kind, own, round_index, deadline, on_values)
 
     async def _request(self, peer: str, kind: str, own: Tensors, round_index: int, deadline: float,
                        on_values: ValuesSink | None = None, meta: Mapping[str, MetaValue] | None = None) -> _Received:
@@ -533,17 +573,21 @@ class GossipPeer:
                                 f"of round {ack.header.round}")
             received = _Received(round_index, message.header.step, message.tensors)
             self.stats.exchanges_ok += 1
+        except (ConnectionError, Truncated) as exc:
+            # The asker hung up without an ack: it does not mix ours either, and may ask again on a new
+            # stream (its stream was cut), so the round waits a little longer for it (_await_partner);
+            # if it does not, the round skips it for what cut this one (a truncated payload or a hang-up).
+            slot.reopen(exc.kind if isinstance(exc, Truncated) else str(Skip.UNREACHABLE))
+            raise
         except WireError as exc:
             failure = exc.kind
             raise
         except TensorsUnsendable:
             failure = str(Skip.UNSENDABLE)
             raise
-        except ConnectionError:
-            failure = str(Skip.UNREACHABLE)  # the asker hung up without an ack: it does not mix ours either
-            raise
         finally:
-            slot.settle(received, failure)
+            if slot.state is _SlotState.CLAIMED:
+                slot.settle(received, failure)
         return None
 
     async def _claim_partner_slot(self, peer: str, round_index: int,

@@ -596,6 +596,91 @@ def test_own_tensors_that_turn_out_non_finite_halfway_are_cut_off_not_sent():
         outcome = await a.run_round(0, PeerRound(0.5, {"b": 0.5}, ()))
         assert outcome.skipped == {"b": "truncated"} and a.stats.errors == {"truncated": 1}
         np.testing.assert_array_equal(a.tensors["w"], 0.0)
-        assert b.stats.errors == {"unsendable": 1}
+        # a cut answer is asked for once more (it might be a relay that died): cut off again, counted again
+        assert a.stats.retried == 1 and b.stats.errors == {"unsendable": 2}
+
+    asyncio.run(main())
+
+
+class _CutFirstStream:
+    """A transport whose first `streams` incoming streams are cut after `after` bytes of their answer, as
+    when the relay they ran through dies; later streams pass through."""
+
+    def __init__(self, inner, after: int, streams: int = 1) -> None:
+        self._inner, self._after, self._streams, self.cut = inner, after, streams, 0
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    async def serve(self, protocol, handler) -> None:
+        async def wrapped(stream) -> None:
+            if self.cut < self._streams:
+                self.cut += 1
+                stream = _Cut(stream, self._after)
+            await handler(stream)
+
+        await self._inner.serve(protocol, wrapped)
+
+
+class _Cut:
+    def __init__(self, stream, after: int) -> None:
+        self._stream, self._left = stream, after
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+    async def write(self, data) -> None:
+        data = memoryview(data).cast("B")
+        if len(data) > self._left:
+            await self._stream.write(data[: self._left])
+            await self._stream.close()
+            raise ConnectionResetError("the relay went away")
+        self._left -= len(data)
+        await self._stream.write(data)
+
+
+def test_an_exchange_whose_stream_is_cut_is_asked_again_and_both_mix_once():
+    """A symmetric pair's stream is cut halfway through the answer (a relay dies): the asker asks again
+    on a new stream within the same deadline, the answering peer's round takes that second request, and
+    both mix exactly once, so the pair's average is kept and nothing counts as skipped."""
+    big = 3 * (1 << 18)
+
+    async def main():
+        net = InMemoryNetwork()
+        a = GossipPeer(net.transport("a"), settings(exchange_timeout_s=5.0), {"w": np.zeros(big, np.float32)})
+        b_transport = _CutFirstStream(net.transport("b"), after=1 << 20)
+        b = GossipPeer(b_transport, settings(exchange_timeout_s=5.0), {"w": np.full(big, 2.0, np.float32)})
+        for peer in (a, b):
+            await peer.start()
+        plan = PeerRound(0.5, {"a": 0.5}, ("a",)), PeerRound(0.5, {"b": 0.5}, ("b",))
+        out_b, out_a = await asyncio.gather(b.run_round(0, plan[0]), a.run_round(0, plan[1]))
+        assert b_transport.cut == 1 and a.stats.retried == 1
+        assert out_a.mixed_with == ("b",) and out_b.mixed_with == ("a",), (out_a.skipped, out_b.skipped)
+        np.testing.assert_array_equal(a.tensors["w"], 1.0)
+        np.testing.assert_array_equal(b.tensors["w"], 1.0)
+        assert a.stats.skipped == {} and b.stats.skipped == {} and a.stats.errors == {}
+
+    asyncio.run(main())
+
+
+def test_a_partner_whose_second_try_is_cut_too_is_skipped_after_a_short_grace():
+    """The asker asks once more only; its second stream cut as well, the answering peer's round waits
+    a short grace for a third request, not its whole deadline, and skips the partner as unreachable."""
+    big = 3 * (1 << 18)
+
+    async def main():
+        net = InMemoryNetwork()
+        a = GossipPeer(net.transport("a"), settings(exchange_timeout_s=8.0), {"w": np.zeros(big, np.float32)})
+        b_transport = _CutFirstStream(net.transport("b"), after=1 << 20, streams=2)
+        b = GossipPeer(b_transport, settings(exchange_timeout_s=8.0), {"w": np.full(big, 2.0, np.float32)})
+        for peer in (a, b):
+            await peer.start()
+        plan = PeerRound(0.5, {"a": 0.5}, ("a",)), PeerRound(0.5, {"b": 0.5}, ("b",))
+        out_b, out_a = await asyncio.gather(b.run_round(0, plan[0]), a.run_round(0, plan[1]))
+        assert b_transport.cut == 2 and a.stats.retried == 1
+        assert out_b.skipped == {"a": "unreachable"} and out_a.mixed_with == ()
+        assert out_b.duration_s < 8.0 / 2, out_b.duration_s  # the grace, not the deadline
+        np.testing.assert_array_equal(b.tensors["w"], 2.0)
+        np.testing.assert_array_equal(a.tensors["w"], 0.0)
 
     asyncio.run(main())

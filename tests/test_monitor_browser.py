@@ -110,6 +110,9 @@ def test_the_page_follows_a_live_swarm(tmp_path, browser, artifacts):
                                timeout=SETUP_TIMEOUT_MS)
         page.wait_for_function("() => Number(document.getElementById('chart-consensus').dataset.points) >= 2",
                                timeout=SETUP_TIMEOUT_MS)
+        # each neighbour's link (node.net.reachability): on loopback both are direct connections
+        page.wait_for_function("() => [...document.querySelectorAll('#peers tr:not(.self) td.link')]"
+                               ".map(td => td.textContent).join() === 'direct,direct'", timeout=SETUP_TIMEOUT_MS)
         # vector mode trains nothing, and the loss chart says so instead of staying blank
         assert page.get_attribute("#chart-loss", "data-points") == "0"
         assert "trains no model" in page.text_content("#chart-loss")

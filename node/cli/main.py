@@ -383,6 +383,27 @@ def _add_node_commands(commands: argparse._SubParsersAction[argparse.ArgumentPar
                           "local (val_loss, val_step, loss, step)")
     evaluate.set_defaults(run=_run_eval)
 
+    doctor = commands.add_parser(
+        Command.DOCTOR, help="check whether peers can reach a node, through what, and how fast", epilog=_PRECEDENCE,
+        description="Check a node's reachability and print a verdict (reachable directly, through relays, not "
+        "reachable) with one line of advice per problem: its observed public address, whether peers can dial it "
+        "directly, the relays it holds slots at and whether their circuits carry model-sized exchanges, its own "
+        "relay service's limits, and the latency and goodput to each neighbour. Without --peers it asks a running "
+        "node (its monitor at http://MONITOR-HOST:MONITOR-PORT, or --url). With --peers it checks before joining: "
+        "a throwaway p2pd with this machine's --listen/--announce asks those peers to dial it back and reserves at "
+        "the relays (--relays, else the peers). docs/deploy.md says what each answer means.")
+    _add_monitor_target(doctor)
+    joining = doctor.add_argument_group("before joining (instead of asking a running node)")
+    for key in ("network.initial_peers", "network.relays", "network.listen", "network.announce",
+                "network.reachability"):
+        _add_setting_flag(joining, SETTINGS_BY_KEY[key])
+    doctor.add_argument("--timeout", type=_number(float, lo=1.0), default=120.0, metavar="SECONDS",
+                        help="how long the checks may take (default 120)")
+    doctor.add_argument("--json", action="store_true",
+                        help="print one JSON object: the node's report (peer_id, mode, reach, observed, relays, "
+                        "relay_service, redetected, neighbours) with the verdict and the advice lines")
+    doctor.set_defaults(run=_run_doctor)
+
 
 def _add_monitor_target(parser: argparse.ArgumentParser) -> None:
     """The flags that find a running node (`status`, `eval`): its monitor's port and host, or --url;
@@ -477,6 +498,10 @@ def node_config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> N
     if args.command == Command.JOIN and not resolved.config.network.initial_peers:
         raise ConfigError("no peer to join through: give --peers MULTIADDR (or MURMUR_PEERS, or "
                           "network.initial_peers in the config file)")
+    network = resolved.config.network
+    if network.reachability == "private" and network.serves_relay(bootstrap=args.command == Command.BOOTSTRAP):
+        raise ConfigError(f"{resolved.source('network.reachability')}: a relay must be reachable directly, so it "
+                          "cannot run with --reachability private (add --no-relay-service)")
     check_environment(resolved, swarm=args.command in NODE, monitor=args.command in NODE)
     if args.command == Command.NODE:
         _check_founders_recipe(resolved)
@@ -573,7 +598,7 @@ def _run_bootstrap(args: argparse.Namespace) -> int:
 
 
 def monitor_token(args: argparse.Namespace, env: Mapping[str, str], url: str) -> str | None:
-    """The monitor token a parsed `status` or `eval` command line sends: --token, else the one in the
+    """The monitor token a parsed `status`, `eval` or `doctor` command line sends: --token, else the one in the
     data directory. The data directory's token goes only to a loopback URL unless the data directory
     was named (flag, environment, config file): a node elsewhere must not learn this machine's token."""
     if args.token is not None:
@@ -611,6 +636,21 @@ def _run_eval(args: argparse.Namespace) -> int:
     from node.cli.eval import run_eval
 
     return run_eval(url, args.json, args.timeout, save=args.save, token=monitor_token(args, os.environ, url))
+
+
+def _run_doctor(args: argparse.Namespace) -> int:
+    given = vars(args)
+    if SETTINGS_BY_KEY["network.initial_peers"].dest not in given:
+        url = status_url(args, os.environ)
+        from node.cli.doctor import run_doctor_node
+
+        return run_doctor_node(url, args.json, args.timeout, token=monitor_token(args, os.environ, url))
+    if args.url is not None or SETTINGS_BY_KEY["monitor.port"].dest in given:
+        raise UsageError("--peers checks before joining; --url and --monitor-port ask a running node: give one or the other")
+    config = _resolve(args, os.environ).config
+    from node.cli.doctor import run_doctor_before_joining
+
+    return run_doctor_before_joining(config, args.json, args.timeout)
 
 
 @contextlib.contextmanager

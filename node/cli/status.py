@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -56,6 +57,12 @@ def format_status(status: dict[str, Any]) -> str:
     if experts or spes:
         capacity = f"   (SPES capacity {spes['capacity']} per layer)" if spes.get("capacity") is not None else ""
         lines.append(f"experts  {', '.join(map(str, experts)) or 'none yet'}{capacity}")
+    lines += _reach_lines(status.get("reachability"))
+    for peer in status["peers"]:
+        if peer.get("connection"):
+            goodput = peer.get("goodput_mbit_s")
+            rate = f"   goodput {goodput:.3g} Mbit/s" if goodput is not None else ""
+            lines.append(f"link     {peer['peer_id']}   {peer['connection']}{rate}")
     lines.append(f"traffic  {status['bytes_sent']:,} bytes sent, {status['bytes_received']:,} received")
     errors = ", ".join(f"{kind}: {n}" for kind, n in sorted(status["errors"].items())) or "none"
     lines.append(f"errors   {errors}")
@@ -64,6 +71,32 @@ def format_status(status: dict[str, Any]) -> str:
     if status.get("monitor_url"):
         lines.append(f"monitor  {status['monitor_url']}")
     return "\n".join(lines)
+
+
+def _reach_lines(reach: dict[str, Any] | None) -> list[str]:
+    """Whether peers can dial the node, through which relays, and its relay service."""
+    if not reach:
+        return []
+    if reach["reach"] == "public":
+        lines = [f"reach    directly ({reach['detail']})"]
+    elif reach["reach"] == "unknown":
+        lines = [f"reach    unknown ({reach['detail']})"]
+    else:
+        held = [r["peer_id"] for r in reach["relays"] if r["held"]]
+        lines = [f"reach    behind NAT: through {len(held)} relay(s)" + (f": {', '.join(held)}" if held else
+                                                                        " - peers cannot dial this node")]
+        for relay in reach["relays"]:
+            if relay["lost_at"] is not None and not relay["held"]:
+                lost = time.strftime("%H:%M:%S", time.localtime(relay["lost_at"]))
+                lines.append(f"relay    {relay['peer_id']} LOST at {lost}")
+            elif relay["circuit"] == "limited":
+                lines.append(f"relay    {relay['peer_id']} cuts circuits after 128 KiB (p2pd's default limits)")
+    service = reach.get("relay_service")
+    if service is not None:
+        state = {True: "limits in force", False: "LIMITS NOT IN FORCE", None: "not checked yet"}[service["limits_in_force"]]
+        lines.append(f"relaying {state} ({service['data_limit_bytes'] >> 20} MiB, {service['time_limit_s']:g} s "
+                     "per circuit)")
+    return lines
 
 
 def no_node(command: str, url: str, exc: Exception) -> int:

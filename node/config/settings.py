@@ -48,6 +48,17 @@ class NetworkConfig:
     data_announce: tuple[str, ...] = ()
     # UPnP port mapping in p2pd. It multicasts on every interface, so it is opt-in (`--upnp`).
     nat_port_map: bool = False
+    # Reachability (docs/architecture.md): "auto" asks peers to dial back, "public" / "private" say it.
+    reachability: str = "auto"
+    # Full multiaddrs of relays a node behind NAT reserves slots at; empty: the --peers.
+    relays: tuple[str, ...] = ()
+    # Serve as a relay with the limits below; None: the command's default (on for bootstrap only).
+    relay_service: bool | None = None
+    relay_data_limit_mb: int = 8192  # per circuit and direction; a cut circuit is re-dialled
+    relay_time_limit_s: float = 3600.0  # per circuit
+
+    def serves_relay(self, bootstrap: bool) -> bool:
+        return self.relay_service if self.relay_service is not None else bootstrap
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ class Command(StrEnum):
     BOOTSTRAP = "bootstrap"
     STATUS = "status"
     EVAL = "eval"
+    DOCTOR = "doctor"
     EXPORT = "export"
     TOKENIZER = "tokenizer"
     TOPOLOGY = "topology"
@@ -33,7 +34,20 @@ NODE = frozenset({Command.NODE, Command.JOIN})
 DAEMONS = NODE | {Command.BOOTSTRAP}
 FOUNDING = frozenset({Command.NODE})
 JOINING = frozenset({Command.JOIN})
-MONITOR_CLIENTS = NODE | {Command.STATUS, Command.EVAL}  # commands that find a node by its monitor
+MONITOR_CLIENTS = NODE | {Command.STATUS, Command.EVAL, Command.DOCTOR}  # commands that find a node by its monitor
+# `murmur doctor --peers` starts a throwaway p2pd with a node's network settings
+NETWORK_CHECKED = DAEMONS | {Command.DOCTOR}
+
+
+class ReachMode(StrEnum):
+    """The choices of --reachability (node.net.reachability)."""
+
+    AUTO = "auto"  # ask peers to dial back at start
+    PUBLIC = "public"  # reachable directly: a public address, or a forwarded port
+    PRIVATE = "private"  # behind NAT: reachable only through relays
+
+
+REACH_MODES = tuple(ReachMode)
 
 
 class Transport(StrEnum):
@@ -130,8 +144,8 @@ SETTINGS: tuple[Setting, ...] = (
             optional=True, default_text="none"),
     Setting("data_dir", PathKind(metavar="DIR"), "MURMUR_DATA_DIR", "--data-dir",
             "directory for the identity, checkpoints, logs and the monitor's per-run token (monitor.token); "
-            "created if missing. status and eval read the token there",
-            DAEMONS | {Command.INVITE, Command.STATUS, Command.EVAL},
+            "created if missing. status, eval and doctor read the token there",
+            DAEMONS | {Command.INVITE, Command.STATUS, Command.EVAL, Command.DOCTOR},
             default_text="./murmur-data"),
     Setting("identity_file", PathKind(metavar="FILE"), "MURMUR_IDENTITY", "--identity",
             "libp2p RSA key file that gives the node its peer id; created (mode 0600) if missing",
@@ -145,13 +159,13 @@ SETTINGS: tuple[Setting, ...] = (
             "--log-level", "log level, case-insensitive", DAEMONS),
     Setting("network.listen", Multiaddrs(peer=False), "MURMUR_LISTEN", "--listen",
             "multiaddr to listen on; repeatable. Loopback by default: listening on a "
-            "public interface is a choice", DAEMONS),
+            "public interface is a choice", NETWORK_CHECKED),
     Setting("network.announce", Multiaddrs(peer=False), "MURMUR_ANNOUNCE", "--announce",
             "multiaddr other peers should dial instead of the listen ones, behind NAT or port "
-            "forwarding; repeatable", DAEMONS),
+            "forwarding; repeatable", NETWORK_CHECKED),
     Setting("network.initial_peers", Multiaddrs(peer=True), "MURMUR_PEERS", "--peers",
             "full multiaddr (ending in /p2p/<peer id>) of a peer or bootstrap node to join the DHT "
-            "through; several may follow one flag", DAEMONS),
+            "through; several may follow one flag", NETWORK_CHECKED),
     Setting("network.transport", Choice("transport", TRANSPORTS, metavar="TRANSPORT"), "MURMUR_TRANSPORT",
             "--transport", "data-plane transport: p2pd (hivemind's daemon, shared with the DHT) or "
             "libp2p (py-libp2p in a child process)", NODE),
@@ -164,6 +178,22 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("network.nat_port_map", Boolean(), "MURMUR_UPNP", "--upnp",
             "ask the router for a port mapping by UPnP; it multicasts on every interface, so "
             "use it only in real deployments", DAEMONS),
+    Setting("network.reachability", Choice("reachability", REACH_MODES, metavar="MODE"), "MURMUR_REACHABILITY",
+            "--reachability", "auto: ask peers to dial this node back at start; public: reachable directly (a "
+            "public address or a forwarded port); private: behind NAT, reachable only through relays", NETWORK_CHECKED),
+    Setting("network.relays", Multiaddrs(peer=True), "MURMUR_RELAYS", "--relays",
+            "full multiaddr of a relay (a `murmur bootstrap` or a node with --relay-service) where a node "
+            "behind NAT reserves a slot and is dialled through; several may follow one flag", NETWORK_CHECKED,
+            default_text="the --peers"),
+    Setting("network.relay_service", Boolean(), "MURMUR_RELAY_SERVICE", "--relay-service",
+            "serve as a relay for nodes behind NAT, with the limits below (checked at start); for public "
+            "nodes only", DAEMONS, optional=True, default_text="on for bootstrap, off for node and join"),
+    Setting("network.relay_data_limit_mb", Integer(1, noun="MiB", metavar="MIB"), "MURMUR_RELAY_DATA_LIMIT",
+            "--relay-data-limit", "with --relay-service: MiB one circuit may carry each way before the relay "
+            "resets it (its peers then re-dial)", DAEMONS),
+    Setting("network.relay_time_limit_s", Number(1.0, metavar="S"), "MURMUR_RELAY_TIME_LIMIT",
+            "--relay-time-limit", "with --relay-service: seconds one circuit may stay open before the relay "
+            "resets it (its peers then re-dial)", DAEMONS),
     Setting("monitor.host", Text(metavar="HOST", description="host name or IP address"), "MURMUR_MONITOR_HOST",
             "--monitor-host", "address the monitor page listens on; 0.0.0.0 exposes it to the network",
             MONITOR_CLIENTS),

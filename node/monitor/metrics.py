@@ -4,6 +4,7 @@ scrape (a collector on a registry of the server's own, so nothing is module-leve
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
@@ -39,7 +40,13 @@ METRIC_NAMES = (
     "murmur_dials_total",
     "murmur_dials_backing_off",
     "murmur_view_overflow",
+    "murmur_peer_connections",
+    "murmur_peer_goodput_mbit_per_second",
+    "murmur_reachability_info",
+    "murmur_relays_held",
+    "murmur_relay_service_limits_in_force",
 )
+CONNECTION_KINDS = ("direct", "relayed", "holepunched")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -98,6 +105,35 @@ class NodeCollector(Collector):
                                 value=limits.get("dials_backing_off", 0))
         yield GaugeMetricFamily("murmur_view_overflow", "live peer records left out of the view by its cap",
                                 value=limits.get("view_overflow", 0))
+        yield from _reachability(s)
+
+
+def _reachability(s: dict[str, Any]) -> Iterator[Metric]:
+    """Connections to neighbours by kind, their goodput, and this node's reachability and relays."""
+    others = [p for p in s["peers"] if p.get("connection")]
+    connections = GaugeMetricFamily("murmur_peer_connections", "neighbours in view by how this node is connected "
+                                    "to them", labels=["kind"])
+    for kind in CONNECTION_KINDS:
+        connections.add_metric([kind], sum(p["connection"] == kind for p in others))
+    yield connections
+    goodput = GaugeMetricFamily("murmur_peer_goodput_mbit_per_second", "how fast each neighbour's gossip payloads "
+                                "arrived lately", labels=["peer_id", "kind"])
+    for p in others:
+        if p.get("goodput_mbit_s") is not None:
+            goodput.add_metric([p["peer_id"], p["connection"]], p["goodput_mbit_s"])
+    yield goodput
+    reach = s.get("reachability") or {}
+    if reach:
+        yield InfoMetricFamily("murmur_reachability", "whether peers can dial this node directly (reach) and how it "
+                               "was decided (mode)", value={"mode": reach["mode"], "reach": reach["reach"]})
+    yield _optional(GaugeMetricFamily("murmur_relays_held", "relays holding a slot for this node (a probe came "
+                                      "through their circuit)", labels=[]), reach.get("relays_held"))
+    service = reach.get("relay_service") or {}
+    in_force = service.get("limits_in_force")
+    yield _optional(GaugeMetricFamily("murmur_relay_service_limits_in_force", "1 if a model-sized push went through "
+                                      "a circuit of this node's relay service at start, 0 if it was cut; absent "
+                                      "without a relay service", labels=[]),
+                    None if in_force is None else int(in_force))
 
 
 def _labelled(family: CounterMetricFamily, counts: dict[str, int]) -> CounterMetricFamily:

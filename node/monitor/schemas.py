@@ -8,7 +8,7 @@ import json
 from importlib import resources
 from typing import Any
 
-SCHEMA_NAMES = ("status", "peers", "topology", "history", "log", "swarm_eval", "error")
+SCHEMA_NAMES = ("status", "peers", "topology", "history", "log", "swarm_eval", "doctor", "error")
 
 # path -> (schema name, summary, query parameters: name -> (JSON type, description))
 JSON_ENDPOINTS: dict[str, tuple[str, str, dict[str, tuple[str, str]]]] = {
@@ -68,6 +68,17 @@ def openapi_document() -> dict[str, Any]:
                       "409": {"description": "another evaluation is running on this node",
                               "content": {"application/json": {"schema": {"$ref": "#/components/schemas/error"}}}},
                       "422": {"description": "this node trains no model (vector mode)",
+                              "content": {"application/json": {"schema": {"$ref": "#/components/schemas/error"}}}}},
+    }}
+    paths["/api/doctor"] = {"post": {
+        "summary": "reachability checks (`murmur doctor`): dial-back, a probe through each relay's circuit, the "
+                   "relay service's check, latency and goodput to each neighbour (takes seconds; one at a time)",
+        "responses": {"200": {"description": "the checks' findings",
+                              "content": {"application/json": {"schema": {"$ref": "#/components/schemas/doctor"}}}},
+                      "400": error,
+                      "403": {"description": "sent by a page of another origin (a browser's cross-site request)",
+                              "content": {"application/json": {"schema": {"$ref": "#/components/schemas/error"}}}},
+                      "409": {"description": "a check is already running, or the node has no host yet",
                               "content": {"application/json": {"schema": {"$ref": "#/components/schemas/error"}}}}},
     }}
     paths["/metrics"] = {"get": {

@@ -23,7 +23,7 @@ from node.monitor.access import MAX_EVENT_CLIENTS, AccessRefusal, HostAllowlist,
 from node.monitor.eventlog import LogCapture, Snapshot, log_changes
 from node.monitor.metrics import CONTENT_TYPE, exposition, metrics_registry
 from node.monitor.schemas import openapi_document
-from node.monitor.source import MonitorSource
+from node.monitor.source import DoctorUnavailable, MonitorSource
 from node.training.swarm_eval import EvalBusy, EvalUnavailable
 
 logger = logging.getLogger("murmur.monitor")
@@ -310,6 +310,16 @@ def build_app(source: MonitorSource, sampler: Sampler, *, host: str = "127.0.0.1
         except EvalUnavailable as exc:
             return _error(422, str(exc))
 
+    async def doctor(request: web.Request) -> web.Response:
+        _parse_query(request.query, {})
+        origin = request.headers.get("Origin")
+        if origin is not None and origin != f"{request.scheme}://{request.host}":
+            return _error(403, f"a request from the page at {origin} may not start reachability checks")
+        try:
+            return _json(await source.doctor())
+        except DoctorUnavailable as exc:
+            return _error(409, str(exc))
+
     async def topology(request: web.Request) -> web.Response:
         _parse_query(request.query, {})
         await sampler.refresh_safely()
@@ -328,6 +338,7 @@ def build_app(source: MonitorSource, sampler: Sampler, *, host: str = "127.0.0.1
     app.router.add_get("/api/openapi.json", endpoint(lambda _: openapi_document(), {}))
     app.router.add_get("/api/events", events)
     app.router.add_post("/api/eval/average", swarm_average)
+    app.router.add_post("/api/doctor", doctor)
     app.router.add_get("/metrics", metrics)
     return app
 

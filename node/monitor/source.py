@@ -9,6 +9,10 @@ from node.monitor.eventlog import EventLog
 from node.monitor.history import Counters, HistoryRecorder
 
 
+class DoctorUnavailable(Exception):
+    """`murmur doctor`'s checks cannot run on this node now (no host yet, or a check is running)."""
+
+
 class MonitorSource(Protocol):
     """Every method is called from the event loop's thread and none may block; all but
     `evaluate_swarm_average` are cheap."""
@@ -40,6 +44,10 @@ class MonitorSource(Protocol):
 
     def counters(self) -> Counters:
         """What one history sample takes from the node's counters."""
+
+    async def doctor(self) -> dict[str, Any]:
+        """`POST /api/doctor` (schemas/doctor.json): reachability checks that take seconds (dial-backs,
+        circuit probes, neighbour probes). Raises DoctorUnavailable."""
 
     async def evaluate_swarm_average(self, save: bool = False) -> dict[str, Any]:
         """`POST /api/eval/average` (schemas/swarm_eval.json): the one method that does real work; it

@@ -360,6 +360,14 @@ class Discovery:
             changes["capacity"] = capacity
         self._local = msgspec.structs.replace(self._local, **changes)
 
+    def set_maddrs(self, maddrs: Sequence[str]) -> None:
+        """Change the addresses the next heartbeat publishes (node.net.relays: a relay's circuit came or
+        went). Each must end in this peer's /p2p/ id; at most MAX_MADDRS are kept, in order."""
+        suffix = f"/p2p/{self.peer_id}"
+        kept = tuple(addr for addr in maddrs if addr.endswith(suffix))[:MAX_MADDRS]
+        if kept:
+            self._local = msgspec.structs.replace(self._local, maddrs=kept)
+
     # ---- membership ---------------------------------------------------------------------------
 
     def view(self) -> tuple[PeerRecord, ...]:

@@ -20,9 +20,15 @@ from node.config import NodeConfig
 from node.monitor import MonitorServer, start_monitor
 from node.monitor.access import new_token, remove_token, write_token
 from node.net.membership import ViewMembership
-from node.runtime.data_plane import advertised_data_maddrs, start_data_plane, start_dialer
+from node.runtime.data_plane import (
+    advertised_data_maddrs,
+    follow_child_circuits,
+    set_address_book,
+    start_data_plane,
+    start_dialer,
+)
 from node.runtime.errors import StartupError
-from node.runtime.host import identity_and_daemon
+from node.runtime.host import start_host
 from node.runtime.saving import checkpoint_path, final_checkpoint
 from node.runtime.shutdown import close, install_stop_signals, shut_down
 from node.runtime.status import NodeRuntime
@@ -61,12 +67,15 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
         stop.set()
 
     async with contextlib.AsyncExitStack() as stack:
-        claimed, p2p = await identity_and_daemon(config, stack)
+        host = await start_host(config, stack)
+        claimed, p2p = host.claimed, host.p2p
+        runtime.reach = host.reach
         identity = claimed.identity
         # incoming streams are admitted only from peers in view once discovery runs (see below); until
         # then the node serves no protocol
         gate = runtime.gate = IncomingGate()
-        transport = await start_data_plane(config, identity, p2p, data_plane_died, stack, gate)
+        relays = host.reach.relay_maddrs if host.reach.private else ()
+        transport = await start_data_plane(config, identity, p2p, data_plane_died, stack, gate, relays)
         runtime.transport = transport
         stack.push_async_callback(close, transport, "transport")
         discovery = Discovery(p2p, identity, DiscoverySettings(config.swarm, heartbeat_s=config.heartbeat_s),
@@ -81,6 +90,11 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
         gate.membership = ViewMembership(discovery)
         runtime.dialer = await start_dialer(transport, discovery, stack)
         runtime.maddrs = discovery.dht_maddrs  # what `murmur join --peers` takes; the record has the data plane's
+        if config.network.transport == "p2pd":  # the record's addresses follow the relays held (circuits)
+            host.reach.publish_to(discovery.set_maddrs)
+        else:  # the py-libp2p child holds its own relay slots; its circuits lead the record
+            follow_child_circuits(transport, discovery)
+        set_address_book(transport, discovery)
 
         ckpt_path = checkpoint_path(runtime)
         if founding:
@@ -273,7 +287,8 @@ def run_bootstrap(config: NodeConfig) -> int:
         install_stop_signals(stop)
         refused = RefusalCounts()
         async with contextlib.AsyncExitStack() as stack:
-            claimed, p2p = await identity_and_daemon(config, stack)
+            host = await start_host(config, stack, bootstrap=True)
+            claimed, p2p = host.claimed, host.p2p
             # the rules for every key (node.net.validation): a bootstrap knows no swarm, so no swarm's own rules
             validator = make_record_validator(RSASignatureValidator(claimed.identity.signing_key), refused=refused)
             async with asyncio.timeout(BOOTSTRAP_DHT_TIMEOUT_S):
@@ -282,6 +297,7 @@ def run_bootstrap(config: NodeConfig) -> int:
             stack.push_async_callback(shut_down, dht, "DHT")
             maddrs = [str(a) for a in await p2p.get_visible_maddrs()]
             print(f"murmur: bootstrap peer {p2p.peer_id} ready; maddrs {' '.join(maddrs)}", flush=True)
+            print(f"murmur: {host.reach.service_line()}", flush=True)
             reporter = asyncio.create_task(_report_refusals(refused, stop))
             await stop.wait()
             await reporter

@@ -13,6 +13,7 @@ import numpy as np
 from gossip.exchange import GossipPeer
 from node.config import NodeConfig
 from node.monitor import Counters, EventLog, HistoryRecorder, MixingStepEstimate, RoundGraphCache, round_graph
+from node.monitor.source import DoctorUnavailable
 from node.training.recipe import SwarmSettings
 from node.training.rounds import PeerTiming, participants
 from topology import MembershipView, TopologySpec
@@ -23,11 +24,14 @@ if TYPE_CHECKING:
     from node.net.discovery import Discovery
     from node.net.founder import SwarmConfig
     from node.net.records import PeerRecord
+    from node.net.relays import NodeReachability
     from node.runtime.data_plane import DataPlane
     from node.training.loop import SwarmTraining
     from node.training.swarm_eval import SwarmEvaluator
 
 logger = logging.getLogger("murmur.node")
+
+MAX_DOCTOR_NEIGHBOURS = 16  # neighbours `murmur doctor` measures
 
 
 class NodeRuntime:
@@ -40,6 +44,7 @@ class NodeRuntime:
         self.peer: GossipPeer | None = None
         self.discovery: Discovery | None = None
         self.transport: DataPlane | None = None
+        self.reach: NodeReachability | None = None
         self.gate: IncomingGate | None = None  # admission of incoming streams (gossip.limits)
         self.dialer: Dialer | None = None  # background dials of the view's peers
         self.maddrs: tuple[str, ...] = ()
@@ -58,6 +63,7 @@ class NodeRuntime:
         self._mixing_step = MixingStepEstimate()
         self._graphs = RoundGraphCache()  # the monitor's topology, computed off the event loop
         self._spec: tuple[str, TopologySpec] | None = None  # (config hash, its topology)
+        self._doctor_running = False
 
     def count(self, kind: str) -> None:
         self.node_errors[kind] = self.node_errors.get(kind, 0) + 1
@@ -134,14 +140,32 @@ class NodeRuntime:
             consensus_distance=figures["consensus_distance"],
         )
 
+    def links(self) -> dict[str, dict[str, Any]]:
+        """Per neighbour in view: the kind of this node's connection to it (direct, relayed,
+        holepunched, none) and the goodput of what it sent lately (Mbit/s, None before a large transfer)."""
+        view, me, reach, transport = self._view(), self._me(), self.reach, self.transport
+        if self.config.network.transport == "p2pd" and reach is not None:
+            kinds = {peer: kind.value for peer, kind in
+                     reach.connection_kinds({p.peer_id: p.maddrs for p in view if p.peer_id != me}).items()}
+        else:  # the py-libp2p child says which peers it reaches only through a relay
+            relayed: frozenset[str] = getattr(transport, "relayed", frozenset())
+            kinds = {p.peer_id: "relayed" if p.peer_id in relayed else "direct" for p in view if p.peer_id != me}
+        goodput = getattr(transport, "goodput_mbit_s", None)
+        return {peer: {"connection": kind, "goodput_mbit_s": goodput(peer) if goodput else None}
+                for peer, kind in kinds.items()}
+
+    def reachability(self) -> dict[str, Any] | None:
+        return self.reach.status() if self.reach is not None else None
+
     def peers(self) -> list[dict[str, Any]]:
         """The membership view for the monitor: each peer's last record (its loss validated finite by
-        node.net.discovery)."""
-        me, now = self._me(), time.time()
+        node.net.discovery) and this node's link to it."""
+        me, now, links = self._me(), time.time(), self.links()
         return [{"peer_id": p.peer_id, "self": p.peer_id == me, "address": _address(p.maddrs), "maddrs": list(p.maddrs),
                  "step": p.step, "round": p.round, "loss": p.loss, "experts": list(p.experts),
                  "capacity": p.capacity, "version": p.version, "last_seen": p.heartbeat, "age_s": now - p.heartbeat,
-                 "gossip_from": p.gossip_from} for p in self._view()]
+                 "gossip_from": p.gossip_from, **links.get(p.peer_id, {"connection": None, "goodput_mbit_s": None})}
+                for p in self._view()]
 
     def _graph_inputs(self) -> tuple[list[str], MembershipView, TopologySpec | None, str, int]:
         """What the current round's graph depends on: the view, the round's members (as the round loop
@@ -169,6 +193,34 @@ class NodeRuntime:
         as of the last refresh_topology; before the first, the view's nodes without edges."""
         view_ids, members, _, me, round_index = self._graph_inputs()
         return self._graphs.latest(round_index) or round_graph(view_ids, members, None, me, round_index)
+
+    async def doctor(self) -> dict[str, Any]:
+        """`POST /api/doctor` (`murmur doctor`): ask peers to dial this node back (the bootstrap peers and
+        relays first), push a probe through each relay's circuit, check the relay service, and measure
+        each neighbour. Takes seconds; raises DoctorUnavailable when one runs already."""
+        from node.net.hivemind_adapter import is_circuit
+        from node.net.reach import dialable_maddrs
+
+        reach = self.reach
+        if reach is None:
+            raise DoctorUnavailable("this node has no p2pd host yet")
+        if self._doctor_running:
+            raise DoctorUnavailable("a check is already running")
+        me, view = self._me(), [p for p in self._view() if p.peer_id != self._me()]
+        network = self.config.network
+        # the --peers and --relays are the user's word; the view's addresses are their peers' word, so
+        # only those the routability rule lets this node dial (node.net.reach)
+        own = (*self.discovery.local_record.maddrs, *self.discovery.dht_maddrs) if self.discovery else self.maddrs
+        ask = [*network.initial_peers, *network.relays,
+               *(m for p in view for m in dialable_maddrs(p.maddrs, own) if not is_circuit(m))]
+        neighbours = {p.peer_id: p.maddrs for p in view[:MAX_DOCTOR_NEIGHBOURS]}
+        goodput = getattr(self.transport, "goodput_mbit_s", None)
+        self._doctor_running = True
+        try:
+            report = await reach.refresh(ask, neighbours, goodput or (lambda _: None))
+        finally:
+            self._doctor_running = False
+        return {"peer_id": me, "swarm": self.config.swarm, "maddrs": list(self.maddrs), **report}
 
     async def evaluate_swarm_average(self, save: bool = False) -> dict[str, Any]:
         """`POST /api/eval/average`: the swarm-average model's validation loss (node.training.swarm_eval), with
@@ -207,6 +259,7 @@ class NodeRuntime:
             for kind, n in source.items():
                 errors[kind] = errors.get(kind, 0) + n
         vector = peer.tensors.get("params", np.zeros(0, np.float32)) if peer else np.zeros(0, np.float32)
+        links = self.links()
         return {
             "peer_id": self._me(),
             "swarm": self.config.swarm,
@@ -215,7 +268,9 @@ class NodeRuntime:
             "maddrs": list(self.maddrs),
             "monitor_url": self.monitor_url,
             "peers": [{"peer_id": p.peer_id, "maddrs": list(p.maddrs), "step": p.step, "round": p.round,
-                       "last_seen": p.heartbeat, "gossip_from": p.gossip_from} for p in view],
+                       "last_seen": p.heartbeat, "gossip_from": p.gossip_from,
+                       **links.get(p.peer_id, {"connection": None, "goodput_mbit_s": None})} for p in view],
+            "reachability": self.reachability(),
             "step": peer.step if peer else 0,
             "round": peer.round if peer else 0,
             "gossip_from": self.gossip_from,

@@ -62,6 +62,8 @@ function renderHeader() {
   $("throughput").textContent = s.tokens_per_s === null ? "—" : fmt(s.tokens_per_s, 3);
   $("experts").textContent = s.experts.length ? s.experts.join(", ") : "none";
   $("uptime").textContent = fmtDuration(s.uptime_s);
+  $("reach").textContent = reachText(s.reachability);
+  $("reach").title = s.reachability ? s.reachability.detail : "";
   const errors = Object.entries(s.errors);
   $("errors-caption").textContent = errors.length
     ? "errors so far: " + errors.map(([k, n]) => `${k} ${n}`).join(", ") : "no errors so far";
@@ -81,7 +83,21 @@ function setOnline(online, why) {
   }
 }
 
+function reachText(r) {
+  if (!r) return "—";
+  if (r.reach !== "private") return r.reach === "public" ? "directly" : "unknown";
+  const lost = r.relays.filter((x) => x.lost_at !== null && !x.held).length;
+  return `via ${r.relays_held} relay${r.relays_held === 1 ? "" : "s"}` + (lost ? ` (${lost} lost)` : "");
+}
+
 // ---- peers table --------------------------------------------------------------------------------
+
+const LINK_TITLES = {
+  direct: "a direct connection",
+  relayed: "through a relay's circuit (one of the two is behind NAT)",
+  holepunched: "direct, through a hole punched in both NATs",
+  none: "no connection right now",
+};
 
 function renderPeers() {
   const body = $("peers");
@@ -91,8 +107,11 @@ function renderPeers() {
     const row = document.createElement("tr");
     row.dataset.peerId = p.peer_id;
     if (p.self) row.className = "self";
+    const link = p.self ? "—" : (p.connection || "none");
     const cells = [
-      [shortId(p.peer_id), "mono", p.peer_id], [p.address || "—", "mono"], [p.step], [p.round],
+      [shortId(p.peer_id), "mono", p.peer_id], [p.address || "—", "mono"],
+      [link, `link ${link}`, LINK_TITLES[link] || ""],
+      [p.goodput_mbit_s == null ? "—" : `${fmt(p.goodput_mbit_s, 3)} Mbit/s`], [p.step], [p.round],
       [p.loss === null ? "—" : fmt(p.loss)], [`${fmt(Math.max(0, now - p.last_seen), 2)} s ago`, "", clock(p.last_seen)],
       [p.experts.length ? p.experts.join(", ") : "—"],
     ];

@@ -6,7 +6,9 @@ a declared schema here (a msgspec Struct), and every frame is checked against it
 kinds of local connection:
 
 - the control channel (a socketpair the node creates): the child says `ready`; the node sends
-  `connect`/`serve`/`stop` requests with an `id`, the child answers each with a `result`;
+  `connect`/`serve`/`stop` requests with an `id`, the child answers each with a `result`; the child
+  also sends `state` whenever its relay state changes (the circuits it holds, the peers it reaches
+  only through a relay);
 - an outgoing stream: the node connects to the child's stream socket, sends `open`, gets `opened`
   or `error`, and from then on the connection carries the libp2p stream's bytes both ways;
 - an incoming stream: the child connects to the node's stream socket and sends `incoming`; then bytes.
@@ -45,6 +47,7 @@ class Op(enum.StrEnum):
     OPENED = "opened"
     ERROR = "error"
     INCOMING = "incoming"
+    STATE = "state"
 
 
 class ControlError(ValueError):
@@ -112,9 +115,15 @@ class Incoming(Frame, frozen=True, kw_only=True, forbid_unknown_fields=True):
     protocol: Text
 
 
+class State(Frame, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    op: Literal["state"] = "state"
+    circuits: Texts  # full /p2p-circuit multiaddrs of this host through the relays holding a slot for it
+    relayed: Texts  # peers this host is connected to only through a relay
+
+
 _SCHEMAS: Mapping[str, type[Frame]] = {
     Op.READY: Ready, Op.CONNECT: Connect, Op.SERVE: Serve, Op.STOP: Stop, Op.RESULT: Result,
-    Op.OPEN: Open, Op.OPENED: Opened, Op.ERROR: Error, Op.INCOMING: Incoming,
+    Op.OPEN: Open, Op.OPENED: Opened, Op.ERROR: Error, Op.INCOMING: Incoming, Op.STATE: State,
 }
 _DECODERS = {op: msgspec.msgpack.Decoder(schema) for op, schema in _SCHEMAS.items()}
 # Any map: `v` and `op` are read first, so a frame of another version or op is named as such.

@@ -72,6 +72,7 @@ class LibP2PSettings:
     startup_timeout_s: float = 60.0  # importing libp2p takes a few seconds of CPU on a busy machine
     close_timeout_s: float = 5.0
     log_level: str = "warning"
+    relays: tuple[str, ...] = ()  # behind NAT: the child reserves slots at these relays (full multiaddrs)
 
 
 class LibP2PTransport:
@@ -99,6 +100,10 @@ class LibP2PTransport:
         self._closed = False
         self.died: str | None = None  # why the child is gone, once it is
         self.errors: dict[str, int] = {}  # bad frames on local connections, by kind
+        self.circuits: tuple[str, ...] = ()  # the child's addresses through relays holding a slot for it
+        self.relayed: frozenset[str] = frozenset()  # peers the child reaches only through a relay
+        self.on_state: Callable[[tuple[str, ...]], None] | None = None  # told the circuits when they change
+        self._address_book: Callable[[str], Sequence[str]] | None = None
 
     # ---- life cycle ------------------------------------------------------------------------------
 
@@ -126,6 +131,8 @@ class LibP2PTransport:
                     "--dial-timeout", str(settings.open_timeout_s), "--log-level", settings.log_level]
             for addr in settings.listen:
                 args += ["--listen", addr]
+            for relay in settings.relays:
+                args += ["--relay", relay]
             self._process = await create_subprocess_exec(sys.executable, *args, pass_fds=(theirs.fileno(),),
                                                          stdin=asyncio.subprocess.DEVNULL)
         finally:
@@ -159,9 +166,15 @@ class LibP2PTransport:
         reason = "its control channel closed"
         try:
             while True:
-                frame = await read_frame(reader, (control.Op.RESULT,))
+                frame = await read_frame(reader, (control.Op.RESULT, control.Op.STATE))
                 if frame is None:
                     break
+                if isinstance(frame, control.State):
+                    changed = frame.circuits != self.circuits
+                    self.circuits, self.relayed = frame.circuits, frozenset(frame.relayed)
+                    if changed and self.on_state is not None:
+                        self.on_state(self.circuits)
+                    continue
                 assert isinstance(frame, control.Result)
                 future = self._pending.pop(frame.id, None)
                 if future is None or future.done():
@@ -245,6 +258,10 @@ class LibP2PTransport:
     def bytes_received(self) -> int:
         return self._counts.received
 
+    def goodput_mbit_s(self, peer_id: str) -> float | None:
+        """How fast gossip payloads arrived from `peer_id` lately (None: no large transfer yet)."""
+        return self._counts.goodput.mbit_s(peer_id)
+
     async def maddrs(self) -> tuple[str, ...]:
         """Full multiaddrs of the child's host, each ending in /p2p/<peer id>."""
         return self._maddrs
@@ -279,7 +296,26 @@ class LibP2PTransport:
         finally:
             self._pending.pop(request_id, None)
 
+    def set_address_book(self, addresses: Callable[[str], Sequence[str]]) -> None:
+        """Where each peer can be dialled (its DHT record's maddrs), for a stream that cannot be opened on
+        the child's current connections (see node.net.transport.p2pd.P2PDTransport.set_address_book)."""
+        self._address_book = addresses
+
     async def open_stream(self, peer_id: str, protocol: str) -> P2PDStream:
+        try:
+            return await self._open_stream(peer_id, protocol)
+        except PeerUnreachable as first:
+            maddrs = self._address_book(peer_id) if self._address_book is not None else ()
+            if not maddrs or self._closed:
+                raise
+            try:
+                await self.connect(peer_id, maddrs)
+            except PeerUnreachable:
+                raise first from None
+            logger.info("re-dialled %s to open a %s stream", peer_id, protocol)
+            return await self._open_stream(peer_id, protocol)
+
+    async def _open_stream(self, peer_id: str, protocol: str) -> P2PDStream:
         self._require_running()
         writer = None
         try:

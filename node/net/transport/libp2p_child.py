@@ -10,6 +10,7 @@ Run as `python -m node.net.transport.libp2p_child --help`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import signal
 import socket
@@ -30,12 +31,17 @@ from libp2p.network.config import ConnectionConfig
 from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
+from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
+from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
+from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.security.tls.transport import PROTOCOL_ID as TLS_PROTOCOL_ID
 from libp2p.security.tls.transport import TLSTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
+from libp2p.tools.anyio_service import background_trio_service
 
 from node.net.transport import control
 
@@ -45,6 +51,11 @@ logger = logging.getLogger("murmur.libp2p_child")
 _CHUNK = 1 << 18
 # How long known addresses of a peer stay in the peerstore; peers re-announce them every heartbeat.
 _ADDR_TTL_S = 3600
+_CIRCUIT = "/p2p-circuit"
+# A peer's direct addresses are tried this long before the circuits through its relays.
+_DIRECT_FIRST_S = 3.0
+_RELAY_CHECK_S = 1.0  # how often the reservations and connections are looked at
+_RESERVE_RETRY_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,7 @@ class ChildSettings:
     node_socket: Path  # the node listens here for streams the child accepted
     io_timeout_s: float  # one read or write on a libp2p stream or a local connection
     dial_timeout_s: float
+    relays: tuple[str, ...] = ()  # behind NAT: reserve slots at these relays (full multiaddrs)
 
 
 def load_key_pair(identity_path: Path) -> KeyPair:
@@ -87,6 +99,55 @@ def make_host(key_pair: KeyPair, settings: ChildSettings) -> Any:  # libp2p.abc.
     )
 
 
+class Relaying:
+    """Circuit relay v2 (py-libp2p's, which interoperates with p2pd's): dial peers through their relays'
+    circuits, and, behind NAT, hold slots at our relays so that peers can dial us through them."""
+
+    def __init__(self, host: Any, relays: Sequence[str]) -> None:
+        self.host = host
+        self.relays = tuple(relays)
+        self.protocol = CircuitV2Protocol(host, allow_hop=False)
+        # STOP only: a CLIENT would first ask every relay it dials through for a slot of its own
+        self.transport = CircuitV2Transport(host, self.protocol, RelayConfig(roles=RelayRole.STOP))
+        self.held: dict[str, bool] = dict.fromkeys(self.relays, False)
+        self._tried: dict[str, float] = {}
+
+    def circuits(self, peer_id: str) -> list[str]:
+        return [f"{relay}{_CIRCUIT}/p2p/{peer_id}" for relay, held in self.held.items() if held]
+
+    def relayed_peers(self) -> list[str]:
+        """Peers this host is connected to only through a relay."""
+        out = []
+        for peer, conns in list(self.host.get_network().connections.items()):
+            kinds = [_relayed(conn) for conn in (conns if isinstance(conns, list) else [conns])]
+            if kinds and all(kinds):
+                out.append(peer.to_base58())
+        return out
+
+    async def keep_slots(self, nursery: trio.Nursery) -> None:
+        """Reserve at each relay, again when its connection is gone (py-libp2p refreshes held slots)."""
+        while True:
+            connected = self.host.get_network().connections
+            for relay in self.relays:
+                relay_id = ID.from_base58(relay.rsplit("/p2p/", 1)[1])
+                if self.held[relay] and relay_id not in connected:
+                    self.held[relay] = False
+                    logger.warning("relay %s lost", relay_id)
+                if not self.held[relay] and trio.current_time() - self._tried.get(relay, -1e9) > _RESERVE_RETRY_S:
+                    self._tried[relay] = trio.current_time()
+                    nursery.start_soon(self._reserve, relay, relay_id, nursery)
+            await trio.sleep(_RELAY_CHECK_S)
+
+    async def _reserve(self, relay: str, relay_id: ID, nursery: trio.Nursery) -> None:
+        try:
+            with trio.fail_after(_RESERVE_RETRY_S * 2):
+                await self.host.connect(PeerInfo(relay_id, [_without_peer(relay, relay_id.to_base58())]))
+                stream = await self.host.new_stream(relay_id, [HOP_PROTOCOL_ID])
+                self.held[relay] = bool(await self.transport.reserve(stream, relay_id, nursery))
+        except Exception as exc:
+            logger.info("no slot at relay %s yet: %s", relay_id, _reason(exc))
+
+
 class Child:
     """The child's state: its host, the control channel, and the bridges between streams and sockets."""
 
@@ -95,6 +156,18 @@ class Child:
         self.host = host
         self.control = control_stream
         self.send_lock = trio.Lock()
+        self.relaying = Relaying(host, settings.relays)
+
+    async def report_state(self) -> None:
+        """Tell the node whenever the circuits held or the relayed peers change."""
+        last: tuple[list[str], list[str]] | None = None
+        peer_id = self.host.get_id().to_base58()
+        while True:
+            now = (self.relaying.circuits(peer_id), sorted(self.relaying.relayed_peers())[:64])
+            if now != last:
+                await self.send_control(control.Op.STATE, circuits=now[0], relayed=now[1])
+                last = now
+            await trio.sleep(_RELAY_CHECK_S)
 
     async def send_control(self, op: control.Op, **fields: object) -> None:
         async with self.send_lock:
@@ -121,10 +194,26 @@ class Child:
             await self.send_control(control.Op.RESULT, id=frame.id, ok=True, error="")
 
     async def connect(self, peer: str, maddrs: Sequence[str], timeout_s: float) -> None:
+        """Dial `peer` at its direct addresses first, then through the circuits of its relays."""
         peer_id = ID.from_base58(peer)
-        addrs = [_without_peer(addr, peer) for addr in maddrs]
-        with trio.fail_after(timeout_s):
-            await self.host.connect(PeerInfo(peer_id, addrs))
+        direct = [_without_peer(addr, peer) for addr in maddrs if _CIRCUIT not in addr]
+        circuits = [multiaddr.Multiaddr(addr) for addr in maddrs if _CIRCUIT in addr]
+        failure: BaseException | None = None
+        if direct:
+            try:
+                with trio.fail_after(min(_DIRECT_FIRST_S, timeout_s) if circuits else timeout_s):
+                    await self.host.connect(PeerInfo(peer_id, direct))
+                return
+            except Exception as exc:
+                failure = exc
+        for circuit in circuits:
+            try:
+                with trio.fail_after(timeout_s):
+                    await self.relaying.transport.dial(circuit)
+                return
+            except Exception as exc:
+                failure = exc
+        raise failure if failure is not None else ValueError(f"no address to dial {peer} at")
 
     async def serve_outgoing(self, local: trio.SocketStream) -> None:
         """One connection to the stream socket: an `open` request, then the stream's bytes."""
@@ -260,6 +349,16 @@ def _without_peer(maddr: str, peer: str) -> multiaddr.Multiaddr:
     return multiaddr.Multiaddr(maddr[: -len(suffix)] if maddr.endswith(suffix) else maddr)
 
 
+def _relayed(conn: Any) -> bool:
+    """Whether a swarm connection runs through a relay (py-libp2p tags them RELAYED, or by address)."""
+    kind = getattr(conn, "_get_connection_type_metadata", lambda: None)()
+    if getattr(kind, "name", "") == "RELAYED":
+        return True
+    with contextlib.suppress(Exception):
+        return any(_CIRCUIT in str(addr) for addr in conn.get_transport_addresses())
+    return False
+
+
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, trio.TooSlowError):
         return "timed out"
@@ -285,10 +384,13 @@ async def run(settings: ChildSettings) -> int:
     child = Child(settings, host, control_stream)
     listener = await _unix_listener(settings.stream_socket)
     async with host.run(listen_addrs=[multiaddr.Multiaddr(addr) for addr in settings.listen]), \
-            trio.open_nursery() as nursery:
+            trio.open_nursery() as nursery, background_trio_service(child.relaying.protocol):
         nursery.start_soon(trio.serve_listeners, child.serve_outgoing, [listener])
         maddrs = [f"{addr}/p2p/{peer_id}" if "/p2p/" not in str(addr) else str(addr) for addr in host.get_addrs()]
         await child.send_control(control.Op.READY, peer_id=peer_id, maddrs=maddrs)
+        if settings.relays:
+            nursery.start_soon(child.relaying.keep_slots, nursery)
+        nursery.start_soon(child.report_state)
         await child.control_loop(nursery)
         nursery.cancel_scope.cancel()
     return 0
@@ -306,10 +408,11 @@ def parse_args(argv: Sequence[str]) -> ChildSettings:
     parser.add_argument("--io-timeout", type=float, default=30.0)
     parser.add_argument("--dial-timeout", type=float, default=10.0)
     parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--relay", action="append", default=[], help="reserve a slot at this relay (behind NAT)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return ChildSettings(args.control_fd, args.identity, args.peer_id, tuple(args.listen), args.stream_socket,
-                         args.node_socket, args.io_timeout, args.dial_timeout)
+                         args.node_socket, args.io_timeout, args.dial_timeout, tuple(args.relay))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

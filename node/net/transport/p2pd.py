@@ -1,7 +1,8 @@
 """The default data-plane transport: raw libp2p streams through the p2pd daemon that hivemind's `P2P`
 runs, the same daemon (one identity, one process) that carries the DHT.
 
-Also starts that daemon with murmur's network rules: loopback by default, no UPnP, no relays.
+Also starts that daemon with murmur's network rules: loopback by default, no UPnP, and the relay
+settings of node.net.reachability (through node.net.hivemind_adapter, where p2pd needs workarounds).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,11 +18,19 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure, raise_if_failed, read_pbmsg_safe, write_pbmsg
 from hivemind.proto import p2pd_pb2
-from hivemind.utils.multiaddr import Multiaddr
 
 from gossip.limits import IncomingGate
 from gossip.transport import PeerUnreachable, StreamClosed, StreamHandler
+from node.net.hivemind_adapter import (
+    RelayLimits,
+    autorelay_args,
+    daemon_class,
+    is_circuit,
+    maddr_bytes,
+    relay_service_args,
+)
 from node.net.proc import asyncio_children_die_with_us
+from node.net.transport.goodput import GoodputMeter, StreamTiming
 
 logger = logging.getLogger(__name__)
 
@@ -32,49 +41,78 @@ LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
 _WRITE_CHUNK = 1 << 20
 # Read buffer for streams we open; asyncio's 64 KiB default costs a pause/resume cycle per 128 KiB.
 _READ_LIMIT = 1 << 22
+# How long a dial of a peer's direct addresses may take before its relays' circuits are tried.
+DIRECT_FIRST_S = 3.0
+
+AddressBook = Callable[[str], Sequence[str]]
 
 
 @dataclass(frozen=True)
 class P2PSettings:
     """How to start p2pd. Defaults follow murmur's network rules; widening them is an explicit choice."""
 
-    identity_path: Path
+    identity_path: Path | None  # None: a fresh random identity (a throwaway daemon, node.net.probe)
     host_maddrs: tuple[str, ...] = LOOPBACK_MADDRS
     announce_maddrs: tuple[str, ...] = ()
     initial_peers: tuple[str, ...] = ()
     # UPnP port mapping multicasts on every interface: opt-in for real deployments only.
     nat_port_map: bool = False
-    use_relay: bool = False
+    # The relay transport: needed to dial peers behind NAT through their relays.
+    use_relay: bool = True
+    # "public" / "private" fixes what libp2p's AutoNAT would otherwise have to find out.
+    force_reachability: str | None = None
+    # Reserve slots at these relays (full multiaddrs) and be reachable through them (behind NAT).
+    relays: tuple[str, ...] = ()
+    # Serve as a relay with these limits (None: only p2pd's built-in minimal relay service).
+    relay_service: RelayLimits | None = None
+    # AutoNAT service and hole punching (DCUtR); they come together in p2pd (-autonat).
+    hole_punching: bool = False
+    dht_mode: str = "server"
     startup_timeout_s: float = 15.0
+
+    def extra_args(self) -> tuple[str, ...]:
+        """What p2pd needs beyond `P2P.create`'s arguments (node.net.hivemind_adapter)."""
+        args = autorelay_args(self.relays)
+        if self.relay_service is not None:
+            args += relay_service_args(self.relay_service)
+        elif self.use_relay:
+            args += ("-relayService=0",)
+        return args
 
 
 async def start_p2pd(settings: P2PSettings) -> P2P:
     """Start p2pd with `settings`; the daemon is SIGKILLed if this process dies without shutting it down."""
+    force = None if settings.relay_service is not None else settings.force_reachability
     async with asyncio.timeout(settings.startup_timeout_s + 5.0):
         with asyncio_children_die_with_us():
-            return await P2P.create(
+            p2p: P2P = await daemon_class(settings.extra_args()).create(
                 initial_peers=list(settings.initial_peers) or None,
                 host_maddrs=list(settings.host_maddrs),
                 announce_maddrs=list(settings.announce_maddrs) or None,
-                identity_path=str(settings.identity_path),
+                identity_path=str(settings.identity_path) if settings.identity_path else None,
                 # Our identity lock already keeps two local nodes apart; hivemind's network check
                 # would start a second, anonymous daemon with UPnP on.
                 check_if_identity_free=False,
                 nat_port_map=settings.nat_port_map,
                 use_relay=settings.use_relay,
-                use_auto_relay=False,
+                use_auto_relay=bool(settings.relays),
+                trusted_relays=list(settings.relays) or None,
+                force_reachability=force,
                 use_ipfs=False,
-                auto_nat=False,
+                auto_nat=settings.hole_punching,
+                dht_mode=settings.dht_mode,
                 startup_timeout=settings.startup_timeout_s,
             )
+            return p2p
 
 
 class _ByteCounts:
-    __slots__ = ("received", "sent")
+    __slots__ = ("goodput", "received", "sent")
 
     def __init__(self) -> None:
         self.sent = 0
         self.received = 0
+        self.goodput = GoodputMeter()
 
 
 class P2PDStream:
@@ -101,6 +139,7 @@ class P2PDStream:
         self._live = live  # the transport's open streams, so closing it can drop them
         self._close_timeout_s = close_timeout_s
         self._closed = False
+        self._timing = StreamTiming()
         self._live.add(self)
 
     @property
@@ -128,6 +167,7 @@ class P2PDStream:
             self.abort()
             raise
         self._counts.received += n
+        self._timing.read(n)
         return data
 
     async def write(self, data: bytes | memoryview) -> None:
@@ -147,12 +187,16 @@ class P2PDStream:
             self.abort()
             raise
 
+    def _done(self) -> None:
+        self._closed = True
+        self._live.discard(self)
+        self._counts.goodput.add_sample(self._remote_peer, self._timing.nbytes, self._timing.seconds)
+
     async def close(self) -> None:
         """Flush what was written, then close; the remote reads everything, then end of stream."""
         if self._closed:
             return
-        self._closed = True
-        self._live.discard(self)
+        self._done()
         try:
             self._writer.close()
             async with asyncio.timeout(self._close_timeout_s):
@@ -166,8 +210,7 @@ class P2PDStream:
     def abort(self) -> None:
         """Drop the stream now, discarding unsent bytes."""
         if not self._closed:
-            self._closed = True
-            self._live.discard(self)
+            self._done()
         self._writer.transport.abort()
 
 
@@ -189,6 +232,13 @@ class P2PDTransport:
         self._protocols: set[str] = set()
         self._handler_tasks: set[asyncio.Task[None]] = set()
         self._closed = False
+        self._address_book: AddressBook | None = None
+        self.redials = 0  # streams that opened only after a re-dial (a relay or connection lost meanwhile)
+
+    def set_address_book(self, addresses: AddressBook) -> None:
+        """Where each peer can be dialled (its DHT record's maddrs): a stream that cannot be opened on the
+        connection the daemon has (say, its relay died) is opened again after a dial of these."""
+        self._address_book = addresses
 
     @property
     def peer_id(self) -> str:
@@ -203,30 +253,66 @@ class P2PDTransport:
     def bytes_received(self) -> int:
         return self._counts.received
 
+    def goodput_mbit_s(self, peer_id: str) -> float | None:
+        """How fast gossip payloads arrived from `peer_id` lately (None: no large transfer yet)."""
+        return self._counts.goodput.mbit_s(peer_id)
+
     async def maddrs(self) -> tuple[str, ...]:
         """Full multiaddrs others can dial, each ending in /p2p/<peer id>."""
         async with asyncio.timeout(self._open_timeout_s):
             return tuple(str(addr) for addr in await self._p2p.get_visible_maddrs())
 
     async def connect(self, peer_id: str, maddrs: Sequence[str]) -> None:
-        """Tell the daemon where `peer_id` listens and dial it (e.g. with addresses from its DHT record)."""
-        addrs = [_transport_part(addr, peer_id) for addr in maddrs]
+        """Tell the daemon where `peer_id` listens and dial it (e.g. with addresses from its DHT record).
+
+        Direct addresses first: only if none answers within DIRECT_FIRST_S are the circuits through the
+        peer's relays dialled, so a peer reachable both ways gets a direct connection, which libp2p then
+        uses for every stream (bulk exchanges prefer direct connections).
+        """
+        direct = [addr for addr in maddrs if not is_circuit(addr)]
+        if direct and len(direct) < len(maddrs):
+            try:
+                await self._connect(peer_id, direct, min(DIRECT_FIRST_S, self._open_timeout_s))
+                return
+            except PeerUnreachable as exc:
+                logger.debug("%s: no direct connection (%s); dialling its relays' circuits", peer_id, exc)
+        await self._connect(peer_id, maddrs, self._open_timeout_s)
+
+    async def _connect(self, peer_id: str, maddrs: Sequence[str], timeout_s: float) -> None:
+        addrs = [maddr_bytes(_transport_part(addr, peer_id)) for addr in maddrs]
         request = p2pd_pb2.Request(
             type=p2pd_pb2.Request.CONNECT,
             connect=p2pd_pb2.ConnectRequest(
                 peer=PeerID.from_base58(peer_id).to_bytes(),
-                addrs=[addr.to_bytes() for addr in addrs],
-                timeout=math.ceil(self._open_timeout_s),
+                addrs=addrs,
+                timeout=math.ceil(timeout_s),
             ),
         )
         try:
-            async with asyncio.timeout(self._open_timeout_s):
+            async with asyncio.timeout(timeout_s):
                 _, writer = await self._daemon_request(request)
         except (TimeoutError, ControlFailure, OSError) as exc:
             raise PeerUnreachable(f"cannot connect to {peer_id}: {_reason(exc)}") from exc
         writer.close()
 
     async def open_stream(self, peer_id: str, protocol: str) -> P2PDStream:
+        """A stream to `peer_id`; if the daemon cannot open one (no connection, and the addresses it
+        knows fail), the peer's addresses from the address book are dialled and the open tried again."""
+        try:
+            return await self._open_stream(peer_id, protocol)
+        except PeerUnreachable as first:
+            maddrs = self._address_book(peer_id) if self._address_book is not None else ()
+            if not maddrs or self._closed:
+                raise
+            try:
+                await self.connect(peer_id, maddrs)
+            except PeerUnreachable:
+                raise first from None
+            self.redials += 1
+            logger.info("re-dialled %s to open a %s stream", peer_id, protocol)
+            return await self._open_stream(peer_id, protocol)
+
+    async def _open_stream(self, peer_id: str, protocol: str) -> P2PDStream:
         if self._closed:
             raise RuntimeError("transport is closed")
         request = p2pd_pb2.Request(
@@ -318,10 +404,11 @@ class P2PDTransport:
             await asyncio.wait(tasks, timeout=self._close_timeout_s)
 
 
-def _transport_part(maddr: str, peer_id: str) -> Multiaddr:
-    """`/ip4/.../tcp/N/p2p/<id>` -> `/ip4/.../tcp/N`: the daemon takes the peer id separately."""
+def _transport_part(maddr: str, peer_id: str) -> str:
+    """`/ip4/.../tcp/N/p2p/<id>` -> `/ip4/.../tcp/N`: the daemon takes the peer id separately. A circuit
+    address keeps its relay's `/p2p/<relay id>`."""
     suffix = f"/p2p/{peer_id}"
-    return Multiaddr(maddr[: -len(suffix)] if maddr.endswith(suffix) else maddr)
+    return maddr[: -len(suffix)] if maddr.endswith(suffix) else maddr
 
 
 def _reason(exc: BaseException) -> str:

@@ -1,0 +1,111 @@
+"""The one place that works around what hivemind 1.1.12 and its bundled p2pd get wrong for NAT traversal
+(measured in network namespaces; docs/architecture.md, "Reachability"). Each workaround has its test in
+tests/test_hivemind_adapter.py:
+
+1. **relay discovery**: with `-autoRelay`, p2pd waits about 3 minutes before reserving a relay slot
+   unless it gets `-relayDiscovery=0`, which `P2P.create` does not expose: `daemon_class` gives p2pd
+   extra arguments through hivemind's own process-argument builder.
+2. **private relays**: a relay whose address libp2p thinks private (10.x, 192.168.x, ...) reserves a
+   slot but p2pd never advertises the `/p2p-circuit` address: `circuit_maddr` builds it.
+3. **relay limits**: p2pd registers two relay services; its default one (128 KiB and 2 minutes per
+   circuit) answers unless the relay's reachability is public, and only then do `-relayDataLimit` /
+   `-relayTimeLimit` apply: `relay_service_args` forces public reachability on a relay, and
+   node.net.probe pushes more than `DEFAULT_SERVICE_DATA_LIMIT` through a circuit to check it worked.
+4. **`/p2p/` encoding**: hivemind's bundled `Multiaddr` encodes `/p2p/<id>` as a CIDv1, which p2pd's
+   `connect` rejects inside relayed addresses ("length greater than remaining number of bytes"):
+   `maddr_bytes` encodes with the `multiaddr` package, whose `/p2p/` is the raw multihash p2pd expects.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import multiaddr
+from hivemind.p2p import P2P
+
+CIRCUIT = "/p2p-circuit"
+# p2pd's default relay service (go-libp2p's relay.DefaultResources): what a circuit carries through a
+# relay whose configured limits are not in force.
+DEFAULT_SERVICE_DATA_LIMIT = 128 * 1024
+DEFAULT_SERVICE_TIME_LIMIT_S = 120.0
+
+
+@dataclass(frozen=True)
+class RelayLimits:
+    """What one circuit through this node's relay service may carry (each direction) and for how long;
+    a cut circuit is re-dialled by its peers, so these bound a relayed connection, not an exchange."""
+
+    data_bytes: int
+    duration_s: float
+    max_circuits: int = 16  # open circuits per peer
+    max_reservations: int = 128
+
+
+def daemon_class(extra_args: Sequence[str]) -> type[P2P]:
+    """A `P2P` whose p2pd also gets `extra_args` (workaround 1, and how 3 reaches p2pd).
+
+    `P2P.create` builds the daemon's command line with `_make_process_args`; a subclass that appends
+    to it is the only way to pass flags `create` does not know. A class per call: no shared state.
+    """
+    extra = tuple(extra_args)
+
+    class _P2PWithArgs(P2P):  # type: ignore[misc]  # hivemind is untyped
+        @staticmethod
+        def _make_process_args(*args: Any, **kwargs: Any) -> list[str]:
+            return [*P2P._make_process_args(*args, **kwargs), *extra]
+
+    return _P2PWithArgs
+
+
+def autorelay_args(relays: Sequence[str]) -> tuple[str, ...]:
+    """Reserve slots at exactly `relays`, at once (workaround 1); hivemind passes them as -trustedRelays."""
+    return ("-relayDiscovery=0",) if relays else ()
+
+
+def relay_service_args(limits: RelayLimits) -> tuple[str, ...]:
+    """Serve as a relay with `limits` in force (workaround 3): public reachability makes go-libp2p start
+    the configured relay service, whose hop handler then replaces the default service's."""
+    return ("-relayService=1", "-forceReachabilityPublic=1", f"-relayDataLimit={limits.data_bytes}",
+            f"-relayTimeLimit={math.ceil(limits.duration_s)}s", f"-relayMaxCircuits={limits.max_circuits}",
+            f"-relayMaxReservations={limits.max_reservations}")
+
+
+def is_circuit(maddr: str) -> bool:
+    return f"{CIRCUIT}/" in maddr or maddr.endswith(CIRCUIT)
+
+
+def relay_part(circuit: str) -> str:
+    """`/ip4/R/tcp/N/p2p/RELAY/p2p-circuit/p2p/ME` -> `/ip4/R/tcp/N/p2p/RELAY` (the relay's address)."""
+    return circuit.split(CIRCUIT, 1)[0]
+
+
+def peer_of(maddr: str) -> str | None:
+    """The peer id a full multiaddr ends in, if it does."""
+    _, sep, tail = maddr.rpartition("/p2p/")
+    return tail if sep and "/" not in tail else None
+
+
+def circuit_maddr(relay_maddr: str, peer_id: str) -> str:
+    """The address peers dial `peer_id` at through the relay at `relay_maddr` (workaround 2), which must
+    be a full multiaddr of the relay (ending in /p2p/<relay id>)."""
+    if peer_of(relay_maddr) is None or is_circuit(relay_maddr):
+        raise ValueError(f"not a relay's full multiaddr: {relay_maddr!r}")
+    return f"{relay_maddr}{CIRCUIT}/p2p/{peer_id}"
+
+
+def missing_circuits(advertised: Iterable[str], relays_held: Iterable[str], peer_id: str) -> tuple[str, ...]:
+    """Circuit addresses through `relays_held` (full relay multiaddrs) that p2pd does not advertise in
+    `advertised` itself (it omits those of relays with private addresses)."""
+    have = {peer_of(relay_part(a)) for a in advertised if is_circuit(a)}
+    return tuple(circuit_maddr(r, peer_id) for r in relays_held if peer_of(r) not in have)
+
+
+def maddr_bytes(maddr: str) -> bytes:
+    """The binary multiaddr p2pd's control protocol takes (workaround 4); ValueError if malformed."""
+    try:
+        return bytes(multiaddr.Multiaddr(maddr).to_bytes())
+    except Exception as exc:  # py-multiaddr raises its own StringParseError (a ValueError) and others
+        raise ValueError(f"bad multiaddr {maddr!r}: {exc}") from None
