@@ -45,6 +45,12 @@ class NonFiniteValues(WireError):
     kind = "non_finite"
 
 
+class OutOfRange(WireError):
+    """A tensor holds finite values beyond the receiver's magnitude bound (`gossip.robust.ValueBound`)."""
+
+    kind = "out_of_range"
+
+
 class Truncated(WireError):
     """The stream or buffer ended before the message was complete."""
 
@@ -77,6 +83,7 @@ WIRE_ERROR_KINDS: tuple[str, ...] = tuple(
         UnknownCodec,
         ManifestMismatch,
         NonFiniteValues,
+        OutOfRange,
         Truncated,
         WrongSwarm,
         VersionMismatch,

@@ -40,7 +40,8 @@ from gossip.choco import ChocoState, Desync, Outgoing
 from gossip.codecs import Codec
 from gossip.errors import BadSchema, ManifestMismatch, Truncated, WireError
 from gossip.limits import DEFAULT_INCOMING, CountPerKey, IncomingLimits, PeerBuckets
-from gossip.mixing import IncrementalMix, MixingRule, effective_weights, mix
+from gossip.mixing import IncrementalMix, MixingKind, MixingRule, effective_weights
+from gossip.robust import ClipSettings, Mixer, ValueBound
 from gossip.stream import Accounting, Frames, IncomingMessage, MessageStream, TensorsUnsendable
 from gossip.transport import GOSSIP_PROTOCOL, Stream, Transport
 from gossip.wire import (
@@ -109,6 +110,8 @@ class ExchangeSettings:
     max_staleness: int = 4
     rule: MixingRule = field(default_factory=MixingRule)
     limits: WireLimits = DEFAULT_LIMITS
+    clip: ClipSettings = field(default_factory=ClipSettings)  # the adaptive_clip rule's radius
+    value_bound: ValueBound = field(default_factory=ValueBound)  # received values beyond it are refused
     incoming: IncomingLimits = DEFAULT_INCOMING
     # who may send to us, and the proof our own messages carry (key and allowlist swarms)
     admission: StreamAdmission = OPEN
@@ -127,6 +130,7 @@ class ExchangeStats:
     skipped: collections.Counter[str] = field(default_factory=collections.Counter)  # neighbours skipped, by reason
     # valid exchange requests answered with a `reject` because of their round (LATE, NOT_PARTNER, ...)
     refused: collections.Counter[str] = field(default_factory=collections.Counter)
+    clipped: int = 0  # neighbour values mixed after clipping (a clipping rule's radius cut their pull)
     # requests sent again after their stream was cut (a relay or connection lost mid-exchange)
     retried: int = 0
 
@@ -137,6 +141,7 @@ class RoundOutcome:
     mixed_with: tuple[str, ...]
     skipped: Mapping[str, str]  # neighbour -> why it was left out
     duration_s: float
+    clipped: tuple[str, ...] = ()  # neighbours of mixed_with whose difference was clipped
 
 
 @dataclass(frozen=True)
@@ -227,6 +232,11 @@ class GossipPeer:
         self.step = step
         self.stats = ExchangeStats()
         self._accounting = Accounting(self.stats, logger, "rejected gossip message")
+        self._mixer = Mixer(settings.rule, settings.clip, settings.value_bound)
+        # The tensors the last round mixed (or the first ones), kept from the moment they are replaced
+        # until the next round: the node's own move in between is what the adaptive radius learns from.
+        self._tensors_are_base = True
+        self._base: dict[str, np.ndarray] | None = None
         self._parked = False  # see park()
         self._begun = -1  # the latest round whose run_round has begun
         # round -> our tensors as that round began, for the last max_staleness + 1 rounds (see _pull_answer);
@@ -260,10 +270,16 @@ class GossipPeer:
     def tensors(self) -> dict[str, np.ndarray]:
         return self._tensors
 
-    def set_tensors(self, tensors: Tensors, step: int | None = None) -> None:
-        """Install new local values (e.g. after a training step); names, dtypes and shapes must match."""
+    def set_tensors(self, tensors: Tensors, step: int | None = None, *, moved: bool = True) -> None:
+        """Install new local values (e.g. after a training step); names, dtypes and shapes must match.
+        `moved=False` says they are not this node's own move from the last mix (a download): the
+        adaptive radius then learns nothing from the jump."""
         if tensor_specs(tensors) != self._specs:
             raise ValueError("new tensors differ in names, dtypes or shapes from the swarm's manifest")
+        if not moved:
+            self._base, self._tensors_are_base = None, True
+        elif self._tensors_are_base:
+            self._base, self._tensors_are_base = self._tensors, False
         self._tensors = dict(tensors)
         if step is not None:
             self.step = step
@@ -277,6 +293,7 @@ class GossipPeer:
         """Exchange with this round's neighbours, mix what arrived in time, install the result."""
         started = time.monotonic()
         own_snapshot = self._tensors
+        base, self._base = self._base, None
         oldest_kept = round_index - self._settings.max_staleness
         awaited = {peer for peer in plan.in_weights if peer in plan.out_peers and self.peer_id > peer}
         async with self._round_began:
@@ -345,36 +362,43 @@ class GossipPeer:
             for peer in sorted(plan.in_weights):
                 group.create_task(one(peer))
 
+        # compressed gossip receives differences against estimates, not parameters: the Mixer's screen is for the latter
+        if received and self._choco is None:
+            refused = await asyncio.to_thread(self._mixer.screen, own_snapshot,
+                                              {peer: r.tensors for peer, r in received.items()})
+            for peer, exc in refused.items():
+                self._accounting.count_refused(exc, peer)
+                skip(peer, exc.kind)
+                del received[peer]
         mixed = running.result() if running is not None and received.keys() == set(plan.in_weights) else None
+        clipped: tuple[str, ...] = ()
         if self._choco is not None:
             mixed = await asyncio.to_thread(self._choco_mix, own_snapshot, received, plan)
         elif mixed is None:
-            mixed = await asyncio.to_thread(self._mix, own_snapshot, received, plan)
+            outcome = await asyncio.to_thread(self._mixer.mix, own_snapshot,
+                                              {peer: r.tensors for peer, r in received.items()},
+                                              plan.self_weight, plan.in_weights, base)
+            mixed, clipped = outcome.tensors, outcome.clipped
         # values installed meanwhile (a trainer's step) win over this round's mix of older ones
         if self._tensors is own_snapshot:
             self._tensors = mixed
+            self._tensors_are_base = True
         for label in counted.values():
             self.stats.skipped[label] += 1
+        self.stats.clipped += len(clipped)
         duration = time.monotonic() - started
         self.stats.rounds += 1
         self.stats.last_round_s = duration
-        return RoundOutcome(round_index, tuple(sorted(received)), skipped, duration)
+        return RoundOutcome(round_index, tuple(sorted(received)), skipped, duration, clipped)
 
     def _incremental_mix(self, own: dict[str, np.ndarray], plan: PeerRound, awaited: set[str]) -> IncrementalMix | None:
         """A mix that runs as the values arrive, when this round requests from exactly one neighbour
-        (every pairwise schedule, and pulls) with the weighted rule; else None and `_mix` runs after."""
-        if (self._settings.rule.kind != "weighted" or len(plan.in_weights) != 1 or awaited
+        (every pairwise schedule, and pulls) with the weighted rule; else None and the Mixer runs after."""
+        if (self._settings.rule.kind is not MixingKind.WEIGHTED or len(plan.in_weights) != 1 or awaited
                 or self._choco is not None):
             return None
         self_weight, weights = effective_weights(plan.self_weight, plan.in_weights, plan.in_weights.keys())
         return IncrementalMix(own, self_weight, *weights.values())
-
-    def _mix(self, own: dict[str, np.ndarray], received: Mapping[str, _Received], plan: PeerRound) -> dict[str, np.ndarray]:
-        return {
-            name: mix(x, {peer: r.tensors[name] for peer, r in received.items()}, plan.self_weight, plan.in_weights,
-                      self._settings.rule)
-            for name, x in own.items()
-        }
 
     def _choco_mix(self, own: dict[str, np.ndarray], received: Mapping[str, _Received],
                    plan: PeerRound) -> dict[str, np.ndarray]:

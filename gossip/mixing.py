@@ -1,6 +1,7 @@
 """One gossip round's mixing of flat parameter vectors: the weighted average over the neighbours that
 arrived (missing neighbours' weight moves to the local vector), the robust rules (centered clipping,
-coordinate-wise median, coordinate-wise trimmed mean), and the variance-corrected average (CORE).
+coordinate-wise median, coordinate-wise trimmed mean), and the variance-corrected average (CORE). The
+adaptive clipping radius, which needs state across rounds, is `gossip.robust`.
 
 Inputs are assumed finite (the wire layer rejects non-finite frames before they get here).
 Vectors are processed in cache-sized blocks, so a call allocates the result plus O(block * vectors)
@@ -21,6 +22,7 @@ class MixingKind(enum.StrEnum):
     """The mixing rules by the name configs, swarm documents and reports use."""
 
     WEIGHTED = "weighted"
+    ADAPTIVE_CLIP = "adaptive_clip"  # centered clipping, radius from earlier rounds (gossip.robust.Mixer)
     CLIPPED = "clipped"
     MEDIAN = "median"
     TRIMMED_MEAN = "trimmed_mean"
@@ -44,6 +46,8 @@ class MixingRule:
     """How a round combines the local vector with the received ones.
 
     - ``weighted``: sum_j w_ij x_j over the arrived neighbours and self.
+    - ``adaptive_clip``: ``clipped`` with a radius per tensor that `gossip.robust.Mixer` estimates from
+      earlier rounds (the node's default; `mix` alone cannot apply it, it has no memory).
     - ``clipped``: x_i + sum_j w_ij * clip(x_j - x_i, tau), clip(v, tau) = v * min(1, tau / ||v||_2).
     - ``median``: coordinate-wise median of {x_i} and the received vectors (weights only decide
       who may send; they do not weight the median).
@@ -118,6 +122,11 @@ def mix(
     own's shape and dtype; the inputs are not modified. Raises ValueError for invalid weights, a
     sender that is not a neighbour, or vectors whose shape or dtype differ from `own`.
     """
+    if rule.kind is MixingKind.ADAPTIVE_CLIP:
+        raise ValueError("the adaptive_clip rule keeps a radius across rounds: mix with gossip.robust.Mixer")
+    if rule.kind is MixingKind.CLIPPED:
+        assert rule.tau is not None  # checked by MixingRule
+        return clip_mix(own, received, self_weight, neighbour_weights, rule.tau)[0]
     self_w, weights = effective_weights(self_weight, neighbour_weights, received.keys())
     _check_vectors(own, received)
     # A fixed summation order makes the result independent of the order in which peers arrived,
@@ -133,14 +142,74 @@ def mix(
         out = _weighted_sum(own, self_w, member_weights, vectors)
         correct_variance(out, [own, *vectors], [self_w, *member_weights])
         return out
-    if rule.kind is MixingKind.CLIPPED:
-        assert rule.tau is not None  # checked by MixingRule
-        return _clipped(own, [weights[peer] for peer in senders], vectors, rule.tau)
     m = len(vectors) + 1
     if rule.kind is MixingKind.MEDIAN:
         return _trimmed_mean(own, vectors, (m - 1) // 2)
     # The epsilon keeps e.g. trim * m = 0.29999999999999998 * 10 from flooring to 2.
     return _trimmed_mean(own, vectors, math.floor(rule.trim * m + 1e-9))
+
+
+def clip_mix(
+    own: np.ndarray,
+    received: Mapping[str, np.ndarray],
+    self_weight: float,
+    neighbour_weights: Mapping[str, float],
+    tau: float,
+) -> tuple[np.ndarray, dict[str, float]]:
+    """Centered clipping: own + sum_j w_j * clip(x_j - own, tau), and each sender's distance ||x_j - own||_2.
+
+    tau = 0 keeps `own` (no neighbour can move it). Checks as `mix`; the weights of missing
+    neighbours stay on `own`.
+    """
+    if not (math.isfinite(tau) and tau >= 0):
+        raise ValueError(f"clipping radius tau must be finite and >= 0, got {tau!r}")
+    _check_vectors(own, received)
+    norms = {peer: distance(vector, own) for peer, vector in received.items()}
+    scales = {peer: clip_scale(norm, tau) for peer, norm in norms.items()}
+    return scaled_mix(own, received, self_weight, neighbour_weights, scales), norms
+
+
+def scaled_mix(
+    own: np.ndarray,
+    received: Mapping[str, np.ndarray],
+    self_weight: float,
+    neighbour_weights: Mapping[str, float],
+    scales: Mapping[str, float],
+) -> np.ndarray:
+    """own + sum_j w_j * scales[j] * (x_j - own): each difference shrunk by its own factor in [0, 1]
+    (`clip_scale` of a radius). Checks as `mix`; the weights of missing neighbours stay on `own`."""
+    _, weights = effective_weights(self_weight, neighbour_weights, received.keys())
+    _check_vectors(own, received)
+    bad = {peer: f for peer, f in scales.items() if not 0.0 <= f <= 1.0}
+    if bad or received.keys() - scales.keys():
+        raise ValueError(f"every sender needs a scale in [0, 1]; got {bad or 'none for some'}")
+    senders = sorted(received)
+    return _clipped(own, [weights[p] for p in senders], [received[p] for p in senders], [scales[p] for p in senders])
+
+
+def distance(a: np.ndarray, b: np.ndarray) -> float:
+    """||a - b||_2 of two flat vectors of one shape, block by block (no full-length temporary); inf if
+    the squared sum overflows."""
+    n = a.shape[0]
+    if n == 0:
+        return 0.0
+    scratch = np.empty(min(_BLOCK, n), _accumulator_dtype(a.dtype))
+    squared = 0.0
+    for start in _blocks(n):
+        stop = min(start + _BLOCK, n)
+        diff = scratch[: stop - start]
+        np.subtract(a[start:stop], b[start:stop], out=diff)
+        squared += float(np.dot(diff, diff))
+    return math.sqrt(squared) if math.isfinite(squared) else math.inf
+
+
+def coordinate_median(vectors: Sequence[np.ndarray]) -> np.ndarray:
+    """The coordinate-wise median of an odd number of flat vectors of one shape and dtype (a new array)."""
+    if not vectors or len(vectors) % 2 == 0:
+        raise ValueError(f"a coordinate-wise median needs an odd number of vectors, got {len(vectors)}")
+    first, rest = vectors[0], list(vectors[1:])
+    _check_vectors(first, {str(i): v for i, v in enumerate(rest)})
+    return _trimmed_mean(first, rest, len(rest) // 2) if rest else first.copy()
 
 
 def _checked_weight_sum(self_weight: float, neighbour_weights: Mapping[str, float]) -> float:
@@ -305,20 +374,12 @@ def correct_variance(average: np.ndarray, members: Sequence[np.ndarray], weights
     return scale
 
 
-def _clipped(own: np.ndarray, weights: Sequence[float], vectors: Sequence[np.ndarray], tau: float) -> np.ndarray:
-    """own + sum_k weights[k] * clip(vectors[k] - own, tau): two passes, norms first."""
+def _clipped(own: np.ndarray, weights: Sequence[float], vectors: Sequence[np.ndarray],
+             scales: Sequence[float]) -> np.ndarray:
+    """own + sum_k weights[k] * scales[k] * (vectors[k] - own), where scales[k] = min(1, tau / ||vectors[k] - own||)."""
     n = own.shape[0]
     acc_dtype = _accumulator_dtype(own.dtype)
     scratch = np.empty(min(_BLOCK, n), acc_dtype)
-    scales = []
-    for vector in vectors:
-        squared = 0.0
-        for start in _blocks(n):
-            stop = min(start + _BLOCK, n)
-            diff = scratch[: stop - start]
-            np.subtract(vector[start:stop], own[start:stop], out=diff)
-            squared += float(np.dot(diff, diff))
-        scales.append(_clip_scale(math.sqrt(squared), tau))
     moves = [w * s for w, s in zip(weights, scales)]
 
     out = np.empty(own.shape, own.dtype)
@@ -340,7 +401,7 @@ def _clipped(own: np.ndarray, weights: Sequence[float], vectors: Sequence[np.nda
     return out
 
 
-def _clip_scale(norm: float, tau: float) -> float:
+def clip_scale(norm: float, tau: float) -> float:
     """min(1, tau / norm), the factor that shrinks a difference of length `norm` into radius tau."""
     if not math.isfinite(norm):
         # The squared norm overflowed: the vector is astronomically far and its clipped move is ~0.

@@ -24,7 +24,8 @@ import numpy as np
 
 from gossip.codecs import Codec, get_codec
 from gossip.memory import LinkModel
-from gossip.mixing import MixingRule, mix
+from gossip.mixing import MixingRule
+from gossip.robust import Mixer
 from gossip.wire import message_nbytes
 from topology import MembershipView, Topology, TopologySpec, build_topology, peer_round
 
@@ -104,6 +105,7 @@ def simulate(config: SimConfig) -> Iterator[RoundReport]:
 
     state = {new_id(): rng.standard_normal(config.dim).astype(dtype) for _ in range(config.peers)}
     topologies: dict[int, Topology] = {}
+    mixers: dict[str, Mixer] = {}  # each peer's rule and what it remembers (the adaptive radius)
     lossless = codec.name == "fp32" and dtype == np.float32
     yield RoundReport(0, consensus_error(list(state.values())), 0, len(state), 0, 0, 0.0)
 
@@ -128,7 +130,9 @@ def simulate(config: SimConfig) -> Iterator[RoundReport]:
                 arrived[src] = sent[src]
                 out_degree[src] += 1
             delivered += len(arrived)
-            new_state[pid] = mix(state[pid], arrived, plan.self_weight, plan.in_weights, config.rule)
+            mixer = mixers.setdefault(pid, Mixer(config.rule))
+            new_state[pid] = mixer.mix({"params": state[pid]}, {src: {"params": x} for src, x in arrived.items()},
+                                       plan.self_weight, plan.in_weights).tensors["params"]
         state = new_state
         moved += delivered * msg_bytes
         slowest = max(out_degree.values(), default=0)

@@ -289,7 +289,8 @@ def test_config_refuses_unsound_combinations():
         (["--codec", "topk"], "sound on differences only"),
         (["--gossip-compression", "choco"], "symmetric"),  # the default topology is one-peer-exp
         (["--gossip-compression", "choco", "--topology", "ring", "--mixing", "median"], "whole vectors"),
-        (["--gossip-compression", "choco", "--topology", "ring", "--spes"], "SPES"),
+        (["--gossip-compression", "choco", "--topology", "ring", "--mixing", "adaptive_clip"], "weighted or clipped"),
+        (["--gossip-compression", "choco", "--topology", "ring", "--mixing", "weighted", "--spes"], "SPES"),
         (["--gossip-compression", "choco", "--topology", "ring", "--choco-gamma", "1.5"], "--choco-gamma"),
         (["--gossip-compression", "zip"], "--gossip-compression"),
         (["--gossip-compression", "choco", "--topology", "ring", "--optimizer", "diloco"], "dsgd and dadam"),
@@ -312,7 +313,8 @@ def test_topk_is_allowed_on_differences_only():
     diloco = _config("--optimizer", "diloco", "--local-steps", "10", "--codec", "topk", "--topk-ratio", "0.02")
     settings = SwarmSettings.from_doc(swarm_document(diloco, 0.0))
     assert settings.codec == TopKCodec(0.02) and settings.choco is None
-    choco = _config("--gossip-compression", "choco", "--topology", "ring", "--codec", "topk", "--topk-ratio", "0.02")
+    choco = _config("--gossip-compression", "choco", "--topology", "ring", "--mixing", "weighted", "--codec", "topk",
+                    "--topk-ratio", "0.02")
     assert SwarmSettings.from_doc(swarm_document(choco, 0.0)).choco.codec == TopKCodec(0.02)
     # a forged document: top-k on whole parameters, and compressed gossip under diloco, are refused by joiners
     forged = swarm_document(choco, 0.0)
@@ -329,7 +331,8 @@ def test_topk_is_allowed_on_differences_only():
 def test_recipe_carries_compression_to_joiners():
     from node.training.recipe import SwarmSettings, swarm_document
 
-    config = _config("--gossip-compression", "choco", "--topology", "ring", "--codec", "topk", "--topk-ratio", "0.05")
+    config = _config("--gossip-compression", "choco", "--topology", "ring", "--mixing", "weighted", "--codec", "topk",
+                     "--topk-ratio", "0.05")
     settings = SwarmSettings.from_doc(swarm_document(config, 0.0))
     assert settings.codec.name == "fp32"  # whole tensors (downloads) stay exact
     assert settings.choco is not None and settings.choco.codec == TopKCodec(0.05)

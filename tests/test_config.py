@@ -324,3 +324,19 @@ def test_a_data_dir_that_is_a_file_is_refused(tmp_path):
         checked(tmp_path)
     with pytest.raises(ConfigError, match=r"^--data-dir: cannot create data dir .*data/sub"):
         check_environment(merge_layers(flags(data_dir=str(tmp_path / "data" / "sub"), monitor__port="0")))
+
+
+def test_robust_mixing_is_the_default_and_a_nodes_own_rule_wins_over_the_swarms():
+    from gossip.mixing import MixingKind
+    from node.runtime.serve import exchange_settings
+    from node.training.recipe import SwarmSettings, swarm_document
+
+    founder = NodeConfig()
+    assert founder.gossip.mixing.kind is MixingKind.ADAPTIVE_CLIP
+    weighted_swarm = merge_layers(flags(gossip__mixing__kind="weighted")).config
+    swarm = SwarmSettings.from_doc(swarm_document(weighted_swarm, epoch=0.0))
+    assert swarm.mixing.kind is MixingKind.WEIGHTED  # the founder's own rule, published for information
+    joiner = NodeConfig()
+    assert exchange_settings(joiner, "hash", swarm).rule.kind is MixingKind.ADAPTIVE_CLIP
+    median_joiner = merge_layers(flags(gossip__mixing__kind="median")).config
+    assert exchange_settings(median_joiner, "hash", swarm).rule.kind is MixingKind.MEDIAN

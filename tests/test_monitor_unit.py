@@ -171,7 +171,7 @@ class FakeNode:
     def status(self) -> dict[str, Any]:
         return {"peer_id": "me", "swarm": "s", "version": "0", "peers": [{"peer_id": p} for p in self.view],
                 "step": 0, "round": 0, "rounds_run": 0, "last_round_s": 0.0, "bytes_sent": 0, "bytes_received": 0,
-                "errors": {}, "skipped": {}, "gossip_from": 0, "loss": None, "val_loss": None, "tokens_per_s": None,
+                "errors": {}, "skipped": {}, "mixing": {"rule": "adaptive_clip", "clipped": 0}, "gossip_from": 0, "loss": None, "val_loss": None, "tokens_per_s": None,
                 "consensus_distance": None, "experts": [], "uptime_s": 1.0}
 
     def peers(self) -> list[dict[str, Any]]:

@@ -18,6 +18,8 @@ from gossip.spes import (
     SpesConfig,
     advance_record,
     assign_experts,
+    bounded_records,
+    capped_capacities,
     codec_image,
     content_hash,
     expert_similarity,
@@ -32,6 +34,7 @@ from gossip.spes import (
     refresh_source,
     sync_bytes_sent,
     training_memory,
+    version_bound,
 )
 
 pytestmark = pytest.mark.unit
@@ -104,6 +107,23 @@ def test_when_all_owners_of_an_expert_leave_it_moves_to_live_peers() -> None:
 
 
 # ---- records -----------------------------------------------------------------------------------------
+
+
+def test_a_capacity_claim_beyond_the_layer_counts_as_the_layers_expert_count() -> None:
+    honest = assign_experts(IDS, dict.fromkeys(IDS, 8), 8, 2, 2)
+    claimed = capped_capacities({**dict.fromkeys(IDS[:3], 8), IDS[3]: 2**62}, 8)
+    assert claimed[IDS[3]] == 8
+    assert assign_experts(IDS, claimed, 8, 2, 2) == honest  # the claim wins nothing over an honest full one
+    uncapped = owned_counts(assign_experts(IDS, {**dict.fromkeys(IDS[:3], 2), IDS[3]: 2**62}, 8, 2, 2))
+    assert uncapped[IDS[3]] == 2 * 8  # what an uncapped claim takes: every expert of both layers
+
+
+def test_versions_are_bounded_by_the_sync_index_plus_a_slack() -> None:
+    assert version_bound(step=100, sync_every=4, slack=64) == 25 + 64
+    records = {"honest": {(0, 0): ExpertRecord(20, H0, True), (0, 1): ExpertRecord(89, H1, False)},
+               "liar": {(0, 0): ExpertRecord(2**62, H2, True), (0, 1): ExpertRecord(90, H2, True)}}
+    kept, dropped = bounded_records(records, 89)
+    assert dropped == 2 and kept == {"honest": records["honest"], "liar": {}}
 
 
 def test_a_version_moves_only_when_the_content_changes() -> None:

@@ -457,3 +457,54 @@ def test_the_spes_swarm_average_takes_shared_weights_from_everyone_and_each_expe
     for name, values in expected.items():
         assert average[name].dtype == np.float32
         np.testing.assert_allclose(average[name], values, rtol=0, atol=1e-6, err_msg=name)
+
+
+# ---- hostile records ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["directory", "reply"])
+def test_versions_beyond_the_sync_index_bound_are_ignored_and_counted(corpus: Corpus, where: str) -> None:
+    """A peer that owns experts claims version 2^62 for them, in its directory records or only in its
+    fetch replies: the node neither fetches from it nor adopts the version, and counts the claims."""
+    config = SpesConfig(replication=1)
+    huge = 2**62
+
+    async def main() -> None:
+        net, directory = InMemoryNetwork(), InMemoryExpertDirectory()
+        ownership = assign_experts(["a", "liar"], {"a": 4, "liar": 4}, MOE.experts, MOE.layers, 1)
+        node = SpesNode(make_trainer(corpus, "a"), net.transport("a"), SETTINGS, config, ownership, directory)
+        await node.start()
+        keys = sorted(ownership.owned_by("liar"))
+        sizes = {n: p.numel() for n, p in node.trainer.model.named_parameters()}
+        copies = {key: {n: np.full(sizes[n], 0.5, np.float32) for n in node.partition.experts[key]} for key in keys}
+        hashes = {key: content_hash(codec_image(list(copies[key].values()), config.image_codec)) for key in keys}
+        listed = huge if where == "directory" else 1
+        await directory.publish("liar", {key: ExpertRecord(listed, hashes[key], True) for key in keys})
+        asked: list[str] = []
+
+        async def serve(stream: Stream) -> None:
+            request = await read_message(stream.read_exactly, expected=Expectation("spes-test", "c0ffee"), timeout=5)
+            label = str(request.header.meta["expert"])
+            asked.append(label)
+            key = next(k for k in keys if expert_label(k) == label)
+            meta = {"expert": label, "version": huge, "hash": hashes[key]}
+            for frame in encode_message(copies[key], get_codec(config.image_codec), swarm="spes-test",
+                                        config_hash="c0ffee", sender="liar", round=0, step=0, kind="expert",
+                                        meta=meta):
+                await stream.write(frame)
+
+        await net.transport("liar").serve(FETCH_PROTOCOL, serve)
+        before = await node.trainer.tensors(node.partition.names_of(frozenset(keys)))
+        report = await node.sync(1, PeerRound(1.0, {}, ()))
+        if where == "directory":
+            assert asked == [] and node.fetch_stats.errors["version_out_of_bounds"] == len(keys)
+            assert set(report.refresh_skipped.values()) == {"no_record"}
+        else:
+            assert len(asked) == len(keys)
+            assert set(report.refresh_skipped.values()) == {"version_out_of_bounds"}
+        assert all(r.version <= node.version_bound() for r in node.records().values())
+        after = await node.trainer.tensors(node.partition.names_of(frozenset(keys)))
+        assert all(np.array_equal(before[n], after[n]) for n in before)
+        node.trainer.close()
+
+    asyncio.run(main())

@@ -27,7 +27,7 @@ SUPPORT = Path(__file__).parent / "support"
 NODES, STEPS, BATCH, LR, WARMUP, RATIO = 3, 80, 16, 0.5, 8, 0.05
 RECIPE = {"model": "tiny_model:build", "context": TINY.context, "batch_size": BATCH, "optimizer": "dsgd", "lr": LR,
           "warmup_steps": WARMUP, "steps": STEPS, "topology": "ring", "gossip_compression": "choco",
-          "codec": "topk", "topk_ratio": RATIO}
+          "codec": "topk", "topk_ratio": RATIO, "mixing": "weighted"}
 NODE = {"threads": 1, "eval_every": 40, "checkpoint_every": 1000, "exchange_timeout": 5, "min_peers": NODES}
 PARITY = 1.05
 

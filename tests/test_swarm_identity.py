@@ -1,6 +1,7 @@
 """A swarm's identity and admission with real processes on loopback: `murmur node`, `murmur join`,
 `murmur bootstrap`, and hostile processes (tests/support/hostile_dht.py forging configs and flooding
-records; tests/support/hostile_intruder.py, a real node that claims a membership it lacks).
+records; the hostile node of tests/support/hostile.py in its wrong-key and stolen-certificate modes, a
+real node that claims a membership it lacks).
 
 - an open swarm: forged `<swarm>.config` values (plain, far expiration, oversized, the attacker's own
   signature, one claiming the founder's key) never replace the founder's, for its nodes nor for a
@@ -27,13 +28,13 @@ import pytest
 
 from node.net.identity import create_identity
 from node.training.checkpoint import CHECKPOINT_FILE, kept_path, read_checkpoint_file
+from support.hostile import Mode, hostile_argv
 from support.swarm_harness import MURMUR, Node, Swarm, check_consensus, summary, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
 REPO = Path(__file__).resolve().parents[1]
 HOSTILE_DHT = [sys.executable, str(REPO / "tests" / "support" / "hostile_dht.py")]
-INTRUDER = [sys.executable, str(REPO / "tests" / "support" / "hostile_intruder.py")]
 _BOOTSTRAP_READY = re.compile(r"murmur: bootstrap peer (\S+) ready; maddrs (\S+)")
 
 
@@ -142,7 +143,7 @@ def test_a_key_swarm_admits_holders_of_its_key_only(tmp_path):
         swarm.wait_ready([member])
         assert keyless.process.wait(90) == 2
         assert "admits holders of its swarm key only: give --swarm-key-file" in keyless.stderr()
-        intruder = swarm.spawn("intruder", seed=6, join=founder, launcher=[*INTRUDER, "--wrong-key", "--"])
+        intruder = swarm.spawn("intruder", seed=6, join=founder, hostile=hostile_argv([Mode.WRONG_KEY]))
         swarm.wait_ready([intruder])
         members = [founder, member]
         # the intruder sees the members and asks them for their parameters; they refuse it (it has no
@@ -177,7 +178,7 @@ def test_an_allowlist_swarm_admits_certificate_holders_only(tmp_path):
         swarm.wait_ready([member])
         # a copy of the member's certificate (anyone can read it from the member's record) admits no one else
         intruder = swarm.spawn("intruder", seed=6, join=founder,
-                               launcher=[*INTRUDER, "--stolen-certificate", str(certificate), "--"])
+                               hostile=hostile_argv([Mode.STOLEN_CERTIFICATE], options={"certificate": certificate}))
         swarm.wait_ready([intruder])
         members = [founder, member]
         wait_for(lambda: not_members_refused(members) >= 2, 60, "the intruder's streams refused")

@@ -246,6 +246,7 @@ def test_error_kinds_are_the_documented_labels() -> None:
         errors.UnknownCodec: "unknown_codec",
         errors.ManifestMismatch: "manifest_mismatch",
         errors.NonFiniteValues: "non_finite",
+        errors.OutOfRange: "out_of_range",
         errors.Truncated: "truncated",
         errors.WrongSwarm: "wrong_swarm",
         errors.VersionMismatch: "bad_version",

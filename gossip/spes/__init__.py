@@ -32,6 +32,8 @@ from gossip.spes.rules import (
     WireRecords,
     advance_record,
     assign_experts,
+    bounded_records,
+    capped_capacities,
     codec_image,
     content_hash,
     expert_label,
@@ -42,6 +44,7 @@ from gossip.spes.rules import (
     records_from_wire,
     records_to_wire,
     refresh_source,
+    version_bound,
 )
 from gossip.spes.traffic import SyncTraffic, TrainingMemory, reference_sync_bytes, sync_bytes_sent, training_memory
 
@@ -71,6 +74,8 @@ __all__ = [
     "WireRecords",
     "advance_record",
     "assign_experts",
+    "bounded_records",
+    "capped_capacities",
     "codec_image",
     "content_hash",
     "expert_label",
@@ -87,4 +92,5 @@ __all__ = [
     "refresh_source",
     "sync_bytes_sent",
     "training_memory",
+    "version_bound",
 ]

@@ -60,6 +60,7 @@ class FetchSkip(StrEnum):
     UNREACHABLE = "unreachable"
     REJECTED = "rejected"  # the holder answered with a `reject`
     STALE = "stale"  # the copy sent is older than the directory showed
+    VERSION_OUT_OF_BOUNDS = "version_out_of_bounds"  # the copy claims a version beyond the sync index's bound
     NO_RECORD = "no_record"  # no owner published a record of the expert
 
 
@@ -137,12 +138,12 @@ class ExpertFetch:
         await self._transport.serve(FETCH_PROTOCOL, handler)
 
     async def fetch(self, source: str, key: ExpertKey, like: Mapping[str, np.ndarray], min_version: int,
-                    have: tuple[str, Mapping[str, np.ndarray]] | None = None,
+                    have: tuple[str, Mapping[str, np.ndarray]] | None = None, max_version: int | None = None,
                     ) -> tuple[dict[str, np.ndarray], ExpertRecord]:
         """Expert `key` from `source`, shaped as `like` (its float32 tensors, in hash order), checked
-        against the hash it declares and at least `min_version` (the version the directory showed).
-        `have` (with deltas): the hash and tensors of the copy this node holds, which a delta applies
-        to. RefreshFailed says why not."""
+        against the hash it declares, at least `min_version` (the version the directory showed) and at
+        most `max_version` (`gossip.spes.version_bound`). `have` (with deltas): the hash and tensors of
+        the copy this node holds, which a delta applies to. RefreshFailed says why not."""
         expected = Expectation(self._settings.swarm, self._settings.config_hash,
                                tuple(TensorSpec(n, "float32", a.shape) for n, a in like.items()),
                                frozenset({self._copy_codec_name, self._refresh_codec_name}),
@@ -202,6 +203,9 @@ class ExpertFetch:
         except ValueError as exc:  # a malformed record (version < 0, hash not hex)
             self._accounting.count_refused(BadSchema(str(exc)), source)
             raise RefreshFailed(BadSchema.kind, str(exc)) from None
+        if max_version is not None and record.version > max_version:
+            raise RefreshFailed(FetchSkip.VERSION_OUT_OF_BOUNDS,
+                                f"{source} sent version {record.version}, beyond the bound {max_version}")
         if record.version < min_version:
             raise RefreshFailed(FetchSkip.STALE,
                                 f"{source} sent version {record.version}, the directory shows {min_version}")

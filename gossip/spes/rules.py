@@ -238,6 +238,31 @@ def advance_record(previous: ExpertRecord | None, new_hash: str, sync_index: int
     return ExpertRecord(sync_index if previous is None else max(sync_index, previous.version + 1), new_hash, owner)
 
 
+def version_bound(step: int, sync_every: int, slack: int) -> int:
+    """The highest expert version a node at `step` believes. Versions are sync indices (step // S; a
+    takeover continues one above the copy it took), and honest peers run within a lag window of each
+    other, so a version more than `slack` syncs beyond this node's own sync index is a claim no honest
+    peer makes: believing it would make the claimant every refresh's source and, adopted, push every
+    version in the swarm out of reach."""
+    return max(0, step) // sync_every + slack
+
+
+def bounded_records(records: RecordsByPeer, bound: int) -> tuple[dict[str, dict[ExpertKey, ExpertRecord]], int]:
+    """`records` without the entries whose version exceeds `bound`, and how many were dropped."""
+    kept: dict[str, dict[ExpertKey, ExpertRecord]] = {}
+    dropped = 0
+    for peer, entries in records.items():
+        kept[peer] = {key: r for key, r in entries.items() if r.version <= bound}
+        dropped += len(entries) - len(kept[peer])
+    return kept, dropped
+
+
+def capped_capacities(capacities: Mapping[str, int], experts_per_layer: int) -> dict[str, int]:
+    """Capacities as ownership may use them: a peer claiming more experts per layer than a layer has
+    (say 2^62) is taken at the layer's count, so it cannot claim every expert ahead of everyone."""
+    return {peer: max(0, min(int(c), experts_per_layer)) for peer, c in capacities.items()}
+
+
 def needs_refresh(held: ExpertRecord | None, published: ExpertRecord) -> bool:
     """Whether a frozen copy must be fetched: its content differs from what an owner published, and
     is not already newer (a directory read can lag behind a copy fetched since)."""

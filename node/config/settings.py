@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from gossip.mixing import MixingRule
+from gossip.mixing import MixingKind, MixingRule
 from node.config.kinds import LOOPBACK_LISTEN
 from node.config.table import SETTINGS, VECTOR_MODEL
 from topology import TopologySpec
@@ -18,7 +18,8 @@ IDENTITY_FILE_NAME = "identity.key"
 MONITOR_TOKEN_FILE = "monitor.token"  # this run's monitor token (node.monitor.access), in the data dir
 # Frozen, so one instance can be every config's default.
 DEFAULT_TOPOLOGY = TopologySpec("one-peer-exp")
-DEFAULT_MIXING = MixingRule()
+# Robust by default: centered clipping with an adaptive radius bounds a hostile neighbour's pull (gossip.robust).
+DEFAULT_MIXING = MixingRule(MixingKind.ADAPTIVE_CLIP)
 
 
 class ConfigError(ValueError):

@@ -246,9 +246,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("gossip.topology.directed", Boolean(), "MURMUR_DIRECTED", "--directed",
             "treat the custom edge list as directed", NODE),
     Setting("gossip.mixing.kind", Choice("mixing rule", MIXING_KINDS, metavar="RULE"), "MURMUR_MIXING", "--mixing",
-            "how a round combines the received parameters: weighted average, centered clipping, "
-            "coordinate-wise median, trimmed mean, or variance_corrected (CORE: the average rescaled to the members' "
-            "variance, for members that started from different initialisations)", NODE),
+            "how a round combines the received parameters: centered clipping with an adaptive radius "
+            "(adaptive_clip, robust to a hostile neighbour), weighted average, centered clipping with a fixed "
+            "radius --tau, coordinate-wise median or trimmed mean, or variance_corrected (CORE: the average "
+            "rescaled to the members' variance, for members that started from different initialisations); this "
+            "node's own choice (a joiner keeps its own, not the swarm's)", NODE),
     Setting("gossip.mixing.tau", Number(0.0, lo_open=True, metavar="TAU"), "MURMUR_TAU", "--tau",
             "clipping radius of --mixing clipped", NODE, optional=True),
     Setting("training.model", MODEL_NAME, "MURMUR_MODEL", "--model",

@@ -25,6 +25,7 @@ METRIC_NAMES = (
     "murmur_peers_alive",
     "murmur_errors_total",
     "murmur_skipped_total",
+    "murmur_mixing_clipped_total",
     "murmur_loss",
     "murmur_val_loss",
     "murmur_tokens_per_second",
@@ -77,6 +78,8 @@ class NodeCollector(Collector):
         yield _labelled(CounterMetricFamily("murmur_errors", "rejected input and failures", labels=["kind"]), s["errors"])
         yield _labelled(CounterMetricFamily("murmur_skipped", "neighbours left out of a round", labels=["reason"]),
                         s["skipped"])
+        yield CounterMetricFamily("murmur_mixing_clipped", "neighbour values mixed after clipping (robust mixing)",
+                                  value=s["mixing"]["clipped"])
         for name, key, doc in (("murmur_loss", "loss", "last training loss (absent while nothing is trained)"),
                                ("murmur_val_loss", "val_loss", "last validation loss"),
                                ("murmur_tokens_per_second", "tokens_per_s", "training throughput"),

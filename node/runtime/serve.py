@@ -121,10 +121,7 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
             logger.warning("%s; starting fresh", exc)
             checkpoint = None
         await discovery.enter(swarm, admission, watch_config=not founding)
-        exchange = ExchangeSettings(
-            swarm=config.swarm, config_hash=swarm.config_hash, codec=settings.codec,
-            exchange_timeout_s=config.gossip.exchange_timeout_s, max_staleness=settings.max_staleness,
-            rule=settings.mixing, admission=admission)
+        exchange = dataclasses.replace(exchange_settings(config, swarm.config_hash, settings), admission=admission)
         training = None
         if settings.training is not None:
             training = await start_training(runtime, settings.training, settings, exchange, checkpoint, stack)
@@ -162,6 +159,15 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
             runtime.next_initial_peers = await _connected_peers(p2p)
             return SessionEnd.NEW_CONFIG
     return SessionEnd.STOPPED
+
+
+def exchange_settings(config: NodeConfig, config_hash: str, settings: SwarmSettings) -> ExchangeSettings:
+    """The gossip settings: the swarm's codec and staleness bound, and this node's own timeout and mixing
+    rule. How a node treats what its neighbours send is its own choice, not the swarm's: a joiner keeps
+    its own --mixing (default adaptive_clip), whatever rule the founder's config names."""
+    return ExchangeSettings(swarm=config.swarm, config_hash=config_hash, codec=settings.codec,
+                            exchange_timeout_s=config.gossip.exchange_timeout_s, max_staleness=settings.max_staleness,
+                            rule=config.gossip.mixing)
 
 
 async def _connected_peers(p2p: P2P) -> tuple[str, ...]:

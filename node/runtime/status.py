@@ -118,6 +118,15 @@ class NodeRuntime:
             sent, received = sent + more_sent, received + more_received
         return sent, received
 
+    def _mixing(self) -> dict[str, Any]:
+        """This node's own mixing rule and how many neighbour values it clipped (SPES's peers included)."""
+        peer = self.peer
+        clipped = peer.stats.clipped if peer else 0
+        spes = self.training.spes_status() if self.training is not None else None
+        if spes and spes.get("started"):
+            clipped += spes["clipped"]
+        return {"rule": str(self.config.gossip.mixing.kind), "clipped": clipped}
+
     def counters(self) -> Counters:
         peer, view, me = self.peer, self._view(), self._me()
         figures = self._training_figures()
@@ -271,6 +280,7 @@ class NodeRuntime:
             "last_round_s": peer.stats.last_round_s if peer else 0.0,
             "skipped": dict(peer.stats.skipped) if peer else {},
             "errors": errors,
+            "mixing": self._mixing(),
             "payload": {"dim": int(vector.size), "mean": float(vector.mean()) if vector.size else 0.0,
                         "norm": float(np.linalg.norm(vector))},
             "training": self.training.status_dict() if self.training is not None else None,

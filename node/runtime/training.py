@@ -151,7 +151,7 @@ async def train_until(stop: asyncio.Event, runtime: NodeRuntime, training: Swarm
     swarm_eval = runtime.swarm_eval
     assert swarm_eval is not None, "start_training made the evaluator"
     await training.catch_up(stop, margin=settings.max_staleness * training.recipe.optimizer.local_steps,
-                            look=not (runtime.founding and training.trainer.step == 0))
+                            look=not (runtime.founding and training.trainer.step == 0), epoch=settings.clock.epoch)
     if training.must_download and not stop.is_set():
         raise StartupError(f"the swarm starts from pretrained weights (sha256 {training.recipe.weights_sha256}) that "
                            "this node does not have, and no peer served the swarm's parameters; start it with "

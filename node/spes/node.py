@@ -38,6 +38,7 @@ from gossip.spes import (
     ServedCopy,
     SpesConfig,
     advance_record,
+    bounded_records,
     codec_image,
     content_hash,
     expert_label,
@@ -45,6 +46,7 @@ from gossip.spes import (
     merge_layer,
     needs_refresh,
     refresh_source,
+    version_bound,
 )
 from gossip.transport import Transport
 from node.spes.partition import ModelPartition, optimizer_state_covers, spes_average, tensor_manifest
@@ -57,6 +59,8 @@ logger = logging.getLogger(__name__)
 
 SHARED_PROTOCOL = "/murmur/spes/shared/1"
 SHARED_ANCHOR_PROTOCOL = "/murmur/spes/shared/anchor/1"
+# syncs beyond this node's own sync index that a believable expert version may be (gossip.spes.version_bound)
+VERSION_SLACK = 64
 
 
 def expert_protocol(key: ExpertKey) -> str:
@@ -146,7 +150,7 @@ class SpesNode:
     publishes `records()` under `<swarm>.experts`; see docs/spes.md."""
 
     def __init__(self, trainer: Trainer, transport: Transport, settings: ExchangeSettings, config: SpesConfig,
-                 ownership: Ownership, directory: ExpertDirectory) -> None:
+                 ownership: Ownership, directory: ExpertDirectory, *, version_slack: int = VERSION_SLACK) -> None:
         self.trainer = trainer
         self.config = config
         self.partition = ModelPartition.of(trainer.model)
@@ -168,6 +172,8 @@ class SpesNode:
         self._shared: OuterGroup | None = None
         self._expert_groups: dict[ExpertKey, OuterGroup] = {}
         self._owned: frozenset[ExpertKey] = frozenset()
+        self._version_slack = version_slack
+        self._warned: set[str] = set()  # peers whose out-of-bounds versions were logged (each one is counted)
 
     @property
     def peer_id(self) -> str:
@@ -202,6 +208,11 @@ class SpesNode:
         return self.fetch_stats.bytes_received + sum(p.stats.bytes_received for p in self._gossip_peers())
 
     @property
+    def clipped(self) -> int:
+        """Neighbour values the shared and expert peers mixed after clipping (gossip.robust)."""
+        return sum(p.stats.clipped for p in self._gossip_peers())
+
+    @property
     def errors(self) -> dict[str, int]:
         """Refused input by kind: the fetch protocol's and every gossip peer's (shared and experts)."""
         return self._summed("errors")
@@ -227,11 +238,13 @@ class SpesNode:
         if self.config.frozen_bf16:
             install_expert_casts(self.trainer.model)
         tensors = await self.trainer.tensors()
+        bound = self.version_bound()
         for key, names in self.partition.experts.items():
             image = codec_image([tensors[n] for n in names], self.config.image_codec)
             digest = content_hash(image)
             old = (saved or {}).get(key)
-            self._records[key] = ExpertRecord(old.version if old is not None and old.hash == digest else 0, digest, False)
+            kept = old is not None and old.hash == digest and old.version <= bound
+            self._records[key] = ExpertRecord(old.version if old is not None and kept else 0, digest, False)
         self._shared = self._group("shared", self.partition.shared, SHARED_PROTOCOL, SHARED_ANCHOR_PROTOCOL)
         await self._shared.start(tensors, self.trainer.step, 0)
         await self._fetcher.serve(self)
@@ -255,7 +268,7 @@ class SpesNode:
         lost = self._owned - owned
         self._ownership = ownership
         if gained and not force:
-            published = await self._directory.read()
+            published = await self._read_directory()
             await self._take_over(gained, published, ownership.peer_ids)
         elif gained:
             await self._claim(gained)
@@ -442,8 +455,26 @@ class SpesNode:
             self._records[key] = advance_record(self._records[key], digest, sync_index, True)
             self._snapshots[key] = dict(zip(names, image, strict=True))
 
+    def version_bound(self) -> int:
+        """The highest expert version this node believes now (gossip.spes.version_bound)."""
+        return version_bound(self.trainer.step, self.config.sync_every, self._version_slack)
+
+    async def _read_directory(self) -> RecordsByPeer:
+        """Every peer's published records, without the versions beyond `version_bound` (counted as
+        `version_out_of_bounds`, logged once per peer)."""
+        raw = await self._directory.read()
+        published, dropped = bounded_records(raw, self.version_bound())
+        if dropped:
+            self.fetch_stats.errors["version_out_of_bounds"] += dropped
+            for peer in sorted(set(raw) - self._warned):
+                if len(raw[peer]) != len(published[peer]):
+                    self._warned.add(peer)
+                    logger.warning("ignoring expert records of %s with versions beyond %d (this node is at sync %d)",
+                                   peer, self.version_bound(), self.trainer.step // self.config.sync_every)
+        return published
+
     async def _refresh(self) -> tuple[tuple[ExpertKey, ...], dict[ExpertKey, str]]:
-        published = await self._directory.read()
+        published = await self._read_directory()
         skipped: dict[ExpertKey, str] = {}
         wanted: dict[ExpertKey, tuple[str, ExpertRecord]] = {}
         for key in self.partition.experts:
@@ -495,7 +526,8 @@ class SpesNode:
             # a copy that is not exactly what its record says (stored in bf16) is no base for a delta
             if await asyncio.to_thread(content_hash, [tensors[n] for n in names]) == self._records[key].hash:
                 held = (self._records[key].hash, tensors)
-        return await self._fetcher.fetch(source, key, self._expert_specs(key), min_version, held)
+        return await self._fetcher.fetch(source, key, self._expert_specs(key), min_version, held,
+                                        self.version_bound())
 
     def holds(self, key: ExpertKey) -> bool:
         """Whether this node has a copy of expert `key` to serve (every node holds every expert)."""

@@ -20,6 +20,7 @@ from gossip.spes import (
     ExpertRecord,
     Ownership,
     assign_experts,
+    capped_capacities,
     expert_label,
     records_from_wire,
     records_to_wire,
@@ -112,9 +113,10 @@ class SpesSwarmTraining(SwarmTraining):
         """The expert table every peer with the same view computes: over the peers training now (as the
         shared topology's rounds) that announce a capacity, and this one (at `my_capacity`, default its own)."""
         me = self.peer.peer_id
-        capacities = {p.peer_id: p.capacity for p in self.discovery.view()
-                      if p.peer_id != me and p.capacity > 0 and not self._done(p.step)}
-        capacities[me] = self.capacity if my_capacity is None else my_capacity
+        claimed = {p.peer_id: p.capacity for p in self.discovery.view()
+                   if p.peer_id != me and p.capacity > 0 and not self._done(p.step)}
+        claimed[me] = self.capacity if my_capacity is None else my_capacity
+        capacities = capped_capacities(claimed, self.partition.experts_per_layer)
         return assign_experts(capacities, capacities, self.partition.experts_per_layer, self.partition.layers,
                               self.spes_config.replication)
 
@@ -213,7 +215,8 @@ class SpesSwarmTraining(SwarmTraining):
             "ownership_changes": self.ownership_changes,
             "bytes_sent": node.bytes_sent, "bytes_received": node.bytes_received,
             "fetched": node.fetch_stats.fetched, "served": node.fetch_stats.served,
-            "skipped": dict(node.fetch_stats.skipped), "errors": errors, "refused": node.refused,
+            "skipped": dict(node.fetch_stats.skipped), "errors": errors, "clipped": node.clipped,
+            "refused": node.refused,
         }
 
 

@@ -73,9 +73,9 @@ class DilocoSwarmTraining(SwarmTraining):
             await self.diloco.start()
             self.peer.round = self.diloco.stats.outer_steps
 
-    async def catch_up(self, stop: asyncio.Event, margin: int, look: bool) -> None:
+    async def catch_up(self, stop: asyncio.Event, margin: int, look: bool, epoch: float | None = None) -> None:
         await self.start()
-        await super().catch_up(stop, margin, look)
+        await super().catch_up(stop, margin, look, epoch)
 
     async def _after_download(self, sources: Sequence[PeerRecord]) -> None:
         """The downloaded parameters are an anchor (what peers serve): continue from it with the outer

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from gossip.errors import WireError
-from gossip.exchange import GossipPeer, PeerRejected
+from gossip.exchange import GossipPeer
 from node.training.checkpoint import Checkpoint
 from node.training.data import load_corpus, peer_shard
+from node.training.joining import JoinOutcome, Refused, join_swarm, judge_steps, plausible_steps
 from node.training.models import build_named_model, model_context, model_vocab_size
 from node.training.progress import PeerProgress, leave_out_stalled
 from node.training.recipe import TrainingRecipe, embedded_options
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("murmur.train")
 
 STEP_GRACE_S = 2.0  # a stop waits this long for the step in flight before it abandons it
-FETCH_TIMEOUT_S = 60.0  # one parameter download from one peer
 JOIN_LOOK_S = 10.0  # how long a joiner looks for live peers to download parameters from
 EVAL_BATCHES = 8
 LAG_WAIT_S = 30.0  # longest a round waits for a laggard that is catching up before it goes on without
@@ -95,10 +94,11 @@ class TrainingStatus:
     consensus_distance: float | None = None
     optimizer_state_bytes: int = 0
     done: bool = False
-    started_from: str = StartedFrom.INIT  # a StartedFrom, or "peer <id> at step N"
+    started_from: str = StartedFrom.INIT  # a StartedFrom, or "peer(s) <ids> at step N"
     bytes_per_token: float | None = None  # bytes sent + received per training token, this node's own
     diloco: dict[str, Any] | None = None  # the outer loop's figures (node.training.diloco_swarm)
     final_merge: dict[str, Any] | None = None  # what the final merge averaged, once done
+    joined: dict[str, Any] | None = None  # what the catch-up did (node.training.joining.JoinOutcome.as_dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {"model": self.model, "optimizer": self.optimizer, "steps_target": self.steps_target,
@@ -107,7 +107,7 @@ class TrainingStatus:
                 "tokens_per_s": self.tokens_per_s, "consensus_distance": self.consensus_distance,
                 "optimizer_state_bytes": self.optimizer_state_bytes, "done": self.done,
                 "started_from": self.started_from, "bytes_per_token": self.bytes_per_token,
-                "diloco": self.diloco, "final_merge": self.final_merge}
+                "diloco": self.diloco, "final_merge": self.final_merge, "joined": self.joined}
 
 
 def build_trainer(settings: TrainingSettings, recipe: TrainingRecipe, peer_id: str,
@@ -187,33 +187,10 @@ def checkpoint_matches(checkpoint: Checkpoint | None, config_hash: str) -> bool:
             and "trainer/step" in checkpoint.tensors)
 
 
-async def download_parameters(peer: GossipPeer, trainer: Trainer, sources: Sequence[PeerRecord]) -> str | None:
-    """Take parameters and step from the first of `sources` (peer records, best first) that answers a
-    pull with a valid message (the wire format checks manifest, sizes and finiteness); None if none did."""
-    for record in sources:
-        try:
-            async with asyncio.timeout(FETCH_TIMEOUT_S):
-                tensors, _, step = await peer.fetch(record.peer_id)
-        except (TimeoutError, ConnectionError, WireError, PeerRejected) as exc:
-            logger.warning("parameter download from %s failed: %s", record.peer_id, exc or type(exc).__name__)
-            continue
-        await trainer.load_tensors(tensors)
-        trainer.step = step
-        peer.set_tensors(tensors, step=step)
-        logger.info("downloaded parameters from %s at step %d", record.peer_id, step)
-        return f"peer {record.peer_id} at step {step}"
-    return None
-
-
 def last_round_at(step: int, recipe: TrainingRecipe) -> int:
     """The round a peer whose trainer is at `step` last ran: where a fresh, resumed or downloaded
     peer's round count starts (a round follows every H-th step)."""
     return max(0, step // recipe.optimizer.local_steps - 1)
-
-
-def peers_ahead(view: Sequence[PeerRecord], me: str, step: int, margin: int) -> list[PeerRecord]:
-    """Live peers more than `margin` steps ahead of `step`, the furthest first."""
-    return sorted((p for p in view if p.peer_id != me and p.step > step + margin), key=lambda p: -p.step)
 
 
 class SwarmTraining:
@@ -292,10 +269,12 @@ class SwarmTraining:
             await asyncio.sleep(0.2)
         logger.info("round goes on without neighbours still far behind after %g s", LAG_WAIT_S)
 
-    async def catch_up(self, stop: asyncio.Event, margin: int, look: bool) -> None:
-        """Take the parameters and step of the furthest live peer when it is more than `margin` steps
-        ahead (a joiner; a node back from a restart keeps its restored optimizer state). With `look`,
-        wait up to JOIN_LOOK_S for the view to show another peer: records arrive a moment after start."""
+    async def catch_up(self, stop: asyncio.Event, margin: int, look: bool, epoch: float | None = None) -> None:
+        """Catch up with the swarm when it is more than `margin` steps ahead (a joiner; a node back from
+        a restart keeps its restored optimizer state): parameters from several peers, checked and
+        combined, at a robust step (node.training.joining); `epoch` (the swarm's founding time) bounds
+        the steps a peer can claim. With `look`, wait up to JOIN_LOOK_S for the view to show another
+        peer: records arrive a moment after start."""
         me = self.peer.peer_id
         if self.must_download:
             margin, look = -1, True  # any live peer's parameters beat a random init of a pretrained model
@@ -305,18 +284,36 @@ class SwarmTraining:
             if len(view) > 1 or time.monotonic() >= deadline or stop.is_set():
                 break
             await asyncio.sleep(0.5)
-        ahead = peers_ahead(view, me, self.trainer.step, margin)
-        if not ahead:
+        plausible = plausible_steps(epoch, time.time()) if epoch is not None else None
+        judgement = judge_steps(view, me, self.trainer.step, margin, self.recipe.steps, plausible)
+        if judgement is None:
             return
-        await self._connect(ahead)
-        source = await download_parameters(self.peer, self.trainer, ahead)
-        if source is None:
+        if judgement.ignored:
+            logger.warning("ignoring the step claims of %s: %s", ", ".join(judgement.ignored),
+                           f"far above the swarm's step {judgement.reference}" if judgement.candidates
+                           else "beyond what the swarm can have trained")
+        if not judgement.candidates:
+            self.status.joined = JoinOutcome(judgement.reference, refused=dict.fromkeys(
+                judgement.ignored, str(Refused.STEP_OUT_OF_BOUNDS))).as_dict()
             return
+        await self._connect(judgement.candidates)
+        outcome = await join_swarm(judgement, self.peer.fetch, self.trainer.evaluate, self.peer.tensors)
+        self.status.joined = outcome.as_dict()
+        if outcome.tensors is None:
+            logger.warning("no download was good enough to join the swarm at step %d (%s); continuing from step %d",
+                           judgement.reference, _reasons(outcome.refused), self.trainer.step)
+            return
+        await self.trainer.load_tensors(outcome.tensors)
+        self.trainer.step = outcome.step
+        self.peer.set_tensors(outcome.tensors, step=outcome.step, moved=False)
         self.must_download = False
-        await self._after_download(ahead)
+        await self._after_download([r for r in judgement.candidates if r.peer_id in outcome.sources])
         self.peer.round = last_round_at(self.trainer.step, self.recipe)
-        self.status.started_from = source
+        self.status.started_from = outcome.describe()
         self.status.step = self.trainer.step
+        logger.info("downloaded parameters from %s (combined from %d) at step %d%s", ", ".join(outcome.sources),
+                    len(outcome.sources), outcome.step,
+                    f"; refused {_reasons(outcome.refused)}" if outcome.refused else "")
         await self.evaluate()
         logger.info("validation loss after the download: %.4f", self.status.val_loss)
 
@@ -474,6 +471,10 @@ class SwarmTraining:
                                 consensus_distance=report.round.consensus_distance if report.round else None)
         if s.step % 10 == 0:
             logger.info("step %d loss %.4f lr %.2e %.0f tok/s", s.step, s.loss, s.lr, s.tokens_per_s)
+
+
+def _reasons(refused: dict[str, str]) -> str:
+    return ", ".join(f"{peer}: {why}" for peer, why in sorted(refused.items())) or "no peer answered"
 
 
 def _fmt(value: float | None) -> str:

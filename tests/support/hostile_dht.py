@@ -143,7 +143,9 @@ async def flood_records(dht: DHTNode, validator: SignsWithWhateverKey, own: RSAP
                         count: int, keys: int) -> dict[str, int]:
     """`count` fake peer records (bounded), stored in batches; how many of each kind were tried and accepted."""
     weak = min(100, max(0, count - keys))
-    identities = [_key(2048) for _ in range(min(keys, count))] + [_key(1024) for _ in range(weak)]
+    # key generation takes seconds: off the event loop (a node running this keeps its rounds)
+    identities = await asyncio.to_thread(lambda: [_key(2048) for _ in range(min(keys, count))]
+                                         + [_key(1024) for _ in range(weak)])
     for key in identities:
         validator.keys[_marker(key)] = key
     expiration = get_dht_time() + 60

@@ -51,16 +51,10 @@ class ForgedAdmission(Admission):
         return True  # it keeps everyone in its view
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="hostile_intruder")
-    forged = parser.add_mutually_exclusive_group(required=True)
-    forged.add_argument("--wrong-key", action="store_true")
-    forged.add_argument("--stolen-certificate", type=Path)
-    args, rest = parser.parse_known_args(argv)
-    murmur_args = rest[1:] if rest[:1] == ["--"] else rest
-    key = secrets.token_hex(32).encode() if args.wrong_key else None
-    token = read_certificate(args.stolen_certificate).token if args.stolen_certificate else None
-
+def forge_admission(key: bytes | None, token: str | None) -> None:
+    """Replace the node's admission (the one behaviour replaced) with a ForgedAdmission presenting
+    `key` (a key swarm) or `token` (an allowlist swarm). tests/support/hostile.py's wrong-key and
+    stolen-certificate modes call this too."""
     import node.runtime.serve as serve
 
     def forged_admission(config, swarm, identity):  # type: ignore[no-untyped-def]
@@ -71,7 +65,22 @@ def main(argv: list[str]) -> int:
         assert mode is not AdmissionMode.OPEN, "an open swarm admits everyone: nothing to intrude"
         return ForgedAdmission(base, key, token)
 
-    serve.node_admission = forged_admission  # the one behaviour replaced
+    serve.node_admission = forged_admission
+
+
+def wrong_key() -> bytes:
+    return secrets.token_hex(32).encode()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="hostile_intruder")
+    forged = parser.add_mutually_exclusive_group(required=True)
+    forged.add_argument("--wrong-key", action="store_true")
+    forged.add_argument("--stolen-certificate", type=Path)
+    args, rest = parser.parse_known_args(argv)
+    murmur_args = rest[1:] if rest[:1] == ["--"] else rest
+    forge_admission(wrong_key() if args.wrong_key else None,
+                    read_certificate(args.stolen_certificate).token if args.stolen_certificate else None)
     from node.cli.main import main as murmur
 
     return murmur(murmur_args)

@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -24,6 +24,7 @@ from node.cli.status import fetch_status
 from node.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
 
 MURMUR = Path(sys.executable).with_name("murmur")
+HOSTILE = Path(__file__).resolve().with_name("hostile.py")  # a hostile node: the real one with a behaviour replaced
 # Importing torch and hivemind costs ~4 s of CPU per process; a loaded 2-core machine starts 8 at once.
 READY_TIMEOUT_S = 120.0
 
@@ -194,15 +195,24 @@ class Swarm:
     # ---- starting ------------------------------------------------------------------------------
 
     def spawn(self, name: str, *, seed: int, join: Node | None, data_dir: Path | None = None,
-              extra_args: Iterable[str] = (), launcher: Iterable[str] = (str(MURMUR),), **flags: object) -> Node:
+              extra_args: Iterable[str] = (), launcher: Iterable[str] = (str(MURMUR),), hostile: Sequence[str] = (),
+              **flags: object) -> Node:
         """Start one process (no waiting): `murmur node` if `join` is None, else `murmur join` through it
-        (with the founder's invite). `launcher` runs the command line instead of `murmur` (a hostile node)."""
+        (with the founder's invite). `launcher` runs the command line instead of `murmur` (a hostile node);
+        `hostile` is the attack's part of a support.hostile command line (`hostile_argv`), a shorthand
+        for the launcher `python tests/support/hostile.py <hostile> --`."""
         merged = {**self.flags, **flags}
+        # the vector payload's tests check the weighted rule's exact averages: the robust default
+        # (adaptive_clip) bends them on purpose, so vector nodes ask for the weighted rule unless told
+        if merged.get("model") == "vector":
+            merged.setdefault("mixing", "weighted")
         data_dir = data_dir or self.root / name
         argv = ["node" if join is None else "join", "--data-dir", str(data_dir), "--monitor-port", "0",
                 "--seed", str(seed), *_flag_args(merged), *extra_args]
         if join is not None:
             argv += ["--peers", join.maddrs[0], "--invite", join.invite]
+        if hostile:
+            launcher = (sys.executable, str(HOSTILE), *hostile, "--")
         return self.launch(name, [*launcher, *argv], data_dir=data_dir, seed=seed, dim=int(merged["dim"]))
 
     def launch(self, name: str, argv: list[str], *, data_dir: Path | None = None, seed: int = 0,

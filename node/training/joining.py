@@ -1,0 +1,267 @@
+"""How a node that starts behind the swarm catches up without trusting any one peer: claimed steps are
+judged against the view, parameters come from several peers, each download is checked by its validation
+loss on the node's own held-out batches, the survivors are combined coordinate-wise, and a robust
+step is adopted (docs/training.md, "Joining mid-run")."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from gossip.errors import OutOfRange, WireError
+from gossip.exchange import PeerRejected
+from gossip.mixing import coordinate_median
+from gossip.robust import ValueBound, check_values
+
+if TYPE_CHECKING:
+    from node.net.records import PeerRecord
+
+logger = logging.getLogger("murmur.train")
+
+Tensors = Mapping[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class JoinRules:
+    """The bounds a joiner holds the swarm's claims and downloads to."""
+
+    sources: int = 3  # downloads combined, where the swarm has that many peers ahead
+    # a claimed step more than max(step_slack, step_share x reference) above the reference is ignored
+    step_slack: int = 20
+    step_share: float = 0.25
+    # a download is refused when its validation loss is above the node's own model's by this share ...
+    worse_than_own: float = 0.02
+    # ... or above the best download's by more than max(gap_share x (own - best), loss_share x best)
+    gap_share: float = 0.25
+    loss_share: float = 0.05
+    fetch_timeout_s: float = 60.0  # one download from one peer
+    # no node steps faster than this (a step includes a gossip round over the network): a claim of more
+    # steps than the swarm's age allows is impossible
+    max_steps_per_s: float = 100.0
+    clock_skew_s: float = 300.0  # how far this node's clock may be behind the founder's
+
+    def step_tolerance(self, reference: int) -> int:
+        return max(self.step_slack, math.ceil(self.step_share * reference))
+
+    def loss_limit(self, own: float, best: float) -> float:
+        """The highest validation loss a download (or the combined model) may have."""
+        return min(own * (1.0 + self.worse_than_own),
+                   best + max(self.gap_share * max(0.0, own - best), self.loss_share * best))
+
+
+DEFAULT_RULES = JoinRules()
+DEFAULT_BOUND = ValueBound()
+
+
+class Refused(StrEnum):
+    """Why a peer's claim or download was not used (JoinOutcome.refused), besides a wire error's kind."""
+
+    STEP_OUT_OF_BOUNDS = "step_out_of_bounds"  # its claimed step is far above the swarm's, or beyond the budget
+    LOSS = "loss"  # its parameters evaluate far worse than the alternatives or the node's own model
+    TIMEOUT = "timeout"
+    UNREACHABLE = "unreachable"
+    REJECTED = "rejected"
+
+
+@dataclass(frozen=True)
+class StepJudgement:
+    """What the view's claimed steps say: a robust reference step and the peers worth downloading from."""
+
+    reference: int  # the lower median of the claims of the peers ahead
+    tolerance: int  # claims above reference + tolerance are ignored
+    candidates: tuple[PeerRecord, ...]  # peers ahead with believable claims, closest to the reference first
+    ignored: tuple[str, ...]  # peers ahead whose claims are not believable
+
+    def believable(self, step: int) -> bool:
+        return step <= self.reference + self.tolerance
+
+
+def judge_steps(view: Sequence[PeerRecord], me: str, step: int, margin: int, budget: int,
+                plausible: int | None = None, rules: JoinRules = DEFAULT_RULES) -> StepJudgement | None:
+    """The peers more than `margin` steps ahead of `step`, judged by their claims; None if none is ahead.
+
+    A claim beyond the step budget (`budget` > 0) or beyond `plausible` (the most steps the swarm can
+    have made since it was founded) is impossible and ignored outright. With two or more possible
+    claims ahead, the reference is their lower median, so one peer claiming a huge step cannot move
+    it while another peer is ahead; claims far above it are ignored. A single peer ahead cannot be
+    outvoted: its claim, within those bounds, is the reference (and its download must beat the
+    node's own model, see `loss_verdicts`).
+    """
+    ahead = [p for p in view if p.peer_id != me and p.step > step + margin]
+    possible = [p for p in ahead if (budget <= 0 or p.step <= budget) and (plausible is None or p.step <= plausible)]
+    if not possible:
+        return None if not ahead else StepJudgement(0, 0, (), tuple(sorted(p.peer_id for p in ahead)))
+    claims = sorted(p.step for p in possible)
+    reference = claims[(len(claims) - 1) // 2]
+    tolerance = rules.step_tolerance(reference)
+    believable = [p for p in possible if p.step <= reference + tolerance]
+    ignored = sorted({p.peer_id for p in ahead} - {p.peer_id for p in believable})
+    # closest to the reference first, then the higher step, then the id: every joiner ranks alike
+    ranked = sorted(believable, key=lambda p: (abs(p.step - reference), -p.step, p.peer_id))
+    return StepJudgement(reference, tolerance, tuple(ranked), tuple(ignored))
+
+
+def plausible_steps(epoch: float, now: float, rules: JoinRules = DEFAULT_RULES) -> int:
+    """The most steps a swarm founded at `epoch` (its config's, signed by the founder) can have made by `now`."""
+    return int(max(0.0, now - epoch + rules.clock_skew_s) * rules.max_steps_per_s) + rules.step_slack
+
+
+def loss_verdicts(own_loss: float, losses: Mapping[str, float], rules: JoinRules = DEFAULT_RULES) -> dict[str, bool]:
+    """Per download, whether its validation loss is acceptable next to the node's own model's and the
+    other downloads' (a non-finite loss never is). A download that would be the only one kept must be
+    better than the node's own model, not merely close to it: nothing else vouches for it (a copy of
+    the seeded initial model served as the swarm's, say)."""
+    finite = [v for v in losses.values() if math.isfinite(v)]
+    if not finite:
+        return dict.fromkeys(losses, False)
+    limit = rules.loss_limit(own_loss, min(finite))
+    verdicts = {peer: math.isfinite(v) and v <= limit for peer, v in losses.items()}
+    if sum(verdicts.values()) == 1:
+        verdicts = {peer: ok and losses[peer] < own_loss for peer, ok in verdicts.items()}
+    return verdicts
+
+
+def combine(downloads: Sequence[Tensors]) -> dict[str, np.ndarray]:
+    """The coordinate-wise median of the downloads: of 3, the middle value of each coordinate (one
+    hostile copy cannot move any coordinate beyond the honest two); of 2, their mean (the median of
+    two values); of 1, a copy. More than 3 are not combined (the caller keeps at most `sources`)."""
+    if not downloads:
+        raise ValueError("nothing to combine")
+    if len(downloads) == 2:
+        return {name: ((a.astype(np.float64) + downloads[1][name]) / 2).astype(a.dtype)
+                for name, a in downloads[0].items()}
+    return {name: coordinate_median([d[name].reshape(-1) for d in downloads]).reshape(first.shape)
+            for name, first in downloads[0].items()}
+
+
+@dataclass(frozen=True)
+class Download:
+    peer_id: str
+    tensors: dict[str, np.ndarray]
+    step: int
+
+
+@dataclass
+class JoinOutcome:
+    """What a catch-up did: the parameters and step adopted (None: nothing adopted), and why each peer
+    it considered was or was not used (reported in the node's status as `training.joined`)."""
+
+    reference_step: int
+    tensors: dict[str, np.ndarray] | None = None
+    step: int = 0
+    sources: tuple[str, ...] = ()
+    losses: dict[str, float] = field(default_factory=dict)
+    own_loss: float | None = None
+    combined_loss: float | None = None
+    refused: dict[str, str] = field(default_factory=dict)  # peer -> Refused or a wire error's kind
+
+    def describe(self) -> str:
+        """For the status's `started_from`: "peer A at step N" or "peers A, B, C at step N"."""
+        noun = "peer" if len(self.sources) == 1 else "peers"
+        return f"{noun} {', '.join(self.sources)} at step {self.step}"
+
+    def as_dict(self) -> dict[str, object]:
+        return {"reference_step": self.reference_step, "step": self.step, "sources": list(self.sources),
+                "losses": dict(self.losses), "own_loss": self.own_loss, "combined_loss": self.combined_loss,
+                "refused": dict(self.refused)}
+
+
+class Fetch(Protocol):
+    """A pull of a peer's current tensors, round and step (GossipPeer.fetch)."""
+
+    def __call__(self, peer: str) -> Awaitable[tuple[dict[str, np.ndarray], int, int]]: ...
+
+
+Evaluate = Callable[[Tensors | None], Awaitable[float]]  # validation loss of tensors (None: the node's own)
+
+
+async def join_swarm(judgement: StepJudgement, fetch: Fetch, evaluate: Evaluate, own: Tensors,
+                     rules: JoinRules = DEFAULT_RULES, bound: ValueBound = DEFAULT_BOUND) -> JoinOutcome:
+    """Download from up to `rules.sources` believable peers, check each by its values and validation
+    loss (the next candidate stands in for one that fails or is refused), and combine the survivors
+    (see `combine`). The combined model is evaluated too: if it is worse than the limit (copies too
+    far apart to average), the best single download is taken. The step adopted is the lower median of
+    the survivors' steps. `own` is the node's current parameters (the value bound's and the loss's
+    reference: the seeded initial model for a fresh node)."""
+    outcome = JoinOutcome(judgement.reference)
+    for peer in judgement.ignored:
+        outcome.refused[peer] = Refused.STEP_OUT_OF_BOUNDS
+    waiting = list(judgement.candidates)
+    evaluated: list[Download] = []
+    kept: list[Download] = []
+    while waiting and len(kept) < rules.sources:
+        new, waiting = await _download(waiting, rules.sources - len(kept), judgement, fetch, own, rules, bound, outcome)
+        if not new:
+            break
+        if outcome.own_loss is None:
+            outcome.own_loss = await evaluate(None)
+        for d in new:
+            outcome.losses[d.peer_id] = await evaluate(d.tensors)
+        evaluated += new
+        verdicts = loss_verdicts(outcome.own_loss, {d.peer_id: outcome.losses[d.peer_id] for d in evaluated}, rules)
+        kept = [d for d in evaluated if verdicts[d.peer_id]]
+    for d in evaluated:
+        if d not in kept:
+            outcome.refused[d.peer_id] = Refused.LOSS
+    if not kept:
+        return outcome
+    assert outcome.own_loss is not None
+    combined = await asyncio.to_thread(combine, [d.tensors for d in kept])
+    if len(kept) > 1:
+        outcome.combined_loss = await evaluate(combined)
+        limit = rules.loss_limit(outcome.own_loss, min(outcome.losses[d.peer_id] for d in kept))
+        if not outcome.combined_loss <= limit:
+            best = min(kept, key=lambda d: outcome.losses[d.peer_id])
+            logger.warning("the combined download evaluates to %.4f, worse than %.4f: taking %s's alone",
+                           outcome.combined_loss, limit, best.peer_id)
+            kept, combined = [best], best.tensors
+    steps = sorted(d.step for d in kept)
+    outcome.tensors, outcome.step = combined, steps[(len(steps) - 1) // 2]
+    outcome.sources = tuple(sorted(d.peer_id for d in kept))
+    return outcome
+
+
+async def _download(waiting: list[PeerRecord], wanted: int, judgement: StepJudgement, fetch: Fetch, own: Tensors,
+                    rules: JoinRules, bound: ValueBound,
+                    outcome: JoinOutcome) -> tuple[list[Download], list[PeerRecord]]:
+    """Up to `wanted` valid downloads from the first of `waiting`, asked in parallel, the next ones
+    standing in for failures; returns them (by peer id) and the candidates not asked."""
+    limits = bound.limits(own)
+    got: list[Download] = []
+
+    async def one(record: PeerRecord) -> None:
+        peer = record.peer_id
+        try:
+            async with asyncio.timeout(rules.fetch_timeout_s):
+                tensors, _, step = await fetch(peer)
+            await asyncio.to_thread(check_values, tensors, limits)
+        except OutOfRange as exc:
+            outcome.refused[peer] = exc.kind
+            logger.warning("parameter download from %s refused: %s", peer, exc)
+            return
+        except (TimeoutError, ConnectionError, WireError, PeerRejected) as exc:
+            reason = (exc.kind if isinstance(exc, WireError) else Refused.TIMEOUT if isinstance(exc, TimeoutError)
+                      else Refused.REJECTED if isinstance(exc, PeerRejected) else Refused.UNREACHABLE)
+            outcome.refused[peer] = reason
+            logger.warning("parameter download from %s failed: %s", peer, exc or type(exc).__name__)
+            return
+        if not judgement.believable(step):
+            outcome.refused[peer] = Refused.STEP_OUT_OF_BOUNDS
+            logger.warning("parameter download from %s refused: it claims step %d, the swarm's is about %d",
+                           peer, step, judgement.reference)
+            return
+        got.append(Download(peer, tensors, step))
+
+    while waiting and len(got) < wanted:
+        batch, waiting = waiting[: wanted - len(got)], waiting[wanted - len(got):]
+        async with asyncio.TaskGroup() as group:
+            for record in batch:
+                group.create_task(one(record))
+    return sorted(got, key=lambda d: d.peer_id), waiting

@@ -1,0 +1,203 @@
+"""Tests for node.training.joining: how a node that starts behind judges the swarm's step claims, which
+downloads it refuses by their values and validation loss, how it combines the rest, and the step it adopts."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import numpy as np
+import pytest
+
+from gossip.errors import WireError
+from node.net.records import PeerRecord
+from node.training.joining import (
+    JoinRules,
+    Refused,
+    combine,
+    join_swarm,
+    judge_steps,
+    loss_verdicts,
+    plausible_steps,
+)
+
+pytestmark = pytest.mark.unit
+
+ME = "me"
+
+
+def record(peer: str, step: int) -> PeerRecord:
+    return PeerRecord(peer_id=peer, maddrs=(f"/ip4/127.0.0.1/tcp/1/p2p/{peer}",), step=step, round=0, experts=(),
+                      capacity=0, version="test", heartbeat=0.0)
+
+
+# ---- claimed steps ---------------------------------------------------------------------------------
+
+
+def test_a_huge_claim_is_ignored_and_the_reference_is_the_honest_median() -> None:
+    view = [record(ME, 0), record("a", 500), record("b", 505), record("c", 498), record("evil", 10**9)]
+    judged = judge_steps(view, ME, step=0, margin=2, budget=0)
+    assert judged is not None
+    assert judged.reference == 500 and judged.ignored == ("evil",)
+    assert [p.peer_id for p in judged.candidates] == ["a", "c", "b"]  # closest to the reference first
+
+
+def test_with_one_honest_peer_ahead_the_lower_median_still_outvotes_a_huge_claim() -> None:
+    judged = judge_steps([record("a", 500), record("evil", 10**9)], ME, step=0, margin=2, budget=0)
+    assert judged is not None and judged.reference == 500 and judged.ignored == ("evil",)
+
+
+def test_a_claim_beyond_the_step_budget_is_impossible() -> None:
+    judged = judge_steps([record("a", 120), record("evil", 401)], ME, step=0, margin=2, budget=400)
+    assert judged is not None and judged.ignored == ("evil",) and [p.peer_id for p in judged.candidates] == ["a"]
+    only_impossible = judge_steps([record("evil", 10**9)], ME, step=0, margin=2, budget=400)
+    assert only_impossible is not None and only_impossible.candidates == () and only_impossible.ignored == ("evil",)
+
+
+def test_a_fresh_swarm_cannot_have_trained_a_huge_step_and_one_plausible_peer_ahead_is_believed() -> None:
+    founded = 1000.0
+    plausible = plausible_steps(founded, now=founded + 30.0)  # (30 s + 300 s of clock skew) x 100 steps/s + 20
+    assert plausible == 33_020
+    fresh = [record("n1", 0), record("n2", 0), record("evil", 10**9)]
+    judged = judge_steps(fresh, ME, step=0, margin=2, budget=0, plausible=plausible)
+    assert judged is not None and judged.candidates == () and judged.ignored == ("evil",)
+    # a founder that trained alone for a while, and two joiners arriving together: the founder is believed
+    running = [record("founder", 500), record("other-joiner", 0)]
+    judged = judge_steps(running, ME, step=0, margin=2, budget=0, plausible=plausible_steps(0.0, now=3600.0))
+    assert judged is not None and [p.peer_id for p in judged.candidates] == ["founder"] and judged.reference == 500
+
+
+def test_peers_within_the_margin_or_behind_are_no_reason_to_catch_up() -> None:
+    assert judge_steps([record(ME, 100), record("a", 101), record("b", 3)], ME, step=100, margin=2, budget=0) is None
+
+
+def test_claims_a_little_ahead_of_the_reference_stay_believable() -> None:
+    judged = judge_steps([record(p, s) for p, s in [("a", 400), ("b", 410), ("c", 490)]], ME, 0, 2, 0)
+    assert judged is not None and judged.ignored == ()  # 490 <= 410 + max(20, 0.25 * 410)
+
+
+# ---- validation losses -----------------------------------------------------------------------------
+
+
+def test_a_download_far_worse_than_the_others_or_than_the_own_model_is_refused() -> None:
+    own = 5.5  # the seeded initial model
+    verdicts = loss_verdicts(own, {"a": 2.50, "b": 2.55, "stale": 5.5, "noise": 9.0, "nan": math.nan})
+    assert verdicts == {"a": True, "b": True, "stale": False, "noise": False, "nan": False}
+    assert loss_verdicts(own, {"a": 6.0, "b": 7.0}) == {"a": False, "b": False}  # nothing beats the own model
+
+
+def test_early_in_training_a_download_close_to_the_initial_model_is_still_accepted() -> None:
+    assert loss_verdicts(5.5, {"a": 5.40, "b": 5.45}) == {"a": True, "b": True}
+
+
+def test_a_lone_download_must_beat_the_own_model_not_just_match_it() -> None:
+    assert loss_verdicts(5.5, {"stale": 5.5}) == {"stale": False}  # the seeded model served back
+    assert loss_verdicts(5.5, {"stale": 5.5, "noise": 9.0}) == {"stale": False, "noise": False}
+    assert loss_verdicts(2.50, {"swarm": 2.49}) == {"swarm": True}  # a restarted node, slightly behind
+
+
+# ---- combining -------------------------------------------------------------------------------------
+
+
+def test_the_median_of_three_keeps_every_coordinate_between_the_honest_two() -> None:
+    rng = np.random.default_rng(0)
+    honest = [{"w": rng.standard_normal((4, 8)).astype(np.float32)} for _ in range(2)]
+    hostile = {"w": (1e3 * rng.standard_normal((4, 8))).astype(np.float32)}
+    combined = combine([honest[0], hostile, honest[1]])["w"]
+    low, high = np.minimum(honest[0]["w"], honest[1]["w"]), np.maximum(honest[0]["w"], honest[1]["w"])
+    assert combined.shape == (4, 8) and np.all(low <= combined) and np.all(combined <= high)
+
+
+def test_two_downloads_are_averaged_and_one_is_copied() -> None:
+    a, b = {"w": np.array([1.0, 3.0], np.float32)}, {"w": np.array([3.0, 5.0], np.float32)}
+    np.testing.assert_array_equal(combine([a, b])["w"], [2.0, 4.0])
+    one = combine([a])["w"]
+    np.testing.assert_array_equal(one, a["w"])
+    assert one is not a["w"]
+
+
+# ---- the whole catch-up ----------------------------------------------------------------------------
+
+
+class Swarm:
+    """Peers that answer downloads with a vector and a step, and a loss that is the vector's distance
+    from the "trained" point (the own model sits at the initial point)."""
+
+    def __init__(self, answers: dict[str, tuple[np.ndarray | Exception, int]]) -> None:
+        self.answers = answers
+        self.asked: list[str] = []
+        self.trained = np.full(16, 1.0, np.float32)
+
+    async def fetch(self, peer: str) -> tuple[dict[str, np.ndarray], int, int]:
+        self.asked.append(peer)
+        value, step = self.answers[peer]
+        if isinstance(value, Exception):
+            raise value
+        return {"w": value}, 0, step
+
+    async def evaluate(self, tensors: object) -> float:
+        x = np.zeros(16, np.float32) if tensors is None else tensors["w"]  # type: ignore[index]
+        return 1.0 + float(np.linalg.norm(x - self.trained))
+
+
+def near(offset: float) -> np.ndarray:
+    return np.full(16, 1.0 + offset, np.float32)
+
+
+def run_join(swarm: Swarm, records: list[PeerRecord], rules: JoinRules = JoinRules()):
+    judged = judge_steps(records, ME, step=0, margin=2, budget=0, rules=rules)
+    assert judged is not None
+    own = {"w": np.zeros(16, np.float32)}
+    return asyncio.run(join_swarm(judged, swarm.fetch, swarm.evaluate, own, rules))
+
+
+def test_a_noisy_peer_among_the_sources_is_refused_by_loss_and_the_next_one_stands_in() -> None:
+    swarm = Swarm({"a": (near(0.01), 300), "b": (near(-0.01), 302), "noise": (near(5.0), 301),
+                   "c": (near(0.02), 299)})
+    outcome = run_join(swarm, [record(p, s) for p, s in [("a", 300), ("b", 302), ("noise", 301), ("c", 299)]])
+    # the closest claims first: a (300), noise (301), c (299); b (302) stands in for the refused one
+    assert swarm.asked == ["a", "noise", "c", "b"]
+    assert outcome.refused == {"noise": Refused.LOSS}
+    assert outcome.sources == ("a", "b", "c") and outcome.step == 300
+    assert outcome.describe() == "peers a, b, c at step 300"
+    np.testing.assert_allclose(outcome.tensors["w"], near(0.01), atol=1e-6)  # the median of three
+
+
+def test_a_failed_download_is_replaced_by_the_next_candidate() -> None:
+    swarm = Swarm({"a": (near(0.0), 300), "gone": (ConnectionError("down"), 300), "b": (near(0.01), 301),
+                   "c": (near(-0.01), 305), "bad": (WireError("broken"), 300)})
+    outcome = run_join(swarm, [record(p, s) for p, s in [("a", 300), ("gone", 300), ("b", 301), ("c", 305),
+                                                         ("bad", 300)]])
+    assert outcome.refused == {"gone": Refused.UNREACHABLE, "bad": "wire_error"}
+    assert outcome.sources == ("a", "b", "c") and outcome.step == 301  # the median of 300, 301, 305
+
+
+def test_scaled_parameters_are_refused_by_the_value_bound_before_they_are_evaluated() -> None:
+    swarm = Swarm({"a": (near(0.0), 300), "scaled": (near(0.0) * 1e5, 300)})
+    outcome = run_join(swarm, [record("a", 300), record("scaled", 300)])
+    assert outcome.refused == {"scaled": "out_of_range"} and "scaled" not in outcome.losses
+    assert outcome.sources == ("a",)
+
+
+def test_a_reply_claiming_another_step_than_the_record_is_refused() -> None:
+    swarm = Swarm({"a": (near(0.0), 300), "liar": (near(0.0), 10**9)})
+    outcome = run_join(swarm, [record("a", 300), record("liar", 300)])
+    assert outcome.refused == {"liar": Refused.STEP_OUT_OF_BOUNDS} and outcome.sources == ("a",)
+
+
+def test_when_every_download_is_worse_than_the_own_model_nothing_is_adopted() -> None:
+    swarm = Swarm({"a": (near(-3.0), 300), "b": (near(-4.0), 300)})
+    outcome = run_join(swarm, [record("a", 300), record("b", 300)])
+    assert outcome.tensors is None and outcome.refused == {"a": Refused.LOSS, "b": Refused.LOSS}
+
+
+def test_a_combination_worse_than_its_parts_falls_back_to_the_best_download() -> None:
+    # two good copies on either side of the optimum average to something worse (a loss with two minima)
+    class TwoMinima(Swarm):
+        async def evaluate(self, tensors: object) -> float:
+            x = np.zeros(16, np.float32) if tensors is None else tensors["w"]  # type: ignore[index]
+            return 1.0 + min(float(np.linalg.norm(x - 1.0)), float(np.linalg.norm(x + 1.0)) + 0.01)
+
+    swarm = TwoMinima({"a": (np.full(16, 1.0, np.float32), 300), "b": (np.full(16, -1.0, np.float32), 300)})
+    outcome = run_join(swarm, [record("a", 300), record("b", 300)])
+    assert outcome.sources == ("a",) and outcome.combined_loss is not None and outcome.combined_loss > 4.0
