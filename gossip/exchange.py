@@ -36,6 +36,7 @@ from enum import Enum, StrEnum
 import numpy as np
 
 from gossip.admission import OPEN, StreamAdmission
+from gossip.choco import ChocoState, Desync, Outgoing
 from gossip.codecs import Codec
 from gossip.errors import BadSchema, ManifestMismatch, Truncated, WireError
 from gossip.limits import DEFAULT_INCOMING, CountPerKey, IncomingLimits, PeerBuckets
@@ -78,6 +79,9 @@ class Refusal(StrEnum):
     NOT_PARTNER = "not_partner"  # our plan for that round does not wait for this asker's exchange
     STALE = "stale"  # more than max_staleness rounds away from ours (the asker skips us as `stale`)
     BUSY = "busy"  # MAX_WAITING_REQUESTS requests already wait for their rounds
+    # compressed gossip: the asker's edge estimates differ from ours (both reset the edge; docs/training.md)
+    DESYNC = "desync"
+    UNSUPPORTED = "unsupported"  # a round pull to a peer that gossips compressed differences (symmetric edges only)
     RATE_LIMITED = "rate_limited"  # the asker pulled this round, or the current tensors, too often (IncomingLimits)
 
 
@@ -91,6 +95,8 @@ class Skip(StrEnum):
     UNSENDABLE = "unsendable"  # our own tensors failed the wire's checks
     UNREACHABLE = "unreachable"
     MOVED_ON = "moved_on"  # a symmetric partner asked for a later round instead
+    DESYNC = "desync"  # compressed gossip: the partner's edge estimates differ from ours; both reset the edge
+    DIRECTED = "directed"  # compressed gossip: a directed edge (a pull), which it does not use
 
 Tensors = Mapping[str, np.ndarray]
 
@@ -143,6 +149,7 @@ class _Received:
     round: int
     step: int
     tensors: dict[str, np.ndarray]
+    sent: Outgoing | None = None  # compressed gossip: what we sent on this exchange
 
 
 class PeerRejected(Exception):
@@ -207,8 +214,10 @@ class GossipPeer:
     """
 
     def __init__(self, transport: Transport, settings: ExchangeSettings, tensors: Tensors, *, step: int = 0,
-                 protocol: str = GOSSIP_PROTOCOL) -> None:
+                 protocol: str = GOSSIP_PROTOCOL, choco: ChocoState | None = None) -> None:
         self._transport = transport
+        # compressed gossip (gossip/choco.py): exchanges carry differences against per-edge estimates
+        self._choco = choco
         # one protocol per tensor group: SPES runs a peer for the shared weights and one per owned expert
         self._protocol = protocol
         self._settings = settings
@@ -314,8 +323,15 @@ class GossipPeer:
                     got = await self._await_partner(peer, round_index, deadline)
                 else:
                     kind = EXCHANGE if peer in plan.out_peers else PULL
+                    if self._choco is not None and kind == PULL:
+                        skip(peer, Skip.DIRECTED)
+                        return
+                    # a retried exchange is safe under compressed gossip: estimates move only on an ack
                     got = await self._request_again_if_cut(peer, kind, own_snapshot, round_index, deadline,
                                                            running.add if running is not None else None)
+            except Desync as exc:
+                self._desync(peer, round_index, exc.reason)
+                skip(peer, Skip.DESYNC)
             except TimeoutError:
                 skip(peer, Skip.TIMEOUT)
             except PartnerMissed as exc:
@@ -323,6 +339,9 @@ class GossipPeer:
             except PeerRejected as exc:
                 if exc.reason == Refusal.STALE:
                     skip(peer, Skip.STALE)
+                elif exc.reason == Refusal.DESYNC and self._choco is not None:
+                    self._desync(peer, round_index, "the partner found our edge estimates out of step")
+                    skip(peer, Skip.DESYNC)
                 else:
                     skip(peer, Skip.REJECTED, exc.reason)
             except WireError as exc:
@@ -343,7 +362,8 @@ class GossipPeer:
             for peer in sorted(plan.in_weights):
                 group.create_task(one(peer))
 
-        if received:
+        # compressed gossip receives differences against estimates, not parameters: the Mixer's screen is for the latter
+        if received and self._choco is None:
             refused = await asyncio.to_thread(self._mixer.screen, own_snapshot,
                                               {peer: r.tensors for peer, r in received.items()})
             for peer, exc in refused.items():
@@ -352,7 +372,9 @@ class GossipPeer:
                 del received[peer]
         mixed = running.result() if running is not None and received.keys() == set(plan.in_weights) else None
         clipped: tuple[str, ...] = ()
-        if mixed is None:
+        if self._choco is not None:
+            mixed = await asyncio.to_thread(self._choco_mix, own_snapshot, received, plan)
+        elif mixed is None:
             outcome = await asyncio.to_thread(self._mixer.mix, own_snapshot,
                                               {peer: r.tensors for peer, r in received.items()},
                                               plan.self_weight, plan.in_weights, base)
@@ -372,10 +394,32 @@ class GossipPeer:
     def _incremental_mix(self, own: dict[str, np.ndarray], plan: PeerRound, awaited: set[str]) -> IncrementalMix | None:
         """A mix that runs as the values arrive, when this round requests from exactly one neighbour
         (every pairwise schedule, and pulls) with the weighted rule; else None and the Mixer runs after."""
-        if self._settings.rule.kind is not MixingKind.WEIGHTED or len(plan.in_weights) != 1 or awaited:
+        if (self._settings.rule.kind is not MixingKind.WEIGHTED or len(plan.in_weights) != 1 or awaited
+                or self._choco is not None):
             return None
         self_weight, weights = effective_weights(plan.self_weight, plan.in_weights, plan.in_weights.keys())
         return IncrementalMix(own, self_weight, *weights.values())
+
+    def _choco_mix(self, own: dict[str, np.ndarray], received: Mapping[str, _Received],
+                   plan: PeerRound) -> dict[str, np.ndarray]:
+        """Compressed gossip: both ends of every completed exchange add what crossed to their estimates,
+        then this node moves towards its neighbours' estimates (gossip.choco.ChocoState.step)."""
+        assert self._choco is not None
+        weights = {}
+        for peer, got in received.items():
+            assert got.sent is not None, "a compressed-gossip exchange keeps what it sent"
+            try:
+                self._choco.commit(got.sent, got.tensors)
+            except RuntimeError as exc:  # the edge was dropped meanwhile (more neighbours than max_edges)
+                self._desync(peer, self.round, str(exc))
+                continue
+            weights[peer] = plan.in_weights[peer]
+        return self._choco.step(own, weights)
+
+    def _desync(self, peer: str, round_index: int, why: str) -> None:
+        assert self._choco is not None
+        self._choco.reset(peer)
+        logger.info("round %d: compressed-gossip estimates of the edge to %s reset: %s", round_index, peer, why)
 
     async def _await_partner(self, peer: str, round_index: int, deadline: float) -> _Received:
         """Wait for `peer`'s exchange request of this round and the outcome of answering it.
@@ -451,14 +495,24 @@ class GossipPeer:
         async with asyncio.timeout_at(deadline):
             stream = MessageStream(await self._transport.open_stream(peer, self._protocol), self._accounting)
         try:
+            outgoing = None
+            if kind == EXCHANGE and self._choco is not None:
+                outgoing = self._choco.prepare(peer, own)
+                frames = self._frames(outgoing.wire, round_index, kind, self._choco.meta(outgoing.count),
+                                      codec=self._choco.settings.codec)
+            else:
+                frames = self._frames(own if kind == EXCHANGE else {}, round_index, kind, meta)
             async with asyncio.timeout_at(deadline):
-                await stream.send(self._frames(own if kind == EXCHANGE else {}, round_index, kind, meta))
+                await stream.send(frames)
                 reply = await self._read_reply(stream, on_values)
                 if reply.header.kind == REJECT:
                     raise PeerRejected(str(reply.header.meta.get("error", "unspecified")))
                 if reply.header.kind != REPLY:
                     raise BadSchema(f"expected a reply, got a {reply.header.kind!r} message")
                 _check_manifest(reply.header, self._specs)
+                if outgoing is not None:
+                    assert self._choco is not None
+                    self._choco.check(peer, reply.header.meta)  # Desync: no ack, so neither end mixes
             if kind == EXCHANGE:
                 # The ack commits both sides to mixing: the answering peer mixes our tensors only if
                 # it reads the ack, so it is sent only once the reply is known to be good and in time.
@@ -467,7 +521,7 @@ class GossipPeer:
                 # Closing first could make p2pd reset the stream before the ack has left.
                 await stream.linger(self._settings.exchange_timeout_s)
             self.stats.exchanges_ok += 1
-            return _Received(reply.header.round, reply.header.step, reply.tensors)
+            return _Received(reply.header.round, reply.header.step, reply.tensors, outgoing)
         finally:
             await stream.close()
 
@@ -522,9 +576,12 @@ class GossipPeer:
     def _pull_refusal(self, peer: str, header: Header) -> Refusal | None:
         """Whether a pull is over its limits: a round pull outside the staleness bound (answered now
         with a reject instead of tensors the asker would drop as stale) or asked more than
-        `round_pulls` times; a pull of the current tensors beyond the asker's token bucket."""
+        `round_pulls` times, or any round pull under compressed gossip; a pull of the current tensors
+        beyond the asker's token bucket."""
         if header.meta.get(CURRENT) is True:
             return None if self._current_pulls.take(peer) else Refusal.RATE_LIMITED
+        if self._choco is not None:  # compressed gossip has symmetric edges only: no round pulls
+            return Refusal.UNSUPPORTED
         bound = max(1, self._settings.max_staleness)
         if abs(header.round - self.round) > bound:
             return Refusal.STALE
@@ -563,15 +620,30 @@ class GossipPeer:
         slot, inputs = claimed
         received = None
         failure = str(Skip.TIMEOUT)
+        outgoing = None
         try:
+            if self._choco is not None:
+                try:
+                    self._choco.check(peer, request.header.meta)
+                except Desync as exc:
+                    failure = str(Skip.DESYNC)
+                    self._desync(peer, round_index, exc.reason)
+                    self.stats.refused[str(Refusal.DESYNC)] += 1
+                    await self._try_reject(stream, str(Refusal.DESYNC))
+                    return Refusal.DESYNC
+                outgoing = self._choco.prepare(peer, inputs)
+                frames = self._frames(outgoing.wire, round_index, REPLY, self._choco.meta(outgoing.count),
+                                      codec=self._choco.settings.codec)
+            else:
+                frames = self._frames(inputs, round_index, REPLY)
             async with asyncio.timeout(self._settings.exchange_timeout_s):
                 message = await request.rest()
-                await stream.send(self._frames(inputs, round_index, REPLY))
+                await stream.send(frames)
                 ack = await stream.read(self._request_limits, self._expect_peer)
             if ack.header.kind != ACK or ack.header.round != round_index or ack.header.manifest:
                 raise BadSchema(f"expected the ack of round {round_index}, got a {ack.header.kind!r} message "
                                 f"of round {ack.header.round}")
-            received = _Received(round_index, message.header.step, message.tensors)
+            received = _Received(round_index, message.header.step, message.tensors, outgoing)
             self.stats.exchanges_ok += 1
         except (ConnectionError, Truncated) as exc:
             # The asker hung up without an ack: it does not mix ours either, and may ask again on a new
@@ -664,14 +736,14 @@ class GossipPeer:
                                 min(1.0, self._settings.exchange_timeout_s))
 
     def _frames(self, tensors: Tensors, round_index: int | None, kind: str,
-                meta: Mapping[str, MetaValue] | None = None) -> Frames:
+                meta: Mapping[str, MetaValue] | None = None, codec: Codec | None = None) -> Frames:
         """A message from this peer, encoded as it is written (header problems raise here, before a
         byte is written; see MessageStream.send for the tensors' own)."""
         fields: HeaderFields = {"swarm": self._settings.swarm, "config_hash": self._settings.config_hash,
                                 "sender": self.peer_id, "round": self.round if round_index is None else round_index,
                                 "step": self.step, "kind": kind}
         proof = self._settings.admission.credentials(fields)
-        return iter_message(tensors, self._settings.codec, meta={**(meta or {}), **proof},
+        return iter_message(tensors, codec or self._settings.codec, meta={**(meta or {}), **proof},
                             limits=self._settings.limits, **fields)
 
 

@@ -1,7 +1,7 @@
 """One gossip round's mixing of flat parameter vectors: the weighted average over the neighbours that
-arrived (missing neighbours' weight moves to the local vector), and the robust rules (centered clipping,
-coordinate-wise median, coordinate-wise trimmed mean). The adaptive clipping radius, which needs state
-across rounds, is `gossip.robust`.
+arrived (missing neighbours' weight moves to the local vector), the robust rules (centered clipping,
+coordinate-wise median, coordinate-wise trimmed mean), and the variance-corrected average (CORE). The
+adaptive clipping radius, which needs state across rounds, is `gossip.robust`.
 
 Inputs are assumed finite (the wire layer rejects non-finite frames before they get here).
 Vectors are processed in cache-sized blocks, so a call allocates the result plus O(block * vectors)
@@ -26,12 +26,16 @@ class MixingKind(enum.StrEnum):
     CLIPPED = "clipped"
     MEDIAN = "median"
     TRIMMED_MEAN = "trimmed_mean"
+    VARIANCE_CORRECTED = "variance_corrected"  # CORE: the weighted average, rescaled to the members' variance
 
 
 MIXING_KINDS: tuple[str, ...] = tuple(kind.value for kind in MixingKind)
 
 # Weights come from float arithmetic elsewhere (Metropolis-Hastings, 1/degree): accept that rounding.
 WEIGHT_SUM_TOLERANCE = 1e-6
+
+# variance_corrected never scales by more than this times what uncorrelated members need
+VARIANCE_SCALE_LIMIT = 2.0
 
 # Elements per block: 64 Ki float32 is 256 KiB, so a few scratch rows stay in L2.
 _BLOCK = 1 << 16
@@ -47,6 +51,14 @@ class MixingRule:
     - ``clipped``: x_i + sum_j w_ij * clip(x_j - x_i, tau), clip(v, tau) = v * min(1, tau / ||v||_2).
     - ``median``: coordinate-wise median of {x_i} and the received vectors (weights only decide
       who may send; they do not weight the median).
+    - ``variance_corrected`` (CORE, for members that started from different initialisations): the
+      weighted average a, then a <- mean(a) + (a - mean(a)) * sqrt(s2 / var(a)) per tensor, where s2 =
+      sum_j w_j var(x_j) is the weighted mean of the members' variances (mean and variance over a tensor's
+      elements). Averaging uncorrelated tensors shrinks their variance by sum_j w_j^2; this restores it.
+      The scale is at least 1 (var(a) <= s2) and at most VARIANCE_SCALE_LIMIT times what uncorrelated
+      members need (sqrt(s2 / sum_j w_j^2 var(x_j))), which members that nearly cancel would exceed;
+      members that agree are left as the plain average. Not a robust rule: a hostile member's variance
+      enters s2 (use it in swarms whose members are trusted).
     - ``trimmed_mean``: per coordinate, drop the floor(trim * m) smallest and largest of the m values
       ({x_i} and the received vectors) and average the rest, unweighted. With few vectors
       floor(trim * m) is 0 and this is the plain mean: e.g. trim=0.2 needs m >= 5 to drop anything,
@@ -125,6 +137,11 @@ def mix(
         return own.copy()
     if rule.kind is MixingKind.WEIGHTED:
         return _weighted_sum(own, self_w, [weights[peer] for peer in senders], vectors)
+    if rule.kind is MixingKind.VARIANCE_CORRECTED:
+        member_weights = [weights[peer] for peer in senders]
+        out = _weighted_sum(own, self_w, member_weights, vectors)
+        correct_variance(out, [own, *vectors], [self_w, *member_weights])
+        return out
     m = len(vectors) + 1
     if rule.kind is MixingKind.MEDIAN:
         return _trimmed_mean(own, vectors, (m - 1) // 2)
@@ -318,6 +335,43 @@ class IncrementalMix:
         # a tensor without values is one of no elements
         return {name: (self._out[name] if name in self._out else x.copy()).reshape(self._shapes[name])
                 for name, x in self._own.items()}
+
+
+def mean_and_variance(x: np.ndarray) -> tuple[float, float]:
+    """Mean and (population) variance of a vector's elements, in float64, two passes over blocks."""
+    n = x.shape[0]
+    if n == 0:
+        return 0.0, 0.0
+    total = math.fsum(float(np.sum(x[start:start + _BLOCK], dtype=np.float64)) for start in _blocks(n))
+    mean = total / n
+    scratch = np.empty(min(_BLOCK, n), np.float64)
+    squares = 0.0
+    for start in _blocks(n):
+        block = scratch[: min(_BLOCK, n - start)]
+        np.subtract(x[start:start + block.size], mean, out=block, dtype=np.float64)
+        squares += float(np.dot(block, block))
+    return mean, squares / n
+
+
+def correct_variance(average: np.ndarray, members: Sequence[np.ndarray], weights: Sequence[float]) -> float:
+    """Rescale `average` (the weighted mean of `members`) in place about its mean so that its variance is
+    the weighted mean of the members' (see MixingRule's ``variance_corrected``); returns the scale used."""
+    variances = [mean_and_variance(x)[1] for x in members]
+    target = math.fsum(w * v for w, v in zip(weights, variances))
+    mean, variance = mean_and_variance(average)
+    if not (variance > 0 and target > 0):  # constant tensors (a norm's gain at init): nothing to restore
+        return 1.0
+    # what uncorrelated members need; members that nearly cancel (anti-correlated) would ask for far more
+    uncorrelated = math.sqrt(target / math.fsum(w * w * v for w, v in zip(weights, variances)))
+    scale = min(max(1.0, math.sqrt(target / variance)), VARIANCE_SCALE_LIMIT * uncorrelated)
+    if scale == 1.0:
+        return scale
+    for start in _blocks(average.shape[0]):
+        block = average[start:start + _BLOCK]
+        block -= block.dtype.type(mean)
+        block *= block.dtype.type(scale)
+        block += block.dtype.type(mean)
+    return scale
 
 
 def _clipped(own: np.ndarray, weights: Sequence[float], vectors: Sequence[np.ndarray],

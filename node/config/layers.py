@@ -162,27 +162,61 @@ def _check_combinations(merged: Mapping[str, Sourced]) -> None:
         raise ConfigError(f"{source('training.spes_merge_every')}: the merge interval "
                           f"{current('training.spes_merge_every')} must be a multiple of the sync interval "
                           f"{current('training.spes_sync_every')} (--spes-sync-every)")
+    _check_codec(current, source)
+    _check_compression(current, source)
     _check_diloco(current, source)
     if current("gossip.topology.name") == "custom" and not current("gossip.topology.edges"):
         raise ConfigError(f"{source('gossip.topology.name')}: the custom topology needs an edge list: "
                           "set --edges, MURMUR_EDGES or gossip.topology.edges")
 
 
+def _check_compression(current: Callable[[str], object], source: Callable[[str], str]) -> None:
+    """--gossip-compression choco: where it is sound (docs/training.md)."""
+    from gossip.choco import CHOCO_RULES, check_topology
+    from topology import TopologySpec
+
+    if current("gossip.compression") != "choco":
+        return
+    if current("training.optimizer") == "diloco":
+        raise ConfigError(f"{source('gossip.compression')}: compressed gossip is for the per-step optimizers dsgd "
+                          "and dadam; --optimizer diloco compresses its pseudo-gradients with --codec (error feedback)")
+    try:
+        check_topology(TopologySpec(str(current("gossip.topology.name")), weights=current("gossip.topology.weights"),  # type: ignore[arg-type]
+                                    edges=current("gossip.topology.edges") or ((0, 1),),  # type: ignore[arg-type]
+                                    directed=bool(current("gossip.topology.directed"))))
+    except ValueError as exc:
+        raise ConfigError(f"{source('gossip.compression')}: {exc}") from None
+    if current("gossip.mixing.kind") not in CHOCO_RULES:
+        raise ConfigError(f"{source('gossip.mixing.kind')}: compressed gossip moves along per-edge differences; "
+                          f"mixing rule {current('gossip.mixing.kind')} needs whole vectors: use "
+                          f"{' or '.join(CHOCO_RULES)}")
+    if current("training.spes"):
+        raise ConfigError(f"{source('gossip.compression')}: compressed gossip does not cover SPES's expert syncs; "
+                          "drop --spes or --gossip-compression choco")
+
+
 DILOCO_ONLY = ("training.outer_lr", "training.outer_momentum", "training.fragments", "training.overlap",
                "training.qsr_alpha", "training.anchor_every", "training.anchor_codec", "training.inner_optimizer")
 
 
-def _check_diloco(current: Callable[[str], object], source: Callable[[str], str]) -> None:
-    """--codec topk only where it is sound (DiLoCo's pseudo-gradients); DiLoCo's knobs only with it."""
-    diloco = current("training.optimizer") == "diloco"
-    if current("gossip.codec") == "topk" and not diloco:
-        raise ConfigError(f"{source('gossip.codec')}: top-k sends a few entries of each tensor and drops the rest, "
-                          f"which is sound only on differences with error feedback (--optimizer diloco's "
-                          f"pseudo-gradients); --optimizer {current('training.optimizer')} gossips whole parameters: "
-                          "use fp32, fp16, bf16 or int8")
-    if current("gossip.codec") == "topk" and current("training.spes"):
+def _check_codec(current: Callable[[str], object], source: Callable[[str], str]) -> None:
+    """--codec topk only where it is sound: on differences (DiLoCo's pseudo-gradients with error feedback,
+    compressed gossip's differences against estimates), never on whole parameters."""
+    if current("gossip.codec") != "topk":
+        return
+    if current("training.spes"):
         raise ConfigError(f"{source('gossip.codec')}: SPES mixes its shared weights as whole parameters; "
                           "top-k is not sound there: use fp32, fp16, bf16 or int8")
+    if current("training.optimizer") != "diloco" and current("gossip.compression") != "choco":
+        raise ConfigError(f"{source('gossip.codec')}: top-k sends a few entries of each tensor and drops the rest, "
+                          "so it is sound on differences only: use it with --optimizer diloco (pseudo-gradients "
+                          "with error feedback) or --gossip-compression choco; --optimizer "
+                          f"{current('training.optimizer')} gossips whole parameters: use fp32, fp16, bf16 or int8")
+
+
+def _check_diloco(current: Callable[[str], object], source: Callable[[str], str]) -> None:
+    """DiLoCo's knobs only with --optimizer diloco, and fragments that fit a phase."""
+    diloco = current("training.optimizer") == "diloco"
     for key in DILOCO_ONLY:
         if not diloco and current(key) != setting_value(DEFAULTS, key):
             raise ConfigError(f"{source(key)}: {SETTINGS_BY_KEY[key].flag} is a knob of --optimizer diloco; "

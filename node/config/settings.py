@@ -80,8 +80,10 @@ class GossipConfig:
     """How the node mixes its parameters with its neighbours."""
 
     topology: TopologySpec = DEFAULT_TOPOLOGY
-    codec: str = "fp32"  # wire codec of the exchanged tensors (diloco: of the pseudo-gradients)
+    codec: str = "fp32"  # wire codec of the exchanged tensors (choco: of the differences; diloco: of the pseudo-gradients)
     topk_ratio: float = 0.01  # --codec topk: fraction of each tensor's entries sent
+    compression: str = "none"  # "choco": compressed differences against per-neighbour estimates (gossip/choco.py)
+    choco_gamma: float | None = None  # CHOCO's consensus step; None: gossip.choco.default_gamma of the codec
     round_interval_s: float = 1.0  # time between the starts of two gossip rounds
     exchange_timeout_s: float = 5.0  # one exchange with one neighbour, after which it counts as missing
     max_staleness_rounds: int = 2  # a neighbour's parameters at most this many rounds old are mixed

@@ -27,6 +27,7 @@ class Command(StrEnum):
     TOPOLOGY = "topology"
     SIM = "sim"
     DEMO = "demo"
+    PLAN = "plan"
     INVITE = "invite"
 
 
@@ -72,8 +73,9 @@ HF_PRESET_NAMES = ("hf-tiny-llama", "hf-tiny-mixtral")
 HF_DENSE_PRESETS = ("hf-tiny-llama",)
 VECTOR_MODEL = Model.VECTOR
 NODE_CODECS = ("fp32", "fp16", "bf16", "int8", "topk")
+GOSSIP_COMPRESSIONS = ("none", "choco")
 # codecs for whole parameter vectors: top-k (a few entries, the rest dropped) is sound only on
-# differences with error feedback (gossip DiLoCo's pseudo-gradients), so it is refused elsewhere
+# differences (gossip DiLoCo's pseudo-gradients with error feedback, compressed gossip's), so it is refused elsewhere
 STATE_CODECS = ("fp32", "fp16", "bf16", "int8")
 SPES_REFRESH_CODECS = ("fp16", "bf16", "int8")  # what --spes-refresh-codec offers (gossip.spes takes fp32 too)
 SPES_EXPERT_CODECS = ("fp32", "fp16", "bf16", "int8")  # what --spes-expert-codec offers
@@ -205,10 +207,19 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("monitor.port", Integer(0, 65535, noun="port", metavar="PORT"), "MURMUR_MONITOR_PORT",
             "--monitor-port", "TCP port of the monitor page; 0 picks a free one", MONITOR_CLIENTS),
     Setting("gossip.codec", Choice("codec", NODE_CODECS, metavar="CODEC"), "MURMUR_CODEC", "--codec",
-            "wire codec of what the swarm exchanges: the parameters (dsgd, dadam) or DiLoCo's pseudo-gradients, "
-            "with error feedback for the lossy ones; topk only with --optimizer diloco (the swarm's)", NODE),
+            "wire codec of what the swarm exchanges: the parameters (dsgd, dadam), their differences with "
+            "--gossip-compression choco, or DiLoCo's pseudo-gradients (error feedback for the lossy ones); topk only "
+            "with --optimizer diloco or --gossip-compression choco (the swarm's)", NODE),
     Setting("gossip.topk_ratio", Number(0.0, lo_open=True, hi=1.0, metavar="RATIO"), "MURMUR_TOPK_RATIO",
-            "--topk-ratio", "fraction of each tensor's entries --codec topk sends (the swarm's)", NODE),
+            "--topk-ratio", "fraction of each tensor's entries --codec topk sends, the largest in magnitude "
+            "(the swarm's)", NODE),
+    Setting("gossip.compression", Choice("gossip compression", GOSSIP_COMPRESSIONS, metavar="KIND"),
+            "MURMUR_GOSSIP_COMPRESSION", "--gossip-compression",
+            "choco: dsgd/dadam rounds send --codec-compressed differences against per-neighbour estimates "
+            "(CHOCO-SGD) instead of whole parameters; symmetric topologies only (the swarm's)", NODE),
+    Setting("gossip.choco_gamma", Number(0.0, hi=1.0, lo_open=True, metavar="GAMMA"), "MURMUR_CHOCO_GAMMA",
+            "--choco-gamma", "consensus step of --gossip-compression choco (the swarm's)", NODE, optional=True,
+            default_text="1 for fp32/fp16/bf16/int8; for topk 10 x --topk-ratio, at most 0.5"),
     Setting("gossip.round_interval_s", Number(0.0, lo_open=True, metavar="S"), "MURMUR_ROUND_INTERVAL",
             "--round-interval", "seconds between the starts of two gossip rounds", NODE),
     Setting("gossip.exchange_timeout_s", Number(0.0, lo_open=True, metavar="S"), "MURMUR_EXCHANGE_TIMEOUT",
@@ -237,8 +248,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("gossip.mixing.kind", Choice("mixing rule", MIXING_KINDS, metavar="RULE"), "MURMUR_MIXING", "--mixing",
             "how a round combines the received parameters: centered clipping with an adaptive radius "
             "(adaptive_clip, robust to a hostile neighbour), weighted average, centered clipping with a fixed "
-            "radius --tau, coordinate-wise median or trimmed mean; this node's own choice (a joiner keeps "
-            "its own, not the swarm's)", NODE),
+            "radius --tau, coordinate-wise median or trimmed mean, or variance_corrected (CORE: the average "
+            "rescaled to the members' variance, for members that started from different initialisations); this "
+            "node's own choice (a joiner keeps its own, not the swarm's)", NODE),
     Setting("gossip.mixing.tau", Number(0.0, lo_open=True, metavar="TAU"), "MURMUR_TAU", "--tau",
             "clipping radius of --mixing clipped", NODE, optional=True),
     Setting("training.model", MODEL_NAME, "MURMUR_MODEL", "--model",

@@ -13,6 +13,9 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from gossip.choco import ChocoState
 from gossip.exchange import ExchangeSettings, GossipPeer
 from gossip.limits import IncomingGate
 from node.cli.ready_line import format_ready_line
@@ -127,7 +130,10 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
             if config.training.average_every:
                 logger.warning("--average-every is ignored: this swarm trains no model (vector mode)")
             tensors, round_index = initial_state(config, settings, swarm.config_hash, checkpoint)
-            peer = runtime.peer = GossipPeer(transport, exchange, tensors)
+            # vector mode's peers start from different vectors: compressed gossip's anchor is zero
+            choco = (ChocoState(settings.choco, {name: np.zeros_like(x) for name, x in tensors.items()})
+                     if settings.choco is not None else None)
+            peer = runtime.peer = GossipPeer(transport, exchange, tensors, choco=choco)
             peer.round = round_index
         await peer.start()
         api = await _start_api(runtime, config)

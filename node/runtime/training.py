@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
+from gossip.choco import ChocoState
 from gossip.codecs import get_codec
 from gossip.exchange import ExchangeSettings, GossipPeer
 from node.config import NodeConfig
@@ -78,6 +79,8 @@ async def start_training(runtime: NodeRuntime, recipe: TrainingRecipe, settings:
     except TrainingSetupError as exc:
         raise StartupError(f"cannot train the swarm's model here: {exc}") from None
     stack.push_async_callback(close_in_thread, trainer, "trainer")
+    # compressed gossip's anchor: the seeded initial parameters, the same bits on every fresh peer
+    choco = ChocoState(settings.choco, await trainer.tensors()) if settings.choco is not None else None
     resumed = checkpoint is not None and checkpoint_matches(checkpoint, runtime.config_hash)
     if checkpoint is not None and resumed:
         await trainer.restore(checkpoint.tensors)
@@ -87,7 +90,7 @@ async def start_training(runtime: NodeRuntime, recipe: TrainingRecipe, settings:
     # DiLoCo's main peer serves whole models (downloads, evaluations, the final merge): losslessly, whatever
     # codec the swarm's pseudo-gradients travel in
     state_exchange = replace(exchange, codec=get_codec("fp32")) if recipe.diloco is not None else exchange
-    peer = runtime.peer = GossipPeer(transport, state_exchange, await trainer.tensors(), step=trainer.step)
+    peer = runtime.peer = GossipPeer(transport, state_exchange, await trainer.tensors(), step=trainer.step, choco=choco)
     peer.round = last_round_at(trainer.step, recipe)
     topologies = TopologyCache(settings.topology)
 

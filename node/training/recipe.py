@@ -19,7 +19,8 @@ from typing import Annotated, Any, Literal, TypeVar, cast
 
 import msgspec
 
-from gossip.codecs import Codec, get_codec
+from gossip.choco import ChocoSettings, check_topology, default_gamma
+from gossip.codecs import Codec, Fp32Codec, get_codec
 from gossip.diloco import DilocoConfig
 from gossip.mixing import MixingKind, MixingRule
 from gossip.optimizers import Algorithm, OptimizerConfig
@@ -56,6 +57,7 @@ MAX_SPES_EVERY = 10**6
 MAX_REPLICATION = 64
 MAX_MODEL_NAME = 256
 MAX_KEY_CHECK = 128
+DEFAULT_TOPK_RATIO = 0.01
 # A Hugging Face model config (node.training.models.hf bounds its size and the fields that decide memory)
 MAX_MODEL_CONFIG_KEYS = 512
 MAX_MODEL_CONFIG_KEY = 128
@@ -65,6 +67,7 @@ Steps = Annotated[int, msgspec.Meta(ge=0, le=MAX_STEPS)]
 Seed = Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)]
 PositiveSteps = Annotated[int, msgspec.Meta(ge=1, le=MAX_SPES_EVERY)]
 Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+# --codec; topk only on differences (compressed gossip's, gossip DiLoCo's pseudo-gradients)
 CodecName = Literal["fp32", "fp16", "bf16", "int8", "topk"]
 # whole parameter vectors (anchors, SPES's groups): top-k is sound only on differences
 StateCodecName = Literal["fp32", "fp16", "bf16", "int8"]
@@ -197,13 +200,21 @@ class MixingDoc(_Doc, frozen=True):
     trim: Annotated[float, msgspec.Meta(ge=0.0, lt=0.5)]
 
 
+class CompressionDoc(_Doc, frozen=True):
+    """Compressed gossip of differences (gossip/choco.py); gamma absent: gossip.choco.default_gamma."""
+
+    kind: Literal["choco"]
+    gamma: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
+
+
 class GossipDoc(_Doc, frozen=True):
     topology: TopologyDoc
     codec: CodecName
     round_interval_s: Annotated[float, msgspec.Meta(ge=MIN_ROUND_INTERVAL_S, le=MAX_ROUND_INTERVAL_S)]
     max_staleness_rounds: Annotated[int, msgspec.Meta(ge=0, le=MAX_STALENESS_ROUNDS)]
     mixing: MixingDoc
-    topk_ratio: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.01  # codec topk: fraction of entries sent
+    topk_ratio: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = DEFAULT_TOPK_RATIO  # written only with codec topk
+    compression: CompressionDoc | None = None  # absent: whole parameters
 
 
 class AdmissionDoc(_Doc, frozen=True):
@@ -465,20 +476,24 @@ def build_document(config: NodeConfig, epoch: float, admission: AdmissionDoc | N
     """The document a founder with `config` publishes; RecipeInvalid if its settings are out of bounds."""
     topo, gossip = config.gossip.topology, config.gossip
     recipe = training_recipe(config)
+    gossip_doc: dict[str, Any] = {
+        "topology": {"name": topo.name, "weights": topo.weights, "degree": topo.degree, "seed": topo.seed,
+                     "rows": topo.rows, "edges": [list(e) for e in topo.edges], "directed": topo.directed},
+        "codec": gossip.codec,
+        "round_interval_s": gossip.round_interval_s,
+        "max_staleness_rounds": gossip.max_staleness_rounds,
+        "mixing": {"kind": gossip.mixing.kind.value, "tau": gossip.mixing.tau, "trim": gossip.mixing.trim},
+    }
+    if gossip.codec == "topk":
+        gossip_doc["topk_ratio"] = gossip.topk_ratio
+    if gossip.compression == "choco":
+        gossip_doc["compression"] = {"kind": "choco", "gamma": gossip.choco_gamma}
     raw = {
         "version": SWARM_CONFIG_VERSION,
         "epoch": epoch,
         "payload": msgspec.to_builtins(recipe.to_payload()) if recipe is not None
         else {"kind": PayloadKind.VECTOR.value, "dim": config.dim},
-        "gossip": {
-            "topology": {"name": topo.name, "weights": topo.weights, "degree": topo.degree, "seed": topo.seed,
-                         "rows": topo.rows, "edges": [list(e) for e in topo.edges], "directed": topo.directed},
-            "codec": gossip.codec,
-            **({"topk_ratio": gossip.topk_ratio} if gossip.codec == "topk" else {}),
-            "round_interval_s": gossip.round_interval_s,
-            "max_staleness_rounds": gossip.max_staleness_rounds,
-            "mixing": {"kind": gossip.mixing.kind.value, "tau": gossip.mixing.tau, "trim": gossip.mixing.trim},
-        },
+        "gossip": gossip_doc,
     }
     if admission is not None and admission.mode is not AdmissionMode.OPEN:
         raw["admission"] = msgspec.to_builtins(admission)
@@ -495,13 +510,14 @@ class SwarmSettings:
     """The shared settings read back from a swarm document (validated by `from_doc`)."""
 
     topology: TopologySpec
-    codec: Codec
+    codec: Codec  # of whole tensors: rounds and downloads (fp32 under compressed gossip)
     clock: RoundClock
     max_staleness: int
     mixing: MixingRule
     dim: int  # floats of the vector payload; 0 when a model is trained
     training: TrainingRecipe | None
     admission: AdmissionMode = AdmissionMode.OPEN
+    choco: ChocoSettings | None = None  # compressed gossip; its codec is the differences'
 
     @classmethod
     def from_doc(cls, doc: Mapping[str, Any]) -> SwarmSettings:
@@ -511,16 +527,34 @@ class SwarmSettings:
     def from_document(cls, document: SwarmDocument) -> SwarmSettings:
         g, t, payload = document.gossip, document.gossip.topology, document.payload
         try:
+            topology = TopologySpec(t.name, weights=t.weights, degree=t.degree, seed=t.seed, rows=t.rows,
+                                    edges=t.edges, directed=t.directed)
+            codec = get_codec(g.codec, ratio=g.topk_ratio) if g.codec == "topk" else get_codec(g.codec)
+            mixing = MixingRule(kind=g.mixing.kind, tau=g.mixing.tau, trim=g.mixing.trim)
+            choco = None
+            diloco = isinstance(payload, ModelPayload) and payload.optimizer.diloco is not None
+            if g.compression is not None:
+                check_topology(topology)
+                if isinstance(payload, ModelPayload) and payload.spes is not None:
+                    raise ValueError("compressed gossip does not cover SPES's expert syncs")
+                if diloco:
+                    raise ValueError("compressed gossip is for dsgd and dadam; diloco compresses its pseudo-gradients "
+                                     "with the codec")
+                gamma = default_gamma(codec) if g.compression.gamma is None else g.compression.gamma
+                choco = ChocoSettings(codec=codec, gamma=gamma, rule=mixing)
+            elif codec.name == "topk" and not diloco:
+                raise ValueError("codec topk is sound on differences only (compressed gossip's, gossip DiLoCo's "
+                                 "pseudo-gradients), and the swarm gossips whole parameters")
             return cls(
-                topology=TopologySpec(t.name, weights=t.weights, degree=t.degree, seed=t.seed, rows=t.rows,
-                                      edges=t.edges, directed=t.directed),
-                codec=get_codec(g.codec, ratio=g.topk_ratio) if g.codec == "topk" else get_codec(g.codec),
+                topology=topology,
+                codec=Fp32Codec() if choco is not None else codec,
                 clock=RoundClock(document.epoch, g.round_interval_s),
                 max_staleness=g.max_staleness_rounds,
-                mixing=MixingRule(kind=g.mixing.kind, tau=g.mixing.tau, trim=g.mixing.trim),
+                mixing=mixing,
                 dim=payload.dim if isinstance(payload, VectorPayload) else 0,
                 training=TrainingRecipe.from_payload(payload) if isinstance(payload, ModelPayload) else None,
                 admission=document.admission_mode,
+                choco=choco,
             )
         except ValueError as exc:
             raise RecipeInvalid(f"the swarm's config is invalid: {exc}") from None
@@ -556,7 +590,7 @@ SETTING_OF_FIELD = {
     "payload.optimizer.diloco.anchor_every": "training.anchor_every",
     "payload.optimizer.diloco.anchor_codec": "training.anchor_codec",
     "payload.optimizer.diloco.inner": "training.inner_optimizer", "payload.final_merge": "training.final_merge",
-    "gossip.topk_ratio": "gossip.topk_ratio", "payload.model_config": "training.model",
+    "payload.model_config": "training.model",
     "payload.weights_sha256": "training.model", "payload.tokenizer": "training.tokenizer",
     "payload.tokenizer.sha256": "training.tokenizer", "payload.tokenizer.vocab_size": "training.tokenizer",
     "payload.tokenizer.bytes": "training.tokenizer", "gossip.topology.name": "gossip.topology.name",
@@ -566,6 +600,8 @@ SETTING_OF_FIELD = {
     "gossip.codec": "gossip.codec", "gossip.round_interval_s": "gossip.round_interval_s",
     "gossip.max_staleness_rounds": "gossip.max_staleness_rounds", "gossip.mixing.kind": "gossip.mixing.kind",
     "gossip.mixing.tau": "gossip.mixing.tau", "gossip.mixing.trim": "gossip.mixing.trim",
+    "gossip.topk_ratio": "gossip.topk_ratio", "gossip.compression": "gossip.compression",
+    "gossip.compression.kind": "gossip.compression", "gossip.compression.gamma": "gossip.choco_gamma",
 }
 
 

@@ -1,0 +1,120 @@
+"""Quality against bytes of compressed gossip (CHOCO) for DAdam: the final validation loss of the swarm-average
+model over a single process's at the same token budget, and the bytes per node per step against DAdam with
+whole fp32 parameters, over several seeds. The columns are those of issue 15's quality-against-bytes table,
+so these rows sit beside gossip DiLoCo's (bench/bench_lowcomm.py, where it exists).
+
+4 GossipTrainers over the in-memory transport (no latency: the loss does not depend on the link), the tests'
+TINY dense GPT and tuned DAdam schedule (bench/bench_training.py), batch 8 per node against one process of
+batch 32, on a ring (compressed gossip needs symmetric edges; DAdam fp32 runs on the ring too, so the rows
+differ only in what a round sends). Bytes are every message byte the exchange counts, sent and received.
+
+Run from the repository root: .venv/bin/python -m bench.bench_choco [--seeds 0,1,2] [--steps 80]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import statistics
+import sys
+from dataclasses import dataclass, replace
+
+from bench.bench_training import BATCH, NODES, SCHEDULES, barrier_planner, single_curve, tiny_trainer
+from gossip.choco import ChocoSettings, ChocoState, default_gamma
+from gossip.codecs import Codec, Int8Codec, TopKCodec, get_codec
+from gossip.exchange import ExchangeSettings, GossipPeer
+from gossip.memory import InMemoryNetwork
+from node.training.data import embedded_corpus, peer_shard
+from node.training.trainer import GossipTrainer, average_tensors
+
+CORPUS_BYTES = 600_000
+TOPOLOGY = "ring"
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    codec: Codec | None  # None: whole fp32 parameters (DAdam as today)
+
+
+SETUPS = (
+    Setup("DAdam fp32 (baseline)", None),
+    Setup("DAdam + choco int8", Int8Codec()),
+    Setup("DAdam + choco top-k 10%", TopKCodec(0.1)),
+    Setup("DAdam + choco top-k 1%", TopKCodec(0.01)),
+)
+
+
+async def swarm_run(setup: Setup, seed: int, steps: int) -> tuple[float, float]:
+    """(validation loss of the 4 nodes' average after `steps` steps, mean bytes per node per step)."""
+    corpus = embedded_corpus(size_bytes=CORPUS_BYTES)
+    optimizer = replace(SCHEDULES["dadam"], total_steps=steps, warmup_steps=max(1, steps // 10))
+    ids = [f"s{seed}-peer{i}" for i in range(NODES)]
+    net = InMemoryNetwork()
+    trainers = [tiny_trainer(corpus, optimizer, pid, seed, BATCH, peer_shard(corpus, pid)) for pid in ids]
+    try:
+        anchor = await trainers[0].tensors()
+        nodes = []
+        settings = ExchangeSettings(swarm="bench", config_hash="0" * 64, codec=get_codec("fp32"), exchange_timeout_s=60)
+        for pid, trainer in zip(ids, trainers):
+            choco = (ChocoState(ChocoSettings(setup.codec, default_gamma(setup.codec)), anchor)
+                     if setup.codec is not None else None)
+            peer = GossipPeer(net.transport(pid), settings, await trainer.tensors(), choco=choco)
+            await peer.start()
+            nodes.append(GossipTrainer(trainer, peer))
+        plan_for = barrier_planner(TOPOLOGY, ids)
+        async with asyncio.TaskGroup() as group:
+            for node in nodes:
+                group.create_task(node.run(steps, plan_for(node.peer.peer_id)))
+        loss = await trainers[0].evaluate(average_tensors([await t.tensors() for t in trainers]))
+        moved = statistics.mean(n.peer.stats.bytes_sent + n.peer.stats.bytes_received for n in nodes) / steps
+        return loss, moved
+    finally:
+        for trainer in trainers:
+            trainer.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_choco", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--steps", type=int, default=80)
+    args = parser.parse_args(argv)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    print(f"command: .venv/bin/python -m bench.bench_choco {' '.join(argv)}".rstrip())
+    print(f"python {platform.python_version()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start",
+          flush=True)
+
+    async def run() -> dict[str, list[tuple[float, float, float]]]:
+        corpus = embedded_corpus(size_bytes=CORPUS_BYTES)
+        results: dict[str, list[tuple[float, float, float]]] = {s.name: [] for s in SETUPS}
+        for seed in seeds:
+            optimizer = replace(SCHEDULES["dadam"], total_steps=args.steps, warmup_steps=max(1, args.steps // 10))
+            single = (await single_curve(corpus, optimizer, seed, args.steps, args.steps)).losses[-1]
+            for setup in SETUPS:
+                loss, moved = await swarm_run(setup, seed, args.steps)
+                results[setup.name].append((loss / single, moved, loss))
+                print(f"seed {seed} {setup.name}: loss {loss:.4f} (single {single:.4f}, {loss / single:.3f}x), "
+                      f"{moved / 1e3:.1f} kB per node per step", flush=True)
+        return results
+
+    results = asyncio.run(run())
+    base = statistics.median(m for _, m, _ in results[SETUPS[0].name])
+    lines = ["", f"| setup | final val loss / single process (median of {len(seeds)} seeds) | seeds | "
+             "bytes per node per step | / DAdam fp32's bytes |", "|---|---:|---|---:|---:|",
+             f"| single process (batch {NODES * BATCH}) | 1.000 | - | 0 | - |"]
+    for setup in SETUPS:
+        rows = results[setup.name]
+        ratio = statistics.median(r for r, _, _ in rows)
+        moved = statistics.median(m for _, m, _ in rows)
+        lines.append(f"| {setup.name} | {ratio:.3f} | {', '.join(f'{r:.3f}' for r, _, _ in rows)} | "
+                     f"{moved / 1e3:,.1f} kB | {moved / base:.4f} |")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
