@@ -93,7 +93,7 @@ def fragment_round_bytes(peer_ids: list[str], me: str) -> list[int]:
     topology = build_topology("one-peer-exp", view.n)
     pull = RoundMessages(pulls_sent=1, pulls_served=1)
     assert {RoundMessages.of(peer_round(topology, view, me, k), me) for k in range(topology.period)} == {pull}
-    return [round_bytes({n: (model[n].shape, np.float32) for n in group}, get_codec("int8"), pull, sender=me).total
+    return [round_bytes({n: (model[n].shape, np.float32) for n in group}, get_codec("int8"), pull, sender=me).received
             for group in groups]
 
 
@@ -126,23 +126,40 @@ def test_diloco_swarm_survives_a_kill_mid_sync_and_a_joiner_mid_phase_and_matche
 
     # 2. bytes: over a stretch of steady training (the start is uneven: a node that comes up late
     # downloads the swarm's anchor, as the joiner did), the swarm's outer exchanges moved what the analytic
-    # model predicts for the exchanges each node completed in that stretch. Summed over the nodes: what
-    # one node serves, another receives, so a view that differs for a moment between two nodes shifts
-    # bytes between them rather than adding any.
+    # model predicts for the exchanges each node completed in that stretch. Each node's stretch is its own
+    # (below), so what it received is compared: a node receives its payloads in its own rounds (its pulls),
+    # while what it serves follows its neighbours' rounds. Summed over the nodes, so a view that differs
+    # for a moment between two nodes shifts bytes between them rather than adding any.
     def outer_bytes(node) -> tuple[list[int], int]:
         status = node.status()
         assert len(status["peers"]) == len(everyone), "the views hold every node"
         d = status["training"]["diloco"]
-        return d["fragment_rounds"], d["outer_bytes_sent"] + d["outer_bytes_received"]
+        return d["fragment_rounds"], d["outer_bytes_received"]
 
     swarm.wait_views(everyone, everyone)
-    start = training(joiner)["step"] + H
-    wait_for(lambda: all(training(n)["step"] >= start for n in everyone), 120, "a phase on every node")
-    first = {n.name: outer_bytes(n) for n in everyone}
-    wait_for(lambda: all(training(n)["step"] >= start + 7 * H for n in everyone), 120, "seven more phases")
+    # Each node's stretch is its own, from when it reaches `start` until it has trained seven more phases:
+    # the nodes are not at the same step at any one moment.
+    start = max(training(n)["step"] for n in everyone) + H
+    first: dict[str, tuple[list[int], int]] = {}
+    last: dict[str, tuple[list[int], int]] = {}
+
+    def sample_stretches() -> bool:
+        for node in everyone:
+            if node.name in last:
+                continue
+            step = training(node)["step"]
+            if node.name not in first and start <= step < start + H:
+                first[node.name] = outer_bytes(node)
+            elif node.name in first and step >= start + 7 * H:
+                last[node.name] = outer_bytes(node)
+            elif node.name not in first and step >= start + H:
+                raise AssertionError(f"{node.name} passed step {start + H} between two samples")
+        return len(last) == len(everyone)
+
+    wait_for(sample_stretches, 240, "seven phases on every node from step start", interval_s=0.05)
     moved = predicted = 0
     for node in everyone:
-        (rounds0, moved0), (rounds1, moved1) = first[node.name], outer_bytes(node)
+        (rounds0, moved0), (rounds1, moved1) = first[node.name], last[node.name]
         assert all(r1 - r0 >= 6 for r0, r1 in zip(rounds0, rounds1, strict=True)), (node.name, rounds0, rounds1)
         moved += moved1 - moved0
         per_round = fragment_round_bytes(ids, node.peer_id)

@@ -303,9 +303,10 @@ class SwarmTraining:
             logger.warning("no download was good enough to join the swarm at step %d (%s); continuing from step %d",
                            judgement.reference, _reasons(outcome.refused), self.trainer.step)
             return
+        step = self._step_now(outcome.step, epoch)
         await self.trainer.load_tensors(outcome.tensors)
-        self.trainer.step = outcome.step
-        self.peer.set_tensors(outcome.tensors, step=outcome.step, moved=False)
+        self.trainer.step = step
+        self.peer.set_tensors(outcome.tensors, step=step, moved=False)
         self.must_download = False
         await self._after_download([r for r in judgement.candidates if r.peer_id in outcome.sources])
         self.peer.round = last_round_at(self.trainer.step, self.recipe)
@@ -316,6 +317,17 @@ class SwarmTraining:
                     f"; refused {_reasons(outcome.refused)}" if outcome.refused else "")
         await self.evaluate()
         logger.info("validation loss after the download: %.4f", self.status.val_loss)
+
+    def _step_now(self, downloaded: int, epoch: float | None) -> int:
+        """The step to continue from after a download made at step `downloaded`: the swarm trained on
+        while the downloads were checked (several evaluations), and a joiner left that far behind would
+        find its neighbours' rounds stale. The view's claims now, judged as before, move it forward."""
+        plausible = plausible_steps(epoch, time.time()) if epoch is not None else None
+        now = judge_steps(self.discovery.view(), self.peer.peer_id, downloaded, 0, self.recipe.steps, plausible)
+        if now is None or not now.candidates or now.reference <= downloaded:
+            return downloaded
+        logger.info("the swarm moved on from step %d to %d while the downloads were checked", downloaded, now.reference)
+        return now.reference
 
     async def _after_download(self, sources: Sequence[PeerRecord]) -> None:
         """What else a node takes from the swarm after downloading its parameters (DiLoCo: the outer
