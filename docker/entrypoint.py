@@ -10,13 +10,16 @@ MURMUR_PEERS_FROM is trusting that URL to name the swarm's founder: use it on a 
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import socket
 import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
+from urllib.parse import urlsplit, urlunsplit
 
 PEERS_FROM = "MURMUR_PEERS_FROM"
 PEERS_FROM_TIMEOUT = "MURMUR_PEERS_FROM_TIMEOUT"
@@ -57,11 +60,33 @@ def invite_of(status: Mapping[str, object]) -> str | None:
     return invite if isinstance(invite, str) and "@" in invite else None
 
 
+def by_address(url: str) -> str:
+    """`url` with its host name resolved to an address: the monitor answers only Host headers naming
+    loopback, its --monitor-host or (bound to a wildcard) an address literal, never another name
+    (DNS rebinding: docs/monitor.md), so a container asks its neighbour by address. OSError if the
+    name does not resolve (yet)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    try:
+        ipaddress.ip_address(host)
+        return url
+    except ValueError:
+        pass
+    address = socket.getaddrinfo(host, parts.port or 80, type=socket.SOCK_STREAM)[0][4][0]
+    literal = f"[{address}]" if ":" in address else address
+    return urlunsplit(parts._replace(netloc=f"{literal}:{parts.port}" if parts.port else literal))
+
+
+def _api_status(url: str) -> object:
+    with urllib.request.urlopen(f"{by_address(url).rstrip('/')}/api/status", timeout=REQUEST_TIMEOUT_S) as response:
+        return json.load(response)
+
+
 def fetch_invite(url: str) -> str | None:
     """The invite the node at `url` reports (it is up: its addresses were just read); None if it gives none."""
     try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/api/status", timeout=REQUEST_TIMEOUT_S) as response:
-            return invite_of(json.load(response))
+        status = _api_status(url)
+        return invite_of(status) if isinstance(status, dict) else None
     except (urllib.error.URLError, OSError, ValueError):
         return None
 
@@ -80,8 +105,8 @@ def fetch_maddrs(url: str, timeout_s: float, retry_every_s: float = RETRY_EVERY_
     last = "no answer yet"
     while True:
         try:
-            with urllib.request.urlopen(f"{url.rstrip('/')}/api/status", timeout=REQUEST_TIMEOUT_S) as response:
-                maddrs = dialable_maddrs(json.load(response))
+            status = _api_status(url)
+            maddrs = dialable_maddrs(status) if isinstance(status, dict) else []
             if maddrs:
                 return maddrs
             last = "it lists no multiaddr other containers can dial (give it --announce)"

@@ -129,3 +129,18 @@ def test_a_bad_timeout_exits_2_with_one_line(value, monkeypatch, capsys) -> None
     assert entrypoint.main(["join"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("murmur join: error: MURMUR_PEERS_FROM_TIMEOUT"), err
+
+
+def test_the_founder_is_asked_by_address_which_its_monitor_answers_unlike_a_name() -> None:
+    """A compose joiner asks http://murmur-a:7690: the founder's monitor (bound to 0.0.0.0) refuses the
+    Host `murmur-a` (DNS rebinding) and answers an address literal, so the name is resolved first."""
+    from urllib.parse import urlsplit
+
+    from node.monitor.access import HostAllowlist
+
+    asked = entrypoint.by_address("http://localhost:7690/")
+    host = urlsplit(asked).netloc
+    assert urlsplit(asked).hostname in ("127.0.0.1", "::1") and asked.endswith(":7690/")
+    founders_monitor = HostAllowlist("0.0.0.0")
+    assert founders_monitor.allows(host) and not founders_monitor.allows("murmur-a:7690")
+    assert entrypoint.by_address("http://10.88.0.5:7690") == "http://10.88.0.5:7690"
