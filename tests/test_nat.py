@@ -59,7 +59,7 @@ def swarm(net: Internet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[N
         boot = procs.wait_ready(procs.start("boot", pub0, ["bootstrap", "--listen", pub0.tcp_maddr(4001),
                                                            "--data-dir", str(root / "boot"), "--log-level", "info"]))
         founder = procs.wait_ready(procs.start("founder", pub1, [
-            "node", "--listen", pub1.tcp_maddr(4001), "--peers", boot.maddr(), "--relay-service",
+            "node", "--listen", pub1.tcp_maddr(4001), "--peers", boot.maddr(), "--relay-service", "--reachability", "public",
             "--data-dir", str(root / "founder"), *RECIPE, *NODE]))
         homes = tuple(procs.start(f"home{i}", home.host, [
             "join", "--invite", founder.invite, "--listen", "/ip4/0.0.0.0/tcp/0", "--peers", boot.maddr(),
