@@ -20,7 +20,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from node.cli.status import auth_headers, no_node
+from node.cli.status import no_node, post_monitor
 from node.config import NodeConfig
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -149,18 +149,7 @@ def _print(report: dict[str, Any], as_json: bool) -> int:
 
 def request_doctor(url: str, timeout_s: float, token: str | None = None) -> dict[str, Any]:
     """The node's `POST /api/doctor` answer; the request carries its monitor token (POSTs need it)."""
-    request = urllib.request.Request(f"{url.rstrip('/')}/api/doctor", data=b"", method="POST",
-                                     headers=auth_headers(token))
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            answer: dict[str, Any] = json.load(response)
-    except urllib.error.HTTPError as exc:
-        try:
-            message = json.load(exc)["error"]
-        except (ValueError, KeyError, TypeError):
-            message = f"HTTP {exc.code} {exc.reason}"
-        raise DoctorRefused(message) from None
-    return answer
+    return post_monitor(f"{url.rstrip('/')}/api/doctor", timeout_s, token, DoctorRefused)
 
 
 def run_doctor_node(url: str, as_json: bool, timeout_s: float = DEFAULT_TIMEOUT_S, token: str | None = None) -> int:

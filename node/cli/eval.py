@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import urllib.error
 import urllib.request
 from typing import Any
 
-from node.cli.status import auth_headers, no_node, print_answer
+from node.cli.status import no_node, post_monitor, print_answer
 
 # The node pulls each peer for at most 30 s (node.training.swarm_eval.FETCH_TIMEOUT_S), then evaluates.
 DEFAULT_TIMEOUT_S = 300.0
@@ -24,18 +23,7 @@ def request_swarm_eval(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, save: boo
     """The node's answer; raises EvalRefused for an error answer, URLError/OSError/ValueError otherwise.
     `token` is the node's monitor token (its POST endpoints need it)."""
     query = "?save=true" if save else ""
-    request = urllib.request.Request(f"{url.rstrip('/')}/api/eval/average{query}", data=b"", method="POST",
-                                     headers=auth_headers(token))
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            answer: dict[str, Any] = json.load(response)
-    except urllib.error.HTTPError as exc:
-        try:
-            message = json.load(exc)["error"]
-        except (ValueError, KeyError, TypeError):
-            message = f"HTTP {exc.code} {exc.reason}"
-        raise EvalRefused(message) from None
-    return answer
+    return post_monitor(f"{url.rstrip('/')}/api/eval/average{query}", timeout_s, token, EvalRefused)
 
 
 def _loss(value: float | None) -> str:

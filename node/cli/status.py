@@ -18,6 +18,22 @@ def auth_headers(token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
+def post_monitor(url: str, timeout_s: float, token: str | None, refused: type[Exception]) -> dict[str, Any]:
+    """A node's JSON answer to a POST at `url` (its monitor token in the request: POSTs need it); an
+    error answer raises `refused` with the node's message; URLError, OSError or ValueError otherwise."""
+    request = urllib.request.Request(url, data=b"", method="POST", headers=auth_headers(token))
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            answer: dict[str, Any] = json.load(response)
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.load(exc)["error"]
+        except (ValueError, KeyError, TypeError):
+            message = f"HTTP {exc.code} {exc.reason}"
+        raise refused(message) from None
+    return answer
+
+
 def fetch_status(url: str, token: str | None = None) -> dict[str, Any]:
     """The node's `/api/status` answer; raises URLError, OSError or ValueError."""
     request = urllib.request.Request(f"{url.rstrip('/')}/api/status", headers=auth_headers(token))
