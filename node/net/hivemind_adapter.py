@@ -7,10 +7,14 @@ tests/test_hivemind_adapter.py:
    extra arguments through hivemind's own process-argument builder.
 2. **private relays**: a relay whose address libp2p thinks private (10.x, 192.168.x, ...) reserves a
    slot but p2pd never advertises the `/p2p-circuit` address: `circuit_maddr` builds it.
-3. **relay limits**: p2pd registers two relay services; its default one (128 KiB and 2 minutes per
-   circuit) answers unless the relay's reachability is public, and only then do `-relayDataLimit` /
-   `-relayTimeLimit` apply: `relay_service_args` forces public reachability on a relay, and
-   node.net.probe pushes more than `DEFAULT_SERVICE_DATA_LIMIT` through a circuit to check it worked.
+3. **relay limits**: p2pd registers two relay services on the same protocol, and the last one
+   registered answers. Its default one (128 KiB and 2 minutes per circuit) is registered by p2pd's
+   main goroutine right after start-up; the configured one (`-relayDataLimit` / `-relayTimeLimit`)
+   only once libp2p deems the node public, by a goroutine that usually ran first, so the default
+   one answered. `relay_service_args` forces public reachability and `RELAY_SERVICE_ENV` runs
+   p2pd on one scheduler thread, where that goroutine runs only after main has registered the
+   default one (measured: 30 of 30 starts, quiet or busy, against 2 of 6 without it); node.net.probe
+   pushes more than `DEFAULT_SERVICE_DATA_LIMIT` through a circuit to check it worked.
 4. **`/p2p/` encoding**: hivemind's bundled `Multiaddr` encodes `/p2p/<id>` as a CIDv1, which p2pd's
    `connect` rejects inside relayed addresses ("length greater than remaining number of bytes"):
    `maddr_bytes` encodes with the `multiaddr` package, whose `/p2p/` is the raw multihash p2pd expects.
@@ -44,18 +48,22 @@ class RelayLimits:
     max_reservations: int = 128
 
 
-def daemon_class(extra_args: Sequence[str]) -> type[P2P]:
-    """A `P2P` whose p2pd also gets `extra_args` (workaround 1, and how 3 reaches p2pd).
+def daemon_class(extra_args: Sequence[str], env: Sequence[tuple[str, str]] = ()) -> type[P2P]:
+    """A `P2P` whose p2pd also gets `extra_args` and runs with `env` set (workaround 1, and how 3
+    reaches p2pd).
 
     `P2P.create` builds the daemon's command line with `_make_process_args`; a subclass that appends
-    to it is the only way to pass flags `create` does not know. A class per call: no shared state.
+    to it is the only way to pass flags `create` does not know. It passes this process's environment,
+    so `env` goes in front as `env NAME=VALUE p2pd ...`: env execs p2pd, which keeps the PID (and
+    the parent-death signal) hivemind and node.net.proc rely on. A class per call: no shared state.
     """
     extra = tuple(extra_args)
+    prefix = ("env", *(f"{name}={value}" for name, value in env)) if env else ()
 
     class _P2PWithArgs(P2P):  # type: ignore[misc]  # hivemind is untyped
         @staticmethod
         def _make_process_args(*args: Any, **kwargs: Any) -> list[str]:
-            return [*P2P._make_process_args(*args, **kwargs), *extra]
+            return [*prefix, *P2P._make_process_args(*args, **kwargs), *extra]
 
     return _P2PWithArgs
 
@@ -63,6 +71,11 @@ def daemon_class(extra_args: Sequence[str]) -> type[P2P]:
 def autorelay_args(relays: Sequence[str]) -> tuple[str, ...]:
     """Reserve slots at exactly `relays`, at once (workaround 1); hivemind passes them as -trustedRelays."""
     return ("-relayDiscovery=0",) if relays else ()
+
+
+# Workaround 3's other half: one Go scheduler thread orders the two relay services' registration.
+# A relay forwards at most tens of Mbit/s on a home or small server link: one thread is plenty.
+RELAY_SERVICE_ENV: tuple[tuple[str, str], ...] = (("GOMAXPROCS", "1"),)
 
 
 def relay_service_args(limits: RelayLimits) -> tuple[str, ...]:

@@ -196,9 +196,9 @@ async def relay_limits_in_force(p2p: P2P, restart: Callable[[P2P], Awaitable[P2P
     """Check that circuits through the relay `p2p` carry model-sized exchanges; while p2pd's default
     limits answer instead, `restart` it (stop it, start a new one), at most `attempts` checks in all.
 
-    p2pd registers its configured relay service (forced public: node.net.hivemind_adapter) and its
-    default one on the same protocol, from two goroutines: whichever registers last answers, and on a
-    busy machine that is now and then the default one. A new daemon rolls again.
+    p2pd registers its configured relay service and its default one on the same protocol, from two
+    goroutines, and whichever registers last answers; node.net.hivemind_adapter (workaround 3) orders
+    them, and this check and a new daemon are the backstop should it not.
     """
     for attempt in range(1, attempts + 1):
         check = await check_relay_service([str(a) for a in await p2p.get_visible_maddrs()])

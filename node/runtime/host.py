@@ -33,9 +33,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("murmur.node")
 
-# p2pd starts until its relay service's limits are in force (node.net.probe); each start loses the race
-# about a third of the time on a busy machine
-RELAY_SERVICE_ATTEMPTS = 8
+# p2pd starts until its relay service's limits are in force (node.net.probe); with workaround 3
+# (node.net.hivemind_adapter) the first start had them in 30 of 30 tries, so this is a backstop
+RELAY_SERVICE_ATTEMPTS = 3
 # A dial-back nobody answered (the bootstraps start too, or restart) is asked again this many times
 DETECT_ATTEMPTS = 3
 DETECT_PAUSE_S = 2.0

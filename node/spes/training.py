@@ -179,8 +179,6 @@ class SpesSwarmTraining(SwarmTraining):
         self.discovery.update(experts=_indices(self.node.owned), capacity=self.capacity)
         sizes = {name: p.numel() for name, p in self.trainer.model.named_parameters()}
         self.status.trainable_params = sum(sizes[n] for n in self.trainer.trainable_parameter_names)
-        # the new table dropped the state of experts no longer owned: say so now, not after the next step
-        self.status.optimizer_state_bytes = self.trainer.optimizer_state_bytes
 
     def swarm_average(self, members: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
         """The SPES swarm average of `members` (peer id -> full model) for the swarm evaluation: shared

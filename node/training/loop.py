@@ -446,6 +446,9 @@ class SwarmTraining:
 
     def status_dict(self) -> dict[str, Any]:
         """The `training` section of the node's status, as of now."""
+        # read at status time, not at the last _record: a SPES table change or a step that has not
+        # been recorded yet changes the state, and the spes section reads the optimizer live too
+        self.status.optimizer_state_bytes = self.trainer.optimizer_state_bytes
         return self.status.as_dict()
 
     def extra_traffic(self) -> tuple[int, int]:

@@ -22,6 +22,7 @@ from hivemind.proto import p2pd_pb2
 from gossip.limits import IncomingGate
 from gossip.transport import PeerUnreachable, StreamClosed, StreamHandler
 from node.net.hivemind_adapter import (
+    RELAY_SERVICE_ENV,
     RelayLimits,
     autorelay_args,
     daemon_class,
@@ -79,13 +80,17 @@ class P2PSettings:
             args += ("-relayService=0",)
         return args
 
+    def env(self) -> tuple[tuple[str, str], ...]:
+        """Environment p2pd needs beyond this process's (node.net.hivemind_adapter, workaround 3)."""
+        return RELAY_SERVICE_ENV if self.relay_service is not None else ()
+
 
 async def start_p2pd(settings: P2PSettings) -> P2P:
     """Start p2pd with `settings`; the daemon is SIGKILLed if this process dies without shutting it down."""
     force = None if settings.relay_service is not None else settings.force_reachability
     async with asyncio.timeout(settings.startup_timeout_s + 5.0):
         with asyncio_children_die_with_us():
-            p2p: P2P = await daemon_class(settings.extra_args()).create(
+            p2p: P2P = await daemon_class(settings.extra_args(), settings.env()).create(
                 initial_peers=list(settings.initial_peers) or None,
                 host_maddrs=list(settings.host_maddrs),
                 announce_maddrs=list(settings.announce_maddrs) or None,
