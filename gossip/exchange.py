@@ -598,8 +598,12 @@ class GossipPeer:
         if header.meta.get(CURRENT) is True:
             answer = (self._tensors, self.round)
         else:
-            async with asyncio.timeout_at(deadline):
-                answer = await self._pull_answer(header.round)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    answer = await self._pull_answer(header.round)
+            except TimeoutError:
+                raise TimeoutError(f"timed out waiting for our round {header.round} to begin "
+                                   f"(still in round {self.round})") from None
         # The reply gets its own deadline: one shared with the wait above could cut the reply
         # halfway, and the asker, still within its deadline, would read a truncated message.
         async with asyncio.timeout(self._settings.exchange_timeout_s):
@@ -636,10 +640,16 @@ class GossipPeer:
                                       codec=self._choco.settings.codec)
             else:
                 frames = self._frames(inputs, round_index, REPLY)
-            async with asyncio.timeout(self._settings.exchange_timeout_s):
-                message = await request.rest()
-                await stream.send(frames)
-                ack = await stream.read(self._request_limits, self._expect_peer)
+            phase = "reading the request's payload"
+            try:
+                async with asyncio.timeout(self._settings.exchange_timeout_s):
+                    message = await request.rest()
+                    phase = "sending the reply"
+                    await stream.send(frames)
+                    phase = "waiting for the ack"
+                    ack = await stream.read(self._request_limits, self._expect_peer)
+            except TimeoutError:
+                raise TimeoutError(f"timed out {phase}") from None
             if ack.header.kind != ACK or ack.header.round != round_index or ack.header.manifest:
                 raise BadSchema(f"expected the ack of round {round_index}, got a {ack.header.kind!r} message "
                                 f"of round {ack.header.round}")
@@ -699,6 +709,11 @@ class GossipPeer:
                     async with asyncio.timeout_at(deadline):
                         await self._round_began.wait_for(
                             lambda: self._begun >= round_index or self._latest_request.get(peer, -1) > round_index)
+                except TimeoutError:
+                    # a round of ours that waits a whole deadline (for a partner, a dial) holds up the
+                    # peers ahead of it too: say which wait ran out
+                    raise TimeoutError(f"timed out waiting for our round {round_index} to begin "
+                                       f"(still in round {self.round})") from None
                 finally:
                     self._waiting_requests -= 1
             slot = self._partner_slots.get((peer, round_index))
