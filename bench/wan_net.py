@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from tests.support.netns import NetnsUnavailable, _call_in_namespace, _require_tools, _run
+from tests.support.netns import NetnsUnavailable, _call_in_namespace, _require_tools, _run, remove_orphaned_namespaces
 
 T = TypeVar("T")
 SERVICE_ADDRESS = "10.81.0.1"
@@ -77,6 +77,7 @@ def wan(tag: str, homes: int, *, rate_mbit: float, delay_ms: float) -> Iterator[
     """Create the hub and `homes` homes, shape every leg at `rate_mbit` both ways; delete all on exit.
     The relay that adds `delay_ms` is started by the caller (bench/wan_relay.py) in `hub`."""
     _require_tools()
+    remove_orphaned_namespaces()  # of a bench run killed before its cleanup
     if not 1 <= homes <= 200:
         raise ValueError(f"between 1 and 200 homes, got {homes}")
     pid = os.getpid()

@@ -23,7 +23,7 @@ import pytest
 
 from node.cli.ready_line import find_ready_line
 from node.net.proc import popen
-from support.netns import VethLink, veth_link
+from support.netns import VethLink, remove_orphaned_namespaces, veth_link
 
 pytestmark = pytest.mark.multiprocess
 
@@ -183,3 +183,22 @@ def test_two_nodes_exchange_across_a_rate_limited_link(tmp_path: Path, capsys: p
               f"{', '.join(f'{r:.2f}' for r in rounds)} s; best: goodput {goodput_mbit:.1f} Mbit/s "
               f"= {goodput_mbit / LINK_MBIT:.2f} of the {LINK_MBIT} Mbit/s link")
     assert 0.5 * LINK_MBIT < goodput_mbit < LINK_MBIT, rounds
+
+
+def test_namespaces_left_by_a_dead_run_are_removed_and_a_live_runs_are_kept() -> None:
+    """A test or bench process killed before its cleanup leaves murmur-<tag>-<pid>-... namespaces; the
+    next run's set-up removes those whose pid no longer runs, and only those."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that ran and is gone (reaped)
+    orphan, live, foreign = f"murmur-orph-{dead.pid}-a", f"murmur-orph-{os.getpid()}-a", f"other-orph-{dead.pid}-a"
+    for ns in (orphan, live, foreign):
+        subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
+    try:
+        removed = remove_orphaned_namespaces()
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+        names = {line.split(" ", 1)[0] for line in listed.splitlines()}
+        assert orphan in removed and orphan not in names
+        assert live in names and foreign in names and live not in removed
+    finally:
+        for ns in (orphan, live, foreign):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from node.cli.ready_line import find_ready_line
-from support.netns import TBF_BURST, TBF_LATENCY, NetnsUnavailable, _call_in_namespace
+from support.netns import TBF_BURST, TBF_LATENCY, NetnsUnavailable, _call_in_namespace, remove_orphaned_namespaces
 
 T = TypeVar("T")
 
@@ -159,6 +159,7 @@ def internet(tag: str, *, publics: int = 1, homes: int = 2, rate_mbit: float | N
     between two hosts is limited to that rate in both directions.
     """
     ensure_iptables()
+    remove_orphaned_namespaces()
     if publics + homes > 80:
         raise ValueError("at most 80 hosts")
     build = _Builder(tag)

@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import ctypes
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Callable, Iterator, Sequence
@@ -76,6 +77,36 @@ def _run(argv: Sequence[str], what: str) -> None:
         raise NetnsUnavailable(f"{what}: `{' '.join(argv)}` exited {done.returncode}: {done.stderr.strip()}")
 
 
+_OURS = re.compile(r"^murmur-[A-Za-z0-9]+-(\d+)-")
+
+
+def remove_orphaned_namespaces() -> list[str]:
+    """Delete the namespaces an earlier test or bench process left behind (it was killed before its
+    cleanup ran): ours are named murmur-<tag>-<pid>-..., and a namespace whose pid no longer runs has no
+    owner. A live pid keeps its namespaces (another run, or a reused pid: left alone). Returns what went."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=_COMMAND_TIMEOUT_S,
+                            check=False)
+    removed = []
+    for line in listed.stdout.splitlines():
+        name = line.split(" ", 1)[0]
+        match = _OURS.match(name)
+        if match is None or _pid_runs(int(match.group(1))):
+            continue
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=_COMMAND_TIMEOUT_S, check=False)
+        removed.append(name)
+    return removed
+
+
+def _pid_runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _require_tools() -> None:
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
@@ -94,6 +125,7 @@ def veth_link(
     installed (no `sch_tbf` in the kernel) raises NetnsUnavailable rather than leaving the link fast.
     """
     _require_tools()
+    remove_orphaned_namespaces()
     pid = os.getpid()
     subnet = f"10.77.{pid % 250 + 1}"
     link = VethLink(
