@@ -279,10 +279,48 @@ def test_topk_payload_is_checked() -> None:
     assert not codec.accepts_nbytes(4, 40) and not codec.accepts_nbytes(4, 12) and codec.accepts_nbytes(4, 0)
 
 
+@settings(deadline=None, max_examples=60)
+@given(st.sampled_from(DTYPES).flatmap(lambda dt: finite_arrays(dt, 1e30)), st.sampled_from([0.01, 0.2, 1.0]))
+def test_packed_topk_sends_the_same_entries_rounded_to_int8_in_3_bytes_each(x: np.ndarray, ratio: float) -> None:
+    packed, plain = TopKCodec(ratio, packed=True), TopKCodec(ratio)
+    encoded = packed.encode(x)
+    k = packed.k(x.size)
+    assert len(encoded) == packed.encoded_nbytes(x.size) == 4 * -(-x.size // 65536) + 4 + 3 * k
+    out = packed.decode(bytes(encoded), x.size, np.float32)
+    exact = plain.decode(bytes(plain.encode(x)), x.size, np.float32)
+    assert not np.any(out[exact == 0])  # nothing beyond the top-k entries
+    if k:  # each kept entry within half an int8 step of max |kept| / 127
+        step = np.abs(exact).max() / 127
+        assert np.all(np.abs(out.astype(np.float64) - exact) <= step * (0.5 + 1e-6) + 1e-30)
+
+
+def test_packed_topk_payload_is_checked() -> None:
+    codec, n = TopKCodec(0.5, packed=True), 70000  # two blocks of 2^16
+
+    def payload(counts: list[int], scale: float, offsets: list[int], values: list[int]) -> bytes:
+        return (np.array(counts, "<u4").tobytes() + np.array([scale], "<f4").tobytes()
+                + np.array(offsets, "<u2").tobytes() + np.array(values, np.int8).tobytes())
+
+    out = codec.decode(payload([1, 1], 0.5, [7, 3], [2, -4]), n)
+    assert out[7] == 1.0 and out[65536 + 3] == -2.0 and np.count_nonzero(out) == 2
+    with pytest.raises(BadSchema, match="add up"):
+        codec.decode(payload([2, 1], 0.5, [7, 3], [2, -4]), n)
+    with pytest.raises(BadSchema, match="strictly increasing"):
+        codec.decode(payload([2, 0], 0.5, [7, 3], [2, -4]), n)
+    with pytest.raises(BadSchema, match="out of range"):
+        codec.decode(payload([0, 2], 0.5, [3, 5000], [2, -4]), n)
+    for scale in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(BadSchema, match="scale"):
+            codec.decode(payload([1, 1], scale, [7, 3], [2, -4]), n)
+    assert not codec.accepts_nbytes(n, 4 * 2 + 4 + 3 * 1 + 1) and not codec.accepts_nbytes(n, 4)
+
+
 def test_registry_names_options_and_errors() -> None:
     assert set(CODEC_TYPES) == {"fp32", "fp16", "bf16", "int8", "topk"}
-    for codec in (Fp32Codec(), Fp16Codec(), Bf16Codec(), Int8Codec(block=64), TopKCodec(0.01)):
+    for codec in (Fp32Codec(), Fp16Codec(), Bf16Codec(), Int8Codec(block=64), TopKCodec(0.01),
+                  TopKCodec(0.01, packed=True)):
         assert codec_from_wire(codec.name, codec.options()) == codec
+    assert TopKCodec(0.01).options() == {"ratio": 0.01}  # unpacked: the options (and config hashes) of before
     assert get_codec("int8", block=128) == Int8Codec(128)
     assert get_codec("int8") == Int8Codec(256)
     assert get_codec("topk", ratio=0.1) == TopKCodec(0.1)
@@ -303,6 +341,9 @@ def test_registry_names_options_and_errors() -> None:
         ("topk", {"ratio": 1.5}),
         ("topk", {"ratio": float("nan")}),
         ("topk", {"ratio": "0.1"}),
+        ("topk", {"ratio": 0.1, "packed": 2}),
+        ("topk", {"ratio": 0.1, "packed": True}),
+        ("topk", {"ratio": 0.1, "packed": 1.0}),
     ]
     for name, options in bad_options:
         with pytest.raises(BadSchema):

@@ -8,6 +8,7 @@ import asyncio
 import concurrent.futures
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ from node.training.data import load_corpus
 from node.training.loop import EVAL_BATCH_SIZE, EVAL_BATCHES
 from node.training.recipe import optimizer_config
 from node.training.trainer import Trainer, TrainerConfig, train_alone
-from support.swarm_harness import Swarm, wait_for
+from support.swarm_harness import MURMUR, Swarm, wait_for
 from support.tiny_model import TINY, build
 from topology import MembershipView, build_topology, peer_round
 
@@ -205,3 +206,37 @@ def test_diloco_swarm_survives_a_kill_mid_sync_and_a_joiner_mid_phase_and_matche
     assert "Traceback" not in log, log[-3000:]
     print(f"swarm {swarm_loss:.4f}, single process {baseline:.4f}, joined at {joined_at}, killed at {killed_at}",
           file=sys.stderr)
+
+
+SLOW_PACE_S = 0.8  # a volunteer 4x slower than the others (0.2 s a forward pass)
+
+
+@pytest.mark.timeout(300)
+def test_a_volunteer_the_swarm_leaves_behind_skips_ahead_to_the_swarms_phase(swarm):
+    """The laggard rule: a node more than the staleness bound behind finds every outer round stale, so
+    it catches up with the swarm (its anchor, checked and combined, and its step) instead of training
+    alone; it counts the skip, and afterwards it is back within the swarm's phase."""
+    recipe = {**RECIPE, "steps": 1000}  # no node finishes while this test looks
+    founder = swarm.found(**recipe, **NODE, min_peers=3)
+    fast = swarm.spawn("n1", seed=1, join=founder, **NODE, **JOINER, min_peers=3)
+    slow = swarm.spawn("slow", seed=2, join=founder, **NODE, **JOINER, min_peers=3,
+                       launcher=("env", f"TINY_PACE_S={SLOW_PACE_S}", str(MURMUR)))
+    swarm.wait_ready([fast, slow])
+    wait_for(lambda: training(slow)["step"] >= 1, 120, "the slow node to train")
+    margin = 2 * H  # --max-staleness (2 rounds, the default) of H-step phases
+
+    def skipped() -> dict | None:
+        t = training(slow)
+        return t if t["diloco"]["skipped_ahead"] >= 1 else None
+
+    before, started = training(slow)["step"], time.monotonic()
+    after = wait_for(skipped, 150, "the slow node to skip ahead", interval_s=0.5)
+    elapsed = time.monotonic() - started
+    # it moved further than its own compute could take it (one step per forward pass at most)...
+    assert after["step"] - before > elapsed / SLOW_PACE_S + H, (before, after["step"], elapsed)
+    assert after["joined"] is not None and after["joined"]["sources"], after["joined"]
+    # ... to the swarm's phase: within the staleness bound of the others when it did
+    others = min(training(n)["step"] for n in (founder, fast))
+    assert after["step"] >= others - margin - 4 * H, (after["step"], others)
+    log = slow.stderr()
+    assert "catching up with it" in log and "Traceback" not in log, log[-3000:]

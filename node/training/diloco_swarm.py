@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,7 @@ from gossip.diloco import DilocoConfig, SyncSchedule
 from gossip.exchange import ExchangeSettings, GossipPeer
 from gossip.transport import Transport
 from node.training.diloco import DilocoTrainer
+from node.training.joining import plausible_steps
 from node.training.loop import Connect, Merge, RecordSample, SwarmTraining
 from node.training.recipe import TrainingRecipe
 from node.training.settings import TrainingSettings
@@ -32,6 +34,8 @@ logger = logging.getLogger("murmur.diloco")
 # The outer exchanges wait this long at least for a neighbour to reach the same sync (a neighbour a
 # few inner steps behind is seconds behind) and for a fragment to cross a slow link.
 MIN_OUTER_TIMEOUT_S = 60.0
+# How often a node looks whether the swarm left it behind (see DilocoSwarmTraining._skip_ahead_if_left_behind)
+LAGGARD_CHECK_S = 5.0
 
 
 def sync_schedule(recipe: TrainingRecipe) -> SyncSchedule:
@@ -63,6 +67,10 @@ class DilocoSwarmTraining(SwarmTraining):
                                     state_peer=peer, state_settings=state)
         self.resumed_outer_state = saved is not None and self.diloco.restore(saved)
         self._started = False
+        self._catch_up_with: tuple[int, float | None] | None = None  # margin and epoch of the first catch-up
+        self._stop: asyncio.Event | None = None
+        self._checked_at = 0.0
+        self.skipped_ahead = 0  # times the swarm left this node behind and it caught up
         self._last_report: RoundReport | None = None
         self.status.diloco = self.diloco_status()
 
@@ -75,7 +83,44 @@ class DilocoSwarmTraining(SwarmTraining):
 
     async def catch_up(self, stop: asyncio.Event, margin: int, look: bool, epoch: float | None = None) -> None:
         await self.start()
+        if self._catch_up_with is None:
+            self._catch_up_with = (margin, epoch)
         await super().catch_up(stop, margin, look, epoch)
+
+    def swarm_ahead(self, margin: int, epoch: float | None) -> int | None:
+        """The swarm's step (the lower median of the other training peers' credible claims) when more
+        than half of them are more than `margin` steps ahead of this node, else None: one fast peer
+        (or one claiming a huge step) does not make a node catch up."""
+        me, step, budget = self.peer.peer_id, self.trainer.step, self.recipe.steps
+        plausible = plausible_steps(epoch, time.time()) if epoch is not None else None
+        claims = sorted(p.step for p in self.discovery.view() if p.peer_id != me and not self._done(p.step)
+                        and (plausible is None or p.step <= plausible) and (budget <= 0 or p.step <= budget))
+        if 2 * sum(1 for c in claims if c > step + margin) <= len(claims):
+            return None
+        return claims[(len(claims) - 1) // 2]
+
+    async def _skip_ahead_if_left_behind(self) -> None:
+        """The laggard rule. A node more than the staleness bound of outer rounds behind its neighbours
+        (slower compute, a long pause) finds every round stale: its neighbours answer nothing, and it
+        never mixes again. Every LAGGARD_CHECK_S it judges the view's steps as a joiner does; once the
+        swarm is more than that margin ahead, it lands its pending syncs and catches up like a joiner
+        (the swarm's anchor from several peers, checked and combined, the outer momentum, the view's
+        step), giving up the local progress of the phase it could not sync anyway."""
+        now = time.monotonic()
+        if self._catch_up_with is None or self._stop is None or now - self._checked_at < LAGGARD_CHECK_S:
+            return
+        self._checked_at = now
+        margin, epoch = self._catch_up_with
+        before = self.trainer.step
+        judged = self.swarm_ahead(margin, epoch)
+        if judged is None:
+            return
+        logger.warning("the swarm is at step %d, this node at %d (more than %d steps, the staleness bound, behind): "
+                       "catching up with it", judged, before, margin)
+        await self.diloco.flush()
+        await super().catch_up(self._stop, margin, False, epoch)
+        if self.trainer.step > before:
+            self.skipped_ahead += 1
 
     async def _after_download(self, sources: Sequence[PeerRecord]) -> None:
         """The downloaded parameters are an anchor (what peers serve): continue from it with the outer
@@ -91,6 +136,7 @@ class DilocoSwarmTraining(SwarmTraining):
     async def run(self, stop: asyncio.Event, save: Callable[[], Awaitable[None]],
                   average: Callable[[], None] | None = None, merge: Merge | None = None) -> None:
         await self.start()
+        self._stop = stop
         try:
             await super().run(stop, save, average, merge)
         finally:
@@ -101,6 +147,7 @@ class DilocoSwarmTraining(SwarmTraining):
         return await self.plan_for(round_index)
 
     async def _step(self) -> StepReport:
+        await self._skip_ahead_if_left_behind()
         final = self.recipe.steps > 0 and self.trainer.step + 1 >= self.recipe.steps
         report = await self.diloco.step(self.plan_fragment, final=final)
         self.peer.round = self.diloco.stats.outer_steps
@@ -148,7 +195,7 @@ class DilocoSwarmTraining(SwarmTraining):
                 "codec": d.codec_name, "outer_bytes_sent": sent, "outer_bytes_received": received,
                 "exchanges_failed": d.stats.exchanges_failed, "skipped": d.skipped(),
                 "rounds_run": d.rounds_run, "fragment_rounds": d.fragment_rounds,
-                "resumed_outer_state": self.resumed_outer_state}
+                "resumed_outer_state": self.resumed_outer_state, "skipped_ahead": self.skipped_ahead}
 
 
 __all__ = ["MIN_OUTER_TIMEOUT_S", "DilocoSwarmTraining", "outer_exchange", "sync_schedule"]

@@ -1,6 +1,8 @@
 """A user model named by import path (`--model tiny_model:build`, with tests/ on PYTHONPATH): the
 multi-process training tests use it to train in seconds, and it exercises the import-path route."""
 
+import os
+
 from node.training.models import ModelConfig, build_model
 
 TINY = ModelConfig(context=32, layers=2, width=64, heads=4, experts=0, expert_hidden=128)
@@ -31,9 +33,9 @@ def build_failing():
 class _Paced(type(build_model(TINY))):
     """The tiny model taking at least PACE_S per forward pass (the compute time of a bigger model), so
     that a multi-process run lasts long enough for a process started mid-run to join it, however fast
-    or loaded the machine is."""
+    or loaded the machine is. TINY_PACE_S in the environment sets the pace (a slower volunteer)."""
 
-    PACE_S = 0.2
+    PACE_S = float(os.environ.get("TINY_PACE_S", "0.2"))
     last = 0.0
 
     def forward(self, idx, targets=None):
