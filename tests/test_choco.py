@@ -316,6 +316,14 @@ def test_topk_is_allowed_on_differences_only():
     choco = _config("--gossip-compression", "choco", "--topology", "ring", "--mixing", "weighted", "--codec", "topk",
                     "--topk-ratio", "0.02")
     assert SwarmSettings.from_doc(swarm_document(choco, 0.0)).choco.codec == TopKCodec(0.02)
+    # --topk-packed travels in the recipe (joiners take it); written only when set, so older configs keep
+    # their document and hash
+    assert "topk_packed" not in swarm_document(choco, 0.0)["gossip"]
+    packed = _config("--gossip-compression", "choco", "--topology", "ring", "--mixing", "weighted", "--codec", "topk",
+                     "--topk-ratio", "0.02", "--topk-packed")
+    document = swarm_document(packed, 0.0)
+    assert document["gossip"]["topk_packed"] is True
+    assert SwarmSettings.from_doc(document).choco.codec == TopKCodec(0.02, packed=True)
     # a forged document: top-k on whole parameters, and compressed gossip under diloco, are refused by joiners
     forged = swarm_document(choco, 0.0)
     del forged["gossip"]["compression"]

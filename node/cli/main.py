@@ -214,6 +214,8 @@ def _add_plan_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
     plan.add_argument("--codec", choices=NODE_CODECS, default="fp32", help="wire codec (default fp32)")
     plan.add_argument("--topk-ratio", type=_number(float, lo=1e-9, hi=1.0), default=0.01,
                       help="share of the elements --codec topk sends (default 0.01)")
+    plan.add_argument("--topk-packed", action="store_true",
+                      help="--codec topk in the packed layout: 3 bytes per kept element instead of 8")
     plan.add_argument("--gossip-compression", choices=("none", "choco"), default="none",
                       help="choco: dsgd/dadam send compressed differences against per-neighbour estimates")
     plan.add_argument("--batch-size", type=positive_int, default=16, help="sequences per micro-batch (default 16)")
@@ -254,7 +256,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     with _values_checked():
         if compression is Compression.CHOCO:
             check_topology(topology)
-        codec = TopKCodec(args.topk_ratio) if args.codec == "topk" else get_codec(args.codec)
+        codec = TopKCodec(args.topk_ratio, args.topk_packed) if args.codec == "topk" else get_codec(args.codec)
         link = LinkSpec(args.bandwidth_mbit, args.latency_ms,
                         DEFAULT_LINK_EFFICIENCY if args.link_efficiency is None else args.link_efficiency)
         build_topology(topology, args.peers)  # a bad combination fails here, in one line
@@ -438,8 +440,8 @@ def _add_demo_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
 
 
 # recipe settings `murmur demo` passes through to its founder
-DEMO_RECIPE_KEYS = ("gossip.codec", "gossip.topk_ratio", "training.local_steps", "training.fragments",
-                    "training.overlap", "training.outer_lr", "training.outer_momentum", "training.qsr_alpha",
+DEMO_RECIPE_KEYS = ("gossip.codec", "gossip.topk_ratio", "gossip.topk_packed", "training.local_steps",
+                    "training.fragments", "training.overlap", "training.outer_lr", "training.outer_momentum", "training.qsr_alpha",
                     "training.anchor_every", "training.anchor_codec", "training.inner_optimizer",
                     "training.final_merge")
 

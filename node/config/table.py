@@ -213,6 +213,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("gossip.topk_ratio", Number(0.0, lo_open=True, hi=1.0, metavar="RATIO"), "MURMUR_TOPK_RATIO",
             "--topk-ratio", "fraction of each tensor's entries --codec topk sends, the largest in magnitude "
             "(the swarm's)", NODE),
+    Setting("gossip.topk_packed", Boolean(), "MURMUR_TOPK_PACKED", "--topk-packed",
+            "--codec topk sends each kept entry as a uint16 in-block offset and an int8 value under one scale "
+            "per tensor: 3 bytes instead of 8, the rounding carried on by the error feedback (the swarm's)", NODE),
     Setting("gossip.compression", Choice("gossip compression", GOSSIP_COMPRESSIONS, metavar="KIND"),
             "MURMUR_GOSSIP_COMPRESSION", "--gossip-compression",
             "choco: dsgd/dadam rounds send --codec-compressed differences against per-neighbour estimates "

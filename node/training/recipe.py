@@ -214,6 +214,7 @@ class GossipDoc(_Doc, frozen=True):
     max_staleness_rounds: Annotated[int, msgspec.Meta(ge=0, le=MAX_STALENESS_ROUNDS)]
     mixing: MixingDoc
     topk_ratio: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = DEFAULT_TOPK_RATIO  # written only with codec topk
+    topk_packed: bool = False  # written only when true (older configs keep their hash)
     compression: CompressionDoc | None = None  # absent: whole parameters
 
 
@@ -486,6 +487,8 @@ def build_document(config: NodeConfig, epoch: float, admission: AdmissionDoc | N
     }
     if gossip.codec == "topk":
         gossip_doc["topk_ratio"] = gossip.topk_ratio
+        if gossip.topk_packed:
+            gossip_doc["topk_packed"] = True
     if gossip.compression == "choco":
         gossip_doc["compression"] = {"kind": "choco", "gamma": gossip.choco_gamma}
     raw = {
@@ -529,7 +532,8 @@ class SwarmSettings:
         try:
             topology = TopologySpec(t.name, weights=t.weights, degree=t.degree, seed=t.seed, rows=t.rows,
                                     edges=t.edges, directed=t.directed)
-            codec = get_codec(g.codec, ratio=g.topk_ratio) if g.codec == "topk" else get_codec(g.codec)
+            codec = (get_codec(g.codec, ratio=g.topk_ratio, packed=g.topk_packed) if g.codec == "topk"
+                     else get_codec(g.codec))
             mixing = MixingRule(kind=g.mixing.kind, tau=g.mixing.tau, trim=g.mixing.trim)
             choco = None
             diloco = isinstance(payload, ModelPayload) and payload.optimizer.diloco is not None
@@ -600,7 +604,8 @@ SETTING_OF_FIELD = {
     "gossip.codec": "gossip.codec", "gossip.round_interval_s": "gossip.round_interval_s",
     "gossip.max_staleness_rounds": "gossip.max_staleness_rounds", "gossip.mixing.kind": "gossip.mixing.kind",
     "gossip.mixing.tau": "gossip.mixing.tau", "gossip.mixing.trim": "gossip.mixing.trim",
-    "gossip.topk_ratio": "gossip.topk_ratio", "gossip.compression": "gossip.compression",
+    "gossip.topk_ratio": "gossip.topk_ratio", "gossip.topk_packed": "gossip.topk_packed",
+    "gossip.compression": "gossip.compression",
     "gossip.compression.kind": "gossip.compression", "gossip.compression.gamma": "gossip.choco_gamma",
 }
 
