@@ -209,16 +209,15 @@ def test_diloco_swarm_survives_a_kill_mid_sync_and_a_joiner_mid_phase_and_matche
 
 
 
-PAUSE_S = 40.0  # a volunteer whose machine slept: long enough for the others to move phases ahead
-
-
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_a_volunteer_the_swarm_left_behind_skips_ahead_to_the_swarms_phase(swarm):
     """The laggard rule: a node more than the staleness bound behind finds every outer round stale, so
     it catches up with the swarm (its anchor, checked and combined, and its step) instead of training
     alone; it counts the skip. The node is paused (SIGSTOP) rather than slowed: on a loaded machine a
     paced model is not reliably slower than its neighbours."""
-    recipe = {**RECIPE, "steps": 2000}  # no node finishes while this test looks
+    # no node finishes while this test looks; one fragment: a frozen neighbour costs each fragment's round
+    # in flight one outer deadline (60 s) before it leaves the view, so fewer fragments stall the others less
+    recipe = {**RECIPE, "steps": 2000, "fragments": 1}
     founder = swarm.found(**recipe, **NODE, min_peers=3)
     fast = swarm.spawn("n1", seed=1, join=founder, **NODE, **JOINER, min_peers=3)
     late = swarm.spawn("late", seed=2, join=founder, **NODE, **JOINER, min_peers=3)
@@ -228,7 +227,7 @@ def test_a_volunteer_the_swarm_left_behind_skips_ahead_to_the_swarms_phase(swarm
     late.process.send_signal(signal.SIGSTOP)
     try:
         paused_at = training(founder)["step"]
-        wait_for(lambda: training(founder)["step"] >= paused_at + 3 * margin, PAUSE_S * 3,
+        wait_for(lambda: training(founder)["step"] >= paused_at + 3 * margin, 240,
                  "the others to move three staleness bounds ahead")
     finally:
         late.process.send_signal(signal.SIGCONT)
