@@ -602,8 +602,7 @@ class GossipPeer:
                 async with asyncio.timeout_at(deadline):
                     answer = await self._pull_answer(header.round)
             except TimeoutError:
-                raise TimeoutError(f"timed out waiting for our round {header.round} to begin "
-                                   f"(still in round {self.round})") from None
+                raise self._round_wait_timed_out(header.round) from None
         # The reply gets its own deadline: one shared with the wait above could cut the reply
         # halfway, and the asker, still within its deadline, would read a truncated message.
         async with asyncio.timeout(self._settings.exchange_timeout_s):
@@ -672,6 +671,11 @@ class GossipPeer:
                 slot.settle(received, failure)
         return None
 
+    def _round_wait_timed_out(self, round_index: int) -> TimeoutError:
+        # a round of ours that waits a whole deadline (for a partner, a dial) holds up the peers
+        # ahead of it too: the served request says which wait ran out
+        return TimeoutError(f"timed out waiting for our round {round_index} to begin (still in round {self.round})")
+
     async def _claim_partner_slot(self, peer: str, round_index: int,
                                   deadline: float) -> tuple[_PartnerSlot, Tensors] | Refusal:
         """The slot where our round `round_index` waits for `peer`, and our input to that round; or
@@ -710,10 +714,7 @@ class GossipPeer:
                         await self._round_began.wait_for(
                             lambda: self._begun >= round_index or self._latest_request.get(peer, -1) > round_index)
                 except TimeoutError:
-                    # a round of ours that waits a whole deadline (for a partner, a dial) holds up the
-                    # peers ahead of it too: say which wait ran out
-                    raise TimeoutError(f"timed out waiting for our round {round_index} to begin "
-                                       f"(still in round {self.round})") from None
+                    raise self._round_wait_timed_out(round_index) from None
                 finally:
                     self._waiting_requests -= 1
             slot = self._partner_slots.get((peer, round_index))

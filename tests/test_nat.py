@@ -108,6 +108,10 @@ def exchange_errors(status: dict) -> dict:
     return {kind: n for kind, n in status["errors"].items() if not kind.startswith("dht_")}
 
 
+def failures(status: dict) -> tuple[dict, dict]:
+    return failed_exchanges(status), exchange_errors(status)
+
+
 def clean_run(pair: tuple[NatNode, NatNode], rounds: int, timeout_s: float, restarts: int) -> tuple[list[dict], list[dict]]:
     """The NAT'd pair's statuses at the start and the end of a run of `rounds` rounds on each in which no
     exchange failed and no exchange error appeared, and the pair's link to each other is relayed.
@@ -122,9 +126,7 @@ def clean_run(pair: tuple[NatNode, NatNode], rounds: int, timeout_s: float, rest
     deadline = time.monotonic() + timeout_s
     while True:
         now = [n.status() for n in pair]
-        failed = [(failed_exchanges(b), exchange_errors(b), failed_exchanges(s), exchange_errors(s))
-                  for b, s in zip(base, now) if (failed_exchanges(s), exchange_errors(s)) !=
-                  (failed_exchanges(b), exchange_errors(b))]
+        failed = [(failures(b), failures(s)) for b, s in zip(base, now) if failures(s) != failures(b)]
         if failed:
             restarted += 1
             assert restarted <= restarts, f"exchanges failed in {restarted} runs (before, after): {failed}"

@@ -81,7 +81,6 @@ class TopKCodec:
             raise ValueError(f"top-k indices are uint32: at most 2^32 elements, got {n}")
         v = _to_float32(flat)
         k = self.k(n)
-        out = np.empty(0 if self.packed else 8 * k, np.uint8)
         idx: np.ndarray
         if k == n:
             idx = np.arange(n, dtype=np.uint32)
@@ -92,6 +91,7 @@ class TopKCodec:
             idx = np.empty(0, np.uint32)
         if self.packed:
             return _pack(idx, v[idx], n)
+        out = np.empty(8 * k, np.uint8)
         out[: 4 * k].view("<u4")[:] = idx
         out[4 * k :].view("<f4")[:] = v[idx]
         return out.data
@@ -115,16 +115,18 @@ class TopKCodec:
         return _from_float32(out, np.dtype(dtype_name(dtype)))
 
 
+def _blocks(numel: int) -> int:
+    return -(-numel >> _BLOCK_SHIFT)
+
+
 def _packed_nbytes(numel: int, k: int) -> int:
     """Block counts (uint32 each), the float32 scale, then k uint16 offsets and k int8 values."""
-    blocks = -(-numel >> _BLOCK_SHIFT)
-    return 4 * blocks + 4 + 3 * k
+    return 4 * _blocks(numel) + 4 + 3 * k
 
 
 def _pack(idx: np.ndarray, values: np.ndarray, numel: int) -> memoryview:
     """Sorted indices `idx` and their (finite float32) values in the packed layout."""
-    k = idx.size
-    blocks = -(-numel >> _BLOCK_SHIFT)
+    k, blocks = idx.size, _blocks(numel)
     out = np.empty(_packed_nbytes(numel, k), np.uint8)
     counts = np.bincount((idx >> _BLOCK_SHIFT).astype(np.int64), minlength=blocks) if k else np.zeros(blocks, np.int64)
     out[: 4 * blocks].view("<u4")[:] = counts
@@ -142,7 +144,7 @@ def _pack(idx: np.ndarray, values: np.ndarray, numel: int) -> memoryview:
 
 def _unpack(buf: Buffer, numel: int) -> np.ndarray:
     """The float32 tensor a packed payload (of an accepted size) describes; BadSchema if it is malformed."""
-    blocks = -(-numel >> _BLOCK_SHIFT)
+    blocks = _blocks(numel)
     k = (len(buf) - _packed_nbytes(numel, 0)) // 3
     counts = np.frombuffer(buf, "<u4", count=blocks).astype(np.int64)
     if int(counts.sum()) != k:

@@ -441,9 +441,9 @@ def _add_demo_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
 
 # recipe settings `murmur demo` passes through to its founder
 DEMO_RECIPE_KEYS = ("gossip.codec", "gossip.topk_ratio", "gossip.topk_packed", "training.local_steps",
-                    "training.fragments", "training.overlap", "training.outer_lr", "training.outer_momentum", "training.qsr_alpha",
-                    "training.anchor_every", "training.anchor_codec", "training.inner_optimizer",
-                    "training.final_merge")
+                    "training.fragments", "training.overlap", "training.outer_lr", "training.outer_momentum",
+                    "training.qsr_alpha", "training.anchor_every", "training.anchor_codec",
+                    "training.inner_optimizer", "training.final_merge")
 
 
 def _run_demo(args: argparse.Namespace) -> int:

@@ -477,7 +477,6 @@ class SwarmTraining:
         sent, received = self.extra_traffic()
         moved = sent + received + self.peer.stats.bytes_sent + self.peer.stats.bytes_received
         s.bytes_per_token = moved / self._tokens
-        s.optimizer_state_bytes = self.trainer.optimizer_state_bytes
         if report.round is not None:
             s.consensus_distance = report.round.consensus_distance
         self.discovery.update(step=self.trainer.step, round=self.peer.round, loss=s.loss)
