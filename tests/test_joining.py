@@ -19,6 +19,7 @@ from node.training.joining import (
     judge_steps,
     loss_verdicts,
     plausible_steps,
+    swarm_left_behind,
 )
 
 pytestmark = pytest.mark.unit
@@ -40,6 +41,27 @@ def test_a_huge_claim_is_ignored_and_the_reference_is_the_honest_median() -> Non
     assert judged is not None
     assert judged.reference == 500 and judged.ignored == ("evil",)
     assert [p.peer_id for p in judged.candidates] == ["a", "c", "b"]  # closest to the reference first
+
+
+def test_a_node_is_left_behind_only_when_most_of_the_swarm_is_beyond_the_bound() -> None:
+    """The DiLoCo laggard rule's input: claimed steps from the view, read from the network."""
+    honest = [record(ME, 100), record("a", 140), record("b", 145), record("c", 150)]
+    assert swarm_left_behind(honest, ME, step=100, margin=10, budget=0) == 145  # the lower median of all three
+    assert swarm_left_behind(honest, ME, step=100, margin=60, budget=0) is None  # within the bound
+    # one hostile peer claiming a huge step, or one fast peer, among peers within the bound: not behind
+    near = [record(ME, 100), record("a", 104), record("b", 106)]
+    assert swarm_left_behind([*near, record("evil", 10**9)], ME, step=100, margin=10, budget=0) is None
+    assert swarm_left_behind([*near, record("fast", 300)], ME, step=100, margin=10, budget=0) is None
+    # half is not more than half
+    assert swarm_left_behind([*near[:2], record("b", 200)], ME, step=100, margin=10, budget=0) is None
+    # impossible claims (beyond the budget, beyond what the swarm can have trained) count for nothing
+    forged = [record(ME, 100), record("a", 104), record("x", 5000), record("y", 6000)]
+    assert swarm_left_behind(forged, ME, step=100, margin=10, budget=1000) is None
+    assert swarm_left_behind(forged, ME, step=100, margin=10, budget=0, plausible=2000) is None
+    # peers whose budget is spent train no more: a node that still trains is not behind them
+    done = [record(ME, 100), record("a", 1000), record("b", 1000)]
+    assert swarm_left_behind(done, ME, step=100, margin=10, budget=1000) is None
+    assert swarm_left_behind([record(ME, 0)], ME, step=0, margin=10, budget=0) is None  # alone
 
 
 def test_with_one_honest_peer_ahead_the_lower_median_still_outvotes_a_huge_claim() -> None:

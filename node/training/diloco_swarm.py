@@ -18,7 +18,7 @@ from gossip.diloco import DilocoConfig, SyncSchedule
 from gossip.exchange import ExchangeSettings, GossipPeer
 from gossip.transport import Transport
 from node.training.diloco import DilocoTrainer
-from node.training.joining import plausible_steps
+from node.training.joining import plausible_steps, swarm_left_behind
 from node.training.loop import Connect, Merge, RecordSample, SwarmTraining
 from node.training.recipe import TrainingRecipe
 from node.training.settings import TrainingSettings
@@ -87,18 +87,6 @@ class DilocoSwarmTraining(SwarmTraining):
             self._catch_up_with = (margin, epoch)
         await super().catch_up(stop, margin, look, epoch)
 
-    def swarm_ahead(self, margin: int, epoch: float | None) -> int | None:
-        """The swarm's step (the lower median of the other training peers' credible claims) when more
-        than half of them are more than `margin` steps ahead of this node, else None: one fast peer
-        (or one claiming a huge step) does not make a node catch up."""
-        me, step, budget = self.peer.peer_id, self.trainer.step, self.recipe.steps
-        plausible = plausible_steps(epoch, time.time()) if epoch is not None else None
-        claims = sorted(p.step for p in self.discovery.view() if p.peer_id != me and not self._done(p.step)
-                        and (plausible is None or p.step <= plausible) and (budget <= 0 or p.step <= budget))
-        if 2 * sum(1 for c in claims if c > step + margin) <= len(claims):
-            return None
-        return claims[(len(claims) - 1) // 2]
-
     async def _skip_ahead_if_left_behind(self) -> None:
         """The laggard rule. A node more than the staleness bound of outer rounds behind its neighbours
         (slower compute, a long pause) finds every round stale: its neighbours answer nothing, and it
@@ -112,7 +100,9 @@ class DilocoSwarmTraining(SwarmTraining):
         self._checked_at = now
         margin, epoch = self._catch_up_with
         before = self.trainer.step
-        judged = self.swarm_ahead(margin, epoch)
+        plausible = plausible_steps(epoch, time.time()) if epoch is not None else None
+        judged = swarm_left_behind(self.discovery.view(), self.peer.peer_id, before, margin, self.recipe.steps,
+                                   plausible)
         if judged is None:
             return
         logger.warning("the swarm is at step %d, this node at %d (more than %d steps, the staleness bound, behind): "

@@ -108,6 +108,19 @@ def judge_steps(view: Sequence[PeerRecord], me: str, step: int, margin: int, bud
     return StepJudgement(reference, tolerance, tuple(ranked), tuple(ignored))
 
 
+def swarm_left_behind(view: Sequence[PeerRecord], me: str, step: int, margin: int, budget: int,
+                      plausible: int | None = None) -> int | None:
+    """The swarm's step (the lower median of the other training peers' claims) when more than half of
+    them claim more than `margin` steps beyond `step`, else None: one fast peer, or one claiming a huge
+    step, does not leave a node behind. Peers whose budget (`budget` > 0) is spent do not train on and
+    are not counted; claims beyond the budget or beyond `plausible` are impossible and not counted either."""
+    claims = sorted(p.step for p in view if p.peer_id != me and (budget <= 0 or p.step < budget)
+                    and (plausible is None or p.step <= plausible))
+    if 2 * sum(1 for c in claims if c > step + margin) <= len(claims):
+        return None
+    return claims[(len(claims) - 1) // 2]
+
+
 def plausible_steps(epoch: float, now: float, rules: JoinRules = DEFAULT_RULES) -> int:
     """The most steps a swarm founded at `epoch` (its config's, signed by the founder) can have made by `now`."""
     return int(max(0.0, now - epoch + rules.clock_skew_s) * rules.max_steps_per_s) + rules.step_slack
