@@ -223,3 +223,19 @@ def test_a_combination_worse_than_its_parts_falls_back_to_the_best_download() ->
     swarm = TwoMinima({"a": (np.full(16, 1.0, np.float32), 300), "b": (np.full(16, -1.0, np.float32), 300)})
     outcome = run_join(swarm, [record("a", 300), record("b", 300)])
     assert outcome.sources == ("a",) and outcome.combined_loss is not None and outcome.combined_loss > 4.0
+
+
+def test_a_combination_that_gives_up_what_the_copies_trained_falls_back_to_the_best_download() -> None:
+    # each copy passes the per-download limit (own 5.0, best 2.0: up to 2.75), but their mean evaluates
+    # 8% above the best copy: within the per-download limit, beyond the combination's (5% of the best)
+    losses = {1.0: 2.0, 1.2: 2.4, 1.1: 2.16}
+
+    class Valley(Swarm):
+        async def evaluate(self, tensors: object) -> float:
+            return 5.0 if tensors is None else losses[round(float(tensors["w"][0]), 1)]  # type: ignore[index]
+
+    swarm = Valley({"a": (np.full(16, 1.0, np.float32), 300), "b": (np.full(16, 1.2, np.float32), 300)})
+    outcome = run_join(swarm, [record("a", 300), record("b", 300)])
+    assert outcome.losses == {"a": 2.0, "b": 2.4} and outcome.combined_loss == 2.16
+    assert outcome.sources == ("a",) and np.array_equal(outcome.tensors["w"], np.full(16, 1.0, np.float32))
+    assert JoinRules().combined_limit(5.0, 2.0) == 2.1

@@ -55,6 +55,12 @@ class JoinRules:
         return min(own * (1.0 + self.worse_than_own),
                    best + max(self.gap_share * max(0.0, own - best), self.loss_share * best))
 
+    def combined_limit(self, own: float, best: float) -> float:
+        """The highest validation loss the combination of several downloads may have: within loss_share
+        of the best of them (combining is there to cancel one bad copy, not to give up what the good
+        ones trained; copies that differ by as much as loss_limit allows may not average well)."""
+        return min(own * (1.0 + self.worse_than_own), best * (1.0 + self.loss_share))
+
 
 DEFAULT_RULES = JoinRules()
 DEFAULT_BOUND = ValueBound()
@@ -229,7 +235,7 @@ async def join_swarm(judgement: StepJudgement, fetch: Fetch, evaluate: Evaluate,
     combined = await asyncio.to_thread(combine, [d.tensors for d in kept])
     if len(kept) > 1:
         outcome.combined_loss = await evaluate(combined)
-        limit = rules.loss_limit(outcome.own_loss, min(outcome.losses[d.peer_id] for d in kept))
+        limit = rules.combined_limit(outcome.own_loss, min(outcome.losses[d.peer_id] for d in kept))
         if not outcome.combined_loss <= limit:
             best = min(kept, key=lambda d: outcome.losses[d.peer_id])
             logger.warning("the combined download evaluates to %.4f, worse than %.4f: taking %s's alone",
