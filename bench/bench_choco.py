@@ -4,11 +4,13 @@ whole fp32 parameters, over several seeds. The columns are those of issue 15's q
 so these rows sit beside gossip DiLoCo's (bench/bench_lowcomm.py, where it exists).
 
 4 GossipTrainers over the in-memory transport (no latency: the loss does not depend on the link), the tests'
-TINY dense GPT and tuned DAdam schedule (bench/bench_training.py), batch 8 per node against one process of
+TINY dense GPT (or, with --model dense, the embedded default dense GPT, DENSE_DEFAULT: on a model that size
+the message headers no longer count) and the tuned DAdam schedule (bench/bench_training.py), batch 8 per node against one process of
 batch 32, on a ring (compressed gossip needs symmetric edges; DAdam fp32 runs on the ring too, so the rows
 differ only in what a round sends). Bytes are every message byte the exchange counts, sent and received.
 
-Run from the repository root: .venv/bin/python -m bench.bench_choco [--seeds 0,1,2] [--steps 80] [--setups "NAME;..."]
+Run from the repository root:
+.venv/bin/python -m bench.bench_choco [--seeds 0,1,2] [--steps 80] [--model tiny|dense] [--setups "NAME;..."]
 """
 
 from __future__ import annotations
@@ -21,16 +23,19 @@ import statistics
 import sys
 from dataclasses import dataclass, replace
 
-from bench.bench_training import BATCH, NODES, SCHEDULES, barrier_planner, single_curve, tiny_trainer
+from bench.bench_training import BATCH, NODES, SCHEDULES, TINY, barrier_planner, single_curve, tiny_trainer
 from gossip.choco import ChocoSettings, ChocoState, default_gamma
 from gossip.codecs import Codec, Int8Codec, TopKCodec, get_codec
 from gossip.exchange import ExchangeSettings, GossipPeer
 from gossip.memory import InMemoryNetwork
 from node.training.data import embedded_corpus, peer_shard
+from node.training.models import build_model
+from node.training.models.gpt import DENSE_DEFAULT, ModelConfig
 from node.training.trainer import GossipTrainer, average_tensors
 
 CORPUS_BYTES = 600_000
 TOPOLOGY = "ring"
+MODELS = {"tiny": TINY, "dense": DENSE_DEFAULT}
 
 
 @dataclass(frozen=True)
@@ -50,13 +55,13 @@ SETUPS = (
 )
 
 
-async def swarm_run(setup: Setup, seed: int, steps: int) -> tuple[float, float]:
+async def swarm_run(setup: Setup, seed: int, steps: int, model: ModelConfig) -> tuple[float, float]:
     """(validation loss of the 4 nodes' average after `steps` steps, mean bytes per node per step)."""
     corpus = embedded_corpus(size_bytes=CORPUS_BYTES)
     optimizer = replace(SCHEDULES["dadam"], total_steps=steps, warmup_steps=max(1, steps // 10))
     ids = [f"s{seed}-peer{i}" for i in range(NODES)]
     net = InMemoryNetwork()
-    trainers = [tiny_trainer(corpus, optimizer, pid, seed, BATCH, peer_shard(corpus, pid)) for pid in ids]
+    trainers = [tiny_trainer(corpus, optimizer, pid, seed, BATCH, peer_shard(corpus, pid), model) for pid in ids]
     try:
         anchor = await trainers[0].tensors()
         nodes = []
@@ -85,10 +90,13 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny",
+                        help="tiny: the tests' TINY GPT (100,992 parameters); dense: the embedded default dense GPT")
     parser.add_argument("--setups", default="", help="only these setups (names, ';'-separated; the baseline "
                         "always runs)")
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
+    model = MODELS[args.model]
     wanted = {name.strip() for name in args.setups.split(";") if name.strip()}
     unknown = wanted - {s.name for s in SETUPS}
     if unknown:
@@ -97,15 +105,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"command: .venv/bin/python -m bench.bench_choco {' '.join(argv)}".rstrip())
     print(f"python {platform.python_version()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start",
           flush=True)
+    print(f"model {args.model}: {sum(p.numel() for p in build_model(model).parameters()):,} parameters", flush=True)
 
     async def run() -> dict[str, list[tuple[float, float, float]]]:
         corpus = embedded_corpus(size_bytes=CORPUS_BYTES)
         results: dict[str, list[tuple[float, float, float]]] = {s.name: [] for s in setups}
         for seed in seeds:
             optimizer = replace(SCHEDULES["dadam"], total_steps=args.steps, warmup_steps=max(1, args.steps // 10))
-            single = (await single_curve(corpus, optimizer, seed, args.steps, args.steps)).losses[-1]
+            single = (await single_curve(corpus, optimizer, seed, args.steps, args.steps, model)).losses[-1]
             for setup in setups:
-                loss, moved = await swarm_run(setup, seed, args.steps)
+                loss, moved = await swarm_run(setup, seed, args.steps, model)
                 results[setup.name].append((loss / single, moved, loss))
                 print(f"seed {seed} {setup.name}: loss {loss:.4f} (single {single:.4f}, {loss / single:.3f}x), "
                       f"{moved / 1e3:.1f} kB per node per step", flush=True)

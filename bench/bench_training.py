@@ -111,14 +111,15 @@ class TargetResult:
 
 
 def tiny_trainer(corpus: Corpus, optimizer: OptimizerConfig, peer_id: str, seed: int, batch: int,
-                 tokens: torch.Tensor) -> Trainer:
-    config = TrainerConfig(optimizer=optimizer, batch_size=batch, context=TINY.context, device="cpu",
+                 tokens: torch.Tensor, model: ModelConfig = TINY) -> Trainer:
+    config = TrainerConfig(optimizer=optimizer, batch_size=batch, context=model.context, device="cpu",
                            precision="fp32", eval_batch_size=64, eval_batches=8, eval_every_rounds=None)
-    return Trainer(build_model(TINY, seed=seed), config, peer_id=peer_id, train_tokens=tokens, val_tokens=corpus.val)
+    return Trainer(build_model(model, seed=seed), config, peer_id=peer_id, train_tokens=tokens, val_tokens=corpus.val)
 
 
-async def single_curve(corpus: Corpus, optimizer: OptimizerConfig, seed: int, steps: int, every: int) -> Curve:
-    async with tiny_trainer(corpus, optimizer, f"s{seed}-base", seed, NODES * BATCH, corpus.train) as alone:
+async def single_curve(corpus: Corpus, optimizer: OptimizerConfig, seed: int, steps: int, every: int,
+                       model: ModelConfig = TINY) -> Curve:
+    async with tiny_trainer(corpus, optimizer, f"s{seed}-base", seed, NODES * BATCH, corpus.train, model) as alone:
         points, losses = [0], [await alone.evaluate()]
         while alone.step < steps:
             for _ in range(min(every, steps - alone.step)):

@@ -18,6 +18,9 @@ Configurations (`--configs`):
 - hivemind: hivemind.Optimizer with use_local_updates=True (local Adam steps, parameters averaged by
   hivemind's all-reduce every --hivemind-every steps of the swarm), the closest hivemind has.
 
+With --mock-gpu-step S every node's forward and backward pass is a sleep of S seconds (bench/mock_gpu_node.py,
+a GPU that leaves the CPU free, which this machine lacks): step times, bytes and the overlap only.
+
 Ratios are printed against DAdam fp32 measured in the same command. Plan accuracy: the measured per-step
 time of each murmur configuration against `murmur plan`'s prediction from the compute-only step time and
 the link. Needs root, `ip` and `tc`; takes tens of minutes. Run from the repository root:
@@ -182,11 +185,13 @@ def run_murmur(net, config: Config, args: argparse.Namespace, workdir: Path) -> 
     from node.cli.status import fetch_status
 
     workdir.mkdir(parents=True)
+    # with --mock-gpu-step the forward and backward pass sleep instead (bench/mock_gpu_node.py)
+    murmur = [sys.executable, "-m", "bench.mock_gpu_node", str(args.mock_gpu_step)] if args.mock_gpu_step else [MURMUR]
     own = {"threads": 1, "eval_every": 1_000_000, "checkpoint_every": args.snapshot_every, "min_peers": args.nodes,
            "exchange_timeout": args.exchange_timeout, "heartbeat": 2, "monitor_port": 7690, "swarm": SWARM}
     processes: list[subprocess.Popen] = []
     try:
-        founder_argv = [MURMUR, "node", "--data-dir", str(workdir / "n0"), "--listen", net.listen_maddr(0),
+        founder_argv = [*murmur, "node", "--data-dir", str(workdir / "n0"), "--listen", net.listen_maddr(0),
                         "--announce", net.announce_maddr(0), *_flag_args({**config.flags, **own})]
         processes.append(_start(net, 0, founder_argv, workdir, "n0"))
         ready = [_ready_line(workdir / "n0.out", processes[0], time.monotonic() + READY_TIMEOUT_S)]
@@ -194,7 +199,7 @@ def run_murmur(net, config: Config, args: argparse.Namespace, workdir: Path) -> 
         for i in range(1, args.nodes):
             # the invite names the swarm and the founder whose signed config the joiner trusts
             joiner = {k: v for k, v in own.items() if k != "swarm"}
-            argv = [MURMUR, "join", "--peers", entry, "--invite", ready[0].invite, "--data-dir", str(workdir / f"n{i}"),
+            argv = [*murmur, "join", "--peers", entry, "--invite", ready[0].invite, "--data-dir", str(workdir / f"n{i}"),
                     "--listen", net.listen_maddr(i), "--announce", net.announce_maddr(i), *_flag_args(joiner)]
             processes.append(_start(net, i, argv, workdir, f"n{i}"))
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -440,7 +445,9 @@ def report(traces: dict[str, Trace], cfgs: dict[str, Config], args: argparse.Nam
     base = traces.get("dadam-fp32")
     base_hit = base.to_target(args.target) if base else None
     lines = [f"### Time to validation loss {args.target:g}: {args.nodes} nodes, {args.rate_mbit:g} Mbit/s each way, "
-             f"{args.delay_ms:g} ms one-way, model {args.model}, batch {args.batch_size} x 128 per node", "",
+             f"{args.delay_ms:g} ms one-way, model {args.model}, batch {args.batch_size} x 128 per node"
+             + (f"; forward and backward mocked as a {args.mock_gpu_step:g} s sleep (a GPU leaving the CPU free), "
+                "so no losses" if getattr(args, "mock_gpu_step", None) else ""), "",
              "| configuration | time to target s | at step | s / step | MB / step / node (sent + received) | "
              "time to target vs DAdam fp32 |", "|---|---:|---:|---:|---:|---:|"]
     for key, trace in traces.items():
@@ -505,6 +512,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--diloco-h", type=int, default=25)
     parser.add_argument("--diloco-steps", type=int, help="steps of the diloco row (default --steps)")
     parser.add_argument("--hivemind-every", type=int, default=10, help="steps of the swarm between averagings")
+    parser.add_argument("--mock-gpu-step", type=float, metavar="SECONDS",
+                        help="replace each step's forward and backward pass by a sleep of SECONDS, as on a GPU that "
+                        "leaves the CPU free (bench/mock_gpu_node.py): step times and the overlap only, no losses; "
+                        "murmur configurations only")
     parser.add_argument("--json-out", type=Path, help="also write the traces here")
     parser.add_argument("--keep", type=Path, help="work in this directory (node logs, snapshots) and keep it")
     parser.add_argument("--report", type=Path, help="print the report of traces written by --json-out (same other "
@@ -532,6 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(wanted) - cfgs.keys()
     if unknown:
         parser.error(f"--configs: unknown {', '.join(sorted(unknown))}")
+    if args.mock_gpu_step and any(cfgs[key].kind != "murmur" for key in wanted):
+        parser.error("--mock-gpu-step: murmur configurations only")
     if "diloco" in wanted and not _has_diloco():
         print("note: this murmur has no --optimizer diloco yet; the diloco row is skipped", flush=True)
         wanted.remove("diloco")
@@ -557,7 +570,8 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 _stop_all([relay])
         for key, trace in traces.items():
-            evaluate(trace, Path(tmp) / key, args)
+            if not args.mock_gpu_step:  # mocked steps train nothing: no loss to evaluate
+                evaluate(trace, Path(tmp) / key, args)
             if args.json_out:
                 args.json_out.write_text(json.dumps({k: asdict(v) for k, v in traces.items()}))
     print("\n".join(report(traces, cfgs, args)))

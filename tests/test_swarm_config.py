@@ -9,6 +9,7 @@ import asyncio
 import json
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -228,3 +229,42 @@ def test_trusting_the_first_founder_needs_exactly_one(tmp_path, ids, caplog):
     (tmp_path / FOUNDERS_FILE).unlink()
     with pytest.raises(StartupError, match="has configs signed by 2 founders"):
         asyncio.run(swarm_config.join_swarm(dht, config))
+
+
+def test_each_newer_config_version_wakes_the_follower_once(tmp_path, ids):
+    """A version this node cannot run is said once (a log line, a count), and the node goes on: the wait
+    for the next version sleeps until one is seen, it does not return the same version again."""
+    from node.net.discovery import Discovery, DiscoverySettings
+    from node.runtime.serve import _follow_newer_config
+
+    founder, joiner = ids["founder"], ids["joiner"]
+    config = vector_config(tmp_path)
+    version = {v: sign_config(founder.signing_key, "sc", v, swarm_document(config, 2.0, _admission("allowlist")))
+               for v in (1, 2, 3)}
+    p2p = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: joiner.peer_id))  # never started here
+    discovery = Discovery(p2p, joiner, DiscoverySettings(swarm="sc"))  # type: ignore[arg-type]
+    discovery.latest_config = version[1]  # as enter() leaves it
+
+    class Runtime:
+        swarm_config, config_not_followed, counts = version[1], "", list[str]()
+
+        def count(self, kind: str) -> None:
+            self.counts.append(kind)
+
+    async def run() -> Runtime:
+        runtime, session, followed = Runtime(), asyncio.Event(), list[SwarmConfig]()
+        follower = asyncio.create_task(_follow_newer_config(discovery, config, joiner, runtime, followed,  # type: ignore[arg-type]
+                                                            session))
+        ticks = 0
+        for seen in (2, 2, 1, 3):
+            discovery.saw_config(version[seen])
+            for _ in range(20):  # the event loop still runs other tasks
+                await asyncio.sleep(0.005)
+                ticks += 1
+        follower.cancel()
+        assert ticks == 80 and not session.is_set() and not followed
+        return runtime
+
+    runtime = asyncio.run(asyncio.wait_for(run(), 10))
+    assert runtime.counts == ["config_not_followed"] * 2  # versions 2 and 3, once each
+    assert runtime.config_not_followed.startswith("version 3: ")

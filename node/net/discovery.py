@@ -291,10 +291,18 @@ class Discovery:
         await self._begin()
 
     async def newer_config(self) -> SwarmConfig:
-        """Wait until a newer version of the founder's config than the one entered with is seen."""
+        """Wait until a version of the founder's config newer than the one entered with, and than any
+        this returned before, is seen (each version wakes a waiter once)."""
         await self._newer_config.wait()
+        self._newer_config.clear()
         assert self.latest_config is not None
         return self.latest_config
+
+    def saw_config(self, found: SwarmConfig) -> None:
+        """A config of the founder read from the DHT: wake `newer_config` if it is newer than any seen."""
+        if self.latest_config is not None and found.version > self.latest_config.version:  # entered with one
+            self.latest_config = found
+            self._newer_config.set()
 
     async def close(self) -> None:
         """Stop heartbeats, withdraw this peer's record, and stop the DHT node (not the daemon)."""
@@ -488,10 +496,8 @@ class Discovery:
         while True:
             await asyncio.sleep(self._settings.check_config_s)
             found = (await self.read_config(current.founder or None)).config
-            if found is not None and found.version > current.version and (
-                    self.latest_config is None or found.version > self.latest_config.version):
-                self.latest_config = found
-                self._newer_config.set()
+            if found is not None:
+                self.saw_config(found)
 
     async def _publish_record(self) -> None:
         dht = self._require_started()
