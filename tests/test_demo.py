@@ -60,6 +60,28 @@ def test_a_diloco_demo_with_int8_shows_its_saving_next_to_the_default_demo(tmp_p
     assert 0.5 * expected < traffic["ratio_to_default"] < 1.5 * expected, traffic
 
 
+@pytest.mark.multiprocess
+def test_a_demo_of_a_hugging_face_preset_trains_and_prints_the_monitor(tmp_path):
+    """`murmur demo --model hf-tiny-llama`: the nodes build the transformers model from the swarm's
+    config, train it together, and the losses fall."""
+    from node.training.models.hf import parameter_count, read_source
+
+    steps = 30
+    out = subprocess.run([str(MURMUR), "demo", "--nodes", "2", "--steps", str(steps), "--model", "hf-tiny-llama",
+                          "--batch-size", "4", "--lr", "1e-2", "--dir", str(tmp_path / "run"), "--json"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "monitor of node0: http://127.0.0.1:" in out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["model"] == "hf-tiny-llama" and len(summary["nodes"]) == 2
+    for node in summary["nodes"]:
+        assert node["steps"] == steps
+        assert node["trainable_params"] == parameter_count(read_source("hf-tiny-llama").config)
+        assert node["bytes_sent"] > 0 and node["bytes_received"] > 0
+        assert node["val_loss"] < summary["initial_val_loss"] - 1.0
+    assert summary["averaged_val_loss"] < summary["initial_val_loss"] - 1.0
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize("args, message", [
     (["--nodes", "0"], "argument --nodes: 0 is below the minimum 1"),

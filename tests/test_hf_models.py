@@ -92,15 +92,26 @@ def test_split_experts_compute_what_transformers_fused_experts_compute() -> None
 
 @pytest.mark.unit
 @pytest.mark.slow
-def test_an_unsupported_expert_layout_is_refused_by_name() -> None:
+@pytest.mark.parametrize(("doc", "named"), [
+    # GPT-OSS: fused 3-D experts with biases, transposed
+    ({"model_type": "gpt_oss", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 32, "head_dim": 8,
+      "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
+      "num_experts_per_tok": 2, "max_position_embeddings": 64, "layer_types": ["full_attention"]},
+     r"GptOssExperts of model type 'gpt_oss' at model\.layers\.0\.mlp\.experts \(gate_up_proj \(4, 32, 64\)"),
+    # DBRX: DbrxExperts keeps every expert in a child DbrxExpertGLU, w1, v1 and w2 flattened to 2-D (E * F, H)
+    ({"model_type": "dbrx", "vocab_size": 256, "d_model": 32, "n_heads": 4, "n_layers": 1, "max_seq_len": 64,
+      "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0},
+      "ffn_config": {"ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2}},
+     r"DbrxExperts of model type 'dbrx' at transformer\.blocks\.0\.ffn\.experts \(mlp\.w1 \(64, 32\), "
+     r"mlp\.v1 \(64, 32\), mlp\.w2 \(64, 32\)\)"),
+], ids=["gpt_oss", "dbrx"])
+def test_an_unsupported_expert_layout_is_refused_by_name(doc, named) -> None:
     from node.spes.partition import ModelPartition
     from node.training.models.hf import build_hf_model
 
-    doc = {"model_type": "gpt_oss", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 32, "head_dim": 8,
-           "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
-           "num_experts_per_tok": 2, "max_position_embeddings": 64, "layer_types": ["full_attention"]}
     model = build_hf_model(doc, seed=0)
-    with pytest.raises(ValueError, match=r"unsupported layout GptOssExperts of model type 'gpt_oss' at model\.layers\.0\.mlp\.experts"):
+    with pytest.raises(ValueError, match=r"^SPES cannot split the experts of this model per expert: unsupported layout "
+                                         + named):
         ModelPartition.of(model)
 
 

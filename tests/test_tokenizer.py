@@ -136,3 +136,34 @@ def test_a_joiner_takes_the_tokenizer_from_a_peer_caches_it_and_serves_it_or_sto
             await obtain_tokenizer(spec, tmp_path / "alone", None, net.transport("alone"), lambda: [], connect)
 
     asyncio.run(main())
+
+
+def test_a_joiner_without_the_tokenizer_that_no_peer_serves_exits_2_with_one_line(trained, tmp_path, monkeypatch,
+                                                                                  capsys) -> None:
+    """The node's runner (node.runtime.serve._run, as `murmur join` runs the node) turns the StartupError
+    of obtain_tokenizer into exit 2 and one `murmur: error:` line naming the fix."""
+    _, spec = trained
+    import node.runtime.tokenizer as module
+    from node.runtime.serve import _run
+
+    monkeypatch.setattr(module, "FIND_PEERS_S", 0.5)
+    looked: list[str] = []
+
+    async def node() -> int:
+        transport = InMemoryNetwork().transport("joiner")
+
+        def view() -> list:
+            looked.append("view")
+            return []
+
+        await obtain_tokenizer(spec, tmp_path, None, transport, view, lambda record: None)
+        return 0
+
+    assert _run(node) == 2
+    assert looked, "the joiner looked for peers before giving up"
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"murmur: error: this node does not have the swarm's tokenizer (sha256 {spec.sha256[:16]}")
+    assert lines[0].endswith(f"{spec.bytes} bytes) and no peer served it (no peer in view); pass --tokenizer FILE "
+                             "with that file")
+    assert not cache_path(tmp_path, spec.sha256).exists()

@@ -78,9 +78,16 @@ def _is_supported_fused(module: nn.Module) -> bool:
 
 
 def _looks_fused(module: nn.Module) -> bool:
-    """A module holding several experts' weights in its own parameters: named *Experts, or a 3-D parameter."""
+    """A module holding several experts' weights in tensors of its own: named *Experts, or with a 3-D
+    parameter. A module named *Experts that keeps them in a child instead (DBRX: `DbrxExperts.mlp`, a
+    `DbrxExpertGLU` with w1, v1, w2 flattened to 2-D (E * F, H)) counts too, unless its experts are
+    modules of their own (a ModuleList or ModuleDict inside, as moe_expert_lists finds them)."""
     params = _fused_parameters(module)
-    return bool(params) and (type(module).__name__.endswith("Experts") or any(p.dim() >= 3 for p in params.values()))
+    named = type(module).__name__.endswith("Experts")
+    if params:
+        return named or any(p.dim() >= 3 for p in params.values())
+    return (named and any(True for _ in module.parameters())
+            and not any(isinstance(m, nn.ModuleList | nn.ModuleDict) for m in module.modules()))
 
 
 def split_fused_experts(model: nn.Module) -> int:
@@ -93,7 +100,7 @@ def split_fused_experts(model: nn.Module) -> int:
         if not prefix or isinstance(module, SplitExperts) or not _looks_fused(module):
             continue
         if not _is_supported_fused(module):
-            params = ", ".join(f"{n} {tuple(p.shape)}" for n, p in _fused_parameters(module).items())
+            params = ", ".join(f"{n} {tuple(p.shape)}" for n, p in module.named_parameters())
             where = f"{type(module).__name__} of model type {family!r}" if family else type(module).__name__
             unsupported.append(f"{where} at {prefix} ({params})")
             continue
