@@ -337,3 +337,15 @@ def test_export_and_tokenizer_commands_refuse_bad_input_with_exit_2_and_one_line
     with pytest.raises(SystemExit) as exited:
         main(["tokenizer", "train", "--data", str(tmp_path), "--vocab", "100"])
     assert exited.value.code == 2 and "100 is below the minimum 257" in capsys.readouterr().err
+
+
+@pytest.mark.unit
+@pytest.mark.slow  # imports transformers (seconds)
+def test_a_config_transformers_cannot_build_a_model_from_is_one_clear_line() -> None:
+    from node.training.models.hf import HfModelInvalid, build_hf_model
+
+    # within every bound, but DBRX's attention needs attn_config.rope_theta
+    doc = {"model_type": "dbrx", "vocab_size": 256, "d_model": 32, "n_heads": 4, "n_layers": 1, "max_seq_len": 64,
+           "attn_config": {"kv_n_heads": 2}, "ffn_config": {"ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2}}
+    with pytest.raises(HfModelInvalid, match=r"^transformers cannot build a 'dbrx' model from this config: \w+Error: "):
+        build_hf_model(doc, seed=0)

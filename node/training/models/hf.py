@@ -276,7 +276,14 @@ def build_hf_model(doc: Mapping[str, Any], seed: int, weights: Path | None = Non
     else:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # transformers' own init, overwritten below where it is random
-            lm = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=False, dtype=torch.float32)
+            try:
+                lm = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=False,
+                                                                   dtype=torch.float32)
+            # a config that passed the bounds may still be one a model class cannot be built from (a
+            # field it needs left out): one line, not a traceback from inside transformers
+            except (AttributeError, KeyError, IndexError, TypeError, ValueError, RuntimeError) as exc:
+                raise HfModelInvalid(f"transformers cannot build a {config.model_type!r} model from this config: "
+                                     f"{type(exc).__name__}: {_first_line(exc)}") from None
     lm.float()
     split_fused_experts(lm)
     model = HfCausalLM(lm, doc)
