@@ -14,7 +14,8 @@ Configurations (`--configs`):
   the step time `murmur plan` is given;
 - dadam-fp32: murmur's DAdam, whole fp32 parameters every step, one-peer exponential (the defaults);
 - choco-topk, choco-int8: DAdam with compressed gossip (top-k 5% or int8 differences) on the hypercube;
-- diloco: gossip DiLoCo, when this murmur has it (`--optimizer diloco`; skipped otherwise);
+- diloco: gossip DiLoCo, when this murmur has it (`--optimizer diloco`; skipped otherwise), its outer sync
+  overlapped with the next phase; diloco-awaited: the same with each sync awaited;
 - hivemind: hivemind.Optimizer with use_local_updates=True (local Adam steps, parameters averaged by
   hivemind's all-reduce every --hivemind-every steps of the swarm), the closest hivemind has.
 
@@ -89,6 +90,12 @@ def configs(args: argparse.Namespace) -> dict[str, Config]:
                           "overlap": True, "topology": "one-peer-exp"},
                          {"optimizer": "diloco", "topology": "one-peer-exp", "codec": "int8",
                           "local_steps": args.diloco_h, "overlap": True}, steps=args.diloco_steps),
+        # the same, with each sync awaited before the next phase: what the overlap hides
+        "diloco-awaited": Config(f"murmur gossip DiLoCo H={args.diloco_h}, int8, sync awaited, one-peer-exp", "murmur",
+                                 {**common, "optimizer": "diloco", "local_steps": args.diloco_h, "codec": "int8",
+                                  "overlap": False, "topology": "one-peer-exp"},
+                                 {"optimizer": "diloco", "topology": "one-peer-exp", "codec": "int8",
+                                  "local_steps": args.diloco_h, "overlap": False}, steps=args.diloco_steps),
         "hivemind": Config(f"hivemind.Optimizer, use_local_updates, averaging every {args.hivemind_every} steps",
                            "hivemind", common),
     }
@@ -545,9 +552,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--configs: unknown {', '.join(sorted(unknown))}")
     if args.mock_gpu_step and any(cfgs[key].kind != "murmur" for key in wanted):
         parser.error("--mock-gpu-step: murmur configurations only")
-    if "diloco" in wanted and not _has_diloco():
-        print("note: this murmur has no --optimizer diloco yet; the diloco row is skipped", flush=True)
-        wanted.remove("diloco")
+    if not _has_diloco():
+        for key in {"diloco", "diloco-awaited"} & set(wanted):
+            print(f"note: this murmur has no --optimizer diloco yet; the {key} row is skipped", flush=True)
+            wanted.remove(key)
     print(f"command: .venv/bin/python -m bench.bench_wan {' '.join(argv)}".rstrip())
     print(f"python {platform.python_version()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start",
           flush=True)

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from gossip.errors import WireError
+from gossip.spes import ExpertKey, ExpertRecord, overclaiming_peers, version_bound
 from node.net.records import PeerRecord
+from node.spes.training import SpesSwarmTraining
 from node.training.joining import (
     JoinRules,
     Refused,
@@ -21,6 +24,7 @@ from node.training.joining import (
     plausible_steps,
     swarm_left_behind,
 )
+from node.training.loop import TrainingStatus
 
 pytestmark = pytest.mark.unit
 
@@ -239,3 +243,125 @@ def test_a_combination_that_gives_up_what_the_copies_trained_falls_back_to_the_b
     assert outcome.losses == {"a": 2.0, "b": 2.4} and outcome.combined_loss == 2.16
     assert outcome.sources == ("a",) and np.array_equal(outcome.tensors["w"], np.full(16, 1.0, np.float32))
     assert JoinRules().combined_limit(5.0, 2.0) == 2.1
+
+
+# ---- records that claim what no honest peer does (SPES) ---------------------------------------------
+
+
+def spes_record(peer: str, step: int, capacity: int) -> PeerRecord:
+    return PeerRecord(peer_id=peer, maddrs=(f"/ip4/127.0.0.1/tcp/1/p2p/{peer}",), step=step, round=0, experts=(0,),
+                      capacity=capacity, version="test", heartbeat=0.0)
+
+
+def expert_records(version: int) -> dict[ExpertKey, ExpertRecord]:
+    return {(0, e): ExpertRecord(version, "ab" * 32, True) for e in range(4)}
+
+
+def test_a_capacity_above_the_layer_or_a_version_beyond_the_bound_marks_a_peer_as_overclaiming() -> None:
+    capacities = {"a": 4, "b": 1, "starting": 0, "huge-capacity": 2**62}
+    records = {"a": expert_records(30), "b": expert_records(89), "huge-versions": expert_records(2**62),
+               "one-too-far": {**expert_records(3), (1, 0): ExpertRecord(90, "cd" * 32, False)}}
+    bound = version_bound(step=100, sync_every=4, slack=64)  # 25 + 64 = 89
+    assert overclaiming_peers(capacities, records, 4, bound) == {"huge-capacity", "huge-versions", "one-too-far"}
+    assert overclaiming_peers({"a": 4}, {"a": expert_records(89)}, 4, bound) == frozenset()
+
+
+def test_a_refused_record_is_no_candidate_and_its_step_claim_counts_for_nothing() -> None:
+    view = [record("a", 300), record("b", 310), record("hostile", 900), record("behind", 1)]
+    refused = {"hostile": str(Refused.RECORD_OUT_OF_BOUNDS), "behind": str(Refused.RECORD_OUT_OF_BOUNDS)}
+    judged = judge_steps(view, ME, step=0, margin=2, budget=0, refused=refused)
+    assert judged is not None
+    # without it, the lower median of 300, 310, 900 would be 310; "behind" is not ahead, so not listed
+    assert judged.reference == 300 and [p.peer_id for p in judged.candidates] == ["a", "b"]
+    assert judged.ignored == () and judged.refused == {"hostile": Refused.RECORD_OUT_OF_BOUNDS}
+    assert judged.refusals() == {"hostile": "record_out_of_bounds"}
+    only_refused = judge_steps([record("hostile", 300)], ME, step=0, margin=2, budget=0, refused=refused)
+    assert only_refused is not None and only_refused.candidates == ()
+    assert only_refused.refusals() == {"hostile": "record_out_of_bounds"}
+
+
+def test_a_refused_record_is_never_downloaded_from_and_is_reported_with_its_reason() -> None:
+    swarm = Swarm({"a": (near(0.01), 300), "b": (near(-0.01), 301), "c": (near(0.0), 302), "hostile": (near(0.0), 300)})
+    view = [record(p, s) for p, s in [("a", 300), ("b", 301), ("c", 302), ("hostile", 300)]]
+    judged = judge_steps(view, ME, step=0, margin=2, budget=0, refused={"hostile": Refused.RECORD_OUT_OF_BOUNDS})
+    assert judged is not None
+    outcome = asyncio.run(join_swarm(judged, swarm.fetch, swarm.evaluate, {"w": np.zeros(16, np.float32)}))
+    assert "hostile" not in swarm.asked and outcome.sources == ("a", "b", "c")
+    assert outcome.as_dict()["refused"] == {"hostile": "record_out_of_bounds"}
+
+
+class _Directory:
+    def __init__(self, records: dict[str, dict[ExpertKey, ExpertRecord]]) -> None:
+        self.records = records
+
+    async def read(self) -> dict[str, dict[ExpertKey, ExpertRecord]]:
+        return self.records
+
+
+class _Peer:
+    """The node's gossip peer as a catch-up uses it: downloads from the stand-in swarm."""
+
+    def __init__(self, swarm: Swarm) -> None:
+        self.peer_id, self.round, self.swarm = ME, 0, swarm
+        self.tensors = {"w": np.zeros(16, np.float32)}
+        self.fetch = swarm.fetch
+
+    def set_tensors(self, tensors: dict[str, np.ndarray], step: int, moved: bool) -> None:
+        self.tensors = tensors
+
+
+class _Trainer:
+    def __init__(self, swarm: Swarm) -> None:
+        self.step, self.swarm, self.loaded = 0, swarm, None
+
+    async def evaluate(self, tensors: object = None) -> float:
+        return await self.swarm.evaluate(tensors)
+
+    async def load_tensors(self, tensors: dict[str, np.ndarray]) -> None:
+        self.loaded = tensors
+
+
+def spes_joiner(view: list[PeerRecord], directory: dict[str, dict[ExpertKey, ExpertRecord]],
+                swarm: Swarm) -> SpesSwarmTraining:
+    """A SpesSwarmTraining with stand-ins for what its catch-up touches (4 experts per layer, a sync
+    every step): the DHT view and expert directory, the gossip peer's downloads, the trainer."""
+    joiner = object.__new__(SpesSwarmTraining)
+    joiner.peer, joiner.trainer = _Peer(swarm), _Trainer(swarm)  # type: ignore[assignment]
+    joiner.discovery = SimpleNamespace(view=lambda: view)  # type: ignore[assignment]
+    joiner.directory = _Directory(directory)  # type: ignore[assignment]
+    joiner.recipe = SimpleNamespace(steps=0, optimizer=SimpleNamespace(local_steps=1))  # type: ignore[assignment]
+    joiner.partition = SimpleNamespace(experts_per_layer=4)  # type: ignore[assignment]
+    joiner.spes_config = SimpleNamespace(sync_every=1)  # type: ignore[assignment]
+    joiner.status = TrainingStatus(model="m", optimizer="adamw", steps_target=0, trainable_params=16)
+    joiner.must_download, joiner._record_sample = False, None
+
+    async def connect(records: object) -> None:
+        return None
+
+    joiner._connect = connect
+    return joiner
+
+
+@pytest.mark.parametrize("claim", ["capacity", "versions"])
+def test_a_spes_joiner_takes_nothing_from_a_peer_claiming_capacity_2_62_or_versions_2_62(claim: str) -> None:
+    """The hostile peer serves the best parameters of all, at an honest step: only its record gives it
+    away (a capacity above the layer's 4 experts, or expert versions far beyond step 300's bound)."""
+    swarm = Swarm({"a": (near(0.01), 300), "b": (near(-0.01), 301), "c": (near(0.02), 299),
+                   "hostile": (near(0.0), 300)})
+    capacity = 2**62 if claim == "capacity" else 4
+    view = [spes_record("a", 300, 4), spes_record("b", 301, 2), spes_record("c", 299, 4),
+            spes_record("hostile", 300, capacity), spes_record(ME, 0, 0)]
+    directory = {"a": expert_records(300), "b": expert_records(301), "c": expert_records(299),
+                 "hostile": expert_records(2**62 if claim == "versions" else 300), ME: expert_records(0)}
+    joiner = spes_joiner(view, directory, swarm)
+    asyncio.run(joiner.catch_up(asyncio.Event(), margin=2, look=False))
+    joined = joiner.status.joined
+    assert joined is not None and joined["refused"] == {"hostile": "record_out_of_bounds"}, joined
+    assert "hostile" not in swarm.asked and joined["sources"] == ["a", "b", "c"], (swarm.asked, joined)
+    assert joiner.status.started_from == "peers a, b, c at step 300"
+    np.testing.assert_allclose(joiner.trainer.loaded["w"], near(0.01), atol=1e-6)  # the median of the honest three
+    # the same swarm with an honest record in its place: it is a source, closest to the reference
+    honest = spes_joiner([*view[:3], spes_record("hostile", 300, 4), view[4]],
+                         {**directory, "hostile": expert_records(300)}, Swarm(dict(swarm.answers)))
+    asyncio.run(honest.catch_up(asyncio.Event(), margin=2, look=False))
+    assert honest.status.joined is not None and "hostile" in honest.status.joined["sources"], honest.status.joined

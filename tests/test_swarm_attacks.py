@@ -116,7 +116,8 @@ def test_a_hostile_spes_member_claiming_capacity_2_62_and_huge_versions_is_bound
     """SPES (tiny MoE): the hostile node claims capacity 2^62 in its record and version 2^62 for every
     expert record it publishes and every copy it serves. Its capacity counts as the layer's expert count
     (every expert keeps honest owners, every honest node owns experts), no honest node takes a version
-    beyond its bound (they are refused and counted), and the honest nodes train. No control run: at 30
+    beyond its bound (they are refused and counted), the joiner n4 does not download from it (its record
+    is refused: `record_out_of_bounds`), and the honest nodes train. No control run: at 30
     steps a SPES swarm's validation loss varies between runs of the same seeds by more than the 10%
     the issue allows (ownership changes when the joiner arrives, at a step the machine's load decides),
     so the loss ratio is bench/bench_attacks.py's, over longer runs (docs/benchmarks.md)."""
@@ -141,5 +142,12 @@ def test_a_hostile_spes_member_claiming_capacity_2_62_and_huge_versions_is_bound
         # it trains: the loss at step 30 is far below an untrained model's ln(256 bytes) = 5.5
         assert status["training"]["val_loss"] < 3.5, status["training"]
     assert refused >= 1, "no honest node counted the hostile's versions as out of bounds"
+    # the joiner took nothing from it: its record's capacity (and versions) are beyond what any honest
+    # peer claims, so it is refused as a download source whatever its step (node.training.joining)
+    training = attack.statuses["n4"]["training"]
+    joined = training["joined"]
+    assert joined["refused"].get(hostile) == "record_out_of_bounds", joined
+    assert hostile not in joined["sources"] and len(joined["sources"]) >= 2, joined
+    assert training["started_from"].startswith("peers "), training
     print(f"SPES under attack: validation loss at step {SPES_STEPS}: "
           f"{ {n: round(attack.val_loss(n), 4) for n in FOUNDING_HONEST} }")

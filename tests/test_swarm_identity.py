@@ -7,7 +7,9 @@ real node that claims a membership it lacks).
   signature, one claiming the founder's key) never replace the founder's, for its nodes nor for a
   joiner arriving after them, and the DHT nodes, `murmur bootstrap` included, refuse what their rules
   let them see is forged (counted); a flood of 1000 fake peer records leaves only real-keyed ones
-  (valid in an open swarm) for the honest nodes, which keep gossiping;
+  (valid in an open swarm) for the honest nodes, which keep gossiping; those are more than a view
+  holds, and the views stay at their cap with the members in them, the overflow shown on /metrics and
+  memory bounded;
 - a key swarm and an allowlist swarm: a node without the key (or the certificate) does not start; one
   that tries anyway (a wrong key, a stolen certificate) is in nobody's view, its streams are refused and
   counted, and nothing it sends is mixed: the members' average is exactly their own;
@@ -24,10 +26,13 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from node.net.identity import create_identity
+from node.net.view import MAX_VIEW
 from node.training.checkpoint import CHECKPOINT_FILE, kept_path, read_checkpoint_file
+from support.attacks import fetch_metrics, metric
 from support.hostile import Mode, hostile_argv
 from support.swarm_harness import MURMUR, Node, Swarm, check_consensus, summary, wait_for
 
@@ -36,6 +41,9 @@ pytestmark = pytest.mark.multiprocess
 REPO = Path(__file__).resolve().parents[1]
 HOSTILE_DHT = [sys.executable, str(REPO / "tests" / "support" / "hostile_dht.py")]
 _BOOTSTRAP_READY = re.compile(r"murmur: bootstrap peer (\S+) ready; maddrs (\S+)")
+# real-keyed fake records in the flood: more than a view holds besides its members (node.net.view.MAX_VIEW)
+FLOOD_KEYS = MAX_VIEW + 44
+FLOOD_RSS_BOUND = 64 << 20  # generous (18 MB measured): 1000 records of ~1 KB, a view of MAX_VIEW records, their dials
 
 
 def start_bootstrap(swarm: Swarm) -> tuple[Node, str]:
@@ -83,12 +91,37 @@ def test_forged_configs_and_a_record_flood_do_not_take_an_open_swarm(tmp_path):
         swarm.wait_ready([member])
         before = {n.name: s["rounds_run"] for n, s in zip([founder, member], swarm.statuses([founder, member]),
                                                            strict=True)}
+        memory_before = {n.name: psutil.Process(n.pid).memory_info().rss for n in (founder, member)}
 
         # forged configs (repeated for 2 s), then 1000 fake peer records, from one hostile DHT peer
         hostile = run_hostile_dht(swarm, "hostile", ["forge-config", "flood-records"], "--swarm", "open1", "--peers",
                                   entry, "--founder", founder.peer_id, "--probe", entry, founder.maddrs[0],
-                                  "--duration", "2", "--every", "1", "--count", "1000", "--keys", "5")
+                                  "--duration", "2", "--every", "1", "--count", "1000", "--keys", str(FLOOD_KEYS),
+                                  "--config-hash", founder.status()["config_hash"])
         assert hostile["found_founder_key"]
+        # right after the flood (its records live 60 s): more live records than a view holds; the members'
+        # views stay at their cap, keep each other (incumbents keep their place), and count what they left out
+        members = {founder.peer_id, member.peer_id}
+        real_keyed = set(hostile["real_key_peer_ids"])
+        assert len(real_keyed) == FLOOD_KEYS and not real_keyed & members
+
+        def overflow(node: Node) -> float:
+            return metric(fetch_metrics(node), "murmur_view_overflow")
+
+        def capped() -> bool:
+            seen = {n.name: (len(view_of(n)), overflow(n)) for n in (founder, member)}
+            assert all(size == MAX_VIEW and left_out > 0 for size, left_out in seen.values()), seen
+            return True
+
+        wait_for(capped, 30, "the members' views at their cap, with the overflow on /metrics")
+        for node in (founder, member):
+            view = view_of(node)
+            assert len(view) == MAX_VIEW and members <= view and view - members <= real_keyed, len(view)
+            assert node.status()["limits"]["view_overflow"] > 0
+            grown = psutil.Process(node.pid).memory_info().rss - memory_before[node.name]
+            print(f"{node.name} after the flood: view {len(view)}, overflow {overflow(node):g}, "
+                  f"RSS +{grown / 2**20:.1f} MiB")
+            assert grown < FLOOD_RSS_BOUND, (node.name, grown)
         tried = hostile["forged"][0]
         # nobody keeps what any DHT node can see is forged: a plain value, a far expiration, an oversized value
         assert not tried["plain"] and not tried["own_key_far_expiration"] and not tried["oversized"], tried
@@ -123,8 +156,9 @@ def test_forged_configs_and_a_record_flood_do_not_take_an_open_swarm(tmp_path):
         assert flood["accepted_weak_key"] == 0, flood
         honest_ids = {n.peer_id for n in honest}
         for node in honest:
-            fakes = view_of(node) - honest_ids
-            assert len(fakes) <= 5, fakes  # the 5 real-keyed fakes at most: no weak-keyed or misattributed one
+            view = view_of(node)
+            # real-keyed fakes at most: no weak-keyed or misattributed one, and never more than the cap
+            assert view - honest_ids <= real_keyed and len(view) <= MAX_VIEW, view - honest_ids - real_keyed
         assert errors.get("dht_refused_weak_key", 0) >= 1 and errors.get("dht_refused_not_owner", 0) >= 1, errors
         # the honest nodes keep gossiping (a fake's dead address costs a skipped exchange, not the round)
         wait_for(lambda: all(s["rounds_run"] >= before[n.name] + 3 for n, s in
@@ -185,6 +219,11 @@ def test_an_allowlist_swarm_admits_certificate_holders_only(tmp_path):
         swarm.wait_rounds(members, 3)
         for node in members:
             assert view_of(node) == {founder.peer_id, member.peer_id}
+        assert {founder.peer_id, member.peer_id} <= view_of(intruder)
+        # its own record, signed with its own real key but carrying the member's certificate, is refused
+        # by the members' DHT nodes and their views, and counted
+        errors = errors_of(members)
+        assert errors.get("dht_refused_not_member", 0) + errors.get("peer_record_not_member", 0) >= 1, errors
         assert member.status()["admission"] == "allowlist"
         report = summary(members, swarm.statuses(members))
         assert swarm.stop_all(members) == [0, 0], swarm.logs()

@@ -263,6 +263,17 @@ def capped_capacities(capacities: Mapping[str, int], experts_per_layer: int) -> 
     return {peer: max(0, min(int(c), experts_per_layer)) for peer, c in capacities.items()}
 
 
+def overclaiming_peers(capacities: Mapping[str, int], records: RecordsByPeer, experts_per_layer: int,
+                       bound: int) -> frozenset[str]:
+    """The peers whose claims no honest peer makes: a capacity above the layer's expert count
+    (`capacities`, from their peer records; ownership caps it, see `capped_capacities`), or an expert
+    record whose version is beyond `bound` (`version_bound`; the directory drops such records, see
+    `bounded_records`). A node joining the swarm takes no parameters from them."""
+    over = {peer for peer, c in capacities.items() if c > experts_per_layer}
+    over |= {peer for peer, entries in records.items() if any(r.version > bound for r in entries.values())}
+    return frozenset(over)
+
+
 def needs_refresh(held: ExpertRecord | None, published: ExpertRecord) -> bool:
     """Whether a frozen copy must be fetched: its content differs from what an owner published, and
     is not already newer (a directory read can lag behind a copy fetched since)."""

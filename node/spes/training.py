@@ -8,7 +8,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -22,13 +22,16 @@ from gossip.spes import (
     assign_experts,
     capped_capacities,
     expert_label,
+    overclaiming_peers,
     records_from_wire,
     records_to_wire,
+    version_bound,
 )
 from gossip.transport import Transport
 from node.spes.directory import DhtExpertDirectory
-from node.spes.node import SpesNode
+from node.spes.node import VERSION_SLACK, SpesNode
 from node.spes.partition import ModelPartition, spes_average
+from node.training.joining import Refused
 from node.training.loop import Connect, Merge, RecordSample, SwarmTraining
 from node.training.recipe import TrainingRecipe
 from node.training.settings import TrainingSettings
@@ -37,6 +40,7 @@ from topology import Topology
 
 if TYPE_CHECKING:
     from node.net.discovery import Discovery
+    from node.net.records import PeerRecord
 
 logger = logging.getLogger("murmur.spes")
 
@@ -119,6 +123,19 @@ class SpesSwarmTraining(SwarmTraining):
         capacities = capped_capacities(claimed, self.partition.experts_per_layer)
         return assign_experts(capacities, capacities, self.partition.experts_per_layer, self.partition.layers,
                               self.spes_config.replication)
+
+    async def record_refusals(self, view: Sequence[PeerRecord], step: int) -> dict[str, str]:
+        """A joiner downloads from no peer whose peer record claims a capacity above the layer's expert
+        count, or whose expert records (in the directory) claim a version beyond the bound at `step`
+        (the highest believable step of the swarm): `Refused.RECORD_OUT_OF_BOUNDS`. Ownership already
+        caps such a capacity and refreshes drop such versions (gossip.spes.capped_capacities,
+        bounded_records); a peer that makes them is lying, and its parameters are not taken either."""
+        me = self.peer.peer_id
+        records = {peer: entries for peer, entries in (await self.directory.read()).items() if peer != me}
+        over = overclaiming_peers({p.peer_id: p.capacity for p in view if p.peer_id != me}, records,
+                                  self.partition.experts_per_layer,
+                                  version_bound(step, self.spes_config.sync_every, VERSION_SLACK))
+        return dict.fromkeys(sorted(over), str(Refused.RECORD_OUT_OF_BOUNDS))
 
     async def run(self, stop: asyncio.Event, save: Callable[[], Awaitable[None]],
                   average: Callable[[], None] | None = None, merge: Merge | None = None) -> None:

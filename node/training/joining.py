@@ -70,6 +70,9 @@ class Refused(StrEnum):
     """Why a peer's claim or download was not used (JoinOutcome.refused), besides a wire error's kind."""
 
     STEP_OUT_OF_BOUNDS = "step_out_of_bounds"  # its claimed step is far above the swarm's, or beyond the budget
+    # its record claims what no honest peer does (SPES: a capacity above the layer's expert count, expert
+    # versions beyond the sync index's bound): not a download source, whatever its step
+    RECORD_OUT_OF_BOUNDS = "record_out_of_bounds"
     LOSS = "loss"  # its parameters evaluate far worse than the alternatives or the node's own model
     TIMEOUT = "timeout"
     UNREACHABLE = "unreachable"
@@ -84,13 +87,20 @@ class StepJudgement:
     tolerance: int  # claims above reference + tolerance are ignored
     candidates: tuple[PeerRecord, ...]  # peers ahead with believable claims, closest to the reference first
     ignored: tuple[str, ...]  # peers ahead whose claims are not believable
+    # peers ahead left out before judging (judge_steps' `refused`), with the reason
+    refused: Mapping[str, str] = field(default_factory=dict)
 
     def believable(self, step: int) -> bool:
         return step <= self.reference + self.tolerance
 
+    def refusals(self) -> dict[str, str]:
+        """Every peer ahead that is no download source, and why (JoinOutcome.refused)."""
+        return {**dict.fromkeys(self.ignored, str(Refused.STEP_OUT_OF_BOUNDS)), **self.refused}
+
 
 def judge_steps(view: Sequence[PeerRecord], me: str, step: int, margin: int, budget: int,
-                plausible: int | None = None, rules: JoinRules = DEFAULT_RULES) -> StepJudgement | None:
+                plausible: int | None = None, rules: JoinRules = DEFAULT_RULES,
+                refused: Mapping[str, str] | None = None) -> StepJudgement | None:
     """The peers more than `margin` steps ahead of `step`, judged by their claims; None if none is ahead.
 
     A claim beyond the step budget (`budget` > 0) or beyond `plausible` (the most steps the swarm can
@@ -99,11 +109,19 @@ def judge_steps(view: Sequence[PeerRecord], me: str, step: int, margin: int, bud
     it while another peer is ahead; claims far above it are ignored. A single peer ahead cannot be
     outvoted: its claim, within those bounds, is the reference (and its download must beat the
     node's own model, see `loss_verdicts`).
+
+    Peers in `refused` (peer -> reason, e.g. `Refused.RECORD_OUT_OF_BOUNDS`: SwarmTraining.record_refusals)
+    count for nothing: neither their claims nor as candidates; those ahead are kept
+    in the judgement's `refused`.
     """
-    ahead = [p for p in view if p.peer_id != me and p.step > step + margin]
+    refused = refused or {}
+    everyone_ahead = [p for p in view if p.peer_id != me and p.step > step + margin]
+    left_out = {p.peer_id: refused[p.peer_id] for p in everyone_ahead if p.peer_id in refused}
+    ahead = [p for p in everyone_ahead if p.peer_id not in refused]
     possible = [p for p in ahead if (budget <= 0 or p.step <= budget) and (plausible is None or p.step <= plausible)]
     if not possible:
-        return None if not ahead else StepJudgement(0, 0, (), tuple(sorted(p.peer_id for p in ahead)))
+        return None if not everyone_ahead else StepJudgement(0, 0, (), tuple(sorted(p.peer_id for p in ahead)),
+                                                             left_out)
     claims = sorted(p.step for p in possible)
     reference = claims[(len(claims) - 1) // 2]
     tolerance = rules.step_tolerance(reference)
@@ -111,7 +129,7 @@ def judge_steps(view: Sequence[PeerRecord], me: str, step: int, margin: int, bud
     ignored = sorted({p.peer_id for p in ahead} - {p.peer_id for p in believable})
     # closest to the reference first, then the higher step, then the id: every joiner ranks alike
     ranked = sorted(believable, key=lambda p: (abs(p.step - reference), -p.step, p.peer_id))
-    return StepJudgement(reference, tolerance, tuple(ranked), tuple(ignored))
+    return StepJudgement(reference, tolerance, tuple(ranked), tuple(ignored), left_out)
 
 
 def swarm_left_behind(view: Sequence[PeerRecord], me: str, step: int, margin: int, budget: int,
@@ -209,9 +227,7 @@ async def join_swarm(judgement: StepJudgement, fetch: Fetch, evaluate: Evaluate,
     far apart to average), the best single download is taken. The step adopted is the lower median of
     the survivors' steps. `own` is the node's current parameters (the value bound's and the loss's
     reference: the seeded initial model for a fresh node)."""
-    outcome = JoinOutcome(judgement.reference)
-    for peer in judgement.ignored:
-        outcome.refused[peer] = Refused.STEP_OUT_OF_BOUNDS
+    outcome = JoinOutcome(judgement.reference, refused=judgement.refusals())
     waiting = list(judgement.candidates)
     evaluated: list[Download] = []
     kept: list[Download] = []

@@ -10,7 +10,7 @@ import contextlib
 import enum
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -20,7 +20,7 @@ import torch
 from gossip.exchange import GossipPeer
 from node.training.checkpoint import Checkpoint
 from node.training.data import load_corpus, peer_shard
-from node.training.joining import JoinOutcome, Refused, join_swarm, judge_steps, plausible_steps
+from node.training.joining import JoinOutcome, join_swarm, judge_steps, plausible_steps
 from node.training.models import build_named_model, model_context, model_vocab_size
 from node.training.progress import PeerProgress, leave_out_stalled
 from node.training.recipe import TrainingRecipe, embedded_options
@@ -288,13 +288,20 @@ class SwarmTraining:
         judgement = judge_steps(view, me, self.trainer.step, margin, self.recipe.steps, plausible)
         if judgement is None:
             return
+        # records that claim what no honest peer does: judged again without them (their step claims too)
+        refused = await self.record_refusals(view, judgement.reference + judgement.tolerance)
+        if refused:
+            logger.warning("not downloading from peers whose records claim what no honest peer does: %s",
+                           _reasons(refused))
+            judgement = judge_steps(view, me, self.trainer.step, margin, self.recipe.steps, plausible, refused=refused)
+            if judgement is None:
+                return
         if judgement.ignored:
             logger.warning("ignoring the step claims of %s: %s", ", ".join(judgement.ignored),
                            f"far above the swarm's step {judgement.reference}" if judgement.candidates
                            else "beyond what the swarm can have trained")
         if not judgement.candidates:
-            self.status.joined = JoinOutcome(judgement.reference, refused=dict.fromkeys(
-                judgement.ignored, str(Refused.STEP_OUT_OF_BOUNDS))).as_dict()
+            self.status.joined = JoinOutcome(judgement.reference, refused=judgement.refusals()).as_dict()
             return
         await self._connect(judgement.candidates)
         outcome = await join_swarm(judgement, self.peer.fetch, self.trainer.evaluate, self.peer.tensors)
@@ -303,7 +310,7 @@ class SwarmTraining:
             logger.warning("no download was good enough to join the swarm at step %d (%s); continuing from step %d",
                            judgement.reference, _reasons(outcome.refused), self.trainer.step)
             return
-        step = self._step_now(outcome.step, epoch)
+        step = self._step_now(outcome.step, epoch, refused)
         await self.trainer.load_tensors(outcome.tensors)
         self.trainer.step = step
         self.peer.set_tensors(outcome.tensors, step=step, moved=False)
@@ -318,12 +325,19 @@ class SwarmTraining:
         await self.evaluate()
         logger.info("validation loss after the download: %.4f", self.status.val_loss)
 
-    def _step_now(self, downloaded: int, epoch: float | None) -> int:
+    async def record_refusals(self, view: Sequence[PeerRecord], step: int) -> dict[str, str]:
+        """Peers of `view` a catch-up takes nothing from, whatever their step, by what their records
+        claim of a swarm whose believable steps go up to `step`: peer -> reason (a `Refused`). None
+        here; SPES refuses impossible capacities and expert versions (node.spes.training)."""
+        return {}
+
+    def _step_now(self, downloaded: int, epoch: float | None, refused: Mapping[str, str] | None = None) -> int:
         """The step to continue from after a download made at step `downloaded`: the swarm trained on
         while the downloads were checked (several evaluations), and a joiner left that far behind would
         find its neighbours' rounds stale. The view's claims now, judged as before, move it forward."""
         plausible = plausible_steps(epoch, time.time()) if epoch is not None else None
-        now = judge_steps(self.discovery.view(), self.peer.peer_id, downloaded, 0, self.recipe.steps, plausible)
+        now = judge_steps(self.discovery.view(), self.peer.peer_id, downloaded, 0, self.recipe.steps, plausible,
+                          refused=refused)
         if now is None or not now.candidates or now.reference <= downloaded:
             return downloaded
         logger.info("the swarm moved on from step %d to %d while the downloads were checked", downloaded, now.reference)
@@ -487,7 +501,7 @@ class SwarmTraining:
             logger.info("step %d loss %.4f lr %.2e %.0f tok/s", s.step, s.loss, s.lr, s.tokens_per_s)
 
 
-def _reasons(refused: dict[str, str]) -> str:
+def _reasons(refused: Mapping[str, str]) -> str:
     return ", ".join(f"{peer}: {why}" for peer, why in sorted(refused.items())) or "no peer answered"
 
 

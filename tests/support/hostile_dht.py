@@ -7,7 +7,8 @@ writes what an attacker would, in one of these modes (each bounded in count and 
 - `flood-records`: `--count` fake peer records under `<swarm>.peers`: `--keys` of them from identities
   with real (2048-bit) keys of their own (each signs its own record: valid in an open swarm, proving no
   membership in another), some from 1024-bit keys no libp2p peer can have, and the rest in its own
-  subkey but naming other peer ids.
+  subkey but naming other peer ids. The real keys are made from pairs of a few generated primes (see
+  `distinct_keys`): hundreds of distinct peer ids in a second, enough to fill a node's view beyond its cap.
 
 It signs with its own keys and accepts anything itself; its DHT node runs in client mode and never
 stores locally, so what it wrote lives only on the honest nodes (and `murmur bootstrap`) that accepted it. At the end it asks each
@@ -16,7 +17,8 @@ what it tried, and for each probed peer which of its values that peer kept. Seve
 after the other in one process.
 
 Usage: python -m tests.support.hostile_dht --mode forge-config [flood-records] --swarm S --peers MADDR... --identity FILE
-       --report FILE [--probe MADDR...] [--founder PEER_ID] [--count N --keys K] [--duration S --every S]
+       --report FILE [--probe MADDR...] [--founder PEER_ID] [--count N --keys K --config-hash H]
+       [--duration S --every S]
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ import time
 from pathlib import Path
 
 import msgspec
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
@@ -77,21 +78,52 @@ class SignsWithWhateverKey(RecordValidatorBase):  # type: ignore[misc]  # hivemi
 
 
 def _key(bits: int) -> RSAPrivateKey:
+    return _hivemind_key(rsa.generate_private_key(public_exponent=65537, key_size=bits))
+
+
+def _hivemind_key(private: rsa.RSAPrivateKey) -> RSAPrivateKey:
+    """hivemind's key around a cryptography key (what its own unpickling makes, without loading the key
+    again from DER: that checks the primes, some 50 ms a key)."""
     key = RSAPrivateKey.__new__(RSAPrivateKey)
-    private = rsa.generate_private_key(public_exponent=65537, key_size=bits)
-    key.__setstate__({"_private_key": private.private_bytes(serialization.Encoding.DER,
-                                                            serialization.PrivateFormat.TraditionalOpenSSL,
-                                                            serialization.NoEncryption())})
+    key._private_key = private
     return key
+
+
+def distinct_keys(count: int) -> list[RSAPrivateKey]:
+    """`count` distinct 2048-bit RSA keys (so distinct peer ids), each the product of two of a few
+    1024-bit primes taken from generated keys: k generated keys give 2k primes and k(2k - 1) keys, in
+    about k generations' time instead of `count` (a generation takes ~70 ms). An attacker may pay
+    that; a test need not. Any two of the primes give a 2048-bit modulus (OpenSSL makes each prime
+    at least sqrt(2) x 2^1023); the keys share factors, which nothing here checks and no validator can."""
+    generated = 1
+    while generated * (2 * generated - 1) < count:
+        generated += 1
+    primes: list[int] = []
+    for _ in range(generated if count else 0):
+        numbers = rsa.generate_private_key(public_exponent=65537, key_size=2048).private_numbers()
+        primes += [numbers.p, numbers.q]
+    keys: list[RSAPrivateKey] = []
+    for i, p in enumerate(primes):
+        for q in primes[i + 1:]:
+            if len(keys) == count:
+                return keys
+            n, e = p * q, 65537
+            d = pow(e, -1, (p - 1) * (q - 1))
+            numbers = rsa.RSAPrivateNumbers(p, q, d, rsa.rsa_crt_dmp1(d, p), rsa.rsa_crt_dmq1(d, q),
+                                            rsa.rsa_crt_iqmp(p, q), rsa.RSAPublicNumbers(e, n))
+            assert n.bit_length() == 2048, n.bit_length()
+            keys.append(_hivemind_key(numbers.private_key(unsafe_skip_rsa_key_validation=True)))
+    return keys
 
 
 def _marker(key: RSAPrivateKey) -> bytes:
     return RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", key.get_public_key().to_bytes())
 
 
-def _fake_record(peer_id: str) -> PeerRecord:
+def _fake_record(peer_id: str, config_hash: str) -> PeerRecord:
     return PeerRecord(peer_id=peer_id, maddrs=(f"/ip4/127.0.0.1/tcp/9/p2p/{peer_id}",), step=10**9, round=10**9,
-                      experts=(), capacity=2**62, version="evil", heartbeat=time.time(), gossip_from=1)
+                      experts=(), capacity=2**62, version="evil", heartbeat=time.time(), gossip_from=1,
+                      config_hash=config_hash)
 
 
 async def _store(dht: DHTNode, key: str, value: bytes, expiration: float, subkey: bytes | None) -> bool:
@@ -140,25 +172,33 @@ async def forge_config(dht: DHTNode, own: RSAPrivateKey, swarm: str, founder_key
 
 
 async def flood_records(dht: DHTNode, validator: SignsWithWhateverKey, own: RSAPrivateKey, swarm: str,
-                        count: int, keys: int) -> dict[str, int]:
+                        count: int, keys: int, config_hash: str = "") -> dict[str, int]:
     """`count` fake peer records (bounded), stored in batches; how many of each kind were tried and accepted."""
+    counts, _ = await flood_records_of(dht, validator, own, swarm, count, keys, config_hash)
+    return counts
+
+
+async def flood_records_of(dht: DHTNode, validator: SignsWithWhateverKey, own: RSAPrivateKey, swarm: str,
+                           count: int, keys: int, config_hash: str = "") -> tuple[dict[str, int], list[str]]:
+    """flood_records, and the peer ids of its real-keyed records. The records name `config_hash` (the
+    swarm's, `--config-hash`: a node leaves records of another config out of its view, so without it
+    none of them reaches a view)."""
     weak = min(100, max(0, count - keys))
     # key generation takes seconds: off the event loop (a node running this keeps its rounds)
-    identities = await asyncio.to_thread(lambda: [_key(2048) for _ in range(min(keys, count))]
-                                         + [_key(1024) for _ in range(weak)])
+    identities = await asyncio.to_thread(lambda: distinct_keys(min(keys, count)) + [_key(1024) for _ in range(weak)])
     for key in identities:
         validator.keys[_marker(key)] = key
     expiration = get_dht_time() + 60
     jobs: list[tuple[str, bytes, bytes]] = []
     for i, key in enumerate(identities):
         peer_id = peer_id_of_ssh_key(key.get_public_key().to_bytes())
-        jobs.append(("real_key" if i < keys else "weak_key", _marker(key), encode_peer_record(_fake_record(peer_id))))
+        jobs.append(("real_key" if i < keys else "weak_key", _marker(key), encode_peer_record(_fake_record(peer_id, config_hash))))
     own_marker = _marker(own)
     for i in range(count - len(identities)):  # in its own subkey, naming peer ids that are not its own
         fake = "Qm" + f"{i:044d}".replace("0", "z")
-        jobs.append(("not_owner", own_marker, encode_peer_record(_fake_record(fake))))
+        jobs.append(("not_owner", own_marker, encode_peer_record(_fake_record(fake, config_hash))))
     if not jobs:
-        return {}
+        return {}, []
     tried = {kind: sum(1 for job in jobs if job[0] == kind) for kind in ("real_key", "weak_key", "not_owner")}
     accepted = {kind: 0 for kind in tried}
     for start in range(0, len(jobs), FLOOD_BATCH):  # one store RPC per DHT node and batch
@@ -173,8 +213,9 @@ async def flood_records(dht: DHTNode, validator: SignsWithWhateverKey, own: RSAP
         kinds = {marker: kind for kind, marker, _ in batch}
         for (_, marker), ok in stored.items():
             accepted[kinds[marker]] += bool(ok)
+    real = [peer_id_of_ssh_key(key.get_public_key().to_bytes()) for key in identities[:keys]]
     # `accepted`: by the DHT node that answered last, per distinct subkey (hivemind reports no more)
-    return {**{f"tried_{k}": v for k, v in tried.items()}, **{f"accepted_{k}": v for k, v in accepted.items()}}
+    return {**{f"tried_{k}": v for k, v in tried.items()}, **{f"accepted_{k}": v for k, v in accepted.items()}}, real
 
 
 async def probe(dht: DHTNode, maddr: str, key: str) -> dict[str, object]:
@@ -229,7 +270,8 @@ async def main(args: argparse.Namespace) -> int:
                         report["forged"] = rounds
                         key, what = config_key(args.swarm), "config"
                     else:
-                        report["flood"] = await flood_records(dht, validator, own, args.swarm, args.count, args.keys)
+                        report["flood"], report["real_key_peer_ids"] = await flood_records_of(
+                            dht, validator, own, args.swarm, args.count, args.keys, args.config_hash)
                         key, what = peers_key(args.swarm), "peers"
                     held[what] = {maddr: await probe(dht, maddr, key) for maddr in args.probe}
                 report["held"] = held
@@ -251,13 +293,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--report", type=Path, required=True)
     parser.add_argument("--probe", nargs="*", default=[])
     parser.add_argument("--founder")
+    parser.add_argument("--config-hash", default="", help="the swarm's, in the flooded records")
     parser.add_argument("--count", type=int, default=1000)
     parser.add_argument("--keys", type=int, default=20)
     parser.add_argument("--duration", type=float, default=0.0)
     parser.add_argument("--every", type=float, default=2.0)
     args = parser.parse_args(argv)
-    if not 0 < args.count <= 5000 or not 0 <= args.keys <= 100 or not 0 <= args.duration <= 120:
-        parser.error("bounded: --count 1..5000, --keys 0..100, --duration 0..120")
+    if not 0 < args.count <= 5000 or not 0 <= args.keys <= 1000 or not 0 <= args.duration <= 120:
+        parser.error("bounded: --count 1..5000, --keys 0..1000, --duration 0..120")
     return args
 
 

@@ -1,0 +1,144 @@
+"""A failed DHT read is not an empty one (issue 14, "Validators everywhere"): Discovery's reads of the
+peer view (`_read_view`) and of other per-peer keys (`read_owned`, SPES's expert directory) over a
+stand-in for hivemind's DHTNode that answers, fails, hangs or finds nothing. A failed read is counted
+and keeps what the node knew; only a read that finds nothing empties it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+
+import pytest
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
+
+from gossip.spes import ExpertRecord
+from node.net.discovery import Discovery, DiscoverySettings
+from node.net.identity import Identity, create_identity
+from node.net.records import PeerRecord, encode_expert_records, encode_peer_record, experts_key, peers_key
+from node.spes.directory import DhtExpertDirectory
+
+pytestmark = pytest.mark.unit
+
+SWARM = "reads"
+
+
+@pytest.fixture(scope="module")
+def ids(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Identity]:
+    directory = tmp_path_factory.mktemp("ids")
+    return {name: create_identity(directory / f"{name}.key") for name in ("me", "a", "b")}
+
+
+class StandInDht:
+    """What Discovery asks of hivemind's DHTNode for reads: `get(key, latest=True)`. `answer` is what
+    the next gets do: a mapping key -> {subkey: value bytes} (a key it lacks: nothing found), an
+    exception to raise, or "hang"."""
+
+    def __init__(self) -> None:
+        self.answer: Mapping[str, Mapping[bytes, bytes]] | Exception | str = {}
+        self.gets = 0
+
+    async def get(self, key: str, latest: bool = False) -> ValueWithExpiration | None:
+        self.gets += 1
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        if self.answer == "hang":
+            await asyncio.sleep(3600)
+        assert isinstance(self.answer, Mapping)
+        if key not in self.answer:
+            return None
+        expires = get_dht_time() + 30
+        return ValueWithExpiration({subkey: ValueWithExpiration(value, expires)
+                                    for subkey, value in self.answer[key].items()}, expires)
+
+
+def subkey(identity: Identity) -> bytes:
+    """The signed subkey a peer's values sit in: its public key."""
+    return RSASignatureValidator(identity.signing_key).local_public_key
+
+
+def peer_record(identity: Identity, step: int) -> bytes:
+    return encode_peer_record(PeerRecord(peer_id=identity.peer_id, maddrs=(f"/ip4/127.0.0.1/tcp/1/p2p/{identity.peer_id}",),
+                                         step=step, round=0, experts=(), capacity=0, version="test", heartbeat=0.0))
+
+
+def discovery_over(dht: StandInDht, me: Identity) -> Discovery:
+    """A Discovery whose DHT is the stand-in (no daemon: its data-plane addresses are given)."""
+    settings = DiscoverySettings(SWARM, request_timeout_s=0.2)
+    discovery = Discovery(None, me, settings, data_maddrs=(f"/ip4/127.0.0.1/tcp/1/p2p/{me.peer_id}",))  # type: ignore[arg-type]
+    discovery._dht = dht  # type: ignore[assignment]
+    return discovery
+
+
+def test_a_failed_or_timed_out_read_of_the_view_keeps_it_and_is_counted_an_empty_one_empties_it(ids) -> None:
+    me, a, b = ids["me"], ids["a"], ids["b"]
+    dht = StandInDht()
+    discovery = discovery_over(dht, me)
+
+    async def read(answer: Mapping[str, Mapping[bytes, bytes]] | Exception | str) -> set[str]:
+        dht.answer = answer
+        await discovery._refresh_view()
+        return {p.peer_id for p in discovery.view()}
+
+    async def scenario() -> None:
+        everyone = {me.peer_id, a.peer_id, b.peer_id}
+        live = {peers_key(SWARM): {subkey(a): peer_record(a, 5), subkey(b): peer_record(b, 7)}}
+        assert await read(live) == everyone
+        assert await read(ConnectionError("no DHT peer answered")) == everyone
+        assert discovery.errors.get("dht_get_failed") == 1
+        assert await read("hang") == everyone  # bounded by request_timeout_s
+        assert discovery.errors.get("dht_get_timeout") == 1
+        # the peers' steps are still those last read, not lost
+        assert {p.peer_id: p.step for p in discovery.view()}[b.peer_id] == 7
+        # a read that answers with nothing is no failure: the peers are gone (this node stays)
+        assert await read({}) == {me.peer_id}
+        assert await read({peers_key(SWARM): {}}) == {me.peer_id}
+        assert discovery.errors.get("dht_get_failed") == 1 and discovery.errors.get("dht_get_timeout") == 1
+        assert dht.gets == 5
+
+    asyncio.run(scenario())
+
+
+def test_read_owned_returns_none_on_a_failed_read_and_an_empty_mapping_when_nothing_is_found(ids) -> None:
+    me, a = ids["me"], ids["a"]
+    dht = StandInDht()
+    discovery = discovery_over(dht, me)
+    key = experts_key(SWARM)
+
+    async def scenario() -> None:
+        dht.answer = {key: {subkey(a): b"a's value", b"no owner": b"x"}}
+        assert await discovery.read_owned(key, what="expert records") == {a.peer_id: b"a's value"}
+        assert discovery.errors.get("expert_records_invalid") == 1  # the subkey naming no owner
+        dht.answer = RuntimeError("boom")
+        assert await discovery.read_owned(key, what="expert records") is None
+        dht.answer = "hang"
+        assert await discovery.read_owned(key, what="expert records") is None
+        assert discovery.errors.get("dht_get_failed") == 1 and discovery.errors.get("dht_get_timeout") == 1
+        dht.answer = {}
+        assert await discovery.read_owned(key, what="expert records") == {}
+
+    asyncio.run(scenario())
+
+
+def test_the_spes_directory_keeps_its_last_read_when_a_read_fails_and_forgets_on_an_empty_one(ids) -> None:
+    me, a = ids["me"], ids["a"]
+    dht = StandInDht()
+    discovery = discovery_over(dht, me)
+    directory = DhtExpertDirectory(discovery, SWARM, heartbeat_s=1e-9, ttl_s=10.0)  # every read goes to the DHT
+    records = {(0, 1): ExpertRecord(3, "ab" * 32, True)}
+    key = experts_key(SWARM)
+
+    async def scenario() -> None:
+        dht.answer = {key: {subkey(a): encode_expert_records(records)}}
+        assert (await directory.read())[a.peer_id] == records
+        dht.answer = ConnectionError("down")
+        assert (await directory.read())[a.peer_id] == records  # kept
+        dht.answer = "hang"
+        assert (await directory.read())[a.peer_id] == records  # kept
+        assert discovery.errors.get("dht_get_failed") == 1 and discovery.errors.get("dht_get_timeout") == 1
+        dht.answer = {}
+        assert a.peer_id not in await directory.read()
+        assert dht.gets == 4
+
+    asyncio.run(scenario())
+
