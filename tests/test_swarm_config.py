@@ -9,7 +9,6 @@ import asyncio
 import json
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -241,8 +240,8 @@ def test_each_newer_config_version_wakes_the_follower_once(tmp_path, ids):
     config = vector_config(tmp_path)
     version = {v: sign_config(founder.signing_key, "sc", v, swarm_document(config, 2.0, _admission("allowlist")))
                for v in (1, 2, 3)}
-    p2p = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: joiner.peer_id))  # never started here
-    discovery = Discovery(p2p, joiner, DiscoverySettings(swarm="sc"))  # type: ignore[arg-type]
+    discovery = Discovery(None, joiner, DiscoverySettings(swarm="sc"),  # type: ignore[arg-type]  # never started
+                          data_maddrs=(f"/ip4/127.0.0.1/tcp/1/p2p/{joiner.peer_id}",))
     discovery.latest_config = version[1]  # as enter() leaves it
 
     class Runtime:

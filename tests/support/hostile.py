@@ -355,7 +355,7 @@ def install_dht_attacks(ctx: HostileContext) -> None:
                 keys = max(0, min(int(ctx.option("keys", 20)), 100))
                 # records of the swarm's config: a node leaves those of another config out of its view
                 config_hash = node.runtime.config_hash if node.runtime else ""
-                flood = await hostile_dht.flood_records(dht, validator, own, swarm, count, keys, config_hash)
+                flood, _ = await hostile_dht.flood_records(dht, validator, own, swarm, count, keys, config_hash)
                 for what, n in flood.items():
                     for _ in range(n):
                         ctx.count(Mode.FLOOD_RECORDS, what)

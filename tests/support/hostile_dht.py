@@ -172,17 +172,11 @@ async def forge_config(dht: DHTNode, own: RSAPrivateKey, swarm: str, founder_key
 
 
 async def flood_records(dht: DHTNode, validator: SignsWithWhateverKey, own: RSAPrivateKey, swarm: str,
-                        count: int, keys: int, config_hash: str = "") -> dict[str, int]:
-    """`count` fake peer records (bounded), stored in batches; how many of each kind were tried and accepted."""
-    counts, _ = await flood_records_of(dht, validator, own, swarm, count, keys, config_hash)
-    return counts
-
-
-async def flood_records_of(dht: DHTNode, validator: SignsWithWhateverKey, own: RSAPrivateKey, swarm: str,
-                           count: int, keys: int, config_hash: str = "") -> tuple[dict[str, int], list[str]]:
-    """flood_records, and the peer ids of its real-keyed records. The records name `config_hash` (the
-    swarm's, `--config-hash`: a node leaves records of another config out of its view, so without it
-    none of them reaches a view)."""
+                        count: int, keys: int, config_hash: str = "") -> tuple[dict[str, int], list[str]]:
+    """`count` fake peer records (bounded), stored in batches: how many of each kind were tried and
+    accepted, and the peer ids of the real-keyed ones. The records name `config_hash` (the swarm's,
+    `--config-hash`: a node leaves records of another config out of its view, so without it none of
+    them reaches a view)."""
     weak = min(100, max(0, count - keys))
     # key generation takes seconds: off the event loop (a node running this keeps its rounds)
     identities = await asyncio.to_thread(lambda: distinct_keys(min(keys, count)) + [_key(1024) for _ in range(weak)])
@@ -270,7 +264,7 @@ async def main(args: argparse.Namespace) -> int:
                         report["forged"] = rounds
                         key, what = config_key(args.swarm), "config"
                     else:
-                        report["flood"], report["real_key_peer_ids"] = await flood_records_of(
+                        report["flood"], report["real_key_peer_ids"] = await flood_records(
                             dht, validator, own, args.swarm, args.count, args.keys, args.config_hash)
                         key, what = peers_key(args.swarm), "peers"
                     held[what] = {maddr: await probe(dht, maddr, key) for maddr in args.probe}
