@@ -61,8 +61,17 @@ def test_spes_swarm_trains_only_owned_experts_and_survives_losing_both_owners(sw
                  for s in statuses)
         return statuses if ok and len({str(s["spes"]["owners"]) for s in statuses}) == 1 else None
 
-    statuses = wait_for(settled, 120, "every node training with SPES over all four peers, agreeing on ownership")
-    owners = statuses[0]["spes"]["owners"]
+    agreed = wait_for(settled, 120, "every node training with SPES over all four peers, agreeing on ownership")
+    owners = agreed[0]["spes"]["owners"]
+
+    def stepped_since() -> list[dict] | None:
+        # Adam makes a parameter's state at its first step: an expert gained in the last ownership change
+        # has optimizer state once its owner has stepped since, so the check below reads statuses from then
+        statuses = swarm.statuses(nodes)
+        return statuses if all(s["training"]["step"] >= a["training"]["step"] + 2 and s["spes"]["owners"] == owners
+                               for s, a in zip(statuses, agreed)) else None
+
+    statuses = wait_for(stepped_since, 60, "every node two steps further under the same ownership")
     # ownership covers every expert, r = 2 owners each, and no node beyond its capacity
     assert sorted(owners) == [str(e) for e in range(EXPERTS)]
     assert all(len(set(o)) == 2 and set(o) <= set(ids) for o in owners.values()), owners
