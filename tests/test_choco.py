@@ -324,6 +324,12 @@ def test_topk_is_allowed_on_differences_only():
     document = swarm_document(packed, 0.0)
     assert document["gossip"]["topk_packed"] is True
     assert SwarmSettings.from_doc(document).choco.codec == TopKCodec(0.02, packed=True)
+    assert "topk_elias_fano" not in document["gossip"]
+    # --topk-elias-fano brings the packed layout with it, and travels the same way
+    elias_fano = swarm_document(_config("--gossip-compression", "choco", "--topology", "ring", "--mixing", "weighted",
+                                        "--codec", "topk", "--topk-ratio", "0.02", "--topk-elias-fano"), 0.0)
+    assert elias_fano["gossip"]["topk_packed"] is True and elias_fano["gossip"]["topk_elias_fano"] is True
+    assert SwarmSettings.from_doc(elias_fano).choco.codec == TopKCodec(0.02, packed=True, elias_fano=True)
     # a forged document: top-k on whole parameters, and compressed gossip under diloco, are refused by joiners
     forged = swarm_document(choco, 0.0)
     del forged["gossip"]["compression"]

@@ -315,12 +315,64 @@ def test_packed_topk_payload_is_checked() -> None:
     assert not codec.accepts_nbytes(n, 4 * 2 + 4 + 3 * 1 + 1) and not codec.accepts_nbytes(n, 4)
 
 
+@settings(deadline=None, max_examples=80)
+@given(st.sampled_from(DTYPES).flatmap(lambda dt: finite_arrays(dt, 1e30)),
+       st.sampled_from([0.001, 0.01, 0.02, 0.3, 1.0]))
+def test_elias_fano_topk_decodes_to_the_packed_layouts_tensor_in_fewer_bytes(x: np.ndarray, ratio: float) -> None:
+    elias_fano, packed = TopKCodec(ratio, packed=True, elias_fano=True), TopKCodec(ratio, packed=True)
+    encoded = elias_fano.encode(x)
+    k, n = elias_fano.k(x.size), x.size
+    low = max(0, (n // k).bit_length() - 1) if k else 0
+    unary_bits = k + ((n - 1) >> low) + 1 if n else 0
+    assert len(encoded) == elias_fano.encoded_nbytes(n) == 4 + -(-unary_bits // 8) + -(-k * low // 8) + k
+    out = elias_fano.decode(bytes(encoded), n, np.float32)
+    assert np.array_equal(out, packed.decode(bytes(packed.encode(x)), n, np.float32))
+    assert elias_fano.accepts_nbytes(n, len(encoded)) and not elias_fano.accepts_nbytes(n, len(encoded) + 1)
+
+
+def test_elias_fano_topk_bytes_per_entry_at_the_ratios_compressed_gossip_uses() -> None:
+    n = 870_656  # the default dense model
+    for ratio, most in ((0.01, 2.1), (0.02, 1.95), (0.05, 1.8)):
+        codec = TopKCodec(ratio, packed=True, elias_fano=True)
+        assert codec.encoded_nbytes(n) / codec.k(n) <= most
+        assert codec.encoded_nbytes(n) < 0.7 * TopKCodec(ratio, packed=True).encoded_nbytes(n)
+
+
+def test_elias_fano_topk_payload_is_checked() -> None:
+    codec, n = TopKCodec(0.25, packed=True, elias_fano=True), 7  # k = 2, 1 low bit, 6 high-part bits
+
+    def payload(scale: float, unary: list[int], low: list[int], values: list[int]) -> bytes:
+        bits = np.packbits(np.array(unary + [0] * (6 - len(unary)), np.uint8), bitorder="little").tobytes()
+        low_bits = np.packbits(np.array(low, np.uint8), bitorder="little").tobytes()
+        return np.array([scale], "<f4").tobytes() + bits + low_bits + np.array(values, np.int8).tobytes()
+
+    # indices 1 (high part 0, low bit 1) and 6 (high part 3, low bit 0): set bits at 0 + 0 and 3 + 1
+    out = codec.decode(payload(0.5, [1, 0, 0, 0, 1], [1, 0], [2, -4]), n)
+    assert out[1] == 1.0 and out[6] == -2.0 and np.count_nonzero(out) == 2
+    with pytest.raises(BadSchema, match="high parts"):
+        codec.decode(payload(0.5, [1, 1, 1], [1, 0], [2, -4]), n)
+    with pytest.raises(BadSchema, match="strictly increasing"):
+        codec.decode(payload(0.5, [1, 1], [1, 1], [2, -4]), n)
+    with pytest.raises(BadSchema, match="out of range"):
+        codec.decode(payload(0.5, [1, 0, 0, 0, 1], [1, 1], [2, -4]), n)
+    for scale in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(BadSchema, match="scale"):
+            codec.decode(payload(scale, [1, 0, 0, 0, 1], [1, 0], [2, -4]), n)
+    with pytest.raises(BadSchema):
+        codec.decode(payload(0.5, [1, 0, 0, 0, 1], [1, 0], [2, -4])[:-1], n)
+    with pytest.raises(BadSchema, match="needs 'packed'"):
+        codec_from_wire("topk", {"ratio": 0.25, "elias_fano": 1})
+    with pytest.raises(ValueError, match="packed"):
+        TopKCodec(0.25, elias_fano=True)
+
+
 def test_registry_names_options_and_errors() -> None:
     assert set(CODEC_TYPES) == {"fp32", "fp16", "bf16", "int8", "topk"}
     for codec in (Fp32Codec(), Fp16Codec(), Bf16Codec(), Int8Codec(block=64), TopKCodec(0.01),
-                  TopKCodec(0.01, packed=True)):
+                  TopKCodec(0.01, packed=True), TopKCodec(0.01, packed=True, elias_fano=True)):
         assert codec_from_wire(codec.name, codec.options()) == codec
     assert TopKCodec(0.01).options() == {"ratio": 0.01}  # unpacked: the options (and config hashes) of before
+    assert TopKCodec(0.01, packed=True).options() == {"ratio": 0.01, "packed": 1}
     assert get_codec("int8", block=128) == Int8Codec(128)
     assert get_codec("int8") == Int8Codec(256)
     assert get_codec("topk", ratio=0.1) == TopKCodec(0.1)

@@ -43,7 +43,8 @@ from gossip.wire import (
 pytestmark = pytest.mark.unit
 
 FIELDS = dict(swarm="tiny-moe", config_hash="c0ffee", sender="12D3KooWpeer", round=3, step=120, kind="exchange")
-CODECS = [Fp32Codec(), Fp16Codec(), Bf16Codec(), Int8Codec(block=8), TopKCodec(0.3)]
+CODECS = [Fp32Codec(), Fp16Codec(), Bf16Codec(), Int8Codec(block=8), TopKCodec(0.3),
+          TopKCodec(0.3, packed=True, elias_fano=True)]
 
 
 def prefix(n: int) -> bytes:

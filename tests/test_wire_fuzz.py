@@ -21,7 +21,8 @@ pytestmark = pytest.mark.unit
 
 PEAK_LIMIT = 8 << 20
 FIELDS = dict(swarm="s", config_hash="h", sender="p", round=1, step=2, kind="exchange")
-CODECS = [Fp32Codec(), Fp16Codec(), Bf16Codec(), Int8Codec(block=16), TopKCodec(0.25)]
+CODECS = [Fp32Codec(), Fp16Codec(), Bf16Codec(), Int8Codec(block=16), TopKCodec(0.25),
+          TopKCodec(0.25, packed=True, elias_fano=True)]
 FUZZ = settings(deadline=None, max_examples=100, suppress_health_check=[HealthCheck.too_slow])
 
 

@@ -216,6 +216,8 @@ def _add_plan_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
                       help="share of the elements --codec topk sends (default 0.01)")
     plan.add_argument("--topk-packed", action="store_true",
                       help="--codec topk in the packed layout: 3 bytes per kept element instead of 8")
+    plan.add_argument("--topk-elias-fano", action="store_true",
+                      help="--codec topk packed with Elias-Fano indices: about 2 bytes per kept element at 1-2%%")
     plan.add_argument("--gossip-compression", choices=("none", "choco"), default="none",
                       help="choco: dsgd/dadam send compressed differences against per-neighbour estimates")
     plan.add_argument("--batch-size", type=positive_int, default=16, help="sequences per micro-batch (default 16)")
@@ -256,7 +258,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     with _values_checked():
         if compression is Compression.CHOCO:
             check_topology(topology)
-        codec = TopKCodec(args.topk_ratio, args.topk_packed) if args.codec == "topk" else get_codec(args.codec)
+        codec = (TopKCodec(args.topk_ratio, args.topk_packed or args.topk_elias_fano, args.topk_elias_fano)
+                 if args.codec == "topk" else get_codec(args.codec))
         link = LinkSpec(args.bandwidth_mbit, args.latency_ms,
                         DEFAULT_LINK_EFFICIENCY if args.link_efficiency is None else args.link_efficiency)
         build_topology(topology, args.peers)  # a bad combination fails here, in one line
@@ -440,7 +443,7 @@ def _add_demo_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
 
 
 # recipe settings `murmur demo` passes through to its founder
-DEMO_RECIPE_KEYS = ("gossip.codec", "gossip.topk_ratio", "gossip.topk_packed", "training.local_steps",
+DEMO_RECIPE_KEYS = ("gossip.codec", "gossip.topk_ratio", "gossip.topk_packed", "gossip.topk_elias_fano", "training.local_steps",
                     "training.fragments", "training.overlap", "training.outer_lr", "training.outer_momentum",
                     "training.qsr_alpha", "training.anchor_every", "training.anchor_codec",
                     "training.inner_optimizer", "training.final_merge")

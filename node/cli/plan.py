@@ -170,8 +170,8 @@ def describe(plan: Plan, config: PlanConfig, step: StepTime, model: str) -> list
     """The text report: inputs, one row per way of synchronising, and the verdict."""
     c = config
     options = c.codec.options()
-    codec = c.codec.name + (f" (ratio {options['ratio']:g}{', packed' if options.get('packed') else ''})"
-                            if c.codec.name == "topk" else "")
+    layout = ", packed, Elias-Fano indices" if options.get("elias_fano") else ", packed" if options.get("packed") else ""
+    codec = c.codec.name + (f" (ratio {options['ratio']:g}{layout})" if c.codec.name == "topk" else "")
     lines = [
         f"model: {model}, {plan.numel:,} parameters ({_mb(4 * plan.numel)} MB in fp32), {len(c.specs)} tensors",
         f"compute per step: {step.seconds:.3f} s ({step.source}); {c.tokens_per_step:,} tokens per node per step",

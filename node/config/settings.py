@@ -83,6 +83,7 @@ class GossipConfig:
     codec: str = "fp32"  # wire codec of the exchanged tensors (choco: of the differences; diloco: of the pseudo-gradients)
     topk_ratio: float = 0.01  # --codec topk: fraction of each tensor's entries sent
     topk_packed: bool = False  # --codec topk: uint16 offsets and int8 values, 3 bytes per kept entry instead of 8
+    topk_elias_fano: bool = False  # --topk-packed with Elias-Fano indices: about 2 bytes per kept entry at 1-2%
     compression: str = "none"  # "choco": compressed differences against per-neighbour estimates (gossip/choco.py)
     choco_gamma: float | None = None  # CHOCO's consensus step; None: gossip.choco.default_gamma of the codec
     round_interval_s: float = 1.0  # time between the starts of two gossip rounds

@@ -216,6 +216,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("gossip.topk_packed", Boolean(), "MURMUR_TOPK_PACKED", "--topk-packed",
             "--codec topk sends each kept entry as a uint16 in-block offset and an int8 value under one scale "
             "per tensor: 3 bytes instead of 8, the rounding carried on by the error feedback (the swarm's)", NODE),
+    Setting("gossip.topk_elias_fano", Boolean(), "MURMUR_TOPK_ELIAS_FANO", "--topk-elias-fano",
+            "--topk-packed with the kept entries' indices Elias-Fano coded, 2 + log2(1/ratio) bits each instead "
+            "of 16 (about 2 bytes per entry in all at ratio 0.01-0.02) (the swarm's)", NODE),
     Setting("gossip.compression", Choice("gossip compression", GOSSIP_COMPRESSIONS, metavar="KIND"),
             "MURMUR_GOSSIP_COMPRESSION", "--gossip-compression",
             "choco: dsgd/dadam rounds send --codec-compressed differences against per-neighbour estimates "

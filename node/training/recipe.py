@@ -215,6 +215,7 @@ class GossipDoc(_Doc, frozen=True):
     mixing: MixingDoc
     topk_ratio: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = DEFAULT_TOPK_RATIO  # written only with codec topk
     topk_packed: bool = False  # written only when true (older configs keep their hash)
+    topk_elias_fano: bool = False  # written only when true
     compression: CompressionDoc | None = None  # absent: whole parameters
 
 
@@ -487,8 +488,10 @@ def build_document(config: NodeConfig, epoch: float, admission: AdmissionDoc | N
     }
     if gossip.codec == "topk":
         gossip_doc["topk_ratio"] = gossip.topk_ratio
-        if gossip.topk_packed:
+        if gossip.topk_packed or gossip.topk_elias_fano:  # Elias-Fano indices come in the packed layout
             gossip_doc["topk_packed"] = True
+        if gossip.topk_elias_fano:
+            gossip_doc["topk_elias_fano"] = True
     if gossip.compression == "choco":
         gossip_doc["compression"] = {"kind": "choco", "gamma": gossip.choco_gamma}
     raw = {
@@ -532,7 +535,8 @@ class SwarmSettings:
         try:
             topology = TopologySpec(t.name, weights=t.weights, degree=t.degree, seed=t.seed, rows=t.rows,
                                     edges=t.edges, directed=t.directed)
-            codec = (get_codec(g.codec, ratio=g.topk_ratio, packed=g.topk_packed) if g.codec == "topk"
+            codec = (get_codec(g.codec, ratio=g.topk_ratio, packed=g.topk_packed,
+                                   elias_fano=g.topk_elias_fano) if g.codec == "topk"
                      else get_codec(g.codec))
             mixing = MixingRule(kind=g.mixing.kind, tau=g.mixing.tau, trim=g.mixing.trim)
             choco = None
@@ -605,6 +609,7 @@ SETTING_OF_FIELD = {
     "gossip.max_staleness_rounds": "gossip.max_staleness_rounds", "gossip.mixing.kind": "gossip.mixing.kind",
     "gossip.mixing.tau": "gossip.mixing.tau", "gossip.mixing.trim": "gossip.mixing.trim",
     "gossip.topk_ratio": "gossip.topk_ratio", "gossip.topk_packed": "gossip.topk_packed",
+    "gossip.topk_elias_fano": "gossip.topk_elias_fano",
     "gossip.compression": "gossip.compression",
     "gossip.compression.kind": "gossip.compression", "gossip.compression.gamma": "gossip.choco_gamma",
 }
