@@ -1,6 +1,7 @@
 """Three real `murmur` node processes training with compressed gossip (--gossip-compression choco, top-k
-differences) on a ring: the swarm-average model reaches single-process quality at equal tokens, the
-nodes agree, and every node moves the bytes `murmur plan`'s model predicts for the configuration."""
+differences, packed with Elias-Fano indices) on a ring: the swarm-average model reaches single-process quality
+at equal tokens, the nodes agree, and every node moves the bytes `murmur plan`'s model predicts for the
+configuration (the joiners take the codec from the founder's recipe)."""
 
 import asyncio
 import os
@@ -53,7 +54,7 @@ def val_loss(tensors: dict[str, np.ndarray] | None, data_dir: Path) -> float:
 def test_a_compressed_gossip_swarm_trains_to_parity_with_the_planned_bytes(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(SUPPORT), os.environ.get("PYTHONPATH")])))
     with Swarm(tmp_path, heartbeat=1) as swarm:
-        founder = swarm.found(**RECIPE, **NODE)
+        founder = swarm.found(**RECIPE, **NODE, extra_args=["--topk-elias-fano"])
         nodes = [founder, *(swarm.spawn(f"n{i}", seed=i, join=founder, model=RECIPE["model"], **NODE)
                             for i in range(1, NODES))]
         swarm.wait_ready(nodes[1:])
@@ -74,7 +75,7 @@ def test_a_compressed_gossip_swarm_trains_to_parity_with_the_planned_bytes(tmp_p
     # bytes: the plan's prediction for the tiny model's manifest on this ring, within 10% (rounds with a
     # neighbour that was late or failed move fewer bytes; headers count steps 0..120, not ~1000)
     specs = specs_for_vectors({name: t.size for name, t in final[0].items()})
-    plan = PlanConfig(specs, 0.0, LinkSpec(1.0), NODES, TopologySpec("ring"), codec=TopKCodec(RATIO),
+    plan = PlanConfig(specs, 0.0, LinkSpec(1.0), NODES, TopologySpec("ring"), codec=TopKCodec(RATIO, packed=True, elias_fano=True),
                       compression=Compression.CHOCO, meta=typical_meta(),
                       header=HeaderValues(swarm="murmur", sender=founder.peer_id))
     predicted = bytes_per_node(plan, STEPS)
