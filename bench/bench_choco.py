@@ -5,12 +5,14 @@ so these rows sit beside gossip DiLoCo's (bench/bench_lowcomm.py, where it exist
 
 4 GossipTrainers over the in-memory transport (no latency: the loss does not depend on the link), the tests'
 TINY dense GPT (or, with --model dense, the embedded default dense GPT, DENSE_DEFAULT: on a model that size
-the message headers no longer count) and the tuned DAdam schedule (bench/bench_training.py), batch 8 per node against one process of
-batch 32, on a ring (compressed gossip needs symmetric edges; DAdam fp32 runs on the ring too, so the rows
-differ only in what a round sends). Bytes are every message byte the exchange counts, sent and received.
+the message headers no longer count) and the tuned DAdam schedule (bench/bench_training.py), batch 8 per node against
+one process of batch 32, on a ring or (--topology hypercube) the hypercube's one-peer pairings (compressed gossip
+needs symmetric edges; DAdam fp32 runs on the same graph, so the rows differ only in what a round sends). Bytes
+are every message byte the exchange counts, sent and received.
 
 Run from the repository root:
-.venv/bin/python -m bench.bench_choco [--seeds 0,1,2] [--steps 80] [--model tiny|dense] [--setups "NAME;..."]
+.venv/bin/python -m bench.bench_choco [--seeds 0,1,2] [--steps 80] [--model tiny|dense] [--topology ring|hypercube]
+    [--setups "NAME;..."]
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from node.training.models.gpt import DENSE_DEFAULT, ModelConfig
 from node.training.trainer import GossipTrainer, average_tensors
 
 CORPUS_BYTES = 600_000
-TOPOLOGY = "ring"
+# symmetric topologies compressed gossip runs on: the ring (2 neighbours), or the hypercube's one-peer
+# pairings (1 neighbour a round, like the default one-peer exponential graph: half the ring's bytes)
+TOPOLOGIES = ("ring", "hypercube")
 MODELS = {"tiny": TINY, "dense": DENSE_DEFAULT}
 
 
@@ -59,7 +63,8 @@ SETUPS = (
 )
 
 
-async def swarm_run(setup: Setup, seed: int, steps: int, model: ModelConfig) -> tuple[float, float]:
+async def swarm_run(setup: Setup, seed: int, steps: int, model: ModelConfig,
+                    topology: str = TOPOLOGIES[0]) -> tuple[float, float]:
     """(validation loss of the 4 nodes' average after `steps` steps, mean bytes per node per step)."""
     corpus = embedded_corpus(size_bytes=CORPUS_BYTES)
     optimizer = replace(SCHEDULES["dadam"], total_steps=steps, warmup_steps=max(1, steps // 10))
@@ -76,7 +81,7 @@ async def swarm_run(setup: Setup, seed: int, steps: int, model: ModelConfig) -> 
             peer = GossipPeer(net.transport(pid), settings, await trainer.tensors(), choco=choco)
             await peer.start()
             nodes.append(GossipTrainer(trainer, peer))
-        plan_for = barrier_planner(TOPOLOGY, ids)
+        plan_for = barrier_planner(topology, ids)
         async with asyncio.TaskGroup() as group:
             for node in nodes:
                 group.create_task(node.run(steps, plan_for(node.peer.peer_id)))
@@ -96,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny",
                         help="tiny: the tests' TINY GPT (100,992 parameters); dense: the embedded default dense GPT")
+    parser.add_argument("--topology", choices=TOPOLOGIES, default=TOPOLOGIES[0],
+                        help="the graph every row gossips on, DAdam fp32 included (default ring)")
     parser.add_argument("--setups", default="", help="only these setups (names, ';'-separated; the baseline "
                         "always runs)")
     args = parser.parse_args(argv)
@@ -109,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"command: .venv/bin/python -m bench.bench_choco {' '.join(argv)}".rstrip())
     print(f"python {platform.python_version()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start",
           flush=True)
-    print(f"model {args.model}: {sum(p.numel() for p in build_model(model).parameters()):,} parameters", flush=True)
+    print(f"model {args.model}: {sum(p.numel() for p in build_model(model).parameters()):,} parameters; "
+          f"topology {args.topology}", flush=True)
 
     async def run() -> dict[str, list[tuple[float, float, float]]]:
         corpus = embedded_corpus(size_bytes=CORPUS_BYTES)
@@ -118,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             optimizer = replace(SCHEDULES["dadam"], total_steps=args.steps, warmup_steps=max(1, args.steps // 10))
             single = (await single_curve(corpus, optimizer, seed, args.steps, args.steps, model)).losses[-1]
             for setup in setups:
-                loss, moved = await swarm_run(setup, seed, args.steps, model)
+                loss, moved = await swarm_run(setup, seed, args.steps, model, args.topology)
                 results[setup.name].append((loss / single, moved, loss))
                 print(f"seed {seed} {setup.name}: loss {loss:.4f} (single {single:.4f}, {loss / single:.3f}x), "
                       f"{moved / 1e3:.1f} kB per node per step", flush=True)
