@@ -443,8 +443,8 @@ def _add_demo_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
 
 
 # recipe settings `murmur demo` passes through to its founder
-DEMO_RECIPE_KEYS = ("gossip.codec", "gossip.topk_ratio", "gossip.topk_packed", "gossip.topk_elias_fano", "training.local_steps",
-                    "training.fragments", "training.overlap", "training.outer_lr", "training.outer_momentum",
+DEMO_RECIPE_KEYS = ("gossip.codec", "gossip.topk_ratio", "gossip.topk_packed", "gossip.topk_elias_fano",
+                    "training.local_steps", "training.fragments", "training.overlap", "training.outer_lr", "training.outer_momentum",
                     "training.qsr_alpha", "training.anchor_every", "training.anchor_codec",
                     "training.inner_optimizer", "training.final_merge")
 
