@@ -44,8 +44,10 @@ async def bounded_cleanup(what: str, timeout_s: float = STOP_TIMEOUT_S) -> Async
     try:
         async with asyncio.timeout(timeout_s):
             yield
+    except TimeoutError:  # asyncio.timeout's error has no message: say what it means
+        logger.warning("stopping %s: not done within %g s, left behind", what, timeout_s)
     except Exception as exc:
-        logger.warning("stopping %s: %s", what, exc or type(exc).__name__)
+        logger.warning("stopping %s: %s", what, str(exc) or type(exc).__name__)
 
 
 async def close(part: Closable, what: str) -> None:
