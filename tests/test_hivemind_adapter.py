@@ -31,6 +31,7 @@ from node.net.probe import (
     ProbeServer,
     check_circuit,
     check_relay_service,
+    relay_limits_in_force,
     throwaway_daemon,
 )
 from node.net.transport.p2pd import P2PDTransport, P2PSettings, start_p2pd
@@ -130,7 +131,13 @@ def test_a_private_node_reserves_at_once_is_reached_through_a_built_circuit_and_
 def test_a_relay_service_carries_model_sized_exchanges_only_with_the_workaround() -> None:
     """Workaround 3: p2pd's default relay service cuts a circuit after 128 KiB; forced public and on
     one scheduler thread, the configured service answers instead, and the start-up check tells the two
-    apart."""
+    apart. The node's start (`relay_limits_in_force`) restarts p2pd while the default one answers."""
+    settings = P2PSettings(identity_path=None, relay_service=LIMITS)
+
+    async def restart(p2p: P2P) -> P2P:
+        await p2p.shutdown()
+        return await start_p2pd(settings)
+
     async def main() -> None:
         relay = await start_p2pd(P2PSettings(identity_path=None))  # hivemind's relay: the default service
         try:
@@ -138,15 +145,23 @@ def test_a_relay_service_carries_model_sized_exchanges_only_with_the_workaround(
             assert check.verdict is CircuitVerdict.LIMITED, check
         finally:
             await relay.shutdown()
-        # each start gets the configured service at once: without RELAY_SERVICE_ENV about one start in
-        # three did, so four in a row would have passed about once in eighty tries
+        # Without RELAY_SERVICE_ENV about one start in three got the configured service at once (3 of 4
+        # would pass about once in nine tries); with it 30 of 30 did when measured, and one start in a CI
+        # run at load 3 did not, which the node's restart covers: every start ends carrying.
+        first_tries = 0
         for _ in range(4):
-            relay = await start_p2pd(P2PSettings(identity_path=None, relay_service=LIMITS))
+            relay = await start_p2pd(settings)
+            first = await check_relay_service([str(m) for m in await relay.get_visible_maddrs()])
+            first_tries += first.verdict is CircuitVerdict.CARRIES
             try:
-                check = await check_relay_service([str(m) for m in await relay.get_visible_maddrs()])
+                if first.verdict is CircuitVerdict.CARRIES:
+                    check = first
+                else:
+                    relay, check = await relay_limits_in_force(relay, restart, attempts=3)
                 assert check.verdict is CircuitVerdict.CARRIES, check
             finally:
                 await relay.shutdown()
+        assert first_tries >= 3, f"only {first_tries} of 4 starts had the configured relay service at once"
 
     asyncio.run(main())
 
