@@ -151,7 +151,7 @@ def _header(target: Target, sender: str, kind: str, round_index: int, *, tensors
     return bytes(next(iter(frames)))
 
 
-async def _read_answer(stream: Any) -> tuple[str, int]:
+async def read_answer(stream: Any) -> tuple[str, int]:
     """The answer's kind (or the reject's error) and its payload size, read through the wire decoder."""
     from gossip.wire import MessageReader, WireLimits
 
@@ -234,7 +234,7 @@ async def flood_pulls(transport: Any, target: Target, victim: Victim, victim_rou
                     stream = await transport.open_stream(victim.peer_id, GOSSIP_PROTOCOL)
                     try:
                         await stream.write(request)
-                        answer, nbytes = await _read_answer(stream)
+                        answer, nbytes = await read_answer(stream)
                     finally:
                         stream.abort()
             except (ConnectionError, TimeoutError, RuntimeError) as exc:
