@@ -35,6 +35,7 @@ from node.net.probe import (
     throwaway_daemon,
 )
 from node.net.transport.p2pd import P2PDTransport, P2PSettings, start_p2pd
+from node.runtime.host import RELAY_SERVICE_ATTEMPTS
 
 RELAY_ID = "12D3KooWKhEtKJtS31eeApSvNMeyiNNbcjvyptY97ma6WgBRdoK1"
 PEER_ID = "QmXoxDu3UFFFua8M8Yk3iHxYocGnxaVZLmgcT4Z6fgmAj5"
@@ -129,9 +130,10 @@ def test_a_private_node_reserves_at_once_is_reached_through_a_built_circuit_and_
 
 @pytest.mark.multiprocess
 def test_a_relay_service_carries_model_sized_exchanges_only_with_the_workaround() -> None:
-    """Workaround 3: p2pd's default relay service cuts a circuit after 128 KiB; forced public and on
-    one scheduler thread, the configured service answers instead, and the start-up check tells the two
-    apart. The node's start (`relay_limits_in_force`) restarts p2pd while the default one answers."""
+    """Workaround 3: p2pd's default relay service cuts a circuit after 128 KiB; forced public, the
+    configured service answers instead in some starts, and the start-up check tells the two apart. The
+    node's start (`relay_limits_in_force`, with the node's bound) restarts p2pd while the default one
+    answers, so every start ends carrying."""
     settings = P2PSettings(identity_path=None, relay_service=LIMITS)
 
     async def restart(p2p: P2P) -> P2P:
@@ -145,23 +147,16 @@ def test_a_relay_service_carries_model_sized_exchanges_only_with_the_workaround(
             assert check.verdict is CircuitVerdict.LIMITED, check
         finally:
             await relay.shutdown()
-        # Without RELAY_SERVICE_ENV about one start in three got the configured service at once (3 of 4
-        # would pass about once in nine tries); with it 30 of 30 did when measured, and one start in a CI
-        # run at load 3 did not, which the node's restart covers: every start ends carrying.
-        first_tries = 0
-        for _ in range(4):
+        # Which service registers last is a race inside p2pd (RELAY_SERVICE_ENV only tilts it, and not
+        # at all on an oversubscribed CPU), so how many checks a start takes is not asserted; that one
+        # ends carrying within the node's bound is (without the forced reachability none would).
+        for _ in range(3):
             relay = await start_p2pd(settings)
-            first = await check_relay_service([str(m) for m in await relay.get_visible_maddrs()])
-            first_tries += first.verdict is CircuitVerdict.CARRIES
             try:
-                if first.verdict is CircuitVerdict.CARRIES:
-                    check = first
-                else:
-                    relay, check = await relay_limits_in_force(relay, restart, attempts=3)
+                relay, check = await relay_limits_in_force(relay, restart, attempts=RELAY_SERVICE_ATTEMPTS)
                 assert check.verdict is CircuitVerdict.CARRIES, check
             finally:
                 await relay.shutdown()
-        assert first_tries >= 3, f"only {first_tries} of 4 starts had the configured relay service at once"
 
     asyncio.run(main())
 

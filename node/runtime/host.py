@@ -33,9 +33,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("murmur.node")
 
-# p2pd starts until its relay service's limits are in force (node.net.probe); with workaround 3
-# (node.net.hivemind_adapter) the first start had them in 30 of 30 tries, so this is a backstop
-RELAY_SERVICE_ATTEMPTS = 3
+# p2pd starts until its relay service's limits are in force (node.net.probe). With workaround 3
+# (node.net.hivemind_adapter) a first start has them nearly always on an idle machine but only about
+# one in three when the CPU is oversubscribed; each check takes a few seconds, and 16 leave one start in
+# a thousand without them even then
+RELAY_SERVICE_ATTEMPTS = 16
 # A dial-back nobody answered (the bootstraps start too, or restart) is asked again this many times
 DETECT_ATTEMPTS = 3
 DETECT_PAUSE_S = 2.0
