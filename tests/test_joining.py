@@ -271,10 +271,12 @@ def test_a_refused_record_is_no_candidate_and_its_step_claim_counts_for_nothing(
     refused = {"hostile": str(Refused.RECORD_OUT_OF_BOUNDS), "behind": str(Refused.RECORD_OUT_OF_BOUNDS)}
     judged = judge_steps(view, ME, step=0, margin=2, budget=0, refused=refused)
     assert judged is not None
-    # without it, the lower median of 300, 310, 900 would be 310; "behind" is not ahead, so not listed
+    # without it, the lower median of 300, 310, 900 would be 310; "behind" is not ahead, but its record
+    # was refused all the same, and the joiner's report says so
     assert judged.reference == 300 and [p.peer_id for p in judged.candidates] == ["a", "b"]
-    assert judged.ignored == () and judged.refused == {"hostile": Refused.RECORD_OUT_OF_BOUNDS}
-    assert judged.refusals() == {"hostile": "record_out_of_bounds"}
+    assert judged.ignored == ()
+    assert judged.refused == {"hostile": Refused.RECORD_OUT_OF_BOUNDS, "behind": Refused.RECORD_OUT_OF_BOUNDS}
+    assert judged.refusals() == {"hostile": "record_out_of_bounds", "behind": "record_out_of_bounds"}
     only_refused = judge_steps([record("hostile", 300)], ME, step=0, margin=2, budget=0, refused=refused)
     assert only_refused is not None and only_refused.candidates == ()
     assert only_refused.refusals() == {"hostile": "record_out_of_bounds"}

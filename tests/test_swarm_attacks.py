@@ -34,6 +34,15 @@ ATTACK = AttackSetup(RECIPE, NODE, steps=STEPS, join_at=12, hostile=hostile_argv
 LOSS_RATIO = 1.10
 
 
+def check_honest_sources(joined: dict, hostile: str) -> None:
+    """The joiner downloaded nothing from the hostile, and at least two honest copies, and kept only
+    honest ones. How many it kept is not asserted: one honest copy that lags far behind is refused for
+    its loss, and two that do not average well are replaced by the better one (node.training.joining);
+    on a loaded machine either can happen to honest copies, attack or not."""
+    assert hostile not in joined["losses"] and len(joined["losses"]) >= 2, joined
+    assert joined["sources"] and hostile not in joined["sources"], joined
+
+
 def check_no_takeover(attack: SwarmRun) -> None:
     counts = attack.hostile_counts
     for mode in ("noise", "scaled", "sign-flip", "stale-replay"):
@@ -47,7 +56,7 @@ def check_no_takeover(attack: SwarmRun) -> None:
     training = attack.statuses["n4"]["training"]
     joined = training["joined"]
     assert joined["refused"].get(hostile) == "step_out_of_bounds", joined
-    assert hostile not in joined["sources"] and len(joined["sources"]) >= 2, joined
+    check_honest_sources(joined, hostile)
     assert training["started_from"].startswith("peers ") and joined["step"] < 10**6, training
 
 
@@ -147,7 +156,7 @@ def test_a_hostile_spes_member_claiming_capacity_2_62_and_huge_versions_is_bound
     training = attack.statuses["n4"]["training"]
     joined = training["joined"]
     assert joined["refused"].get(hostile) == "record_out_of_bounds", joined
-    assert hostile not in joined["sources"] and len(joined["sources"]) >= 2, joined
+    check_honest_sources(joined, hostile)
     assert training["started_from"].startswith("peers "), training
     print(f"SPES under attack: validation loss at step {SPES_STEPS}: "
           f"{ {n: round(attack.val_loss(n), 4) for n in FOUNDING_HONEST} }")

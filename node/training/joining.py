@@ -87,14 +87,17 @@ class StepJudgement:
     tolerance: int  # claims above reference + tolerance are ignored
     candidates: tuple[PeerRecord, ...]  # peers ahead with believable claims, closest to the reference first
     ignored: tuple[str, ...]  # peers ahead whose claims are not believable
-    # peers ahead left out before judging (judge_steps' `refused`), with the reason
+    # peers of the view left out before judging (judge_steps' `refused`), whatever their step, with the
+    # reason: a status that names a lying record only when its peer was ahead would hide it from a
+    # joiner's report whenever the liar happened to lag
     refused: Mapping[str, str] = field(default_factory=dict)
 
     def believable(self, step: int) -> bool:
         return step <= self.reference + self.tolerance
 
     def refusals(self) -> dict[str, str]:
-        """Every peer ahead that is no download source, and why (JoinOutcome.refused)."""
+        """Every peer ahead that is no download source, and every peer whose record was refused, and why
+        (JoinOutcome.refused)."""
         return {**dict.fromkeys(self.ignored, str(Refused.STEP_OUT_OF_BOUNDS)), **self.refused}
 
 
@@ -111,12 +114,12 @@ def judge_steps(view: Sequence[PeerRecord], me: str, step: int, margin: int, bud
     node's own model, see `loss_verdicts`).
 
     Peers in `refused` (peer -> reason, e.g. `Refused.RECORD_OUT_OF_BOUNDS`: SwarmTraining.record_refusals)
-    count for nothing: neither their claims nor as candidates; those ahead are kept
-    in the judgement's `refused`.
+    count for nothing: neither their claims nor as candidates; those in the view are kept in the
+    judgement's `refused`, whatever their step.
     """
     refused = refused or {}
     everyone_ahead = [p for p in view if p.peer_id != me and p.step > step + margin]
-    left_out = {p.peer_id: refused[p.peer_id] for p in everyone_ahead if p.peer_id in refused}
+    left_out = {p.peer_id: refused[p.peer_id] for p in view if p.peer_id != me and p.peer_id in refused}
     ahead = [p for p in everyone_ahead if p.peer_id not in refused]
     possible = [p for p in ahead if (budget <= 0 or p.step <= budget) and (plausible is None or p.step <= plausible)]
     if not possible:
