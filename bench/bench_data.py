@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 
-from node.training.data import synthetic_text
-from node.training.models.hf import build_hf_model, read_source
-from node.training.recipe import optimizer_config
-from node.training.shards import ShardStream, open_dataset
-from node.training.tokenizer import BpeTokenizer, ByteTokenizer, TextTokenizer, train_bpe
-from node.training.trainer import Trainer, TrainerConfig
+from node.swarm.recipe import optimizer_config
+from node.train.data import synthetic_text
+from node.train.models.hf import build_hf_model, read_source
+from node.train.shards import ShardStream, open_dataset
+from node.train.tokenizer import BpeTokenizer, ByteTokenizer, TextTokenizer, train_bpe
+from node.train.trainer import Trainer, TrainerConfig
 
 BATCH, CONTEXT = 16, 128
 

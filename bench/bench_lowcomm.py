@@ -41,10 +41,10 @@ from gossip.diloco import DilocoConfig, SyncSchedule
 from gossip.exchange import ExchangeSettings, GossipPeer
 from gossip.memory import InMemoryNetwork, LinkModel
 from gossip.optimizers import OptimizerConfig
-from node.training.data import Corpus, embedded_corpus, peer_shard
-from node.training.diloco import DilocoTrainer
-from node.training.models import DENSE_DEFAULT, ModelConfig, build_model
-from node.training.trainer import GossipTrainer, Trainer, TrainerConfig, average_tensors, train_alone
+from node.algorithms.diloco.trainer import DilocoTrainer
+from node.train.data import Corpus, embedded_corpus, peer_shard
+from node.train.models import DENSE_DEFAULT, ModelConfig, build_model
+from node.train.trainer import GossipTrainer, Trainer, TrainerConfig, average_tensors, train_alone
 from topology import MembershipView, PeerRound, build_topology, peer_round
 
 TINY = ModelConfig(context=32, layers=2, width=64, heads=4, experts=0, expert_hidden=128)

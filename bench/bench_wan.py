@@ -225,7 +225,7 @@ def run_murmur(net, config: Config, args: argparse.Namespace, workdir: Path) -> 
             The checkpoint is replaced by a rename, so the link keeps the file of that step."""
             import safetensors
 
-            from node.training.checkpoint import CHECKPOINT_FILE, META_KEY
+            from node.train.checkpoint import CHECKPOINT_FILE, META_KEY
 
             path = workdir / f"n{i}" / CHECKPOINT_FILE
             with contextlib.suppress(OSError, ValueError, KeyError, safetensors.SafetensorError):
@@ -318,8 +318,8 @@ def hivemind_role(spec: dict) -> None:
     import hivemind
     import torch
 
-    from node.training.data import embedded_corpus, peer_shard, training_batch
-    from node.training.models import build_named_model
+    from node.train.data import embedded_corpus, peer_shard, training_batch
+    from node.train.models import build_named_model
 
     torch.set_num_threads(1)
     workdir, index = Path(spec["workdir"]), spec["index"]
@@ -384,9 +384,9 @@ def evaluate(trace: Trace, workdir: Path, args: argparse.Namespace) -> None:
     """The validation loss of the swarm-average model at every snapshot step all nodes reached."""
     import torch
 
-    from node.training.data import embedded_corpus, validation_batches
-    from node.training.loop import EVAL_BATCH_SIZE
-    from node.training.models import build_named_model, mean_cross_entropy
+    from node.swarm.loop import EVAL_BATCH_SIZE
+    from node.train.data import embedded_corpus, validation_batches
+    from node.train.models import build_named_model, mean_cross_entropy
 
     corpus = embedded_corpus(workdir, 0)
     model = build_named_model(args.model, seed=0)
@@ -407,7 +407,7 @@ def evaluate(trace: Trace, workdir: Path, args: argparse.Namespace) -> None:
 
 def _snapshot_params(workdir: Path, i: int, step: int) -> dict[str, np.ndarray]:
     """Node i's parameters at `step`: a murmur checkpoint's, or a hivemind peer's own snapshot."""
-    from node.training.checkpoint import read_checkpoint_file
+    from node.train.checkpoint import read_checkpoint_file
 
     npz = workdir / f"snap-n{i}-{step}.npz"
     if npz.exists():

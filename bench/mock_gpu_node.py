@@ -33,7 +33,7 @@ def mock_gpu_gradients(step_s: float):
 
 def main(argv: list[str]) -> int:
     from node.cli.main import main as murmur_main
-    from node.training.trainer import Trainer
+    from node.train.trainer import Trainer
 
     step_s, rest = float(argv[0]), argv[1:]
     Trainer._accumulate_gradients = mock_gpu_gradients(step_s)  # type: ignore[method-assign]

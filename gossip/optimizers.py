@@ -3,7 +3,7 @@ clipping, the local SGD and Adam directions, and the consensus distance a gossip
 
 Arrays may be numpy arrays or torch tensors (anything with numpy-style arithmetic operators); state is
 updated in place with augmented assignment, which both libraries do without copies. How the rules fit
-together (D-SGD, DAdam) is in docs/training.md; the loop that runs them is node/training/trainer.py.
+together (D-SGD, DAdam) is in docs/training.md; the loop that runs them is node/train/trainer.py.
 """
 
 from __future__ import annotations

@@ -157,7 +157,7 @@ class PlanConfig:
     @property
     def diloco_fused(self) -> bool:
         """Whether a DiLoCo sync that mixes anchors sends one message (anchor - pseudo-gradient) instead of
-        two: outer lr 1, no momentum and one codec (as node.training.outer_group.OuterGroup decides)."""
+        two: outer lr 1, no momentum and one codec (as node.algorithms.outer_group.OuterGroup decides)."""
         return self.outer_lr == 1.0 and self.outer_momentum == 0.0 and self.anchor_codec.name == self.codec.name
 
     @property
@@ -354,7 +354,7 @@ def round_messages(config: PlanConfig) -> list[MessageSizes]:
 
 def anchor_messages(config: PlanConfig) -> list[MessageSizes]:
     """DiLoCo: the message sizes of each fragment's anchor round (its own peer: the anchor codec, and a
-    config hash suffixed `/anchor`, as node.training.outer_group.OuterGroup sends them)."""
+    config hash suffixed `/anchor`, as node.algorithms.outer_group.OuterGroup sends them)."""
     header = replace(config.header, config_hash=f"{config.header.config_hash}{ANCHOR_HASH_SUFFIX}")
     return [MessageSizes.of(group, config.anchor_codec, header) for group in fragment_groups(config)]
 

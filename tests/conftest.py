@@ -5,7 +5,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from node.training.data import Corpus, embedded_corpus
+from node.train.data import Corpus, embedded_corpus
 
 pytest_plugins = ["pytester", "support.tiers"]  # the tier-marker rule; pytester for its test
 

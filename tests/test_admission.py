@@ -43,7 +43,7 @@ from node.net.founder import (
     verify_membership,
 )
 from node.net.identity import Identity, create_identity
-from node.training.recipe import swarm_document
+from node.swarm.recipe import swarm_document
 from topology import MembershipView, build_topology, peer_round
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,4 @@
-"""Checkpoints in safetensors (node.training.checkpoint): what safetensors itself reads, a flipped bit
+"""Checkpoints in safetensors (node.train.checkpoint): what safetensors itself reads, a flipped bit
 or a torn file found and the previous checkpoint used, old .npz checkpoints (written by murmur 0.1's
 writer) still read, and a trainer restored from either continues exactly."""
 
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from node.training.checkpoint import (
+from node.swarm.recipe import optimizer_config
+from node.train.checkpoint import (
     CHECKPOINT_FILE,
     META_KEY,
     CheckpointUnreadable,
@@ -19,9 +20,8 @@ from node.training.checkpoint import (
     previous_path,
     save_checkpoint,
 )
-from node.training.data import load_corpus
-from node.training.recipe import optimizer_config
-from node.training.trainer import Trainer, TrainerConfig
+from node.train.data import load_corpus
+from node.train.trainer import Trainer, TrainerConfig
 from support.npz_checkpoint import save_npz_checkpoint
 from support.tiny_model import TINY, build
 

@@ -23,12 +23,12 @@ CHILD = textwrap.dedent("""
     import asyncio, errno, json, sys
     from pathlib import Path
     import numpy as np
-    from node.training.checkpoint import load_checkpoint, save_checkpoint
+    from node.train.checkpoint import load_checkpoint, save_checkpoint
     from node.config import NodeConfig
     from node.runtime.saving import SWARM_AVERAGE_FILE
     from node.runtime.saving import save_swarm_average as _save_swarm_average
     from node.runtime.status import NodeRuntime
-    from node.training.swarm_eval import IncludedPeer, SwarmEvalResult
+    from node.swarm.swarm_eval import IncludedPeer, SwarmEvalResult
 
     disk = Path(sys.argv[1])
     small = {"w": np.arange(1000, dtype=np.float32)}          # 4 KB: fits

@@ -305,7 +305,7 @@ def test_topk_is_allowed_on_differences_only():
     """One --topk-ratio setting; --codec topk with compressed gossip or with gossip DiLoCo's pseudo-gradients,
     refused (naming both) for whole parameters."""
     from node.config import ConfigError
-    from node.training.recipe import RecipeInvalid, SwarmSettings, swarm_document
+    from node.swarm.recipe import RecipeInvalid, SwarmSettings, swarm_document
 
     for optimizer in ("dsgd", "dadam"):
         with pytest.raises(ConfigError, match="--optimizer diloco .* or --gossip-compression choco"):
@@ -343,7 +343,7 @@ def test_topk_is_allowed_on_differences_only():
 
 
 def test_recipe_carries_compression_to_joiners():
-    from node.training.recipe import SwarmSettings, swarm_document
+    from node.swarm.recipe import SwarmSettings, swarm_document
 
     config = _config("--gossip-compression", "choco", "--topology", "ring", "--mixing", "weighted", "--codec", "topk",
                      "--topk-ratio", "0.05")
@@ -355,7 +355,7 @@ def test_recipe_carries_compression_to_joiners():
     assert "compression" not in plain["gossip"] and "codec_options" not in plain["gossip"]
     forged = swarm_document(config, 0.0)
     forged["gossip"]["topology"]["name"] = "one-peer-exp"
-    from node.training.recipe import RecipeInvalid
+    from node.swarm.recipe import RecipeInvalid
 
     with pytest.raises(RecipeInvalid, match="symmetric"):
         SwarmSettings.from_doc(forged)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from node.training.data import Corpus
+from node.train.data import Corpus
 
 pytestmark = [pytest.mark.unit, pytest.mark.slow]  # builds models and runs the command (seconds)
 
@@ -28,11 +28,11 @@ def write_node_checkpoint(data_dir: Path, model_name: str, corpus: Corpus, token
     state and the meta a node writes (its swarm config inside), the tokenizer in the node's cache.
     Returns the trained model."""
     from node.cli.main import parse_node_config
-    from node.training.checkpoint import CHECKPOINT_FILE, save_checkpoint
-    from node.training.loop import build_swarm_model
-    from node.training.recipe import SwarmSettings, swarm_document
-    from node.training.tokenizer import store_in_cache
-    from node.training.trainer import Trainer, TrainerConfig
+    from node.swarm.loop import build_swarm_model
+    from node.swarm.recipe import SwarmSettings, swarm_document
+    from node.train.checkpoint import CHECKPOINT_FILE, save_checkpoint
+    from node.train.tokenizer import store_in_cache
+    from node.train.trainer import Trainer, TrainerConfig
 
     config = parse_node_config(["node", "--model", model_name, "--lr", "3e-2", "--warmup-steps", "1"]
                                + (["--tokenizer", str(tokenizer)] if tokenizer else []), {})
@@ -69,7 +69,7 @@ def murmur_export(data_dir: Path, out: Path) -> subprocess.CompletedProcess[str]
 def test_murmur_export_writes_an_embedded_models_checkpoint_as_safetensors(tmp_path, corpus: Corpus) -> None:
     from safetensors.numpy import load_file
 
-    from node.training.models.gpt import GPT, ModelConfig
+    from node.train.models.gpt import GPT, ModelConfig
 
     model = write_node_checkpoint(tmp_path / "node", "moe", corpus)
     done = murmur_export(tmp_path / "node", tmp_path / "out")
@@ -96,8 +96,8 @@ def test_murmur_export_writes_an_embedded_models_checkpoint_as_safetensors(tmp_p
 def test_murmur_export_writes_an_hf_presets_checkpoint_that_transformers_loads(tmp_path, corpus: Corpus) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from node.training.data import synthetic_text
-    from node.training.tokenizer import train_bpe
+    from node.train.data import synthetic_text
+    from node.train.tokenizer import train_bpe
 
     tokenizer = tmp_path / "tokenizer.json"
     train_bpe(synthetic_text(0, 100_000).decode().split("\n\n"), 300, tokenizer)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from node.training.checkpoint import load_checkpoint
+from node.train.checkpoint import load_checkpoint
 from support.container_harness import (
     Cleanup,
     Podman,

@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node.training import data
-from node.training.data import (
+from node.train import data
+from node.train.data import (
     corpus_from_text,
     decode,
     decode_bytes,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from node.training.models import build_named_model
+from node.train.models import build_named_model
 
 MURMUR = Path(sys.executable).with_name("murmur")
 
@@ -64,7 +64,7 @@ def test_a_diloco_demo_with_int8_shows_its_saving_next_to_the_default_demo(tmp_p
 def test_a_demo_of_a_hugging_face_preset_trains_and_prints_the_monitor(tmp_path):
     """`murmur demo --model hf-tiny-llama`: the nodes build the transformers model from the swarm's
     config, train it together, and the losses fall."""
-    from node.training.models.hf import parameter_count, read_source
+    from node.train.models.hf import parameter_count, read_source
 
     steps = 30
     out = subprocess.run([str(MURMUR), "demo", "--nodes", "2", "--steps", str(steps), "--model", "hf-tiny-llama",

@@ -29,10 +29,10 @@ from gossip.diloco import (
 from gossip.exchange import ExchangeSettings
 from gossip.memory import InMemoryNetwork
 from gossip.optimizers import LRSchedule, OptimizerConfig
-from node.training.data import Corpus, peer_shard
-from node.training.diloco import DilocoTrainer
-from node.training.models import ModelConfig, build_model
-from node.training.trainer import Trainer, TrainerConfig, average_tensors
+from node.algorithms.diloco.trainer import DilocoTrainer
+from node.train.data import Corpus, peer_shard
+from node.train.models import ModelConfig, build_model
+from node.train.trainer import Trainer, TrainerConfig, average_tensors
 from topology import MembershipView, PeerRound, build_topology, peer_round
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]

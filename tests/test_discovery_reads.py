@@ -13,10 +13,10 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from gossip.spes import ExpertRecord
+from node.algorithms.spes.directory import DhtExpertDirectory
 from node.net.discovery import Discovery, DiscoverySettings
 from node.net.identity import Identity, create_identity
 from node.net.records import PeerRecord, encode_expert_records, encode_peer_record, experts_key, peers_key
-from node.spes.directory import DhtExpertDirectory
 
 pytestmark = pytest.mark.unit
 

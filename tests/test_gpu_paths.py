@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from node.spes.training import GPU_MEMORY_SHARE, TRAINED_BYTES, spes_capacity
-from node.training.staging import HostStaging
+from node.algorithms.spes.swarm import GPU_MEMORY_SHARE, TRAINED_BYTES, spes_capacity
+from node.train.staging import HostStaging
 
 pytestmark = pytest.mark.unit
 

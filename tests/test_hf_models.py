@@ -1,4 +1,4 @@
-"""Hugging Face models (node.training.models.hf, .experts, node.training.export): presets built the same
+"""Hugging Face models (node.train.models.hf, .experts, node.train.export): presets built the same
 on every node from a seed; a model config from the network bounded before it is built; fused
 Mixtral-style experts split per expert with the same outputs, unsupported layouts named; SPES on
 hf-tiny-mixtral with 4 nodes (each optimizer holds exactly the shared weights and its owned experts;
@@ -23,8 +23,8 @@ from gossip.exchange import ExchangeSettings, GossipPeer
 from gossip.memory import InMemoryNetwork
 from gossip.optimizers import OptimizerConfig
 from gossip.spes import SpesConfig, assign_experts
-from node.training.data import Corpus, peer_shard
-from node.training.trainer import GossipTrainer, Trainer, TrainerConfig, average_tensors
+from node.train.data import Corpus, peer_shard
+from node.train.trainer import GossipTrainer, Trainer, TrainerConfig, average_tensors
 from topology import MembershipView, PeerRound, build_topology, peer_round
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.unit
 def test_the_command_line_and_the_node_config_never_import_the_hf_stack() -> None:
-    code = "import node.cli.main, node.training.checkpoint, node.training.shards, node.training.tokenizer, gossip.blob"
+    code = "import node.cli.main, node.train.checkpoint, node.train.shards, node.train.tokenizer, gossip.blob"
     done = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True,
                           cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -41,7 +41,7 @@ def test_the_command_line_and_the_node_config_never_import_the_hf_stack() -> Non
 
 
 def mixtral_doc(**changes: object) -> dict:
-    from node.training.models.hf import read_source
+    from node.train.models.hf import read_source
 
     return {**read_source("hf-tiny-mixtral").config, **changes}
 
@@ -49,8 +49,8 @@ def mixtral_doc(**changes: object) -> dict:
 @pytest.mark.unit
 @pytest.mark.slow
 def test_presets_are_the_same_on_every_node_for_a_seed_and_split_per_expert() -> None:
-    from node.training.models import expert_parameter_names, shared_parameter_names
-    from node.training.models.hf import build_hf_model, parameter_count, read_source
+    from node.train.models import expert_parameter_names, shared_parameter_names
+    from node.train.models.hf import build_hf_model, parameter_count, read_source
 
     for name in ("hf-tiny-llama", "hf-tiny-mixtral"):
         doc = read_source(name, vocab_size=300).config
@@ -72,8 +72,8 @@ def test_presets_are_the_same_on_every_node_for_a_seed_and_split_per_expert() ->
 def test_split_experts_compute_what_transformers_fused_experts_compute() -> None:
     from transformers import AutoModelForCausalLM
 
-    from node.training.models.experts import SplitExperts, fuse_state_dict, split_fused_experts
-    from node.training.models.hf import hf_config
+    from node.train.models.experts import SplitExperts, fuse_state_dict, split_fused_experts
+    from node.train.models.hf import hf_config
 
     config = hf_config(mixtral_doc())
     torch.manual_seed(0)
@@ -106,8 +106,8 @@ def test_split_experts_compute_what_transformers_fused_experts_compute() -> None
      r"mlp\.v1 \(64, 32\), mlp\.w2 \(64, 32\)\)"),
 ], ids=["gpt_oss", "dbrx"])
 def test_an_unsupported_expert_layout_is_refused_by_name(doc, named) -> None:
-    from node.spes.partition import ModelPartition
-    from node.training.models.hf import build_hf_model
+    from node.algorithms.spes.partition import ModelPartition
+    from node.train.models.hf import build_hf_model
 
     model = build_hf_model(doc, seed=0)
     with pytest.raises(ValueError, match=r"^SPES cannot split the experts of this model per expert: unsupported layout "
@@ -128,7 +128,7 @@ def test_an_unsupported_expert_layout_is_refused_by_name(doc, named) -> None:
     ({"model_type": "vit"}, "not a causal language model"),
 ])
 def test_a_model_config_from_the_network_is_bounded_before_it_is_built(doc, message) -> None:
-    from node.training.models.hf import HfModelInvalid, hf_config
+    from node.train.models.hf import HfModelInvalid, hf_config
 
     with pytest.raises(HfModelInvalid, match=message):
         hf_config(doc)
@@ -137,7 +137,7 @@ def test_a_model_config_from_the_network_is_bounded_before_it_is_built(doc, mess
 @pytest.mark.unit
 @pytest.mark.slow
 def test_a_model_too_large_for_this_machine_is_refused_without_allocating_it() -> None:
-    from node.training.models.hf import HfModelInvalid, check_fits
+    from node.train.models.hf import HfModelInvalid, check_fits
 
     # every field within its bound, but ~70 billion parameters: counted on the meta device
     huge = {"model_type": "llama", "vocab_size": 128_000, "hidden_size": 8192, "intermediate_size": 28_672,
@@ -178,7 +178,7 @@ class Lockstep:
 
 
 def mixtral_trainer(corpus: Corpus, peer_id: str) -> Trainer:
-    from node.training.models.hf import build_hf_model
+    from node.train.models.hf import build_hf_model
 
     config = TrainerConfig(optimizer=OPTIMIZER, batch_size=8, context=CONTEXT, device="cpu", precision="fp32",
                            eval_batch_size=64, eval_batches=6, eval_every_rounds=None)
@@ -190,8 +190,8 @@ def mixtral_trainer(corpus: Corpus, peer_id: str) -> Trainer:
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_torch_thread")
 def test_spes_on_hf_tiny_mixtral_trains_shared_and_owned_experts_within_5_percent_of_dense(corpus: Corpus) -> None:
-    from node.spes.node import InMemoryExpertDirectory, SpesNode
-    from node.spes.partition import ModelPartition, spes_average
+    from node.algorithms.spes.node import InMemoryExpertDirectory, SpesNode
+    from node.algorithms.spes.partition import ModelPartition, spes_average
 
     async def dense() -> tuple[float, float]:
         net, nodes = InMemoryNetwork(), []
@@ -246,9 +246,9 @@ def test_spes_on_hf_tiny_mixtral_trains_shared_and_owned_experts_within_5_percen
 
 def write_average(data_dir: Path, model: str, tensors: dict[str, np.ndarray], tokenizer: Path | None = None) -> dict:
     from node.cli.main import parse_node_config
-    from node.training.checkpoint import SWARM_AVERAGE_FILE, save_checkpoint
-    from node.training.recipe import swarm_document
-    from node.training.tokenizer import store_in_cache
+    from node.swarm.recipe import swarm_document
+    from node.train.checkpoint import SWARM_AVERAGE_FILE, save_checkpoint
+    from node.train.tokenizer import store_in_cache
 
     flags = ["node", "--model", model] + (["--tokenizer", str(tokenizer)] if tokenizer else [])
     doc = swarm_document(parse_node_config(flags, {}), 1.0)
@@ -273,11 +273,11 @@ def perturbed(model: torch.nn.Module) -> dict[str, np.ndarray]:
 def test_an_hf_moe_export_loads_in_transformers_with_the_averages_logits(tmp_path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from node.training.data import synthetic_text
-    from node.training.export import ExportSource, export_data_dir
-    from node.training.models.hf import build_hf_model
-    from node.training.recipe import SwarmSettings
-    from node.training.tokenizer import train_bpe
+    from node.swarm.recipe import SwarmSettings
+    from node.train.data import synthetic_text
+    from node.train.export import ExportSource, export_data_dir
+    from node.train.models.hf import build_hf_model
+    from node.train.tokenizer import train_bpe
 
     tokenizer = tmp_path / "tokenizer.json"
     train_bpe(synthetic_text(0, 100_000).decode().split("\n\n"), 300, tokenizer)
@@ -303,8 +303,8 @@ def test_an_hf_moe_export_loads_in_transformers_with_the_averages_logits(tmp_pat
 def test_an_embedded_model_exports_one_safetensors_tensor_per_parameter_in_its_shape(tmp_path) -> None:
     from safetensors.numpy import load_file
 
-    from node.training.export import export_data_dir
-    from node.training.models import build_named_model
+    from node.train.export import export_data_dir
+    from node.train.models import build_named_model
 
     model = build_named_model("moe", seed=0)
     tensors = perturbed(model)
@@ -342,7 +342,7 @@ def test_export_and_tokenizer_commands_refuse_bad_input_with_exit_2_and_one_line
 @pytest.mark.unit
 @pytest.mark.slow  # imports transformers (seconds)
 def test_a_config_transformers_cannot_build_a_model_from_is_one_clear_line() -> None:
-    from node.training.models.hf import HfModelInvalid, build_hf_model
+    from node.train.models.hf import HfModelInvalid, build_hf_model
 
     # within every bound, but DBRX's attention needs attn_config.rope_theta
     doc = {"model_type": "dbrx", "vocab_size": 256, "d_model": 32, "n_heads": 4, "n_layers": 1, "max_seq_len": 64,

@@ -1,4 +1,4 @@
-"""`--model hf:PATH` (node.training.models.hf, node.training.loop): a directory holding only a
+"""`--model hf:PATH` (node.train.models.hf, node.swarm.loop): a directory holding only a
 config.json builds the same seeded random init on every build; a pretrained checkpoint directory
 builds the checkpoint's model (its logits) and the founder's recipe names its weights by sha256; and a
 joiner uses those weights only if its own --model holds the same ones, otherwise it must download the
@@ -52,7 +52,7 @@ def dirs(tmp_path_factory) -> SimpleNamespace:
 
 def recipe_for(model: str):
     from node.cli.main import parse_node_config
-    from node.training.recipe import SwarmSettings, swarm_document
+    from node.swarm.recipe import SwarmSettings, swarm_document
 
     recipe = SwarmSettings.from_doc(swarm_document(parse_node_config(["node", "--model", model], {}), 1.0)).training
     assert recipe is not None
@@ -64,7 +64,7 @@ def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def test_a_config_only_directory_builds_the_same_seeded_random_init_every_time(dirs) -> None:
-    from node.training.models.hf import build_hf_model, read_source
+    from node.train.models.hf import build_hf_model, read_source
 
     assert sorted(p.name for p in dirs.config_only.iterdir()) == ["config.json"]
     source = read_source(f"hf:{dirs.config_only}")
@@ -81,7 +81,7 @@ def test_a_config_only_directory_builds_the_same_seeded_random_init_every_time(d
 
 
 def test_a_pretrained_checkpoint_builds_its_own_model_and_the_recipe_names_its_weights(dirs) -> None:
-    from node.training.models.hf import build_hf_model, read_source, weights_digest
+    from node.train.models.hf import build_hf_model, read_source, weights_digest
 
     source = read_source(f"hf:{dirs.checkpoint}")
     assert source.weights == dirs.checkpoint
@@ -104,8 +104,8 @@ def test_a_pretrained_checkpoint_builds_its_own_model_and_the_recipe_names_its_w
 def test_a_joiner_loads_the_swarms_weights_only_from_the_same_checkpoint_and_else_must_download(dirs) -> None:
     from node.cli.main import parse_node_config
     from node.net.records import PeerRecord
-    from node.training.joining import judge_steps
-    from node.training.loop import build_swarm_model, local_weights
+    from node.swarm.joining import judge_steps
+    from node.swarm.loop import build_swarm_model, local_weights
 
     recipe = recipe_for(f"hf:{dirs.checkpoint}")
     assert local_weights(f"hf:{dirs.checkpoint}", recipe) == dirs.checkpoint

@@ -1,4 +1,4 @@
-"""Tests for node.training.joining: how a node that starts behind judges the swarm's step claims, which
+"""Tests for node.swarm.joining: how a node that starts behind judges the swarm's step claims, which
 downloads it refuses by their values and validation loss, how it combines the rest, and the step it adopts."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 
 from gossip.errors import WireError
 from gossip.spes import ExpertKey, ExpertRecord, overclaiming_peers, version_bound
+from node.algorithms.spes.swarm import SpesSwarmTraining
 from node.net.records import PeerRecord
-from node.spes.training import SpesSwarmTraining
-from node.training.joining import (
+from node.swarm.joining import (
     JoinRules,
     Refused,
     combine,
@@ -24,7 +24,7 @@ from node.training.joining import (
     plausible_steps,
     swarm_left_behind,
 )
-from node.training.loop import TrainingStatus
+from node.swarm.loop import TrainingStatus
 
 pytestmark = pytest.mark.unit
 

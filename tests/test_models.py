@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from node.training.data import embedded_corpus, training_batch, unigram_loss, validation_batches
-from node.training.models import (
+from node.train.data import embedded_corpus, training_batch, unigram_loss, validation_batches
+from node.train.models import (
     DEFAULT,
     DENSE_DEFAULT,
     GPT,

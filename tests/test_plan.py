@@ -258,7 +258,7 @@ def test_predicted_diloco_bytes_equal_counted_bytes_of_real_outer_syncs():
     peer) over the in-memory transport run syncs on a one-peer exponential graph; the bytes their peers
     count equal the plan's prediction, to the byte, for DiLoCo's defaults and for a fused sync."""
     from gossip.diloco import OuterNesterov
-    from node.training.outer_group import OuterGroup
+    from node.algorithms.outer_group import OuterGroup
 
     n, syncs, step, first = 4, 4, 5000, 3000
     ids = [f"Qm{i:044d}" for i in range(n)]
@@ -333,7 +333,7 @@ def test_plan_text_names_the_winner():
 def test_plan_counts_the_models_parameters():
     out = run_cli("--model", "dense", "--step-time", "0.3", "--json")
     assert out.returncode == 0, out.stderr
-    from node.training.models import build_named_model
+    from node.train.models import build_named_model
 
     assert json.loads(out.stdout)["numel"] == sum(p.numel() for p in build_named_model("dense", seed=0).parameters())
 

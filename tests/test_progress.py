@@ -1,4 +1,4 @@
-"""Which neighbours' records show progress (node/training/progress.py): a round waits only for a laggard
+"""Which neighbours' records show progress (node/swarm/progress.py): a round waits only for a laggard
 seen catching up, and leaves out a record that stopped changing beyond the staleness bound, so a record at
 step 0 that never trains, or a frozen peer, holds no round beyond its deadline."""
 
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-import node.training.loop as loop
-from node.training.progress import PeerProgress, leave_out_stalled, record_lag_rounds, stalled_after
+import node.swarm.loop as loop
+from node.swarm.progress import PeerProgress, leave_out_stalled, record_lag_rounds, stalled_after
 from topology import PeerRound
 
 pytestmark = pytest.mark.unit

@@ -16,8 +16,8 @@ from gossip.optimizers import ALGORITHMS
 from gossip.spes.rules import REFRESH_CODECS
 from node.config import NODE_CODECS, GossipConfig, NodeConfig, TrainingConfig
 from node.net.records import canonical_config_bytes
-from node.training import recipe
-from node.training.recipe import RecipeInvalid, check_model_allowed
+from node.swarm import recipe
+from node.swarm.recipe import RecipeInvalid, check_model_allowed
 from topology import TOPOLOGY_NAMES, WEIGHT_SCHEMES, TopologySpec
 
 pytestmark = pytest.mark.unit

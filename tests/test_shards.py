@@ -1,4 +1,4 @@
-"""--data as streamed shards (node.training.shards): the shard plan gives peers disjoint parts of every
+"""--data as streamed shards (node.train.shards): the shard plan gives peers disjoint parts of every
 epoch that together cover the training units; records come out of text, jsonl and parquet files; a
 malformed jsonl line or a record without the text field is skipped with one counted log line while
 reading goes on; batches are consecutive windows of the peer's part, and the validation set is the
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from node.training.shards import (
+from node.train.shards import (
     DataInvalid,
     ShardPlan,
     ShardStream,
@@ -24,7 +24,7 @@ from node.training.shards import (
     read_records,
     resolve_files,
 )
-from node.training.tokenizer import ByteTokenizer
+from node.train.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.unit
 
@@ -88,7 +88,7 @@ def test_a_malformed_line_and_a_missing_field_are_skipped_counted_and_logged_onc
         f.write("\n")
         f.write(json.dumps({"text": "after the bad ones"}) + "\n")
     plan = ShardPlan(tuple(resolve_files(path)), tuple(), tuple())
-    from node.training.shards import cut_units
+    from node.train.shards import cut_units
 
     counted: list[str] = []
     skips = SkipCounter(counted.append)
@@ -109,7 +109,7 @@ def test_text_and_parquet_shards_and_the_text_field(tmp_path) -> None:
     table = pa.table({"body": [f"row {i}" for i in range(10)] + [None], "n": list(range(11))})
     pq.write_table(table, tmp_path / "b.parquet", row_group_size=4)
     plan = ShardPlan(tuple(resolve_files(tmp_path)), (), ())
-    from node.training.shards import cut_units
+    from node.train.shards import cut_units
 
     units = cut_units(plan.files)
     assert [(plan.files[u.file].name, u.start) for u in units] == [("a.txt", 0), ("b.parquet", 0), ("b.parquet", 1),

@@ -1,4 +1,4 @@
-"""SPES on nodes over the in-memory transport (node.spes.node): loss parity with dense training, training only
+"""SPES on nodes over the in-memory transport (node.algorithms.spes.node): loss parity with dense training, training only
 shared + owned parameters, bytes per sync against the analytic figure, unchanged experts never
 re-sent, takeover from the freshest copy when all owners of an expert die, and refused bad copies."""
 
@@ -28,11 +28,11 @@ from gossip.spes import (
 )
 from gossip.transport import Stream
 from gossip.wire import Expectation, encode_message, message_nbytes, read_message
-from node.spes.node import InMemoryExpertDirectory, SpesNode
-from node.spes.partition import ModelPartition, spes_average, tensor_manifest
-from node.training.data import Corpus, peer_shard
-from node.training.models import ModelConfig, build_model
-from node.training.trainer import GossipTrainer, Trainer, TrainerConfig, average_tensors
+from node.algorithms.spes.node import InMemoryExpertDirectory, SpesNode
+from node.algorithms.spes.partition import ModelPartition, spes_average, tensor_manifest
+from node.train.data import Corpus, peer_shard
+from node.train.models import ModelConfig, build_model
+from node.train.trainer import GossipTrainer, Trainer, TrainerConfig, average_tensors
 from topology import MembershipView, PeerRound, build_topology, peer_round
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]

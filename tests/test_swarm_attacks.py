@@ -37,7 +37,7 @@ LOSS_RATIO = 1.10
 def check_honest_sources(joined: dict, hostile: str) -> None:
     """The joiner downloaded nothing from the hostile, and at least two honest copies, and kept only
     honest ones. How many it kept is not asserted: one honest copy that lags far behind is refused for
-    its loss, and two that do not average well are replaced by the better one (node.training.joining);
+    its loss, and two that do not average well are replaced by the better one (node.swarm.joining);
     on a loaded machine either can happen to honest copies, attack or not."""
     assert hostile not in joined["losses"] and len(joined["losses"]) >= 2, joined
     assert joined["sources"] and hostile not in joined["sources"], joined
@@ -152,7 +152,7 @@ def test_a_hostile_spes_member_claiming_capacity_2_62_and_huge_versions_is_bound
         assert status["training"]["val_loss"] < 3.5, status["training"]
     assert refused >= 1, "no honest node counted the hostile's versions as out of bounds"
     # the joiner took nothing from it: its record's capacity (and versions) are beyond what any honest
-    # peer claims, so it is refused as a download source whatever its step (node.training.joining)
+    # peer claims, so it is refused as a download source whatever its step (node.swarm.joining)
     training = attack.statuses["n4"]["training"]
     joined = training["joined"]
     assert joined["refused"].get(hostile) == "record_out_of_bounds", joined

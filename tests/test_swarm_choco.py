@@ -13,11 +13,11 @@ import pytest
 from gossip.choco import typical_meta
 from gossip.codecs import TopKCodec
 from gossip.plan import Compression, HeaderValues, LinkSpec, PlanConfig, bytes_per_node, specs_for_vectors
-from node.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
-from node.training.data import load_corpus
-from node.training.loop import EVAL_BATCH_SIZE, EVAL_BATCHES
-from node.training.recipe import optimizer_config
-from node.training.trainer import Trainer, TrainerConfig, average_tensors, train_alone
+from node.swarm.loop import EVAL_BATCH_SIZE, EVAL_BATCHES
+from node.swarm.recipe import optimizer_config
+from node.train.checkpoint import CHECKPOINT_FILE, load_checkpoint
+from node.train.data import load_corpus
+from node.train.trainer import Trainer, TrainerConfig, average_tensors, train_alone
 from support.swarm_harness import Swarm, wait_for
 from support.tiny_model import TINY, build
 from topology import TopologySpec

@@ -27,7 +27,8 @@ from node.runtime.swarm_config import (
     pinned_founder,
     why_not_follow,
 )
-from node.training.checkpoint import (
+from node.swarm.recipe import swarm_document
+from node.train.checkpoint import (
     CHECKPOINT_FILE,
     kept_metas,
     kept_path,
@@ -35,7 +36,6 @@ from node.training.checkpoint import (
     save_checkpoint,
     switch_checkpoint,
 )
-from node.training.recipe import swarm_document
 
 pytestmark = pytest.mark.unit
 
@@ -141,7 +141,7 @@ def test_a_joiner_lacking_what_the_swarm_asks_is_told_at_start(tmp_path, ids):
 
 
 def _admission(mode: str):  # type: ignore[no-untyped-def]
-    from node.training.recipe import AdmissionDoc, AdmissionMode
+    from node.swarm.recipe import AdmissionDoc, AdmissionMode
 
     return AdmissionDoc(mode=AdmissionMode(mode))
 

@@ -17,11 +17,11 @@ import torch
 
 from gossip.codecs import get_codec
 from gossip.diloco import RoundMessages, fragment_partition, round_bytes
-from node.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
-from node.training.data import load_corpus
-from node.training.loop import EVAL_BATCH_SIZE, EVAL_BATCHES
-from node.training.recipe import optimizer_config
-from node.training.trainer import Trainer, TrainerConfig, train_alone
+from node.swarm.loop import EVAL_BATCH_SIZE, EVAL_BATCHES
+from node.swarm.recipe import optimizer_config
+from node.train.checkpoint import CHECKPOINT_FILE, load_checkpoint
+from node.train.data import load_corpus
+from node.train.trainer import Trainer, TrainerConfig, train_alone
 from support.swarm_harness import Swarm, wait_for
 from support.tiny_model import TINY, build
 from topology import MembershipView, build_topology, peer_round
@@ -85,7 +85,7 @@ def val_loss(data_dir: Path, tensors: dict[str, np.ndarray] | None = None, nodes
 def fragment_round_bytes(peer_ids: list[str], me: str) -> list[int]:
     """What the analytic model says `me` moves in one outer exchange of each fragment, the view being
     `peer_ids` (two fragments, one-peer-exp; at outer lr 1 without momentum and anchors in the codec of the
-    pseudo-gradients, one int8 message per fragment and sync carries both: node.training.outer_group).
+    pseudo-gradients, one int8 message per fragment and sync carries both: node.algorithms.outer_group).
     Over 6 peers every round of one-peer-exp is directed (offsets 1, 2, 4 of 6): one pull each way.
     (`murmur plan`'s prediction can stand in here once it lands.)"""
     model = {name: p.detach().numpy().reshape(-1) for name, p in build().named_parameters()}

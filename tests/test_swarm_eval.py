@@ -26,11 +26,11 @@ from node.config import NodeConfig
 from node.monitor import Counters, EventLog, HistoryRecorder, start_monitor
 from node.monitor.schemas import schema
 from node.runtime.status import NodeRuntime
-from node.training.checkpoint import load_checkpoint
-from node.training.data import Corpus
-from node.training.models import build_model
-from node.training.swarm_eval import EvalBusy, EvalUnavailable, SwarmEvaluator
-from node.training.trainer import Trainer, TrainerConfig, average_tensors
+from node.swarm.swarm_eval import EvalBusy, EvalUnavailable, SwarmEvaluator
+from node.train.checkpoint import load_checkpoint
+from node.train.data import Corpus
+from node.train.models import build_model
+from node.train.trainer import Trainer, TrainerConfig, average_tensors
 from support.tiny_model import TINY
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
@@ -429,7 +429,7 @@ def test_eval_without_a_node_exits_1_naming_the_url(capsys):
 
 
 def test_a_diverged_average_is_answered_with_a_null_loss():
-    from node.training.swarm_eval import IncludedPeer, SwarmEvalResult
+    from node.swarm.swarm_eval import IncludedPeer, SwarmEvalResult
 
     result = SwarmEvalResult(float("nan"), "me", (IncludedPeer("me", 3),), {}, 0.5)
     answer = {**result.as_dict(), "local": {"val_loss": None, "val_step": None, "loss": None, "step": 3}}

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from node.training.checkpoint import SWARM_AVERAGE_FILE, load_checkpoint
-from node.training.data import synthetic_text
-from node.training.loop import EVAL_BATCH_SIZE, EVAL_BATCHES
-from node.training.models import mean_cross_entropy
-from node.training.recipe import SwarmSettings
+from node.swarm.loop import EVAL_BATCH_SIZE, EVAL_BATCHES
+from node.swarm.recipe import SwarmSettings
+from node.train.checkpoint import SWARM_AVERAGE_FILE, load_checkpoint
+from node.train.data import synthetic_text
+from node.train.models import mean_cross_entropy
 from support.swarm_harness import Swarm, wait_for
 
 pytestmark = pytest.mark.multiprocess
@@ -102,15 +102,15 @@ def test_three_nodes_train_hf_tiny_llama_with_a_trained_tokenizer_and_export_wha
     recipe = SwarmSettings.from_doc(json.loads(average.meta["swarm_config"])).training
     assert recipe is not None and recipe.tokenizer is not None and recipe.model_config["vocab_size"] == 512
 
-    from node.training.models.hf import build_hf_model
-    from node.training.shards import ShardStream, open_dataset
-    from node.training.tokenizer import BpeTokenizer
+    from node.train.models.hf import build_hf_model
+    from node.train.shards import ShardStream, open_dataset
+    from node.train.tokenizer import BpeTokenizer
 
     # the validation loss of the untrained model and of the swarm average, as the nodes evaluate it
     stream = ShardStream(open_dataset(data), BpeTokenizer(tokenizer.read_bytes()), "test", "body")
     val = stream.val_tokens()
     stream.close()
-    from node.training.data import validation_batches
+    from node.train.data import validation_batches
 
     def loss_of(model: torch.nn.Module) -> float:
         return mean_cross_entropy(model, validation_batches(val, EVAL_BATCH_SIZE, CONTEXT, EVAL_BATCHES))

@@ -31,7 +31,7 @@ import pytest
 
 from node.net.identity import create_identity
 from node.net.view import MAX_VIEW
-from node.training.checkpoint import CHECKPOINT_FILE, kept_path, read_checkpoint_file
+from node.train.checkpoint import CHECKPOINT_FILE, kept_path, read_checkpoint_file
 from support.attacks import fetch_metrics, metric
 from support.hostile import Mode, hostile_argv
 from support.swarm_harness import MURMUR, Node, Swarm, check_consensus, summary, wait_for

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from node.algorithms.spes.partition import ModelPartition
+from node.algorithms.spes.swarm import saved_records
 from node.cli.main import parse_node_config
 from node.config import ConfigError
-from node.spes.partition import ModelPartition
-from node.spes.training import saved_records
-from node.training.checkpoint import load_checkpoint
-from node.training.recipe import SwarmSettings, swarm_document
+from node.swarm.recipe import SwarmSettings, swarm_document
+from node.train.checkpoint import load_checkpoint
 from support.swarm_harness import MURMUR, Swarm, wait_for
 from support.tiny_moe import TINY_MOE, build
 
@@ -210,9 +210,9 @@ def test_expert_directory_over_the_dht_publishes_signed_records_and_refuses_malf
     from test_discovery import member
 
     from gossip.spes import ExpertRecord
+    from node.algorithms.spes.directory import DhtExpertDirectory
     from node.net.discovery import DiscoverySettings
     from node.net.records import experts_key
-    from node.spes.directory import DhtExpertDirectory
 
     heartbeat = 0.5
     settings = DiscoverySettings(swarm="spesdir", heartbeat_s=heartbeat)
@@ -265,10 +265,10 @@ def test_capacity_defaults_to_every_expert_on_cpu_and_saved_records_parse_or_are
     import json
 
     from gossip.spes import ExpertRecord, records_to_wire
-    from node.spes.training import CHECKPOINT_META_KEY, capacity_for
-    from node.training.data import load_corpus
-    from node.training.recipe import optimizer_config
-    from node.training.trainer import Trainer, TrainerConfig
+    from node.algorithms.spes.swarm import CHECKPOINT_META_KEY, capacity_for
+    from node.swarm.recipe import optimizer_config
+    from node.train.data import load_corpus
+    from node.train.trainer import Trainer, TrainerConfig
 
     corpus = load_corpus(None, tmp_path)
     config = TrainerConfig(optimizer=optimizer_config("dadam", 1e-3, 0, 0, 1, 1), batch_size=2,

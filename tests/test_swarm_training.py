@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from node.training.checkpoint import load_checkpoint
-from node.training.data import load_corpus
-from node.training.loop import EVAL_BATCH_SIZE, EVAL_BATCHES
-from node.training.recipe import optimizer_config
-from node.training.trainer import Trainer, TrainerConfig, average_tensors, train_alone
+from node.swarm.loop import EVAL_BATCH_SIZE, EVAL_BATCHES
+from node.swarm.recipe import optimizer_config
+from node.train.checkpoint import load_checkpoint
+from node.train.data import load_corpus
+from node.train.trainer import Trainer, TrainerConfig, average_tensors, train_alone
 from support.swarm_harness import Swarm, wait_for
 from support.tiny_model import TINY, build
 

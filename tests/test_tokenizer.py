@@ -1,4 +1,4 @@
-"""Tokenizers (node.training.tokenizer) and the blob protocol joiners fetch a swarm's tokenizer with
+"""Tokenizers (node.train.tokenizer) and the blob protocol joiners fetch a swarm's tokenizer with
 (gossip.blob, over the in-memory transport): a trained byte-level BPE round-trips text, its config
 entry is bounded, a fetched blob must have the size and hash the swarm config names, and a node that
 cannot get the tokenizer stops with a clear line."""
@@ -16,8 +16,8 @@ from gossip.memory import InMemoryNetwork
 from gossip.transport import Stream
 from node.runtime.errors import StartupError
 from node.runtime.tokenizer import obtain_tokenizer
-from node.training.data import synthetic_text
-from node.training.tokenizer import (
+from node.train.data import synthetic_text
+from node.train.tokenizer import (
     EOS,
     BpeTokenizer,
     TokenizerInvalid,

@@ -43,7 +43,7 @@ from node.net.validation import (
     SwarmMembership,
     make_record_validator,
 )
-from node.training.recipe import AdmissionDoc, AdmissionMode, swarm_document
+from node.swarm.recipe import AdmissionDoc, AdmissionMode, swarm_document
 
 pytestmark = pytest.mark.unit
 

@@ -2,7 +2,7 @@
 (`outer`), the split of the model into streamed fragments (`fragments`), when each fragment syncs
 (`schedule`, with the quadratic synchronisation rule) and the analytic traffic (`traffic`).
 
-`node/training/diloco.py` runs these over a trainer and one gossip peer per fragment;
+`node/algorithms/diloco/trainer.py` runs these over a trainer and one gossip peer per fragment;
 docs/training.md ("Gossip DiLoCo") explains the scheme.
 """
 

@@ -2,7 +2,7 @@
 (`rules`: knobs, ownership, records), the merge warm-up (`merge`), the analytic traffic and memory
 (`traffic`) and the fetch protocol for frozen copies (`fetch`).
 
-`node/spes/node.py` runs these over a trainer and the gossip transport, and the daemon publishes the
+`node/algorithms/spes/node.py` runs these over a trainer and the gossip transport, and the daemon publishes the
 records under `<swarm>.experts`. docs/spes.md explains the scheme.
 """
 

@@ -4,7 +4,7 @@ refreshes the asker names the hash of the copy it has, and an owner whose previo
 that hash answers with the compressed delta from it (kind `delta`, in the refresh codec) instead of the
 whole copy (kind `expert`, then in fp32); the asker adds it and checks the sum's hash.
 
-docs/spes.md ("The fetch protocol") describes the messages; `node.spes.node.SpesNode` asks and serves.
+docs/spes.md ("The fetch protocol") describes the messages; `node.algorithms.spes.node.SpesNode` asks and serves.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ class SpesConfig:
     alpha0: float = 0.1  # merge strength at step 0
     replication: int = 2  # r: owners per expert where peers and capacities allow
     # Each sync is an outer step per group (shared weights; each owned expert) over gossip, compressed
-    # with error feedback (node.training.outer_group): the pseudo-gradients mixed in the group's codec,
+    # with error feedback (node.algorithms.outer_group): the pseudo-gradients mixed in the group's codec,
     # the anchors every `anchor_every`-th sync; at outer lr 1 without momentum (the defaults) one
     # message per group per sync, the weights themselves, as plain SPES mixes them.
     shared_codec: str = "int8"  # the shared weights travel in this codec

@@ -23,7 +23,7 @@ from node.cli.ready_line import ReadyLine, find_ready_line
 from node.cli.status import fetch_status
 from node.config import DEFAULTS
 from node.net.proc import popen
-from node.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
+from node.train.checkpoint import CHECKPOINT_FILE, load_checkpoint
 
 if TYPE_CHECKING:
     import torch
@@ -219,10 +219,10 @@ def summarize(options: DemoOptions, nodes: Sequence[DemoNode], workdir: Path) ->
     on the same validation batches the nodes use."""
     import torch
 
-    from node.training.data import load_corpus, validation_batches
-    from node.training.loop import EVAL_BATCH_SIZE, EVAL_BATCHES
-    from node.training.models import build_named_model, mean_cross_entropy
-    from node.training.trainer import average_tensors
+    from node.swarm.loop import EVAL_BATCH_SIZE, EVAL_BATCHES
+    from node.train.data import load_corpus, validation_batches
+    from node.train.models import build_named_model, mean_cross_entropy
+    from node.train.trainer import average_tensors
 
     corpus = load_corpus(None, workdir)
     model = build_named_model(options.model, seed=0)
@@ -278,7 +278,7 @@ def _spes_average(
     """The SPES swarm average: shared weights over every node, each expert over the nodes that own it
     (by their last status; frozen copies are only caches)."""
     from gossip.spes import Ownership
-    from node.spes.partition import ModelPartition, spes_average
+    from node.algorithms.spes.partition import ModelPartition, spes_average
 
     partition = ModelPartition.of(model)
     members = {n.peer_id: params for n, params in zip(nodes, finals, strict=True)}

@@ -10,7 +10,7 @@ from typing import Any
 
 from node.cli.status import no_node, post_monitor, print_answer
 
-# The node pulls each peer for at most 30 s (node.training.swarm_eval.FETCH_TIMEOUT_S), then evaluates.
+# The node pulls each peer for at most 30 s (node.swarm.swarm_eval.FETCH_TIMEOUT_S), then evaluates.
 DEFAULT_TIMEOUT_S = 300.0
 
 

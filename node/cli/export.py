@@ -1,4 +1,4 @@
-"""`murmur export`: a swarm's model as a directory other tools load (node.training.export), from a
+"""`murmur export`: a swarm's model as a directory other tools load (node.train.export), from a
 node's data directory or from a running node, which first writes its swarm average."""
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ class ExportUsage(ValueError):
 def run_export(to: Path, data_dir: Path | None, url: str | None, source: str | None, force: bool,
                timeout_s: float = DEFAULT_TIMEOUT_S, token: str | None = None) -> int:
     """`token`: with `url`, the node's monitor token (its POST endpoints need it)."""
-    from node.training.checkpoint import CheckpointUnreadable
-    from node.training.export import ExportFailed, ExportSource, export_data_dir
-    from node.training.models.hf import HfModelInvalid
+    from node.train.checkpoint import CheckpointUnreadable
+    from node.train.export import ExportFailed, ExportSource, export_data_dir
+    from node.train.models.hf import HfModelInvalid
 
     if to.exists() and not force and (not to.is_dir() or any(to.iterdir())):
         raise ExportUsage(f"--to {to} exists and is not empty (add --force to replace it)")

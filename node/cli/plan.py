@@ -31,7 +31,7 @@ class StepTime:
 def model_specs(model: str, seed: int = 0) -> tuple[TensorSpec, ...]:
     """The gossip manifest of a model by name (embedded or import path): one flat float32 tensor per
     named parameter, as a node exchanges them. Builds the model (imports torch)."""
-    from node.training.models import build_named_model
+    from node.train.models import build_named_model
 
     built = build_named_model(model, seed=seed)
     return tuple(TensorSpec(name, "float32", (int(p.numel()),)) for name, p in built.named_parameters())
@@ -102,9 +102,9 @@ async def _stepper(measure: Measure, stack: contextlib.AsyncExitStack) -> Callab
     import torch
 
     from gossip.optimizers import OptimizerConfig
-    from node.training.data import embedded_corpus
-    from node.training.models import build_named_model
-    from node.training.trainer import Trainer, TrainerConfig
+    from node.train.data import embedded_corpus
+    from node.train.models import build_named_model
+    from node.train.trainer import Trainer, TrainerConfig
 
     assert measure.model is not None
     if measure.threads:

@@ -13,8 +13,8 @@ class TokenizerUsage(ValueError):
 
 
 def run_tokenizer_train(data: Path, vocab: int, out: Path, text_field: str) -> int:
-    from node.training.shards import DataInvalid, SkipCounter, open_dataset, read_records
-    from node.training.tokenizer import TokenizerInvalid, train_bpe
+    from node.train.shards import DataInvalid, SkipCounter, open_dataset, read_records
+    from node.train.tokenizer import TokenizerInvalid, train_bpe
 
     try:
         plan = open_dataset(data)

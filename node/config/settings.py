@@ -156,7 +156,7 @@ class NodeConfig:
     invite: str | None = None  # join: NAME@FOUNDER_PEER_ID; node_config_from_args copies it into swarm and founder
     founder: str | None = None  # join: the founder's peer id (else the pinned one, see node.runtime.swarm_config)
     trust_first_founder: bool = False  # join: trust the founder of the config found when none is known
-    admission: str = "open"  # node: who may take part (node.training.recipe.AdmissionMode), the swarm's
+    admission: str = "open"  # node: who may take part (node.swarm.recipe.AdmissionMode), the swarm's
     swarm_key_file: Path | None = None  # key swarms: the swarm key (the founder creates it)
     certificate_file: Path | None = None  # allowlist swarms: this node's certificate from the founder
     data_dir: Path = Path("murmur-data")  # identity, checkpoints and logs; relative to the working dir

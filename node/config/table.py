@@ -68,7 +68,7 @@ class Model(StrEnum):
 
 TRANSPORTS = tuple(Transport)
 EMBEDDED_MODEL_NAMES = (Model.MOE, Model.DENSE)
-# Tiny Hugging Face configs built with transformers (node.training.models.hf.PRESETS); hf:PATH names others
+# Tiny Hugging Face configs built with transformers (node.train.models.hf.PRESETS); hf:PATH names others
 HF_PRESET_NAMES = ("hf-tiny-llama", "hf-tiny-mixtral")
 HF_DENSE_PRESETS = ("hf-tiny-llama",)
 VECTOR_MODEL = Model.VECTOR
@@ -80,7 +80,7 @@ STATE_CODECS = ("fp32", "fp16", "bf16", "int8")
 SPES_REFRESH_CODECS = ("fp16", "bf16", "int8")  # what --spes-refresh-codec offers (gossip.spes takes fp32 too)
 SPES_EXPERT_CODECS = ("fp32", "fp16", "bf16", "int8")  # what --spes-expert-codec offers
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-ADMISSION_MODES = ("open", "key", "allowlist")  # node.training.recipe.AdmissionMode
+ADMISSION_MODES = ("open", "key", "allowlist")  # node.swarm.recipe.AdmissionMode
 OPTIMIZERS = ("dsgd", "dadam", "diloco")
 FINAL_MERGE = ("auto", "on", "off")
 INNER_OPTIMIZERS = ("adam", "sgd")

@@ -24,7 +24,7 @@ from node.monitor.eventlog import LogCapture, Snapshot, log_changes
 from node.monitor.metrics import CONTENT_TYPE, exposition, metrics_registry
 from node.monitor.schemas import openapi_document
 from node.monitor.source import DoctorUnavailable, MonitorSource
-from node.training.swarm_eval import EvalBusy, EvalUnavailable
+from node.swarm.swarm_eval import EvalBusy, EvalUnavailable
 
 logger = logging.getLogger("murmur.monitor")
 

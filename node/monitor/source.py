@@ -52,4 +52,4 @@ class MonitorSource(Protocol):
     async def evaluate_swarm_average(self, save: bool = False) -> dict[str, Any]:
         """`POST /api/eval/average` (schemas/swarm_eval.json): the one method that does real work; it
         awaits the network and a thread, and with `save` writes the average model to disk. Raises
-        node.training.swarm_eval.EvalBusy or EvalUnavailable."""
+        node.swarm.swarm_eval.EvalBusy or EvalUnavailable."""

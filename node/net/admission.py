@@ -30,7 +30,7 @@ import msgspec
 from gossip.errors import NotMember
 from gossip.wire import Header, HeaderFields, MetaValue
 from node.net.founder import MembershipCertificate, NotAdmitted, parse_certificate, verify_membership
-from node.training.recipe import AdmissionDoc, AdmissionMode
+from node.swarm.recipe import AdmissionDoc, AdmissionMode
 
 logger = logging.getLogger(__name__)
 

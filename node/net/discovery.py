@@ -56,7 +56,7 @@ from node.net.validation import (
     make_record_validator,
 )
 from node.net.view import MAX_VIEW, cap_view
-from node.training.recipe import RecipeInvalid, parse_document
+from node.swarm.recipe import RecipeInvalid, parse_document
 
 logger = logging.getLogger(__name__)
 

@@ -165,7 +165,7 @@ def sign_config(key: RSAPrivateKey, swarm: str, version: int, document: Mapping[
 def verify_config(value: object, swarm: str, founder: str | None) -> SwarmConfig:
     """The config a `<swarm>.config` value carries, if its founder signed it for `swarm` (and the founder
     is `founder`, when given); ConfigRefused saying why not. The document's recipe is not checked here
-    (node.training.recipe does, see node.net.validation)."""
+    (node.swarm.recipe does, see node.net.validation)."""
     if not isinstance(value, bytes) or len(value) > MAX_CONFIG_BYTES + 2 * _MAX_KEY_BYTES:
         raise ConfigRefused(ConfigRefusal.MALFORMED, "the swarm config in the DHT is not a signed config")
     try:

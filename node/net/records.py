@@ -87,7 +87,7 @@ class PeerRecord(msgspec.Struct, frozen=True):
     capacity: Count  # how many experts this peer can own
     version: Version  # murmur software version
     heartbeat: Finite  # DHT (unix) time when the record was published
-    gossip_from: Count = 0  # first round this peer gossips in; 0 while it waits for a quorum (see node.training.rounds)
+    gossip_from: Count = 0  # first round this peer gossips in; 0 while it waits for a quorum (see node.swarm.rounds)
     loss: Finite | None = None  # the peer's latest training loss, for the monitors of its peers
     config_hash: ConfigHash = ""  # the swarm config this peer runs; peers of another config are not in a view
     credential: Credential = ""  # proof of membership in a key or allowlist swarm (node.net.admission)

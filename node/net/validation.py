@@ -46,7 +46,7 @@ from node.net.records import (
     owner_peer_id,
     peers_key,
 )
-from node.training.recipe import RecipeInvalid, parse_document
+from node.swarm.recipe import RecipeInvalid, parse_document
 
 MAX_CLOCK_SKEW_S = 30.0  # how far ahead of ours another node's clock may run
 MAX_HEARTBEAT_S = 30.0  # the longest `--heartbeat` a node takes

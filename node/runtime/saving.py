@@ -15,12 +15,12 @@ import numpy as np
 
 from node.runtime.shutdown import bounded_cleanup
 from node.runtime.status import NodeRuntime
-from node.training.checkpoint import CHECKPOINT_FILE, SWARM_AVERAGE_FILE, save_checkpoint
+from node.train.checkpoint import CHECKPOINT_FILE, SWARM_AVERAGE_FILE, save_checkpoint
 
 SWARM_AVERAGE_HF_DIR = "swarm-average-hf"  # a Hugging Face model's swarm average as a save_pretrained directory
 
 if TYPE_CHECKING:
-    from node.training.swarm_eval import SwarmEvalResult
+    from node.swarm.swarm_eval import SwarmEvalResult
 
 logger = logging.getLogger("murmur.node")
 
@@ -76,7 +76,7 @@ async def _export_hf_average(runtime: NodeRuntime, tensors: Mapping[str, np.ndar
                              meta: Mapping[str, str | int | float]) -> None:
     """A Hugging Face model's swarm average is also written as a save_pretrained directory beside it
     (the previous one kept as .prev). A failure is logged and counted; the safetensors file stands."""
-    from node.training.export import recipe_of, replace_directory, tokenizer_bytes, write_export
+    from node.train.export import recipe_of, replace_directory, tokenizer_bytes, write_export
 
     try:
         recipe = recipe_of(meta)

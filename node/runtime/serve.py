@@ -38,8 +38,8 @@ from node.runtime.status import NodeRuntime
 from node.runtime.swarm_config import found_swarm, join_swarm, node_admission, why_not_follow
 from node.runtime.training import start_training, train_until
 from node.runtime.vector import gossip_until, initial_state
-from node.training.checkpoint import CheckpointUnreadable, load_checkpoint, switch_checkpoint
-from node.training.recipe import RecipeInvalid, SwarmSettings, check_model_allowed
+from node.swarm.recipe import RecipeInvalid, SwarmSettings, check_model_allowed
+from node.train.checkpoint import CheckpointUnreadable, load_checkpoint, switch_checkpoint
 
 if TYPE_CHECKING:
     from hivemind.p2p import P2P

@@ -14,8 +14,8 @@ from gossip.exchange import GossipPeer
 from node.config import NodeConfig
 from node.monitor import Counters, EventLog, HistoryRecorder, MixingStepEstimate, RoundGraphCache, round_graph
 from node.monitor.source import DoctorUnavailable
-from node.training.recipe import SwarmSettings
-from node.training.rounds import PeerTiming, participants
+from node.swarm.recipe import SwarmSettings
+from node.swarm.rounds import PeerTiming, participants
 from topology import MembershipView, TopologySpec
 
 if TYPE_CHECKING:
@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from node.net.records import PeerRecord
     from node.net.relays import NodeReachability
     from node.runtime.data_plane import DataPlane
-    from node.training.loop import SwarmTraining
-    from node.training.swarm_eval import SwarmEvaluator
+    from node.swarm.loop import SwarmTraining
+    from node.swarm.swarm_eval import SwarmEvaluator
 
 logger = logging.getLogger("murmur.node")
 
@@ -223,10 +223,10 @@ class NodeRuntime:
         return {"peer_id": me, "swarm": self.config.swarm, "maddrs": list(self.maddrs), **report}
 
     async def evaluate_swarm_average(self, save: bool = False) -> dict[str, Any]:
-        """`POST /api/eval/average`: the swarm-average model's validation loss (node.training.swarm_eval), with
+        """`POST /api/eval/average`: the swarm-average model's validation loss (node.swarm.swarm_eval), with
         this node's latest own validation loss next to it; with `save`, the model is also written to
         node.runtime.saving.SWARM_AVERAGE_FILE. Raises EvalUnavailable or EvalBusy."""
-        from node.training.swarm_eval import EvalUnavailable, finite_or_none
+        from node.swarm.swarm_eval import EvalUnavailable, finite_or_none
 
         if self.swarm_eval is None or self.training is None:
             raise EvalUnavailable("this node trains no model (vector mode): there is no validation loss to evaluate")

@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING
 
 from node.config import NodeConfig
 from node.runtime.errors import StartupError
-from node.training.checkpoint import kept_metas
-from node.training.recipe import (
+from node.swarm.recipe import (
     AdmissionDoc,
     AdmissionMode,
     RecipeInvalid,
@@ -26,6 +25,7 @@ from node.training.recipe import (
     same_recipe,
     swarm_document,
 )
+from node.train.checkpoint import kept_metas
 
 if TYPE_CHECKING:
     from node.net.admission import Admission

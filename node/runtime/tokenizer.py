@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from gossip.blob import BlobFailed, fetch_blob, serve_blobs
 from gossip.transport import Transport
 from node.runtime.errors import StartupError
-from node.training.tokenizer import SwarmTokenizer, TokenizerSpec, find_local, store_in_cache
+from node.train.tokenizer import SwarmTokenizer, TokenizerSpec, find_local, store_in_cache
 
 if TYPE_CHECKING:
     from node.net.records import PeerRecord

@@ -22,17 +22,17 @@ from node.runtime.saving import save_swarm_average, write_checkpoint
 from node.runtime.shutdown import close_in_thread
 from node.runtime.status import NodeRuntime
 from node.runtime.tokenizer import obtain_tokenizer
-from node.training.checkpoint import Checkpoint
-from node.training.progress import PeerProgress, stalled_after
-from node.training.recipe import SwarmSettings, TrainingRecipe
-from node.training.settings import TrainingSettings
-from node.training.trainer import Precision
+from node.swarm.progress import PeerProgress, stalled_after
+from node.swarm.recipe import SwarmSettings, TrainingRecipe
+from node.train.checkpoint import Checkpoint
+from node.train.settings import TrainingSettings
+from node.train.trainer import Precision
 from topology import Topology, TopologyCache
 
 if TYPE_CHECKING:
     from node.net.records import PeerRecord
-    from node.training.loop import SwarmTraining
-    from node.training.swarm_eval import Average, PeerRecordLike
+    from node.swarm.loop import SwarmTraining
+    from node.swarm.swarm_eval import Average, PeerRecordLike
 
 logger = logging.getLogger("murmur.node")
 
@@ -51,7 +51,7 @@ async def start_training(runtime: NodeRuntime, recipe: TrainingRecipe, settings:
                          exchange: ExchangeSettings, checkpoint: Checkpoint | None,
                          stack: contextlib.AsyncExitStack) -> SwarmTraining:
     """Build the trainer and its gossip peer; restore this node's checkpoint when it is of this swarm."""
-    from node.training.loop import (
+    from node.swarm.loop import (
         CATCH_UP_DIAL_S,
         StartedFrom,
         SwarmTraining,
@@ -106,7 +106,7 @@ async def start_training(runtime: NodeRuntime, recipe: TrainingRecipe, settings:
     training: SwarmTraining
     average: Average | None = None  # how the swarm evaluation combines the members; None: uniformly
     if recipe.spes is not None:
-        from node.spes.training import SpesSwarmTraining, saved_records
+        from node.algorithms.spes.swarm import SpesSwarmTraining, saved_records
 
         try:
             training = SpesSwarmTraining(
@@ -118,7 +118,7 @@ async def start_training(runtime: NodeRuntime, recipe: TrainingRecipe, settings:
             raise StartupError(f"cannot train the swarm's model with SPES here: {exc}") from None
         average = training.swarm_average
     elif recipe.diloco is not None:
-        from node.training.diloco_swarm import DilocoSwarmTraining
+        from node.algorithms.diloco.swarm import DilocoSwarmTraining
 
         try:
             training = DilocoSwarmTraining(
@@ -135,7 +135,7 @@ async def start_training(runtime: NodeRuntime, recipe: TrainingRecipe, settings:
     runtime.training = training
     training.must_download = (recipe.weights_sha256 is not None and not resumed
                               and await asyncio.to_thread(local_weights, local.model, recipe) is None)
-    from node.training.swarm_eval import SwarmEvaluator
+    from node.swarm.swarm_eval import SwarmEvaluator
 
     swarm_eval = runtime.swarm_eval = SwarmEvaluator(
         trainer, peer, discovery.view, connect=dial, count=runtime.count,

@@ -15,10 +15,10 @@ import numpy as np
 from node.config import NodeConfig
 from node.runtime.saving import write_checkpoint
 from node.runtime.status import NodeRuntime
-from node.training.checkpoint import Checkpoint
-from node.training.progress import PeerProgress, leave_out_stalled, record_lag_rounds, stalled_after
-from node.training.recipe import SwarmSettings
-from node.training.rounds import PeerTiming, announce_round, participants, start_round
+from node.swarm.progress import PeerProgress, leave_out_stalled, record_lag_rounds, stalled_after
+from node.swarm.recipe import SwarmSettings
+from node.swarm.rounds import PeerTiming, announce_round, participants, start_round
+from node.train.checkpoint import Checkpoint
 from topology import TopologyCache, peer_round
 
 logger = logging.getLogger("murmur.node")

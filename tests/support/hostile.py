@@ -277,9 +277,9 @@ def install_huge_step(ctx: HostileContext) -> None:
 def install_spes_capacity(ctx: HostileContext) -> None:
     """Claim capacity HUGE_CAPACITY in the peer record and HUGE_VERSION, as owner, for every expert
     record it publishes and every expert copy it serves."""
+    from node.algorithms.spes import directory
+    from node.algorithms.spes import node as spes_node
     from node.net import discovery
-    from node.spes import directory
-    from node.spes import node as spes_node
 
     update = discovery.Discovery.update
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from gossip.wire import Header, HeaderFields, MetaValue
 from node.net.admission import MEMBER_META, PROOF_META, Admission, read_certificate, record_proof, stream_proof
-from node.training.recipe import AdmissionMode, parse_document
+from node.swarm.recipe import AdmissionMode, parse_document
 
 
 class ForgedAdmission(Admission):

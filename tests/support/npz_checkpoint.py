@@ -1,4 +1,4 @@
-"""The checkpoint writer of murmur 0.1 (node/training/checkpoint.py before checkpoints moved to
+"""The checkpoint writer of murmur 0.1 (node/train/checkpoint.py before checkpoints moved to
 safetensors), kept verbatim so tests can make the .npz files that older nodes left on disk."""
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import psutil
 
 from node.cli.ready_line import find_ready_line
 from node.cli.status import fetch_status
-from node.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
+from node.train.checkpoint import CHECKPOINT_FILE, load_checkpoint
 
 MURMUR = Path(sys.executable).with_name("murmur")
 HOSTILE = Path(__file__).resolve().with_name("hostile.py")  # a hostile node: the real one with a behaviour replaced

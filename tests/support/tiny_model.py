@@ -3,7 +3,7 @@ multi-process training tests use it to train in seconds, and it exercises the im
 
 import os
 
-from node.training.models import ModelConfig, build_model
+from node.train.models import ModelConfig, build_model
 
 TINY = ModelConfig(context=32, layers=2, width=64, heads=4, experts=0, expert_hidden=128)
 

@@ -3,7 +3,7 @@ existing `tokenizer.json` (`--tokenizer PATH`), or murmur's one-token-per-byte d
 
 A swarm's tokenizer is part of its config: the founder publishes its sha256, vocabulary size and byte
 length (`TokenizerSpec`); a joiner uses a file with that hash (its own `--tokenizer`, or one cached
-under its data directory by hash) or fetches it from a peer (node.training.tokenizer_fetch).
+under its data directory by hash) or fetches it from a peer (node.runtime.tokenizer).
 `tokenizers` is imported only when a BPE tokenizer is used.
 """
 

@@ -18,16 +18,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from gossip.exchange import GossipPeer
-from node.training.checkpoint import Checkpoint
-from node.training.data import load_corpus, peer_shard
-from node.training.joining import JoinOutcome, join_swarm, judge_steps, plausible_steps
-from node.training.models import build_named_model, model_context, model_vocab_size
-from node.training.progress import PeerProgress, leave_out_stalled
-from node.training.recipe import TrainingRecipe, embedded_options
-from node.training.settings import TrainingSettings
-from node.training.shards import ShardStream, open_dataset
-from node.training.tokenizer import SwarmTokenizer, TextTokenizer
-from node.training.trainer import GossipTrainer, StepReport, Trainer, TrainerConfig, resolve_device
+from node.swarm.joining import JoinOutcome, join_swarm, judge_steps, plausible_steps
+from node.swarm.progress import PeerProgress, leave_out_stalled
+from node.swarm.recipe import TrainingRecipe, embedded_options
+from node.train.checkpoint import Checkpoint
+from node.train.data import load_corpus, peer_shard
+from node.train.models import build_named_model, model_context, model_vocab_size
+from node.train.settings import TrainingSettings
+from node.train.shards import ShardStream, open_dataset
+from node.train.tokenizer import SwarmTokenizer, TextTokenizer
+from node.train.trainer import GossipTrainer, StepReport, Trainer, TrainerConfig, resolve_device
 from topology import MembershipView, PeerRound, Topology, peer_round
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ JOIN_LOOK_S = 10.0  # how long a joiner looks for live peers to download paramet
 EVAL_BATCHES = 8
 LAG_WAIT_S = 30.0  # longest a round waits for a laggard that is catching up before it goes on without
 CATCH_UP_DIAL_S = 10.0  # how long a starting node waits for dials to the peers it downloads from
-STALLED_AFTER_S = 10.0  # default: a record unchanged this long shows no progress (node.training.progress)
+STALLED_AFTER_S = 10.0  # default: a record unchanged this long shows no progress (node.swarm.progress)
 EVAL_BATCH_SIZE = 32
 MERGE_WAIT_S = 120.0  # longest the final merge waits for the peers in view to finish their budget
 
@@ -66,13 +66,13 @@ class RecordSample(Protocol):
 
 # dials these peers now (not in a round: a start-up download), waiting for the dials a bounded time
 Connect = Callable[[Sequence["PeerRecord"]], Awaitable[None]]
-# the final merge: every live peer's final model averaged with ours (node.training.swarm_eval), with what it
+# the final merge: every live peer's final model averaged with ours (node.swarm.swarm_eval), with what it
 # took in; None when there was nothing to merge
 Merge = Callable[[], Awaitable[tuple[dict[str, Any], "MergeReport"]]]
 
 
 class MergeReport(Protocol):
-    """What the final merge reports (node.training.swarm_eval.SwarmEvalResult)."""
+    """What the final merge reports (node.swarm.swarm_eval.SwarmEvalResult)."""
 
     def as_dict(self) -> dict[str, Any]: ...
 
@@ -96,9 +96,9 @@ class TrainingStatus:
     done: bool = False
     started_from: str = StartedFrom.INIT  # a StartedFrom, or "peer(s) <ids> at step N"
     bytes_per_token: float | None = None  # bytes sent + received per training token, this node's own
-    diloco: dict[str, Any] | None = None  # the outer loop's figures (node.training.diloco_swarm)
+    diloco: dict[str, Any] | None = None  # the outer loop's figures (node.algorithms.diloco.swarm)
     final_merge: dict[str, Any] | None = None  # what the final merge averaged, once done
-    joined: dict[str, Any] | None = None  # what the catch-up did (node.training.joining.JoinOutcome.as_dict)
+    joined: dict[str, Any] | None = None  # what the catch-up did (node.swarm.joining.JoinOutcome.as_dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {"model": self.model, "optimizer": self.optimizer, "steps_target": self.steps_target,
@@ -163,7 +163,7 @@ def build_swarm_model(settings: TrainingSettings, recipe: TrainingRecipe) -> tor
     the ones the swarm starts from; otherwise seeded."""
     if recipe.model_config is None:
         return build_named_model(recipe.model, seed=recipe.seed, options=embedded_options(recipe))
-    from node.training.models.hf import build_hf_model, check_fits
+    from node.train.models.hf import build_hf_model, check_fits
 
     check_fits(recipe.model_config, resolve_device(settings.device))
     return build_hf_model(recipe.model_config, recipe.seed, weights=local_weights(settings.model, recipe))
@@ -174,7 +174,7 @@ def local_weights(own_model: str, recipe: TrainingRecipe) -> Path | None:
     same digest), or None: it starts from the seeded init and downloads the swarm's parameters."""
     if recipe.weights_sha256 is None or not own_model.startswith("hf:"):
         return None
-    from node.training.models.hf import read_source, weights_digest
+    from node.train.models.hf import read_source, weights_digest
 
     source = read_source(own_model)
     if source.weights is None or weights_digest(source.weights) != recipe.weights_sha256:
@@ -272,7 +272,7 @@ class SwarmTraining:
     async def catch_up(self, stop: asyncio.Event, margin: int, look: bool, epoch: float | None = None) -> None:
         """Catch up with the swarm when it is more than `margin` steps ahead (a joiner; a node back from
         a restart keeps its restored optimizer state): parameters from several peers, checked and
-        combined, at a robust step (node.training.joining); `epoch` (the swarm's founding time) bounds
+        combined, at a robust step (node.swarm.joining); `epoch` (the swarm's founding time) bounds
         the steps a peer can claim. With `look`, wait up to JOIN_LOOK_S for the view to show another
         peer: records arrive a moment after start."""
         me = self.peer.peer_id
@@ -328,7 +328,7 @@ class SwarmTraining:
     async def record_refusals(self, view: Sequence[PeerRecord], step: int) -> dict[str, str]:
         """Peers of `view` a catch-up takes nothing from, whatever their step, by what their records
         claim of a swarm whose believable steps go up to `step`: peer -> reason (a `Refused`). None
-        here; SPES refuses impossible capacities and expert versions (node.spes.training)."""
+        here; SPES refuses impossible capacities and expert versions (node.algorithms.spes.swarm)."""
         return {}
 
     def _step_now(self, downloaded: int, epoch: float | None, refused: Mapping[str, str] | None = None) -> int:
@@ -418,7 +418,7 @@ class SwarmTraining:
         return stepping.result()
 
     async def _step(self) -> StepReport:
-        """One step, with a gossip round after every H-th (node.spes.training overrides it for SPES)."""
+        """One step, with a gossip round after every H-th (node.algorithms.spes.swarm overrides it for SPES)."""
         step = self.trainer.step
         optimizer = self.recipe.optimizer
         round_index = step // optimizer.local_steps if optimizer.mixes_after(step) else None

@@ -22,7 +22,7 @@ from node.net.records import decode_expert_records, encode_expert_records, exper
 logger = logging.getLogger(__name__)
 
 class DhtExpertDirectory:
-    """`node.spes.node.ExpertDirectory` over a running `Discovery`. `run()` (inside the training's task
+    """`node.algorithms.spes.node.ExpertDirectory` over a running `Discovery`. `run()` (inside the training's task
     group) keeps this peer's records stored; `publish`/`read` never wait on the DHT for long."""
 
     def __init__(self, discovery: Discovery, swarm: str, heartbeat_s: float, ttl_s: float) -> None:

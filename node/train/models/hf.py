@@ -24,15 +24,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from node.training.models.experts import split_fused_experts
-from node.training.models.seeded_init import seeded_uniform
+from node.train.models.experts import split_fused_experts
+from node.train.models.seeded_init import seeded_uniform
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedModel
 
 HF_PREFIX = "hf:"
 # The presets: tiny configs that train on a CPU in seconds, for tests, demos and trying murmur out.
-# Their vocab_size is the byte vocabulary unless a tokenizer sets it (node.training.tokenizer).
+# Their vocab_size is the byte vocabulary unless a tokenizer sets it (node.train.tokenizer).
 PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
     "hf-tiny-llama": MappingProxyType({
         "model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 192,
@@ -219,7 +219,7 @@ class HfCausalLM(nn.Module):
     """A transformers causal LM as murmur trains it: forward(idx, targets) -> (logits, loss), where the
     loss is the next-token cross-entropy of `targets` (already shifted, as murmur's batches are) plus,
     for an MoE, router_aux_loss_coef times transformers' load-balancing loss. Its experts are split
-    per expert (node.training.models.experts); `config_doc` is what the swarm config carries."""
+    per expert (node.train.models.experts); `config_doc` is what the swarm config carries."""
 
     def __init__(self, lm: PreTrainedModel, doc: Mapping[str, Any]) -> None:
         super().__init__()

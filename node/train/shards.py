@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from node.training.tokenizer import TextTokenizer
+from node.train.tokenizer import TextTokenizer
 
 logger = logging.getLogger("murmur.data")
 

@@ -27,8 +27,8 @@ from gossip.optimizers import Algorithm, OptimizerConfig
 from gossip.spes import SpesConfig
 from node.config import EMBEDDED_MODEL_NAMES, HF_PRESET_NAMES, VECTOR_MODEL, NodeConfig
 from node.config.table import MODEL_NAME
-from node.training.rounds import RoundClock
-from node.training.tokenizer import TokenizerSpec
+from node.swarm.rounds import RoundClock
+from node.train.tokenizer import TokenizerSpec
 from topology import TopologySpec
 
 # The document's format; a node refuses a document of another format (the founder runs another murmur).
@@ -58,7 +58,7 @@ MAX_REPLICATION = 64
 MAX_MODEL_NAME = 256
 MAX_KEY_CHECK = 128
 DEFAULT_TOPK_RATIO = 0.01
-# A Hugging Face model config (node.training.models.hf bounds its size and the fields that decide memory)
+# A Hugging Face model config (node.train.models.hf bounds its size and the fields that decide memory)
 MAX_MODEL_CONFIG_KEYS = 512
 MAX_MODEL_CONFIG_KEY = 128
 
@@ -170,7 +170,7 @@ class ModelPayload(_Doc, frozen=True, tag_field="kind", tag="model"):
     spes: SpesDoc | None = None  # SPES's swarm-wide knobs; absent when off
     spes_sync: SpesSyncDoc | None = None  # with spes only; absent: every field at its default
     # a Hugging Face model's config itself (not a path), so joiners build it without files; checked in
-    # depth (size, model type, memory-deciding fields) by node.training.models.hf.check_config_doc
+    # depth (size, model type, memory-deciding fields) by node.train.models.hf.check_config_doc
     model_config: ModelConfigDoc | None = None
     weights_sha256: Sha256Hex | None = None  # the pretrained weights the swarm starts from (hf:PATH)
     tokenizer: TokenizerSpec | None = None  # the swarm's tokenizer file; absent: one token per byte
@@ -319,7 +319,7 @@ class TrainingRecipe:
     context: int
     steps: int  # 0: until stopped
     spes: SpesConfig | None = None  # SPES's swarm-wide knobs when the MoE model is trained with it
-    # a Hugging Face model's config document (node.training.models.hf), carried so joiners need no path
+    # a Hugging Face model's config document (node.train.models.hf), carried so joiners need no path
     model_config: dict[str, Any] | None = None
     weights_sha256: str | None = None  # the pretrained weights the swarm starts from (hf:PATH of a checkpoint)
     tokenizer: TokenizerSpec | None = None  # None: one token per byte
@@ -392,7 +392,7 @@ def _checked_model_config(doc: dict[str, Any] | None) -> dict[str, Any] | None:
     """A Hugging Face config from the network, bounded in depth before anything builds it (ValueError)."""
     if doc is None:
         return None
-    from node.training.models.hf import check_config_doc
+    from node.train.models.hf import check_config_doc
 
     check_config_doc(doc)
     return dict(doc)
@@ -458,12 +458,12 @@ def _model_and_tokenizer(model: str, tokenizer: Path | None) -> tuple[dict[str, 
                                                                         TokenizerSpec | None]:
     """A founder's model config, weights hash and tokenizer entry. A pretrained hf:PATH checkpoint with
     a tokenizer.json of its own trains with that tokenizer unless --tokenizer names another."""
-    from node.training.tokenizer import read_tokenizer_file, spec_of
+    from node.train.tokenizer import read_tokenizer_file, spec_of
 
     spec = spec_of(read_tokenizer_file(tokenizer)) if tokenizer is not None else None
     if model not in HF_PRESET_NAMES and not model.startswith("hf:"):
         return None, None, spec
-    from node.training.models.hf import read_source, weights_digest
+    from node.train.models.hf import read_source, weights_digest
 
     source = read_source(model, spec.vocab_size if spec is not None else None)
     if spec is None and source.weights is not None and source.tokenizer is not None:

@@ -12,11 +12,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from node.training.models.gpt import DEFAULT, DENSE_DEFAULT, ModelConfig, build_model
+from node.train.models.gpt import DEFAULT, DENSE_DEFAULT, ModelConfig, build_model
 
 
 def is_hf_model(name: str) -> bool:
-    """A Hugging Face preset or hf:PATH (node.training.models.hf, imported only to build one)."""
+    """A Hugging Face preset or hf:PATH (node.train.models.hf, imported only to build one)."""
     from node.config import HF_PRESET_NAMES
 
     return name in HF_PRESET_NAMES or name.startswith("hf:")
@@ -91,12 +91,12 @@ def load_model_factory(path: str) -> ModelFactory:
 
 def build_named_model(name: str, seed: int = 0, options: Mapping[str, Any] | None = None) -> nn.Module:
     """An embedded model ("moe", "dense"; `options` override config fields), a Hugging Face model (a
-    preset or hf:PATH; `options` is its config document, node.training.models.hf) or a user model by
+    preset or hf:PATH; `options` is its config document, node.train.models.hf) or a user model by
     import path. Embedded and Hugging Face models are bit-identical for a seed on every machine; a user
     model is built under torch.manual_seed(seed), identical wherever torch's RNG is (same torch version
     and CPU kind)."""
     if is_hf_model(name):
-        from node.training.models.hf import build_hf_model, read_source
+        from node.train.models.hf import build_hf_model, read_source
 
         return build_hf_model(options if options is not None else read_source(name).config, seed)
     if name in EMBEDDED_MODELS:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from torch import nn
 
-from node.training.models.experts import moe_expert_lists
+from node.train.models.experts import moe_expert_lists
 
 
 def expert_parameter_names(model: nn.Module) -> dict[tuple[int, int], list[str]]:
     """(layer, expert) -> that expert's full parameter names, its first matrix (`w1.weight` of the
     embedded GPT, `gate_up_proj` of a Hugging Face MoE: the one expert similarity is measured on)
-    first. Layers number the model's MoE layers in module order (node.training.models.experts).
+    first. Layers number the model's MoE layers in module order (node.train.models.experts).
     Empty for a dense model."""
     names: dict[tuple[int, int], list[str]] = {}
     for layer, (prefix, experts) in enumerate(moe_expert_lists(model)):

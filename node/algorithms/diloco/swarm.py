@@ -17,12 +17,12 @@ import numpy as np
 from gossip.diloco import DilocoConfig, SyncSchedule
 from gossip.exchange import ExchangeSettings, GossipPeer
 from gossip.transport import Transport
-from node.training.diloco import DilocoTrainer
-from node.training.joining import plausible_steps, swarm_left_behind
-from node.training.loop import Connect, Merge, RecordSample, SwarmTraining
-from node.training.recipe import TrainingRecipe
-from node.training.settings import TrainingSettings
-from node.training.trainer import RoundReport, StepReport, Trainer
+from node.algorithms.diloco.trainer import DilocoTrainer
+from node.swarm.joining import plausible_steps, swarm_left_behind
+from node.swarm.loop import Connect, Merge, RecordSample, SwarmTraining
+from node.swarm.recipe import TrainingRecipe
+from node.train.settings import TrainingSettings
+from node.train.trainer import RoundReport, StepReport, Trainer
 from topology import PeerRound, Topology
 
 if TYPE_CHECKING:

@@ -28,9 +28,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from node.training.checkpoint import CHECKPOINT_FILE, SWARM_AVERAGE_FILE, Checkpoint, load_checkpoint
-from node.training.recipe import SwarmSettings, TrainingRecipe, embedded_options
-from node.training.tokenizer import EOS, BpeTokenizer, cache_path
+from node.swarm.recipe import SwarmSettings, TrainingRecipe, embedded_options
+from node.train.checkpoint import CHECKPOINT_FILE, SWARM_AVERAGE_FILE, Checkpoint, load_checkpoint
+from node.train.tokenizer import EOS, BpeTokenizer, cache_path
 
 MODEL_FILE = "model.safetensors"
 MANIFEST_FILE = "murmur.json"
@@ -104,7 +104,7 @@ def _load_into(model: nn.Module, tensors: Mapping[str, np.ndarray]) -> None:
 def _write_tokenizer(directory: Path, data: bytes, model_config: Any | None = None) -> None:
     from tokenizers import Tokenizer
 
-    from node.training.models.hf import transformers_module
+    from node.train.models.hf import transformers_module
 
     tokenizer = transformers_module().PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(data.decode("utf-8")), eos_token=EOS,
                                         bos_token=EOS, unk_token=EOS, pad_token=EOS)
@@ -113,8 +113,8 @@ def _write_tokenizer(directory: Path, data: bytes, model_config: Any | None = No
 
 
 def _write_hf(directory: Path, recipe: TrainingRecipe, tensors: Mapping[str, np.ndarray], tokenizer: bytes | None) -> None:
-    from node.training.models.experts import fuse_state_dict
-    from node.training.models.hf import build_hf_model, hf_config, transformers_module
+    from node.train.models.experts import fuse_state_dict
+    from node.train.models.hf import build_hf_model, hf_config, transformers_module
 
     transformers_module().utils.logging.disable_progress_bar()  # no progress bars in a node's log
 
@@ -135,8 +135,8 @@ def _write_hf(directory: Path, recipe: TrainingRecipe, tensors: Mapping[str, np.
 
 
 def _write_plain(directory: Path, recipe: TrainingRecipe, tensors: Mapping[str, np.ndarray], tokenizer: bytes | None) -> None:
-    from node.training.checkpoint import write_safetensors
-    from node.training.models import build_named_model
+    from node.train.checkpoint import write_safetensors
+    from node.train.models import build_named_model
 
     model = build_named_model(recipe.model, seed=recipe.seed, options=embedded_options(recipe))
     _load_into(model, tensors)

@@ -300,7 +300,7 @@ def directory_corpus(directory: Path, val_fraction: float = DEFAULT_VAL_FRACTION
 
 def load_corpus(data: Path | None = None, data_dir: Path | None = None, seed: int = 0) -> Corpus:
     """A directory of *.txt files held in memory when given (library use: the daemon streams --data
-    through node.training.shards), else the embedded corpus (cached under the node's data dir)."""
+    through node.train.shards), else the embedded corpus (cached under the node's data dir)."""
     return directory_corpus(data) if data is not None else embedded_corpus(data_dir, seed)
 
 

@@ -28,14 +28,14 @@ from gossip.spes import (
     version_bound,
 )
 from gossip.transport import Transport
-from node.spes.directory import DhtExpertDirectory
-from node.spes.node import VERSION_SLACK, SpesNode
-from node.spes.partition import ModelPartition, spes_average
-from node.training.joining import Refused
-from node.training.loop import Connect, Merge, RecordSample, SwarmTraining
-from node.training.recipe import TrainingRecipe
-from node.training.settings import TrainingSettings
-from node.training.trainer import StepReport, Trainer, average_tensors
+from node.algorithms.spes.directory import DhtExpertDirectory
+from node.algorithms.spes.node import VERSION_SLACK, SpesNode
+from node.algorithms.spes.partition import ModelPartition, spes_average
+from node.swarm.joining import Refused
+from node.swarm.loop import Connect, Merge, RecordSample, SwarmTraining
+from node.swarm.recipe import TrainingRecipe
+from node.train.settings import TrainingSettings
+from node.train.trainer import StepReport, Trainer, average_tensors
 from topology import Topology
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from node.training.models.seeded_init import seeded_uniform
+from node.train.models.seeded_init import seeded_uniform
 
 INIT_STD = 0.02
 

@@ -11,9 +11,9 @@ import numpy as np
 from torch import nn
 
 from gossip.spes import ExpertKey, Ownership
-from node.training.models import expert_parameter_names, shared_parameter_names
-from node.training.models.experts import unsupported_expert_layouts
-from node.training.trainer import Tensors, Trainer, average_tensors
+from node.train.models import expert_parameter_names, shared_parameter_names
+from node.train.models.experts import unsupported_expert_layouts
+from node.train.trainer import Tensors, Trainer, average_tensors
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from node.training.trainer import Precision
+from node.train.trainer import Precision
 
 
 @dataclass(frozen=True)
@@ -14,7 +14,7 @@ class TrainingSettings:
     """Built from the node's config by the runtime (node.runtime.training.training_settings)."""
 
     data_dir: Path  # the node's data directory: the embedded corpus is cached there
-    data: Path | None  # text/jsonl/parquet shards (node.training.shards); None: the embedded corpus
+    data: Path | None  # text/jsonl/parquet shards (node.train.shards); None: the embedded corpus
     device: str  # auto, cpu, cuda or cuda:N
     precision: Precision
     threads: int  # torch CPU threads; 0: torch's default

@@ -21,7 +21,7 @@ from gossip.errors import WireError
 from gossip.exchange import GossipPeer, PeerRejected
 
 if TYPE_CHECKING:
-    from node.training.trainer import Trainer
+    from node.train.trainer import Trainer
 
 logger = logging.getLogger("murmur.eval")
 
@@ -236,7 +236,7 @@ class SwarmEvaluator:
 
 def _uniform_average(members: Mapping[str, Tensors]) -> dict[str, np.ndarray]:
     # imported here: the monitor imports this module on nodes that train no model (and load no torch)
-    from node.training.trainer import average_tensors
+    from node.train.trainer import average_tensors
 
     return average_tensors(list(members.values()))
 

@@ -49,10 +49,10 @@ from gossip.spes import (
     version_bound,
 )
 from gossip.transport import Transport
-from node.spes.partition import ModelPartition, optimizer_state_covers, spes_average, tensor_manifest
-from node.training.models.experts import moe_expert_lists
-from node.training.outer_group import GroupSync, OuterGroup
-from node.training.trainer import PlanFor, StepStats, Tensors, Trainer
+from node.algorithms.outer_group import GroupSync, OuterGroup
+from node.algorithms.spes.partition import ModelPartition, optimizer_state_covers, spes_average, tensor_manifest
+from node.train.models.experts import moe_expert_lists
+from node.train.trainer import PlanFor, StepStats, Tensors, Trainer
 from topology import PeerRound
 
 logger = logging.getLogger(__name__)

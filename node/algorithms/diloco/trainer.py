@@ -23,8 +23,8 @@ from gossip.errors import WireError
 from gossip.exchange import ExchangeSettings, GossipPeer, PeerRejected, RoundOutcome
 from gossip.optimizers import global_norm
 from gossip.transport import Transport
-from node.training.outer_group import GroupSync, OuterGroup
-from node.training.trainer import StepStats, Tensors, Trainer
+from node.algorithms.outer_group import GroupSync, OuterGroup
+from node.train.trainer import StepStats, Tensors, Trainer
 from topology import PeerRound
 
 logger = logging.getLogger("murmur.diloco")

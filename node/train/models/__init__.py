@@ -1,9 +1,9 @@
 """Models a swarm trains: the embedded GPT (dense or mixture-of-experts), Hugging Face causal LMs
-(node.training.models.hf, imported only when one is built), user models by import path, and the
+(node.train.models.hf, imported only when one is built), user models by import path, and the
 shared/expert parameter partition SPES syncs by."""
 
-from node.training.models.evaluate import mean_cross_entropy
-from node.training.models.factory import (
+from node.train.models.evaluate import mean_cross_entropy
+from node.train.models.factory import (
     EMBEDDED_MODELS,
     ModelFactory,
     build_named_model,
@@ -12,8 +12,8 @@ from node.training.models.factory import (
     model_context,
     model_vocab_size,
 )
-from node.training.models.gpt import DEFAULT, DENSE_DEFAULT, GPT, ModelConfig, MoE, Routing, build_model
-from node.training.models.params import expert_parameter_names, shared_parameter_names
+from node.train.models.gpt import DEFAULT, DENSE_DEFAULT, GPT, ModelConfig, MoE, Routing, build_model
+from node.train.models.params import expert_parameter_names, shared_parameter_names
 
 __all__ = [
     "DEFAULT",

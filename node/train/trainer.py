@@ -27,9 +27,9 @@ from torch import nn
 
 from gossip.exchange import GossipPeer, RoundOutcome
 from gossip.optimizers import LocalOptimizer, OptimizerConfig, clip_factor, consensus_distance, global_norm
-from node.training.data import training_batch, validation_batches
-from node.training.models import mean_cross_entropy, model_vocab_size
-from node.training.staging import HostStaging
+from node.train.data import training_batch, validation_batches
+from node.train.models import mean_cross_entropy, model_vocab_size
+from node.train.staging import HostStaging
 from topology import PeerRound
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ _STEP, _SCALE = "trainer/step", "trainer/loss_scale"
 
 
 class TrainBatches(Protocol):
-    """A stream of training batches taken in order (node.training.shards.ShardStream), instead of
+    """A stream of training batches taken in order (node.train.shards.ShardStream), instead of
     random windows of an in-memory token tensor."""
 
     def train_batch(self, batch_size: int, context: int) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -165,7 +165,7 @@ class Trainer:
         self._pending: StepStats | None = None  # computed by compute_update, not yet applied
         self._state_bytes = 0
         self._eval_model: nn.Module | None = None
-        # a CUDA model's gossip tensors go through pinned host buffers (node.training.staging)
+        # a CUDA model's gossip tensors go through pinned host buffers (node.train.staging)
         self._staging = HostStaging(pin=True) if self.device.type == "cuda" else None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"trainer-{peer_id}")
 
@@ -416,7 +416,7 @@ class Trainer:
     # ---- checkpoints -----------------------------------------------------------------------------
 
     async def state(self) -> dict[str, np.ndarray]:
-        """Parameters, optimizer state and step as numpy arrays, for node.training.checkpoint."""
+        """Parameters, optimizer state and step as numpy arrays, for node.train.checkpoint."""
         return await self._on_worker(self._state_now)
 
     async def restore(self, state: Tensors) -> None:
