@@ -172,8 +172,8 @@ TRAFFIC_SETUPS = (
     TrafficSetup(1, 2, "one-peer-exp", refresh_codec="int8", refresh_every=2),
     TrafficSetup(2, 4, "one-peer-exp", expert_codec="bf16", refresh_codec="int8", refresh_every=2),
     TrafficSetup(2, 4, "one-peer-exp", expert_codec="int8", refresh_codec="int8", refresh_every=2),
-    TrafficSetup(2, 4, "one-peer-exp"),  # the defaults before int8 + error feedback + deltas
-    TrafficSetup(2, 4, "one-peer-exp", **NEW_DEFAULTS),  # the defaults now
+    TrafficSetup(2, 4, "one-peer-exp"),  # as OLD_DEFAULTS: fp32 weights and experts, whole bf16 refreshes
+    TrafficSetup(2, 4, "one-peer-exp", **NEW_DEFAULTS),  # the defaults
     TrafficSetup(1, 2, "one-peer-exp", **NEW_DEFAULTS),
     TrafficSetup(2, 4, "ring", **NEW_DEFAULTS),
 )

@@ -472,7 +472,7 @@ def report(traces: dict[str, Trace], cfgs: dict[str, Config], args: argparse.Nam
     diloco = traces.get("diloco")
     diloco_step = diloco.step_time(warm_of("diloco")) if diloco else None
     if compute_step and diloco_step:
-        # the overlap target: the overlapped outer sync's step within 10% of inner steps alone
+        # the overlap target: the overlapped outer sync's step within 10% of inner steps alone
         lines += ["", f"Overlap: DiLoCo's step with its outer sync overlapped {diloco_step:.3f} s against the "
                   f"compute-only step {compute_step:.3f} s: {diloco_step / compute_step:.2f}x "
                   f"({'within' if diloco_step <= 1.10 * compute_step else 'NOT within'} 10%)"]
