@@ -174,7 +174,7 @@ async def check_relay_service(relay_maddrs: Sequence[str], reserve_timeout_s: fl
             assert relay_id is not None
             await P2PDTransport(reserver).connect(relay_id, [relay])  # autorelay reserves once connected
             # A dial before the reservation is in puts the circuit into the dialer's backoff (5 s): wait
-            # the ~20 ms a reservation takes, with margin for a loaded machine.
+            # the few milliseconds a reservation takes, with margin for a loaded machine.
             await asyncio.sleep(_RESERVATION_S)
             client = P2PDTransport(dialer, open_timeout_s=PROBE_TIMEOUT_S)
             target = reserver.peer_id.to_base58()

@@ -25,7 +25,7 @@ from node.train.checkpoint import CHECKPOINT_FILE, load_checkpoint
 
 MURMUR = Path(sys.executable).with_name("murmur")
 HOSTILE = Path(__file__).resolve().with_name("hostile.py")  # a hostile node: the real one with a behaviour replaced
-# Importing torch and hivemind costs ~4 s of CPU per process; a loaded 2-core machine starts 8 at once.
+# Importing torch and hivemind costs seconds of CPU per process; a loaded 2-core machine starts 8 at once.
 READY_TIMEOUT_S = 120.0
 
 # What every test node gets unless a test says otherwise: small, fast, loopback, chatty enough to debug.
