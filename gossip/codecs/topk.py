@@ -1,8 +1,9 @@
-"""The top-k codec: the largest-magnitude entries of a tensor as (uint32 index, float32 value) pairs, or
-packed (`packed=1`): per 65,536-element block a uint32 count, then uint16 in-block offsets, one float32
-scale and int8 values, 3 bytes per kept entry instead of 8; or packed with Elias-Fano indices
-(`packed=1, elias_fano=1`): the sorted indices in about 2 + log2(n/k) bits each (under 1 byte at a 2% ratio)
-and the same scale and int8 values."""
+"""The top-k codec: a tensor's largest-magnitude entries, in one of three layouts.
+
+Plain: (uint32 index, float32 value) pairs. Packed (`packed=1`): per 65,536-element block a uint32 count, then
+uint16 in-block offsets, one float32 scale and int8 values, 3 bytes per kept entry instead of 8. Packed with
+Elias-Fano indices (`packed=1, elias_fano=1`): the sorted indices in about 2 + log2(n/k) bits each (under 1
+byte at a 2% ratio) and the same scale and int8 values."""
 
 from __future__ import annotations
 
