@@ -2,8 +2,8 @@
 and summed over a run.
 
 A round's bytes come from its plan and the exact size of each wire message; a run's from walking the sync
-schedule. The multi-process test checks measured bytes against it (within 10%); a runtime model (`murmur plan`) may
-stand in for it through the same `Prediction` shape."""
+schedule. The multi-process test checks measured bytes against it (within 10%); a runtime model
+(`murmur plan`) may stand in for it through the same `Prediction` shape."""
 
 from __future__ import annotations
 
