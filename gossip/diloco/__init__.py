@@ -1,6 +1,8 @@
-"""Gossip DiLoCo without torch or networking: the shared knobs (`config`), the outer Nesterov step
-(`outer`), the split of the model into streamed fragments (`fragments`), when each fragment syncs
-(`schedule`, with the quadratic synchronisation rule) and the analytic traffic (`traffic`).
+"""Gossip DiLoCo without torch or networking.
+
+The shared knobs (`config`), the outer Nesterov step (`outer`), the split of the model into streamed
+fragments (`fragments`), when each fragment syncs (`schedule`, with the quadratic synchronisation rule)
+and the analytic traffic (`traffic`).
 
 `node/algorithms/diloco/trainer.py` runs these over a trainer and one gossip peer per fragment;
 docs/training.md ("Gossip DiLoCo") explains the scheme.

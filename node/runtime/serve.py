@@ -1,6 +1,8 @@
 """The node's start-up wiring and its entry points: `run_node` (`murmur node` / `murmur join`) and
-`run_bootstrap` (`murmur bootstrap`). A node is p2pd, DHT discovery, the gossip peer and the local API
-in one asyncio process, running its payload (a model, or vector mode) until SIGINT/SIGTERM stops it."""
+`run_bootstrap` (`murmur bootstrap`).
+
+A node is p2pd, DHT discovery, the gossip peer and the local API in one asyncio process, running its
+payload (a model, or vector mode) until SIGINT/SIGTERM stops it."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""A harness for multi-process tests: start real `murmur node`/`murmur join` processes on loopback,
-read their status and checkpoints, signal them, and kill every process they started, even when a
-test fails. Not a test module; the swarm test files build their fixtures on `Swarm`.
-"""
+"""A harness for multi-process tests: real `murmur node`/`murmur join` processes on loopback, killed even
+when a test fails. Not a test module.
+
+It starts them, reads their status and checkpoints, signals them, and kills every process they started;
+the swarm test files build their fixtures on `Swarm`."""
 
 from __future__ import annotations
 
