@@ -1,6 +1,8 @@
-"""SPES against dense training and against the reference SPES scheme, in one process over the in-memory
-transport: per-node memory of parameters + gradients + optimizer state, bytes per node per sync, and
-validation loss against steps (written as an SVG plot).
+"""SPES against dense training and against the reference SPES scheme: memory, bytes per sync and validation
+loss.
+
+In one process over the in-memory transport: per-node memory of parameters + gradients + optimizer state,
+bytes per node per sync, and validation loss against steps (written as an SVG plot).
 
 Run from the repository root: .venv/bin/python -m bench.bench_spes [--steps 96] [--plot docs/img/spes_loss.svg]
 Baselines are measured in the same command: dense training on the same MoE model (memory, loss; and
