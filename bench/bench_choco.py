@@ -47,7 +47,7 @@ MODELS = {"tiny": TINY, "dense": DENSE_DEFAULT}
 @dataclass(frozen=True)
 class Setup:
     name: str
-    codec: Codec | None  # None: whole fp32 parameters (DAdam as today)
+    codec: Codec | None  # None: whole fp32 parameters (plain DAdam)
     gamma: float | None = None  # None: gossip.choco.default_gamma of the codec
 
 
