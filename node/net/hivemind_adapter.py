@@ -10,8 +10,8 @@ Each workaround has its test in tests/test_hivemind_adapter.py (docs/architectur
 3. **relay limits**: p2pd registers two relay services on the same protocol, and the last one
    registered answers. Its default one (128 KiB and 2 minutes per circuit) is registered by p2pd's
    main goroutine right after start-up; the configured one (`-relayDataLimit` / `-relayTimeLimit`)
-   only once libp2p deems the node public, by a goroutine that usually ran first, so the default
-   one answered. `relay_service_args` forces public reachability and `RELAY_SERVICE_ENV` runs
+   only once libp2p deems the node public, by a goroutine that usually runs first, so the default
+   one answers. `relay_service_args` forces public reachability and `RELAY_SERVICE_ENV` runs
    p2pd on one scheduler thread, where that goroutine usually runs only after main has registered the
    default one. That is a race all the same, lost more often on a busy CPU (see docs/benchmarks.md,
    "Relay service limits at p2pd start-up"). So node.net.probe pushes more than
