@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any, TextIO
 import numpy as np
 
 from node.cli.args import UsageError, add_setting_flag, number
-from node.cli.ready_line import ReadyLine, find_ready_line
 from node.cli.status import fetch_status
 from node.config import (
     DEFAULTS,
@@ -35,6 +34,7 @@ from node.config import (
     read_flags,
 )
 from node.net.proc import popen
+from node.runtime.ready_line import ReadyLine, find_ready_line
 from node.train.checkpoint import CHECKPOINT_FILE, load_checkpoint
 from topology import TOPOLOGY_NAMES
 
