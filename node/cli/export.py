@@ -1,4 +1,4 @@
-"""`murmur export`: a swarm's model as a directory other tools load (node.train.export), from a
+"""`murmur export`: a swarm's model as a directory other tools load (node.swarm.export), from a
 node's data directory or from a running node, which first writes its swarm average."""
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ def _run_export(args: argparse.Namespace) -> int:
 def run_export(to: Path, data_dir: Path | None, url: str | None, source: str | None, force: bool,
                timeout_s: float = DEFAULT_TIMEOUT_S, token: str | None = None) -> int:
     """`token`: with `url`, the node's monitor token (its POST endpoints need it)."""
+    from node.swarm.export import ExportFailed, ExportSource, export_data_dir
     from node.train.checkpoint import CheckpointUnreadable
-    from node.train.export import ExportFailed, ExportSource, export_data_dir
     from node.train.models.hf import HfModelInvalid
 
     if to.exists() and not force and (not to.is_dir() or any(to.iterdir())):
