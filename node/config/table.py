@@ -10,6 +10,7 @@ from enum import StrEnum
 
 from gossip.mixing import MIXING_KINDS
 from node.config.kinds import Boolean, Choice, EdgeList, Integer, Kind, Multiaddrs, Named, Number, PathKind, Text
+from node.net.reach_mode import ReachMode
 from topology import TOPOLOGY_NAMES, WEIGHT_SCHEMES
 
 
@@ -38,14 +39,6 @@ JOINING = frozenset({Command.JOIN})
 MONITOR_CLIENTS = NODE | {Command.STATUS, Command.EVAL, Command.DOCTOR}  # commands that find a node by its monitor
 # `murmur doctor --peers` starts a throwaway p2pd with a node's network settings
 NETWORK_CHECKED = DAEMONS | {Command.DOCTOR}
-
-
-class ReachMode(StrEnum):
-    """The choices of --reachability (node.net.reachability)."""
-
-    AUTO = "auto"  # ask peers to dial back at start
-    PUBLIC = "public"  # reachable directly: a public address, or a forwarded port
-    PRIVATE = "private"  # behind NAT: reachable only through relays
 
 
 REACH_MODES = tuple(ReachMode)
