@@ -175,7 +175,7 @@ def _start(net, i: int, argv: list[str], workdir: Path, name: str) -> subprocess
 
 
 def _ready_line(path: Path, process: subprocess.Popen, deadline: float):
-    from node.cli.ready_line import find_ready_line
+    from node.runtime.ready_line import find_ready_line
 
     while time.monotonic() < deadline:
         found = find_ready_line(path.read_text(errors="replace")) if path.exists() else None

@@ -1,4 +1,4 @@
-"""Hugging Face models (node.train.models.hf, .experts, node.train.export): presets built the same
+"""Hugging Face models (node.train.models.hf, .experts, node.swarm.export): presets built the same
 on every node from a seed; a model config from the network bounded before it is built; fused
 Mixtral-style experts split per expert with the same outputs, unsupported layouts named; SPES on
 hf-tiny-mixtral with 4 nodes (each optimizer holds exactly the shared weights and its owned experts;
@@ -273,9 +273,9 @@ def perturbed(model: torch.nn.Module) -> dict[str, np.ndarray]:
 def test_an_hf_moe_export_loads_in_transformers_with_the_averages_logits(tmp_path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from node.swarm.export import ExportSource, export_data_dir
     from node.swarm.recipe import SwarmSettings
     from node.train.data import synthetic_text
-    from node.train.export import ExportSource, export_data_dir
     from node.train.models.hf import build_hf_model
     from node.train.tokenizer import train_bpe
 
@@ -303,7 +303,7 @@ def test_an_hf_moe_export_loads_in_transformers_with_the_averages_logits(tmp_pat
 def test_an_embedded_model_exports_one_safetensors_tensor_per_parameter_in_its_shape(tmp_path) -> None:
     from safetensors.numpy import load_file
 
-    from node.train.export import export_data_dir
+    from node.swarm.export import export_data_dir
     from node.train.models import build_named_model
 
     model = build_named_model("moe", seed=0)

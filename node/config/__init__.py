@@ -52,9 +52,7 @@ from node.config.table import (
     DAEMONS,
     DEVICE_NAME,
     DEVICES_HELP,
-    EMBEDDED_MODEL_NAMES,
     FINAL_MERGE,
-    HF_PRESET_NAMES,
     LOG_LEVELS,
     MODEL_NAME,
     MONITOR_CLIENTS,
@@ -69,13 +67,12 @@ from node.config.table import (
     STATE_CODECS,
     TABLES,
     TRANSPORTS,
-    VECTOR_MODEL,
     Command,
-    Model,
     Setting,
     Transport,
     settings_for,
 )
+from node.train.model_names import EMBEDDED_MODEL_NAMES, HF_PRESET_NAMES, VECTOR_MODEL, Model
 
 __all__ = [
     "DAEMONS",

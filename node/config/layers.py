@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from node.config.kinds import toml_type
 from node.config.settings import DEFAULTS, ConfigError, NodeConfig, setting_value
-from node.config.table import HF_DENSE_PRESETS, SETTINGS_BY_KEY, TABLES, Model, Setting, Transport
+from node.config.table import SETTINGS_BY_KEY, TABLES, Setting, Transport
+from node.train.model_names import HF_DENSE_PRESETS, Model
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance

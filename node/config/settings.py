@@ -8,7 +8,8 @@ from pathlib import Path
 
 from gossip.mixing import MixingKind, MixingRule
 from node.config.kinds import LOOPBACK_LISTEN
-from node.config.table import SETTINGS, VECTOR_MODEL
+from node.config.table import SETTINGS
+from node.train.model_names import VECTOR_MODEL
 from topology import TopologySpec
 
 # 7690 rather than 0 so that `murmur status` finds a node started with defaults; 0 asks the OS for

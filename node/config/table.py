@@ -10,6 +10,8 @@ from enum import StrEnum
 
 from gossip.mixing import MIXING_KINDS
 from node.config.kinds import Boolean, Choice, EdgeList, Integer, Kind, Multiaddrs, Named, Number, PathKind, Text
+from node.net.reach_mode import ReachMode
+from node.train.model_names import HF_PRESET_NAMES, MODEL_NAME_PATTERN
 from topology import TOPOLOGY_NAMES, WEIGHT_SCHEMES
 
 
@@ -40,14 +42,6 @@ MONITOR_CLIENTS = NODE | {Command.STATUS, Command.EVAL, Command.DOCTOR}  # comma
 NETWORK_CHECKED = DAEMONS | {Command.DOCTOR}
 
 
-class ReachMode(StrEnum):
-    """The choices of --reachability (node.net.reachability)."""
-
-    AUTO = "auto"  # ask peers to dial back at start
-    PUBLIC = "public"  # reachable directly: a public address, or a forwarded port
-    PRIVATE = "private"  # behind NAT: reachable only through relays
-
-
 REACH_MODES = tuple(ReachMode)
 
 
@@ -58,20 +52,7 @@ class Transport(StrEnum):
     LIBP2P = "libp2p"  # py-libp2p in a child process
 
 
-class Model(StrEnum):
-    """The models --model names without an import path."""
-
-    MOE = "moe"
-    DENSE = "dense"
-    VECTOR = "vector"  # no model: gossip a random vector of `dim` floats (tests, demos of the gossip alone)
-
-
 TRANSPORTS = tuple(Transport)
-EMBEDDED_MODEL_NAMES = (Model.MOE, Model.DENSE)
-# Tiny Hugging Face configs built with transformers (node.train.models.hf.PRESETS); hf:PATH names others
-HF_PRESET_NAMES = ("hf-tiny-llama", "hf-tiny-mixtral")
-HF_DENSE_PRESETS = ("hf-tiny-llama",)
-VECTOR_MODEL = Model.VECTOR
 NODE_CODECS = ("fp32", "fp16", "bf16", "int8", "topk")
 GOSSIP_COMPRESSIONS = ("none", "choco")
 # codecs for whole parameter vectors: top-k (a few entries, the rest dropped) is sound only on
@@ -87,9 +68,7 @@ INNER_OPTIMIZERS = ("adam", "sgd")
 DEVICES_HELP = "auto, cpu, cuda or cuda:N"
 PRECISION_NAMES = ("auto", "fp32", "bf16", "fp16")
 
-# An embedded model, `vector`, or a user builder named by import path (imported when the node starts).
-MODEL_NAME = Named("model", "|".join((*EMBEDDED_MODEL_NAMES, VECTOR_MODEL, *HF_PRESET_NAMES, r"hf:.+",
-                                     r"[\w.]+:[\w.]+")),
+MODEL_NAME = Named("model", MODEL_NAME_PATTERN,
                    hint=f"moe, dense, vector, {', '.join(HF_PRESET_NAMES)}, hf:PATH or package.module:callable",
                    description=f"moe | dense | vector | {' | '.join(HF_PRESET_NAMES)} | hf:PATH | package.module:callable",
                    metavar="MODEL")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from node.config import NodeConfig
-from node.config.table import ReachMode
+from node.net.reach_mode import ReachMode
 from node.runtime.errors import StartupError
 from node.runtime.shutdown import shut_down
 

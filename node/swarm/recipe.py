@@ -25,9 +25,9 @@ from gossip.diloco import DilocoConfig
 from gossip.mixing import MixingKind, MixingRule
 from gossip.optimizers import Algorithm, OptimizerConfig
 from gossip.spes import SpesConfig
-from node.config import EMBEDDED_MODEL_NAMES, HF_PRESET_NAMES, VECTOR_MODEL, NodeConfig
-from node.config.table import MODEL_NAME
+from node.config import NodeConfig
 from node.swarm.rounds import RoundClock
+from node.train.model_names import EMBEDDED_MODEL_NAMES, HF_PRESET_NAMES, MODEL_NAME_PATTERN, VECTOR_MODEL
 from node.train.tokenizer import TokenizerSpec
 from topology import TopologySpec
 
@@ -74,7 +74,7 @@ StateCodecName = Literal["fp32", "fp16", "bf16", "int8"]
 RefreshCodecName = Literal["fp32", "fp16", "bf16", "int8"]
 MAX_FRAGMENTS = 64
 MAX_QSR_ALPHA = 1e3
-ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_MODEL_NAME, pattern=f"^(?:{MODEL_NAME.pattern})$")]
+ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_MODEL_NAME, pattern=f"^(?:{MODEL_NAME_PATTERN})$")]
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
 Sha256Hex = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
 ModelConfigDoc = Annotated[dict[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_MODEL_CONFIG_KEY)], Any],

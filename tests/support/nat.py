@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from node.cli.ready_line import find_ready_line
+from node.runtime.ready_line import find_ready_line
 from support.netns import TBF_BURST, TBF_LATENCY, NetnsUnavailable, _call_in_namespace, remove_orphaned_namespaces
 
 T = TypeVar("T")

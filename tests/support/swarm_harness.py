@@ -20,8 +20,8 @@ from typing import TypeVar
 import numpy as np
 import psutil
 
-from node.cli.ready_line import find_ready_line
 from node.cli.status import fetch_status
+from node.runtime.ready_line import find_ready_line
 from node.train.checkpoint import CHECKPOINT_FILE, load_checkpoint
 
 MURMUR = Path(sys.executable).with_name("murmur")
