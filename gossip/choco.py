@@ -42,7 +42,9 @@ META_EDGE = "choco_edge"  # completed exchanges on the edge, as the sender count
 META_ANCHOR = "choco_anchor"  # digest of the sender's anchor
 ANCHOR_DIGEST_CHARS = 16
 DEFAULT_MAX_EDGES = 16
-# default consensus step for top-k: TOPK_GAMMA_PER_RATIO x its ratio, at most MAX_TOPK_GAMMA (see default_gamma)
+# default consensus step (see default_gamma): DENSE_GAMMA for codecs that keep every element; for top-k
+# TOPK_GAMMA_PER_RATIO x its ratio, at most MAX_TOPK_GAMMA
+DENSE_GAMMA = 1.0
 TOPK_GAMMA_PER_RATIO = 10.0
 MAX_TOPK_GAMMA = 0.5
 # mixing rules CHOCO can apply to an edge's difference (theirs - mine); the others need whole vectors
@@ -83,7 +85,7 @@ class ChocoSettings:
     and how many neighbours' estimates a node keeps."""
 
     codec: Codec
-    gamma: float = 1.0
+    gamma: float = DENSE_GAMMA
     max_edges: int = DEFAULT_MAX_EDGES
     rule: MixingRule = field(default_factory=MixingRule)
 
@@ -102,7 +104,7 @@ def default_gamma(codec: Codec) -> float:
     estimates then catch up in about one exchange); for top-k, 10 times its ratio, at most 1/2: the
     step that trained best in the measurements of docs/training.md (larger steps diverged with DAdam)."""
     ratio = codec.options().get("ratio") if codec.name == "topk" else None
-    return 1.0 if ratio is None else min(MAX_TOPK_GAMMA, TOPK_GAMMA_PER_RATIO * float(ratio))
+    return DENSE_GAMMA if ratio is None else min(MAX_TOPK_GAMMA, TOPK_GAMMA_PER_RATIO * float(ratio))
 
 
 def anchor_digest(anchor: Tensors) -> str:

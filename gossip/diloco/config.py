@@ -65,3 +65,8 @@ class DilocoConfig:
     def mixes_anchors(self, round_index: int) -> bool:
         """Whether a fragment's sync of `round_index` also mixes its anchors."""
         return self.anchor_every > 0 and (round_index + 1) % self.anchor_every == 0
+
+
+# The one place DiLoCo's defaults are written: the node's settings, the swarm document, `murmur plan` and
+# its model read them from here, so a founder, a joiner and a prediction cannot disagree on what "unset" means.
+DILOCO_DEFAULTS = DilocoConfig()

@@ -20,8 +20,8 @@ from typing import Annotated, Any, Literal, TypeVar, cast
 import msgspec
 
 from gossip.choco import ChocoSettings, check_topology, default_gamma
-from gossip.codecs import Codec, Fp32Codec, get_codec
-from gossip.diloco import DilocoConfig
+from gossip.codecs import DEFAULT_TOPK_RATIO, Codec, Fp32Codec, get_codec
+from gossip.diloco import DILOCO_DEFAULTS, DilocoConfig
 from gossip.mixing import MixingKind, MixingRule
 from gossip.optimizers import Algorithm, OptimizerConfig
 from gossip.spes import SpesConfig
@@ -57,7 +57,6 @@ MAX_SPES_EVERY = 10**6
 MAX_REPLICATION = 64
 MAX_MODEL_NAME = 256
 MAX_KEY_CHECK = 128
-DEFAULT_TOPK_RATIO = 0.01
 # A Hugging Face model config (node.train.models.hf bounds its size and the fields that decide memory)
 MAX_MODEL_CONFIG_KEYS = 512
 MAX_MODEL_CONFIG_KEY = 128
@@ -72,7 +71,7 @@ CodecName = Literal["fp32", "fp16", "bf16", "int8", "topk"]
 # whole parameter vectors (anchors, SPES's groups): top-k is sound only on differences
 StateCodecName = Literal["fp32", "fp16", "bf16", "int8"]
 RefreshCodecName = Literal["fp32", "fp16", "bf16", "int8"]
-MAX_FRAGMENTS = 64
+MAX_FRAGMENTS = DilocoConfig.MAX_FRAGMENTS
 MAX_QSR_ALPHA = 1e3
 ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_MODEL_NAME, pattern=f"^(?:{MODEL_NAME_PATTERN})$")]
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
@@ -112,16 +111,19 @@ _D = TypeVar("_D", bound=_Doc)
 
 
 class DilocoDoc(_Doc, frozen=True):
-    """Gossip DiLoCo's outer loop (gossip.diloco.DilocoConfig); present exactly with algorithm diloco."""
+    """Gossip DiLoCo's outer loop (gossip.diloco.DilocoConfig); present exactly with algorithm diloco.
 
-    outer_lr: Annotated[float, msgspec.Meta(gt=0.0, le=MAX_LR)] = 0.7
-    outer_momentum: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.9
-    fragments: Annotated[int, msgspec.Meta(ge=1, le=MAX_FRAGMENTS)] = 1
-    overlap: bool = False
-    qsr_alpha: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_QSR_ALPHA)] = 0.0
-    anchor_every: Annotated[int, msgspec.Meta(ge=0, le=MAX_SPES_EVERY)] = 1
-    anchor_codec: StateCodecName = "int8"
-    inner: Literal["adam", "sgd"] = "adam"
+    A field left out means DiLoCo's default (gossip.diloco.DILOCO_DEFAULTS): changing one of those
+    changes what published documents mean, so it takes a new SWARM_CONFIG_VERSION."""
+
+    outer_lr: Annotated[float, msgspec.Meta(gt=0.0, le=MAX_LR)] = DILOCO_DEFAULTS.outer_lr
+    outer_momentum: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = DILOCO_DEFAULTS.outer_momentum
+    fragments: Annotated[int, msgspec.Meta(ge=1, le=MAX_FRAGMENTS)] = DILOCO_DEFAULTS.fragments
+    overlap: bool = DILOCO_DEFAULTS.overlap
+    qsr_alpha: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_QSR_ALPHA)] = DILOCO_DEFAULTS.qsr_alpha
+    anchor_every: Annotated[int, msgspec.Meta(ge=0, le=MAX_SPES_EVERY)] = DILOCO_DEFAULTS.anchor_every
+    anchor_codec: StateCodecName = cast(StateCodecName, DILOCO_DEFAULTS.anchor_codec)
+    inner: Literal["adam", "sgd"] = cast(Literal["adam", "sgd"], DILOCO_DEFAULTS.inner)
 
 
 class OptimizerDoc(_Doc, frozen=True):
