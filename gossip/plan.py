@@ -18,6 +18,7 @@ from typing import Any
 from gossip.codecs import Codec, Fp32Codec, get_codec
 from gossip.diloco.config import DILOCO_DEFAULTS
 from gossip.optimizers import OptimizerConfig
+from gossip.rules import Knobs, Rule, broken_rules
 from gossip.wire import MetaValue, TensorSpec, message_nbytes
 from topology import MembershipView, Topology, TopologySpec, build_topology, peer_round
 
@@ -141,11 +142,13 @@ class PlanConfig:
             raise ValueError(f"local steps (H) must be >= 1, got {self.local_steps}")
         if self.fragments < 1:
             raise ValueError(f"fragments (P) must be >= 1, got {self.fragments}")
-        if self.fragments > 1 and self.algorithm is not Algorithm.DILOCO:
+        broken = broken_rules(Knobs(codec=self.codec.name, diloco=self.algorithm is Algorithm.DILOCO,
+                                    choco=self.compression is Compression.CHOCO, fragments=self.fragments))
+        if Rule.FRAGMENTS_WITHOUT_DILOCO in broken:
             raise ValueError("fragments (P > 1) are DiLoCo's streaming sync; use them with --optimizer diloco")
         if self.fragments > len(self.specs):
             raise ValueError(f"{self.fragments} fragments of a model of {len(self.specs)} tensors: at most one per tensor")
-        if self.compression is Compression.CHOCO and self.algorithm is Algorithm.DILOCO:
+        if Rule.CHOCO_WITH_DILOCO in broken:
             raise ValueError("compressed gossip (choco) is for the per-step algorithms dsgd and dadam")
         if self.tokens_per_step < 1:
             raise ValueError(f"tokens per step must be >= 1, got {self.tokens_per_step}")

@@ -24,6 +24,7 @@ from gossip.codecs import DEFAULT_TOPK_RATIO, Codec, Fp32Codec, get_codec
 from gossip.diloco import DILOCO_DEFAULTS, DilocoConfig
 from gossip.mixing import MixingKind, MixingRule
 from gossip.optimizers import Algorithm, OptimizerConfig
+from gossip.rules import Knobs, Rule, broken_rules
 from gossip.spes import SpesConfig
 from node.config import NodeConfig
 from node.swarm.rounds import RoundClock
@@ -542,17 +543,19 @@ class SwarmSettings:
                      else get_codec(g.codec))
             mixing = MixingRule(kind=g.mixing.kind, tau=g.mixing.tau, trim=g.mixing.trim)
             choco = None
-            diloco = isinstance(payload, ModelPayload) and payload.optimizer.diloco is not None
+            model = payload if isinstance(payload, ModelPayload) else None
+            broken = broken_rules(Knobs(codec=codec.name, diloco=model is not None and model.optimizer.diloco is not None,
+                                        choco=g.compression is not None, spes=model is not None and model.spes is not None))
             if g.compression is not None:
                 check_topology(topology)
-                if isinstance(payload, ModelPayload) and payload.spes is not None:
+                if Rule.CHOCO_WITH_SPES in broken:
                     raise ValueError("compressed gossip does not cover SPES's expert syncs")
-                if diloco:
+                if Rule.CHOCO_WITH_DILOCO in broken:
                     raise ValueError("compressed gossip is for dsgd and dadam; diloco compresses its pseudo-gradients "
                                      "with the codec")
                 gamma = default_gamma(codec) if g.compression.gamma is None else g.compression.gamma
                 choco = ChocoSettings(codec=codec, gamma=gamma, rule=mixing)
-            elif codec.name == "topk" and not diloco:
+            elif Rule.TOPK_ON_WHOLE_PARAMETERS in broken:
                 raise ValueError("codec topk is sound on differences only (compressed gossip's, gossip DiLoCo's "
                                  "pseudo-gradients), and the swarm gossips whole parameters")
             return cls(
@@ -570,10 +573,15 @@ class SwarmSettings:
             raise RecipeInvalid(f"the swarm's config is invalid: {exc}") from None
 
     def __post_init__(self) -> None:
-        if self.codec.name == "topk" and (self.training is None or self.training.diloco is None):
+        # built from a document by `from_document`, or directly: the rules hold either way (under compressed
+        # gossip `codec` is the fp32 of whole tensors, the differences' is the choco's)
+        t = self.training
+        broken = broken_rules(Knobs(codec=self.codec.name, diloco=t is not None and t.diloco is not None,
+                                    spes=t is not None and t.spes is not None))
+        if Rule.TOPK_ON_WHOLE_PARAMETERS in broken:
             raise RecipeInvalid("the swarm's config is invalid: gossip.codec: topk drops most of each tensor and is "
                                 "sound only on gossip DiLoCo's pseudo-gradients, not on whole parameters")
-        if self.training is not None and self.training.spes is not None and self.training.diloco is not None:
+        if Rule.SPES_WITH_DILOCO in broken:
             raise RecipeInvalid("the swarm's config is invalid: SPES takes its outer step knobs from its own fields, "
                                 "not from optimizer.diloco")
 
