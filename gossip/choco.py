@@ -34,6 +34,7 @@ import numpy as np
 
 from gossip.codecs import Codec
 from gossip.mixing import MixingKind, MixingRule
+from gossip.rules import CHOCO_RULES, Knobs, Rule, broken_rules
 from gossip.wire import MetaValue
 from topology import TopologySpec
 
@@ -47,8 +48,6 @@ DEFAULT_MAX_EDGES = 16
 DENSE_GAMMA = 1.0
 TOPK_GAMMA_PER_RATIO = 10.0
 MAX_TOPK_GAMMA = 0.5
-# mixing rules CHOCO can apply to an edge's difference (theirs - mine); the others need whole vectors
-CHOCO_RULES = (MixingKind.WEIGHTED, MixingKind.CLIPPED)
 
 # topology families whose every edge is symmetric (an exchange with an ack): the ones CHOCO runs on
 SYMMETRIC_TOPOLOGIES = ("ring", "torus", "complete", "star", "hypercube", "random-regular", "custom")
@@ -94,7 +93,7 @@ class ChocoSettings:
             raise ValueError(f"the compressed-gossip step gamma must be in (0, 1], got {self.gamma!r}")
         if self.max_edges < 1:
             raise ValueError(f"max_edges must be >= 1, got {self.max_edges!r}")
-        if self.rule.kind not in CHOCO_RULES:
+        if Rule.CHOCO_WITH_WHOLE_VECTOR_MIXING in broken_rules(Knobs(choco=True, mixing=self.rule.kind)):
             raise ValueError(f"compressed gossip moves along per-edge differences; mixing rule {self.rule.kind!r} "
                              f"needs whole vectors: use {' or '.join(CHOCO_RULES)}")
 

@@ -10,6 +10,11 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gossip.mixing import MixingKind
+
+# mixing rules CHOCO can apply to an edge's difference (theirs - mine); the others need whole vectors
+CHOCO_RULES = (MixingKind.WEIGHTED, MixingKind.CLIPPED)
+
 
 class Rule(enum.StrEnum):
     """A combination of knobs murmur refuses, and why (the value is the reason in a few words)."""
@@ -21,6 +26,8 @@ class Rule(enum.StrEnum):
     # compressed gossip is a per-step scheme; DiLoCo compresses its pseudo-gradients with the codec itself
     CHOCO_WITH_DILOCO = "compressed gossip is for the per-step optimizers dsgd and dadam, not diloco"
     CHOCO_WITH_SPES = "compressed gossip does not cover SPES's expert syncs"
+    CHOCO_WITH_WHOLE_VECTOR_MIXING = "compressed gossip moves along per-edge differences; this mixing rule needs " \
+        "whole vectors"
     # SPES's outer step has knobs of its own (spes_outer_lr, ...); one node does not run both outer loops
     SPES_WITH_DILOCO = "SPES takes its outer step knobs from its own fields, not from diloco's"
     FRAGMENTS_WITHOUT_DILOCO = "streaming fragments are diloco's outer sync"
@@ -38,12 +45,14 @@ class RuleBroken(ValueError):
 
 @dataclass(frozen=True)
 class Knobs:
-    """The values the rules read: the codec's name, which schemes are on, DiLoCo's fragments and phase."""
+    """The values the rules read: the codec's name, which schemes are on, the mixing rule, DiLoCo's
+    fragments and phase."""
 
     codec: str = "fp32"
     diloco: bool = False
     choco: bool = False
     spes: bool = False
+    mixing: str = MixingKind.WEIGHTED
     fragments: int = 1
     local_steps: int | None = None  # H; None: not known here, so FRAGMENTS_OVER_PHASE is not judged
 
@@ -57,6 +66,7 @@ def broken_rules(knobs: Knobs) -> frozenset[Rule]:
         (Rule.TOPK_WITH_SPES, topk and knobs.spes),
         (Rule.CHOCO_WITH_DILOCO, knobs.choco and knobs.diloco),
         (Rule.CHOCO_WITH_SPES, knobs.choco and knobs.spes),
+        (Rule.CHOCO_WITH_WHOLE_VECTOR_MIXING, knobs.choco and knobs.mixing not in CHOCO_RULES),
         (Rule.SPES_WITH_DILOCO, knobs.spes and knobs.diloco),
         (Rule.FRAGMENTS_WITHOUT_DILOCO, knobs.fragments > 1 and not knobs.diloco),
         (Rule.FRAGMENTS_OVER_PHASE, knobs.diloco and knobs.local_steps is not None

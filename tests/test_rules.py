@@ -34,3 +34,9 @@ def test_check_knobs_names_the_first_rule() -> None:
         check_knobs(Knobs(codec="topk", spes=True))
     assert refused.value.rule is Rule.TOPK_ON_WHOLE_PARAMETERS
     check_knobs(Knobs(codec="topk", spes=True), ignore=list(Rule))
+
+
+def test_compressed_gossip_mixes_by_differences_only() -> None:
+    assert broken_rules(Knobs(choco=True, mixing="median")) == {Rule.CHOCO_WITH_WHOLE_VECTOR_MIXING}
+    assert broken_rules(Knobs(choco=True, mixing="clipped")) == set()
+    assert broken_rules(Knobs(mixing="median")) == set()

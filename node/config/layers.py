@@ -166,6 +166,7 @@ def _check_combinations(merged: Mapping[str, Sourced]) -> None:
                           f"{current('training.spes_sync_every')} (--spes-sync-every)")
     broken = broken_rules(Knobs(codec=str(current("gossip.codec")), diloco=current("training.optimizer") == "diloco",
                                 choco=current("gossip.compression") == "choco", spes=bool(current("training.spes")),
+                                mixing=str(current("gossip.mixing.kind")),
                                 fragments=cast(int, current("training.fragments")),
                                 local_steps=cast(int, current("training.local_steps"))))
     _check_codec(current, source, broken)
@@ -179,7 +180,8 @@ def _check_combinations(merged: Mapping[str, Sourced]) -> None:
 def _check_compression(current: Callable[[str], object], source: Callable[[str], str], broken: Collection[Rule]
                        ) -> None:
     """--gossip-compression choco: where it is sound (docs/training.md)."""
-    from gossip.choco import CHOCO_RULES, check_topology
+    from gossip.choco import check_topology
+    from gossip.rules import CHOCO_RULES
     from topology import TopologySpec
 
     if current("gossip.compression") != "choco":
@@ -193,7 +195,7 @@ def _check_compression(current: Callable[[str], object], source: Callable[[str],
                                     directed=bool(current("gossip.topology.directed"))))
     except ValueError as exc:
         raise ConfigError(f"{source('gossip.compression')}: {exc}") from None
-    if current("gossip.mixing.kind") not in CHOCO_RULES:
+    if Rule.CHOCO_WITH_WHOLE_VECTOR_MIXING in broken:
         raise ConfigError(f"{source('gossip.mixing.kind')}: compressed gossip moves along per-edge differences; "
                           f"mixing rule {current('gossip.mixing.kind')} needs whole vectors: use "
                           f"{' or '.join(CHOCO_RULES)}")
