@@ -95,3 +95,30 @@ def test_choco_gamma_default_is_choco_s() -> None:
     text = SETTINGS_BY_KEY["gossip.choco_gamma"].default_text
     assert text is not None and f"at most {default_gamma(TopKCodec(1.0)):g}" in text
     assert f"{default_gamma(TopKCodec(0.01)) / 0.01:g} x --topk-ratio" in text
+
+
+# `murmur plan` flag -> the setting whose default it takes
+PLAN_FLAGS = {
+    "model": "training.model", "topology": "gossip.topology.name", "optimizer": "training.optimizer",
+    "overlap": "training.overlap", "outer_lr": "training.outer_lr", "outer_momentum": "training.outer_momentum",
+    "anchor_every": "training.anchor_every", "anchor_codec": "training.anchor_codec", "codec": "gossip.codec",
+    "topk_ratio": "gossip.topk_ratio", "topk_packed": "gossip.topk_packed", "topk_elias_fano": "gossip.topk_elias_fano",
+    "gossip_compression": "gossip.compression", "batch_size": "training.batch_size", "context": "training.context",
+    "micro_batches": "training.micro_batches",
+}
+
+
+@pytest.mark.parametrize(("dest", "key"), sorted(PLAN_FLAGS.items()))
+def test_plan_flags_default_to_the_nodes(dest: str, key: str) -> None:
+    from node.cli.main import build_parser
+
+    args = build_parser().parse_args(["plan"])
+    assert getattr(args, dest) is setting_value(DEFAULTS, key)
+
+
+def test_plan_fragments_and_local_steps_defaults() -> None:
+    from node.cli.main import build_parser
+
+    args = build_parser().parse_args(["plan"])
+    assert args.fragments is DILOCO_DEFAULTS.fragments
+    assert args.local_steps is None  # 1 (the node's) or, for diloco, the plan's own PLAN_DILOCO_LOCAL_STEPS
