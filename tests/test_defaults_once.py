@@ -122,3 +122,25 @@ def test_plan_fragments_and_local_steps_defaults() -> None:
     args = build_parser().parse_args(["plan"])
     assert args.fragments is DILOCO_DEFAULTS.fragments
     assert args.local_steps is None  # 1 (the node's) or, for diloco, the plan's own PLAN_DILOCO_LOCAL_STEPS
+
+
+def test_choices_are_the_gossip_layers() -> None:
+    """The names a flag offers and the swarm document admits are the algorithms' own (the document's are
+    Literal types, written out for msgspec and mypy: checked equal here)."""
+    from typing import get_args
+
+    from gossip.codecs import STATE_CODECS
+    from gossip.diloco import ANCHOR_CODECS, INNER_OPTIMIZERS
+    from gossip.optimizers import ALGORITHMS
+    from node.config import NODE_CODECS, OPTIMIZERS
+    from node.swarm.recipe import CodecName, OptimizerDoc, StateCodecName
+
+    assert SETTINGS_BY_KEY["training.anchor_codec"].kind.choices == ANCHOR_CODECS == STATE_CODECS  # type: ignore[attr-defined]
+    assert SETTINGS_BY_KEY["training.inner_optimizer"].kind.choices == INNER_OPTIMIZERS  # type: ignore[attr-defined]
+    assert get_args(StateCodecName) == STATE_CODECS and get_args(CodecName) == NODE_CODECS
+    assert get_args(_struct_type(DilocoDoc, "inner")) == INNER_OPTIMIZERS
+    assert OPTIMIZERS == ALGORITHMS == get_args(_struct_type(OptimizerDoc, "algorithm"))
+
+
+def _struct_type(cls: type[msgspec.Struct], name: str) -> Any:
+    return next(f.type for f in msgspec.structs.fields(cls) if f.name == name)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-ANCHOR_CODECS = ("fp32", "fp16", "bf16", "int8")
+from gossip.codecs.registry import STATE_CODECS
+
+ANCHOR_CODECS = STATE_CODECS  # anchors are whole parameters
 INNER_OPTIMIZERS = ("adam", "sgd")
 
 

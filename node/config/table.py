@@ -9,8 +9,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from gossip.choco import DENSE_GAMMA, MAX_TOPK_GAMMA, TOPK_GAMMA_PER_RATIO
-from gossip.diloco import DilocoConfig
+from gossip.codecs import STATE_CODECS, TopKCodec
+from gossip.diloco import INNER_OPTIMIZERS, DilocoConfig
 from gossip.mixing import MIXING_KINDS
+from gossip.optimizers import ALGORITHMS
 from node.config.kinds import Boolean, Choice, EdgeList, Integer, Kind, Multiaddrs, Named, Number, PathKind, Text
 from node.net.reach_mode import ReachMode
 from node.train.model_names import HF_PRESET_NAMES, MODEL_NAME_PATTERN
@@ -55,18 +57,14 @@ class Transport(StrEnum):
 
 
 TRANSPORTS = tuple(Transport)
-NODE_CODECS = ("fp32", "fp16", "bf16", "int8", "topk")
+NODE_CODECS = (*STATE_CODECS, TopKCodec.name)
 GOSSIP_COMPRESSIONS = ("none", "choco")
-# codecs for whole parameter vectors: top-k (a few entries, the rest dropped) is sound only on
-# differences (gossip DiLoCo's pseudo-gradients with error feedback, compressed gossip's), so it is refused elsewhere
-STATE_CODECS = ("fp32", "fp16", "bf16", "int8")
 SPES_REFRESH_CODECS = ("fp16", "bf16", "int8")  # what --spes-refresh-codec offers (gossip.spes takes fp32 too)
-SPES_EXPERT_CODECS = ("fp32", "fp16", "bf16", "int8")  # what --spes-expert-codec offers
+SPES_EXPERT_CODECS = STATE_CODECS  # what --spes-expert-codec offers
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 ADMISSION_MODES = ("open", "key", "allowlist")  # node.swarm.recipe.AdmissionMode
-OPTIMIZERS = ("dsgd", "dadam", "diloco")
+OPTIMIZERS = ALGORITHMS
 FINAL_MERGE = ("auto", "on", "off")
-INNER_OPTIMIZERS = ("adam", "sgd")
 DEVICES_HELP = "auto, cpu, cuda or cuda:N"
 PRECISION_NAMES = ("auto", "fp32", "bf16", "fp16")
 
