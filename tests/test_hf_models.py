@@ -246,7 +246,7 @@ def test_spes_on_hf_tiny_mixtral_trains_shared_and_owned_experts_within_5_percen
 
 def write_average(data_dir: Path, model: str, tensors: dict[str, np.ndarray], tokenizer: Path | None = None) -> dict:
     from node.cli.main import parse_node_config
-    from node.swarm.recipe import swarm_document
+    from node.runtime.founding import swarm_document
     from node.train.checkpoint import SWARM_AVERAGE_FILE, save_checkpoint
     from node.train.tokenizer import store_in_cache
 

@@ -24,7 +24,6 @@ KNOWN_UNTIL_MERGED = {
     ("node/swarm/joining.py", "node.net.records"),  # TYPE_CHECKING: PeerRecord
     ("node/swarm/loop.py", "node.net.discovery"),  # TYPE_CHECKING: Discovery
     ("node/swarm/loop.py", "node.net.records"),  # TYPE_CHECKING: PeerRecord
-    ("node/swarm/recipe.py", "node.config"),  # NodeConfig, for the founder's functions
 }
 
 # DESIGN.md: gossip/ and topology/ never import node, hivemind, libp2p or asyncio networking. Plain asyncio

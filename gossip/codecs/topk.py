@@ -21,6 +21,9 @@ from gossip.codecs.kernels import _check_finite_f32, _flat_source, _from_float32
 from gossip.errors import BadSchema
 
 _BLOCK_SHIFT = 16  # packed: offsets within blocks of 2^16 elements fit a uint16
+# The ratio a swarm, a node and `murmur plan` take when none is given: one place, so that a recipe that
+# leaves it out means the same to its founder and its joiners.
+DEFAULT_TOPK_RATIO = 0.01
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ and the analytic traffic (`traffic`).
 docs/training.md ("Gossip DiLoCo") explains the scheme.
 """
 
-from gossip.diloco.config import ANCHOR_CODECS, INNER_OPTIMIZERS, DilocoConfig
+from gossip.diloco.config import ANCHOR_CODECS, DILOCO_DEFAULTS, INNER_OPTIMIZERS, DilocoConfig
 from gossip.diloco.fragments import fragment_partition
 from gossip.diloco.outer import OuterNesterov
 from gossip.diloco.schedule import MAX_PHASE, SyncSchedule, qsr_period
@@ -16,6 +16,7 @@ from gossip.diloco.traffic import RoundMessages, Traffic, round_bytes, run_bytes
 
 __all__ = [
     "ANCHOR_CODECS",
+    "DILOCO_DEFAULTS",
     "INNER_OPTIMIZERS",
     "MAX_PHASE",
     "DilocoConfig",

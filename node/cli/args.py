@@ -11,10 +11,13 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from node.config import (
+    DEFAULTS,
     ENV_CONFIG_FILE,
+    SETTINGS_BY_KEY,
     Boolean,
     Choice,
     EdgeList,
+    Kind,
     Multiaddrs,
     ResolvedConfig,
     Setting,
@@ -23,6 +26,7 @@ from node.config import (
     read_config_file,
     read_environment,
     read_flags,
+    setting_value,
     settings_for,
 )
 from topology import WEIGHT_SCHEMES, TopologySpec
@@ -120,6 +124,35 @@ def add_setting_flag(
         container.add_argument(setting.flag, action="extend", nargs="+", metavar=setting.metavar, **common)
     else:
         container.add_argument(setting.flag, metavar=setting.metavar, **common)
+
+
+def add_knob_flag(container: argparse._ActionsContainer, key: str, help: str, **overrides: Any) -> None:
+    """A command's own flag for a knob of the settings table (`murmur plan` models a swarm's recipe): its
+    name, its parser (bounds, choices) and its default are the setting's, so they cannot drift from the
+    node's; the help is the command's, with %(default)s for the default. Unlike `add_setting_flag`, the
+    namespace holds the value under the flag's plain name, default included: such a command reads no
+    environment or config file. `overrides` go to add_argument as they are (a store_true action...)."""
+    setting = SETTINGS_BY_KEY[key]
+    options: dict[str, Any] = {"default": setting_value(DEFAULTS, key), "help": help}
+    if isinstance(setting.kind, Choice):
+        options["choices"] = setting.kind.choices
+    elif isinstance(setting.kind, Boolean):
+        options["action"] = argparse.BooleanOptionalAction
+    else:
+        options["type"] = kind_type(setting.kind)
+    container.add_argument(setting.flag, **{**options, **overrides})
+
+
+def kind_type(kind: Kind) -> Callable[[str], object]:
+    """An argparse type that parses and checks text as the setting's kind does for flags and `MURMUR_*`."""
+
+    def parse(text: str) -> object:
+        try:
+            return kind.from_text(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
 
 
 def resolve(args: argparse.Namespace, env: Mapping[str, str]) -> ResolvedConfig:

@@ -84,7 +84,8 @@ def _with_invite(resolved: ResolvedConfig) -> NodeConfig:
 def _check_founders_recipe(resolved: ResolvedConfig) -> None:
     """A founder's recipe must be one every node accepts (node.swarm.recipe's bounds): refuse it here,
     naming the setting, rather than publish a document its own swarm would refuse."""
-    from node.swarm.recipe import SETTING_OF_FIELD, RecipeInvalid, field_at_fault, swarm_document
+    from node.runtime.founding import SETTING_OF_FIELD, swarm_document
+    from node.swarm.recipe import RecipeInvalid, field_at_fault
 
     config = resolved.config
     if config.training.trains_model:  # the flags' bounds, without reading a model's or tokenizer's files here

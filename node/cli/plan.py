@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 
 from gossip.codecs import Codec, TopKCodec, get_codec
+from gossip.diloco import DILOCO_DEFAULTS
 from gossip.plan import (
     DEFAULT_LINK_EFFICIENCY,
     Algorithm,
@@ -26,9 +27,11 @@ from gossip.plan import (
     make_plan,
     round_roles,
 )
+from gossip.rules import Knobs, Rule, broken_rules
 from gossip.wire import TensorSpec
 from node.cli.args import (
     UsageError,
+    add_knob_flag,
     add_topology_options,
     non_negative_float,
     non_negative_int,
@@ -37,8 +40,8 @@ from node.cli.args import (
     topology_spec,
     values_checked,
 )
-from node.config import NODE_CODECS, STATE_CODECS, Command, Model
-from topology import TOPOLOGY_NAMES, Topology, build_topology
+from node.config import DEFAULTS, Command, setting_value
+from topology import Topology, build_topology
 
 # steps run before the timed ones: the first step allocates and warms the allocator
 WARMUP_STEPS = 1
@@ -271,8 +274,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "Bytes are the exact message sizes of the wire format; times are a model checked against "
         "bench/bench_wan.py. Without --step-time it measures a step of the model on this machine.")
     size = plan.add_mutually_exclusive_group()
-    size.add_argument("--model", default=Model.MOE, metavar="MODEL",
-                      help="model whose parameters are counted: moe, dense or package.module:callable (default moe)")
+    add_knob_flag(size, "training.model", metavar="MODEL",
+                  help="model whose parameters are counted: moe, dense or package.module:callable (default %(default)s)")
     size.add_argument("--params", type=positive_int, help="parameter count instead of a model (needs --step-time)")
     plan.add_argument("--step-time", type=number(float, lo=0.0), metavar="SECONDS",
                       help="compute time of one step on one node (default: measured on this machine)")
@@ -281,6 +284,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     plan.add_argument("--round-cpu", type=_round_cpu, metavar="SECONDS|measure",
                       help="CPU seconds of one sync's local work on a node (encoding, decoding, mixing), or 'measure' "
                       "to time it here (default: measured when the step time is, else 0)")
+    # not the node's --threads: its default (torch's own) would time a step on all cores
     plan.add_argument("--threads", type=non_negative_int, default=1,
                       help="torch threads when measuring; 0: torch's default (default 1, as murmur demo runs nodes)")
     plan.add_argument("--bandwidth-mbit", type=number(float, lo=1e-6), default=20.0,
@@ -289,38 +293,38 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     plan.add_argument("--link-efficiency", type=number(float, lo=1e-3, hi=1.0), default=None,
                       help="share of the link rate that carries message bytes (default 0.93, measured)")
     plan.add_argument("--peers", type=number(int, lo=2), default=8, help="number of peers (default 8)")
-    plan.add_argument("--topology", choices=TOPOLOGY_NAMES, default="one-peer-exp",
-                      help="gossip topology (default one-peer-exp)")
-    plan.add_argument("--optimizer", choices=("dsgd", "dadam", "diloco"), default="dadam",
-                      help="dsgd, dadam (round overlapped with the step) or diloco (default dadam)")
-    plan.add_argument("--local-steps", type=positive_int,
-                      help=f"H: steps between syncs (default 1; {PLAN_DILOCO_LOCAL_STEPS} for diloco)")
-    plan.add_argument("--fragments", type=positive_int, default=1,
-                      help="P: diloco's streaming fragments, each synced once per H steps (default 1)")
-    plan.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
-                      help="diloco: the outer sync runs while the next phase computes (default off, as a node's)")
-    plan.add_argument("--outer-lr", type=number(float, lo=1e-9, hi=10.0), default=0.7,
-                      help="diloco: outer learning rate (default 0.7; with 1, momentum 0 and --anchor-codec equal to "
-                      "--codec a sync that mixes anchors sends one message instead of two)")
-    plan.add_argument("--outer-momentum", type=number(float, lo=0.0, hi=0.999999), default=0.9,
-                      help="diloco: outer Nesterov momentum (default 0.9)")
-    plan.add_argument("--anchor-every", type=non_negative_int, default=1,
-                      help="diloco: the anchors are mixed too at every this-many-th sync, a second round; 0: never "
-                      "(default 1)")
-    plan.add_argument("--anchor-codec", choices=STATE_CODECS, default="int8",
-                      help="diloco: codec of the anchors (default int8)")
-    plan.add_argument("--codec", choices=NODE_CODECS, default="fp32", help="wire codec (default fp32)")
-    plan.add_argument("--topk-ratio", type=number(float, lo=1e-9, hi=1.0), default=0.01,
-                      help="share of the elements --codec topk sends (default 0.01)")
-    plan.add_argument("--topk-packed", action="store_true",
-                      help="--codec topk in the packed layout: 3 bytes per kept element instead of 8")
-    plan.add_argument("--topk-elias-fano", action="store_true",
-                      help="--codec topk packed with Elias-Fano indices: about 2 bytes per kept element at 1-2%%")
-    plan.add_argument("--gossip-compression", choices=("none", "choco"), default="none",
-                      help="choco: dsgd/dadam send compressed differences against per-neighbour estimates")
-    plan.add_argument("--batch-size", type=positive_int, default=16, help="sequences per micro-batch (default 16)")
-    plan.add_argument("--context", type=number(int, lo=2), default=128, help="tokens per sequence (default 128)")
-    plan.add_argument("--micro-batches", type=positive_int, default=1, help="micro-batches per step (default 1)")
+    # The swarm's knobs: name, bounds, choices and default are the settings table's (add_knob_flag)
+    add_knob_flag(plan, "gossip.topology.name", help="gossip topology (default %(default)s)")
+    add_knob_flag(plan, "training.optimizer",
+                  help="dsgd, dadam (round overlapped with the step) or diloco (default %(default)s)")
+    add_knob_flag(plan, "training.local_steps", default=None,
+                  help=f"H: steps between syncs (default {setting_value(DEFAULTS, 'training.local_steps')}; "
+                  f"{PLAN_DILOCO_LOCAL_STEPS} for diloco)")
+    # a plan may model more fragments than a node takes (the node's bound is the DiLoCo config's)
+    plan.add_argument("--fragments", type=positive_int, default=DILOCO_DEFAULTS.fragments,
+                      help="P: diloco's streaming fragments, each synced once per H steps (default %(default)s)")
+    add_knob_flag(plan, "training.overlap",
+                  help="diloco: the outer sync runs while the next phase computes (default off, as a node's)")
+    add_knob_flag(plan, "training.outer_lr",
+                  help="diloco: outer learning rate (default %(default)s; with 1, momentum 0 and --anchor-codec equal "
+                  "to --codec a sync that mixes anchors sends one message instead of two)")
+    add_knob_flag(plan, "training.outer_momentum", help="diloco: outer Nesterov momentum (default %(default)s)")
+    add_knob_flag(plan, "training.anchor_every",
+                  help="diloco: the anchors are mixed too at every this-many-th sync, a second round; 0: never "
+                  "(default %(default)s)")
+    add_knob_flag(plan, "training.anchor_codec", help="diloco: codec of the anchors (default %(default)s)")
+    add_knob_flag(plan, "gossip.codec", help="wire codec (default %(default)s)")
+    add_knob_flag(plan, "gossip.topk_ratio", help="share of the elements --codec topk sends (default %(default)s)")
+    # store_true, not the node's --flag/--no-flag pair: a plan has no lower layer to turn off
+    add_knob_flag(plan, "gossip.topk_packed", action="store_true",
+                  help="--codec topk in the packed layout: 3 bytes per kept element instead of 8")
+    add_knob_flag(plan, "gossip.topk_elias_fano", action="store_true",
+                  help="--codec topk packed with Elias-Fano indices: about 2 bytes per kept element at 1-2%%")
+    add_knob_flag(plan, "gossip.compression",
+                  help="choco: dsgd/dadam send compressed differences against per-neighbour estimates")
+    add_knob_flag(plan, "training.batch_size", help="sequences per micro-batch (default %(default)s)")
+    add_knob_flag(plan, "training.context", help="tokens per sequence (default %(default)s)")
+    add_knob_flag(plan, "training.micro_batches", help="micro-batches per step (default %(default)s)")
     plan.add_argument("--json", action="store_true",
                       help="print one JSON object: inputs, numel, gossip, allreduce, data_parallel (each: step_s, "
                       "sync_s, syncs_per_step, sent_bytes_per_step, received_bytes_per_step, bytes_per_token, ...), "
@@ -341,12 +345,14 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.params is not None and args.step_time is None:
         raise UsageError("--params gives no model to measure a step of: pass --step-time SECONDS too")
     # the combinations PlanConfig refuses, checked before a model is built (that imports torch)
-    if args.fragments > 1 and algorithm is not Algorithm.DILOCO:
+    broken = broken_rules(Knobs(codec=args.codec, diloco=algorithm is Algorithm.DILOCO,
+                                choco=compression is Compression.CHOCO, fragments=args.fragments))
+    if Rule.FRAGMENTS_WITHOUT_DILOCO in broken:
         raise UsageError("--fragments: streaming fragments are diloco's outer sync; use them with --optimizer diloco")
-    if compression is Compression.CHOCO and algorithm is Algorithm.DILOCO:
+    if Rule.CHOCO_WITH_DILOCO in broken:
         raise UsageError("--gossip-compression choco is for the per-step algorithms dsgd and dadam; diloco "
                          "compresses its pseudo-gradients with --codec")
-    if args.codec == "topk" and algorithm is not Algorithm.DILOCO and compression is not Compression.CHOCO:
+    if Rule.TOPK_ON_WHOLE_PARAMETERS in broken:
         raise UsageError("--codec topk drops most of every message; it is sound on differences only: use it with "
                          "--gossip-compression choco or --optimizer diloco")
     topology = topology_spec(args, args.topology)

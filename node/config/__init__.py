@@ -6,6 +6,7 @@ file, environment and flag layers and their merge; checks: checks against this m
 docs table (`python -m node.config`).
 """
 
+from gossip.codecs import STATE_CODECS
 from node.config.checks import check_environment
 from node.config.docs import TABLE_BEGIN, TABLE_END, default_in_words, settings_table
 from node.config.kinds import (
@@ -64,7 +65,6 @@ from node.config.table import (
     SETTINGS_BY_KEY,
     SPES_EXPERT_CODECS,
     SPES_REFRESH_CODECS,
-    STATE_CODECS,
     TABLES,
     TRANSPORTS,
     Command,

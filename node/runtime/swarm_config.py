@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from node.config import NodeConfig
 from node.runtime.errors import StartupError
+from node.runtime.founding import same_recipe, swarm_document
 from node.swarm.recipe import (
     AdmissionDoc,
     AdmissionMode,
@@ -23,8 +24,6 @@ from node.swarm.recipe import (
     SwarmSettings,
     check_model_allowed,
     parse_document,
-    same_recipe,
-    swarm_document,
 )
 from node.train.checkpoint import kept_metas
 

@@ -48,7 +48,7 @@ from node.net.founder import SignedConfig, sign_config
 from node.net.identity import claim_identity, peer_id_of_ssh_key
 from node.net.records import PeerRecord, config_key, encode_peer_record, peers_key
 from node.net.transport.p2pd import P2PSettings, start_p2pd
-from node.swarm.recipe import swarm_document
+from node.runtime.founding import swarm_document
 
 MODES = ("forge-config", "flood-records")
 STORE_TIMEOUT_S = 10.0
