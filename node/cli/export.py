@@ -54,8 +54,10 @@ def run_export(to: Path, data_dir: Path | None, url: str | None, source: str | N
     """`token`: with `url`, the node's monitor token (its POST endpoints need it)."""
     from node.swarm.export import ExportFailed, ExportSource, export_data_dir
     from node.train.checkpoint import CheckpointUnreadable
+    from node.train.durable import recover_directory
     from node.train.models.hf import HfModelInvalid
 
+    recover_directory(to)  # an export killed while replacing `to` put the old one aside: it comes back
     if to.exists() and not force and (not to.is_dir() or any(to.iterdir())):
         raise UsageError(f"--to {to} exists and is not empty (add --force to replace it)")
     if to.is_dir() and not any(to.iterdir()):
