@@ -30,7 +30,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     export.add_argument("--from", dest="source", choices=("average", "checkpoint"),
                         help="with --data-dir: the swarm average (swarm-average.safetensors) or this node's own "
                         "checkpoint (default: the average if there is one)")
-    export.add_argument("--force", action="store_true", help="replace --to if it exists")
+    export.add_argument("--force", action="store_true", help="replace --to if it exists (only once the new "
+                        "export is complete: a failure leaves the old one)")
     export.add_argument("--timeout", type=number(float, lo=1.0), default=300.0, metavar="SECONDS",
                         help="with --url: how long to wait for the node's swarm average (default 300)")
     export.add_argument("--token", help="with --url: the node's monitor token (default: read from "
@@ -54,8 +55,10 @@ def run_export(to: Path, data_dir: Path | None, url: str | None, source: str | N
     """`token`: with `url`, the node's monitor token (its POST endpoints need it)."""
     from node.swarm.export import ExportFailed, ExportSource, export_data_dir
     from node.train.checkpoint import CheckpointUnreadable
+    from node.train.durable import recover_directory
     from node.train.models.hf import HfModelInvalid
 
+    recover_directory(to)  # an export killed while replacing `to` put the old one aside: it comes back
     if to.exists() and not force and (not to.is_dir() or any(to.iterdir())):
         raise UsageError(f"--to {to} exists and is not empty (add --force to replace it)")
     if to.is_dir() and not any(to.iterdir()):
