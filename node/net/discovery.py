@@ -36,6 +36,7 @@ from node.net.founder import ConfigRefused, NotAdmitted, SwarmConfig, verify_con
 from node.net.identity import Identity
 from node.net.records import (
     MAX_MADDRS,
+    BadAddress,
     DiscoveryError,
     PeerRecord,
     SwarmConfigInvalid,
@@ -631,6 +632,10 @@ class Discovery:
             return None
         try:
             entry = decode_peer_entry(value)
+        except BadAddress as exc:
+            self._errors["peer_record_bad_address"] += 1
+            logger.debug("ignoring a peer record with a bad address: %s", exc)
+            return None
         except ValueError as exc:
             self._errors["peer_record_invalid"] += 1
             logger.debug("ignoring a malformed peer record: %s", exc)

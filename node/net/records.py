@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 import msgpack
 import msgspec
+import multiaddr
 from hivemind.dht.crypto import RSASignatureValidator
 
 from gossip.spes import ExpertKey, ExpertRecord, records_from_wire
@@ -46,6 +47,19 @@ Experts = Annotated[tuple[Count, ...], msgspec.Meta(max_length=_MAX_EXPERTS)]
 Version = Annotated[str, msgspec.Meta(max_length=_MAX_VERSION_CHARS)]
 Credential = Annotated[str, msgspec.Meta(max_length=MAX_CREDENTIAL_CHARS)]
 ConfigHash = Annotated[str, msgspec.Meta(max_length=64)]
+
+
+# What a peer record's address may be made of: the protocols p2pd and py-libp2p dial. Anything else
+# (unix sockets, onion, memory, unknown codes) is refused with the record.
+_ADDRESS_START = frozenset({"ip4", "ip6", "dns", "dns4", "dns6", "dnsaddr"})
+_DIALABLE_PROTOCOLS = _ADDRESS_START | frozenset({
+    "tcp", "udp", "quic", "quic-v1", "ws", "wss", "tls", "sni", "noise", "webtransport", "certhash",
+    "webrtc", "webrtc-direct", "p2p", "p2p-circuit",
+})
+
+
+class BadAddress(ValueError):
+    """A peer record's address is no multiaddr a dialer can take (counted as `bad_address`)."""
 
 
 class DiscoveryError(Exception):
@@ -142,11 +156,37 @@ def decode_peer_entry(raw: bytes) -> PeerRecord | Withdrawal:
         record = _RECORD_DECODER.decode(raw)
     except msgspec.DecodeError as exc:
         raise ValueError(f"peer record is malformed: {exc}") from None
-    # The one rule a schema cannot declare: every address names the record's own peer.
+    # The rules a schema cannot declare: every address names the record's own peer, and parses as
+    # a multiaddr of dialable protocols (so no dialer ever meets one that does not).
     suffix = f"/p2p/{record.peer_id}"
     if not all(addr.endswith(suffix) for addr in record.maddrs):
         raise ValueError(f"peer record maddrs must be 1-{MAX_MADDRS} multiaddrs ending in {suffix}")
+    for addr in record.maddrs:
+        check_maddr(addr, record.peer_id)
     return record
+
+
+def check_maddr(addr: str, peer_id: str) -> None:
+    """Raise BadAddress unless `addr` (at most _MAX_MADDR_CHARS) is a multiaddr of dialable protocols
+    that parses (protocols, port range, ip syntax) as a whole, in binary, and without its `/p2p/<peer_id>`
+    suffix: the forms the dialers (node.net.transport) hand to p2pd and py-libp2p."""
+    shown = addr[:80]
+    if len(addr) > _MAX_MADDR_CHARS:
+        raise BadAddress(f"multiaddr of {len(addr)} characters exceeds {_MAX_MADDR_CHARS}")
+    suffix = f"/p2p/{peer_id}"
+    transport_part = addr[: -len(suffix)] if addr.endswith(suffix) else addr
+    try:
+        parsed = multiaddr.Multiaddr(addr)
+        names = [protocol.name for protocol in parsed.protocols()]
+        multiaddr.Multiaddr(parsed.to_bytes())
+        multiaddr.Multiaddr(transport_part).to_bytes()
+    except Exception as exc:  # py-multiaddr raises ValueErrors of its own, and others on odd input
+        raise BadAddress(f"unparseable multiaddr {shown!r}: {type(exc).__name__}: {str(exc)[:120]}") from None
+    if not names or names[0] not in _ADDRESS_START:
+        raise BadAddress(f"multiaddr {shown!r} does not start with an ip or dns address")
+    unknown = sorted(set(names) - _DIALABLE_PROTOCOLS)
+    if unknown:
+        raise BadAddress(f"multiaddr {shown!r} has protocols no dialer takes: {', '.join(unknown)}")
 
 
 def owner_key(subkey: bytes) -> bytes | None:
