@@ -9,6 +9,7 @@ import asyncio
 import collections
 import shutil
 from pathlib import Path
+from unittest import mock
 
 import msgpack
 import multiaddr
@@ -118,16 +119,23 @@ def test_the_swarm_validator_refuses_hostile_records_and_never_raises(raw: bytes
 
     refused = RefusalCounts()
     rules = SwarmRules("fuzz", SwarmMembership(), refused)
-    record = DHTRecord(DHTID.generate(source=peers_key("fuzz")).to_bytes(), MSGPackSerializer.dumps(b"no owner"),
+    record = DHTRecord(DHTID.generate(source=peers_key("fuzz")).to_bytes(), MSGPackSerializer.dumps(b"[owner:PEER]"),
                        MSGPackSerializer.dumps(raw), get_dht_time() + 10.0)
-    accepted = rules.validate(record)  # never raises
-    assert accepted is False  # no owner in the subkey: nothing passes, but a bad address is named as such
+    # the subkey's owner is PEER (its signature is RSASignatureValidator's to check, not this rule's)
+    with mock.patch("node.net.validation.owner_peer_id", lambda subkey: PEER):
+        accepted = rules.validate(record)  # never raises
     try:
-        decode_peer_entry(raw)
-    except BadAddress:
-        assert refused.counts[RecordRefusal.BAD_ADDRESS] == 1
+        entry = decode_peer_entry(raw)
+    except BadAddress as exc:
+        assert not accepted
+        reason = RecordRefusal.BAD_ADDRESS if exc.peer_id == PEER else RecordRefusal.NOT_OWNER
+        assert refused.counts == {reason: 1}
     except ValueError:
-        assert refused.counts[RecordRefusal.MALFORMED] + refused.counts[RecordRefusal.TOO_LARGE] == 1
+        assert not accepted
+        assert sum(refused.counts.values()) == 1 and refused.counts[RecordRefusal.BAD_ADDRESS] == 0
+    else:
+        assert accepted == (entry.peer_id == PEER)
+        assert all(_parses_for_every_dialer(addr, entry.peer_id) for addr in entry.maddrs)
 
 
 @pytest.mark.parametrize("addr", UNPARSEABLE + [f"/unix/tmp/sock/p2p/{PEER}", f"/p2p/{RELAY}/p2p-circuit/p2p/{PEER}",

@@ -59,7 +59,10 @@ _DIALABLE_PROTOCOLS = _ADDRESS_START | frozenset({
 
 
 class BadAddress(ValueError):
-    """A peer record's address is no multiaddr a dialer can take (counted as `bad_address`)."""
+    """A peer record's address is no multiaddr a dialer can take (counted as `bad_address`); `peer_id`
+    is whom the record is about (set by decode_peer_entry)."""
+
+    peer_id: str = ""
 
 
 class DiscoveryError(Exception):
@@ -161,8 +164,12 @@ def decode_peer_entry(raw: bytes) -> PeerRecord | Withdrawal:
     suffix = f"/p2p/{record.peer_id}"
     if not all(addr.endswith(suffix) for addr in record.maddrs):
         raise ValueError(f"peer record maddrs must be 1-{MAX_MADDRS} multiaddrs ending in {suffix}")
-    for addr in record.maddrs:
-        check_maddr(addr, record.peer_id)
+    try:
+        for addr in record.maddrs:
+            check_maddr(addr, record.peer_id)
+    except BadAddress as exc:
+        exc.peer_id = record.peer_id
+        raise
     return record
 
 

@@ -174,7 +174,10 @@ class SwarmRules(RecordValidatorBase):  # type: ignore[misc]  # hivemind is unty
         try:
             entry = decode_peer_entry(value)
         except BadAddress as exc:
-            return self._refused.refuse_logged(RecordRefusal.BAD_ADDRESS, owner_peer_id(record.subkey), str(exc))
+            owner = owner_peer_id(record.subkey)
+            if exc.peer_id != owner:  # about another peer: that is what is wrong with it first
+                return self._refused.refuse(RecordRefusal.NOT_OWNER)
+            return self._refused.refuse_logged(RecordRefusal.BAD_ADDRESS, owner, str(exc))
         except ValueError:
             return self._refused.refuse(RecordRefusal.MALFORMED)
         if entry.peer_id != owner_peer_id(record.subkey):
