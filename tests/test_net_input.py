@@ -317,3 +317,71 @@ def test_a_supervised_task_that_returns_is_done_and_cancellation_is_not_swallowe
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(supervise("cancelled", cancelled, counter_of(counts)))
     assert counts == {}
+
+
+# ---- discovery's loops and view reads --------------------------------------------------------------------
+
+
+class _EmptyDht:
+    """What Discovery's view read asks of a DHTNode: nothing is ever found."""
+
+    async def get(self, key: str, latest: bool = False) -> None:
+        return None
+
+
+def _discovery(tmp_path: Path, heartbeat_s: float = 2.0):  # type: ignore[no-untyped-def]
+    from node.net.discovery import Discovery, DiscoverySettings
+    from node.net.identity import create_identity
+
+    me = create_identity(tmp_path / "me.key")
+    discovery = Discovery(None, me, DiscoverySettings("netinput", heartbeat_s=heartbeat_s),  # type: ignore[arg-type]
+                          data_maddrs=(f"/ip4/127.0.0.1/tcp/1/p2p/{me.peer_id}",))
+    discovery._dht = _EmptyDht()  # type: ignore[assignment]
+    return discovery
+
+
+def test_a_failing_discovery_heartbeat_is_restarted_and_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import node.net.supervise
+
+    monkeypatch.setattr(node.net.supervise, "BACKOFF_S", 0.01)
+    discovery = _discovery(tmp_path, heartbeat_s=0.02)
+    published: list[int] = []
+
+    async def publish() -> None:
+        published.append(len(published))
+        if len(published) <= 2:
+            raise struct_error("a stray error from a DHT store")
+
+    discovery._publish_record = publish  # type: ignore[method-assign]
+
+    async def main() -> None:
+        runner = asyncio.create_task(discovery._run())
+        while len(published) < 5:
+            await asyncio.sleep(0.01)
+        runner.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await runner
+
+    asyncio.run(asyncio.wait_for(main(), 20.0))
+    errors = discovery.errors
+    assert errors[FAILED] == 2 and errors[f"{FAILED}_discovery_heartbeat"] == 2, errors
+
+
+def struct_error(message: str) -> Exception:
+    import struct
+
+    return struct.error(message)
+
+
+def test_a_failing_view_read_keeps_the_view_and_is_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import node.net.discovery
+
+    discovery = _discovery(tmp_path)
+    before = discovery.view()
+
+    def broken(*args: object, **kwargs: object) -> object:
+        raise TypeError("a bug in the view's cap")
+
+    monkeypatch.setattr(node.net.discovery, "cap_view", broken)
+    asyncio.run(discovery._refresh_view())  # does not raise
+    assert discovery.view() == before and discovery.errors["view_read_failed"] == 1

@@ -18,13 +18,18 @@ from collections.abc import Awaitable, Callable
 logger = logging.getLogger(__name__)
 
 FAILED = "background_task_failed"
+BACKOFF_S = 1.0  # the first restart's delay, unless a caller says otherwise
+MAX_BACKOFF_S = 30.0
 
 
 async def supervise(name: str, body: Callable[[], Awaitable[None]], count: Callable[[str], None], *,
-                    backoff_s: float = 1.0, max_backoff_s: float = 30.0, healthy_s: float = 60.0) -> None:
+                    backoff_s: float | None = None, max_backoff_s: float | None = None,
+                    healthy_s: float = 60.0) -> None:
     """Run `body()` until it returns or this is cancelled, restarting it after each unexpected exception
     (module docstring). `count(kind)` increments the node's error count of `kind`."""
     loop = asyncio.get_running_loop()
+    backoff_s = BACKOFF_S if backoff_s is None else backoff_s
+    max_backoff_s = MAX_BACKOFF_S if max_backoff_s is None else max_backoff_s
     delay = backoff_s
     slug = name.replace(" ", "_")
     while True:
