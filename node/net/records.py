@@ -6,6 +6,7 @@ validators that hold every DHT value to these are node.net.validation."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -177,9 +178,18 @@ def check_maddr(addr: str, peer_id: str) -> None:
     """Raise BadAddress unless `addr` (at most _MAX_MADDR_CHARS) is a multiaddr of dialable protocols
     that parses (protocols, port range, ip syntax) as a whole, in binary, and without its `/p2p/<peer_id>`
     suffix: the forms the dialers (node.net.transport) hand to p2pd and py-libp2p."""
-    shown = addr[:80]
     if len(addr) > _MAX_MADDR_CHARS:
         raise BadAddress(f"multiaddr of {len(addr)} characters exceeds {_MAX_MADDR_CHARS}")
+    problem = _maddr_problem(addr, peer_id)
+    if problem is not None:
+        raise BadAddress(problem)
+
+
+# Views are read every half heartbeat, and every read decodes the same records again: the verdicts on
+# addresses are kept (bounded; ~40-70 us each to parse), so a read costs a lookup per address.
+@functools.lru_cache(maxsize=4096)
+def _maddr_problem(addr: str, peer_id: str) -> str | None:
+    shown = addr[:80]
     suffix = f"/p2p/{peer_id}"
     transport_part = addr[: -len(suffix)] if addr.endswith(suffix) else addr
     try:
@@ -188,12 +198,13 @@ def check_maddr(addr: str, peer_id: str) -> None:
         multiaddr.Multiaddr(parsed.to_bytes())
         multiaddr.Multiaddr(transport_part).to_bytes()
     except Exception as exc:  # py-multiaddr raises ValueErrors of its own, and others on odd input
-        raise BadAddress(f"unparseable multiaddr {shown!r}: {type(exc).__name__}: {str(exc)[:120]}") from None
+        return f"unparseable multiaddr {shown!r}: {type(exc).__name__}: {str(exc)[:120]}"
     if not names or names[0] not in _ADDRESS_START:
-        raise BadAddress(f"multiaddr {shown!r} does not start with an ip or dns address")
+        return f"multiaddr {shown!r} does not start with an ip or dns address"
     unknown = sorted(set(names) - _DIALABLE_PROTOCOLS)
     if unknown:
-        raise BadAddress(f"multiaddr {shown!r} has protocols no dialer takes: {', '.join(unknown)}")
+        return f"multiaddr {shown!r} has protocols no dialer takes: {', '.join(unknown)}"
+    return None
 
 
 def owner_key(subkey: bytes) -> bytes | None:
