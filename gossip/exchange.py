@@ -97,6 +97,7 @@ class Skip(StrEnum):
     MOVED_ON = "moved_on"  # a symmetric partner asked for a later round instead
     DESYNC = "desync"  # compressed gossip: the partner's edge estimates differ from ours; both reset the edge
     DIRECTED = "directed"  # compressed gossip: a directed edge (a pull), which it does not use
+    FAILED = "failed"  # an error of no declared kind (a transport's bug, say): this neighbour's loss, not the round's
 
 Tensors = Mapping[str, np.ndarray]
 
@@ -352,6 +353,10 @@ class GossipPeer:
             except ConnectionError as exc:
                 skip(peer, Skip.UNREACHABLE)
                 logger.debug("round %d: %s unreachable: %s", round_index, peer, exc)
+            except Exception as exc:  # the backstop: one neighbour's failure never ends the round (nor the loop)
+                skip(peer, Skip.FAILED, type(exc).__name__)
+                logger.warning("round %d: the exchange with %s failed: %s: %s", round_index, peer,
+                               type(exc).__name__, exc)
             else:
                 if abs(got.round - round_index) > self._settings.max_staleness:
                     skip(peer, Skip.STALE)

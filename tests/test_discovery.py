@@ -43,6 +43,9 @@ from node.runtime.founding import swarm_document
 
 REPO = Path(__file__).resolve().parents[1]
 SWARM = "testswarm"
+# real peer ids (base58 multihashes): a record's addresses must parse as multiaddrs
+PEER = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+OTHER = "QmcgpsyWgH8Y8ajJz1Cu72KnS5uo2Aa2LpzU7kinSupNKC"
 
 
 def _record(peer_id: str, **changes: object) -> PeerRecord:
@@ -64,25 +67,25 @@ def _record(peer_id: str, **changes: object) -> PeerRecord:
 
 @pytest.mark.unit
 def test_peer_record_round_trips() -> None:
-    record = _record("QmPeer")
+    record = _record(PEER)
     assert decode_peer_entry(encode_peer_record(record)) == record
     with_loss = msgspec.structs.replace(record, loss=2.5)
     assert decode_peer_entry(encode_peer_record(with_loss)) == with_loss
-    assert decode_peer_entry(encode_withdrawal("QmPeer")) == Withdrawal("QmPeer")
+    assert decode_peer_entry(encode_withdrawal(PEER)) == Withdrawal(PEER)
 
 
 @pytest.mark.unit
 def test_newer_fields_are_ignored_but_known_ones_checked() -> None:
-    fields = msgpack.unpackb(encode_peer_record(_record("QmPeer")))
+    fields = msgpack.unpackb(encode_peer_record(_record(PEER)))
     fields["added_in_v2"] = [1, 2]
-    assert decode_peer_entry(msgpack.packb(fields)) == _record("QmPeer")
+    assert decode_peer_entry(msgpack.packb(fields)) == _record(PEER)
 
 
 @pytest.mark.unit
 @pytest.mark.parametrize(
     "mutate",
     [
-        lambda f: f.update(maddrs=["/ip4/127.0.0.1/tcp/4001/p2p/QmSomeoneElse"]),
+        lambda f: f.update(maddrs=[f"/ip4/127.0.0.1/tcp/4001/p2p/{OTHER}"]),
         lambda f: f.update(maddrs=[]),
         lambda f: f.update(step=-1),
         lambda f: f.update(round=True),
@@ -93,12 +96,17 @@ def test_newer_fields_are_ignored_but_known_ones_checked() -> None:
         lambda f: f.update(peer_id=""),
         lambda f: f.update(loss=float("inf")),
         lambda f: f.update(loss="low"),
+        lambda f: f.update(maddrs=[f"/ip4/127.0.0.1/tcp/99999/p2p/{PEER}"]),
+        lambda f: f.update(maddrs=[f"/ip4/999.1.1.1/tcp/1/p2p/{PEER}"]),
+        lambda f: f.update(maddrs=[f"/garbage/1/p2p/{PEER}"]),
+        lambda f: f.update(maddrs=[f"/unix/tmp/sock/p2p/{PEER}"]),
     ],
     ids=["foreign-maddr", "no-maddrs", "negative-step", "bool-round", "experts-str", "negative-expert",
-         "nan-heartbeat", "no-version", "empty-peer-id", "inf-loss", "str-loss"],
+         "nan-heartbeat", "no-version", "empty-peer-id", "inf-loss", "str-loss",
+         "port-out-of-range", "bad-ip4", "unknown-protocol", "unix-socket"],
 )
 def test_malformed_peer_records_are_rejected(mutate: Callable[[dict], object]) -> None:
-    fields = msgpack.unpackb(encode_peer_record(_record("QmPeer")))
+    fields = msgpack.unpackb(encode_peer_record(_record(PEER)))
     mutate(fields)
     with pytest.raises(ValueError):
         decode_peer_entry(msgpack.packb(fields))

@@ -147,13 +147,13 @@ class Dialer:
             async with self._slots:
                 async with asyncio.timeout(self._settings.timeout_s):
                     await self._connector.connect(peer_id, targets)
-        except (ConnectionError, TimeoutError, ValueError, OSError) as exc:
+        except Exception as exc:  # PeerUnreachable, a timeout, or anything stray: a failed dial, retried later
             peer.failures += 1
             backoff = min(self._settings.max_backoff_s, self._settings.backoff_s * 2 ** (peer.failures - 1))
             peer.state, peer.retry_at = _State.FAILED, self._clock() + backoff
             self.counts[DialOutcome.FAILED] += 1
-            logger.info("could not dial %s (failure %d; next try in %.0f s): %s", peer_id, peer.failures, backoff,
-                        exc or type(exc).__name__)
+            logger.info("could not dial %s (failure %d; next try in %.0f s): %s: %s", peer_id, peer.failures, backoff,
+                        type(exc).__name__, exc)
         else:
             peer.state, peer.failures = _State.CONNECTED, 0
             self.counts[DialOutcome.OK] += 1

@@ -36,6 +36,7 @@ from node.net.founder import ConfigRefused, NotAdmitted, SwarmConfig, verify_con
 from node.net.identity import Identity
 from node.net.records import (
     MAX_MADDRS,
+    BadAddress,
     DiscoveryError,
     PeerRecord,
     SwarmConfigInvalid,
@@ -48,6 +49,7 @@ from node.net.records import (
     peers_key,
     validate_swarm_name,
 )
+from node.net.supervise import counter_of, supervise
 from node.net.validation import (
     CONFIG_TTL_S,
     MAX_HEARTBEAT_S,
@@ -471,11 +473,14 @@ class Discovery:
         return self._dht
 
     async def _run(self) -> None:
+        # Each loop is supervised (node.net.supervise): a bug or a stray error in one is logged, counted
+        # as background_task_failed and restarted after a backoff, and never ends the others.
+        count = counter_of(self._errors)
         async with asyncio.TaskGroup() as group:
-            group.create_task(self._heartbeat_loop())
-            group.create_task(self._watch_loop())
+            group.create_task(supervise("discovery heartbeat", self._heartbeat_loop, count))
+            group.create_task(supervise("discovery view reads", self._watch_loop, count))
             if self._watch_config:
-                group.create_task(self._config_watch_loop())
+                group.create_task(supervise("config watch", self._config_watch_loop, count))
 
     async def _heartbeat_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -600,6 +605,9 @@ class Discovery:
         began = self._refreshed_at = asyncio.get_running_loop().time()
         try:
             await self._read_view()
+        except Exception as exc:  # keep the last view; a read asked for by a stream's gate must not raise either
+            self._errors["view_read_failed"] += 1
+            logger.error("reading the swarm's view failed (%s: %s); keeping the last view", type(exc).__name__, exc)
         finally:
             self._last_read_began = max(self._last_read_began, began)
             async with self._read_done:
@@ -631,6 +639,10 @@ class Discovery:
             return None
         try:
             entry = decode_peer_entry(value)
+        except BadAddress as exc:
+            self._errors["peer_record_bad_address"] += 1
+            logger.debug("ignoring a peer record with a bad address: %s", exc)
+            return None
         except ValueError as exc:
             self._errors["peer_record_invalid"] += 1
             logger.debug("ignoring a malformed peer record: %s", exc)

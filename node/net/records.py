@@ -6,6 +6,7 @@ validators that hold every DHT value to these are node.net.validation."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -15,6 +16,7 @@ from typing import Annotated, Any
 
 import msgpack
 import msgspec
+import multiaddr
 from hivemind.dht.crypto import RSASignatureValidator
 
 from gossip.spes import ExpertKey, ExpertRecord, records_from_wire
@@ -46,6 +48,22 @@ Experts = Annotated[tuple[Count, ...], msgspec.Meta(max_length=_MAX_EXPERTS)]
 Version = Annotated[str, msgspec.Meta(max_length=_MAX_VERSION_CHARS)]
 Credential = Annotated[str, msgspec.Meta(max_length=MAX_CREDENTIAL_CHARS)]
 ConfigHash = Annotated[str, msgspec.Meta(max_length=64)]
+
+
+# What a peer record's address may be made of: the protocols p2pd and py-libp2p dial. Anything else
+# (unix sockets, onion, memory, unknown codes) is refused with the record.
+_ADDRESS_START = frozenset({"ip4", "ip6", "dns", "dns4", "dns6", "dnsaddr"})
+_DIALABLE_PROTOCOLS = _ADDRESS_START | frozenset({
+    "tcp", "udp", "quic", "quic-v1", "ws", "wss", "tls", "sni", "noise", "webtransport", "certhash",
+    "webrtc", "webrtc-direct", "p2p", "p2p-circuit",
+})
+
+
+class BadAddress(ValueError):
+    """A peer record's address is no multiaddr a dialer can take (counted as `bad_address`); `peer_id`
+    is whom the record is about (set by decode_peer_entry)."""
+
+    peer_id: str = ""
 
 
 class DiscoveryError(Exception):
@@ -142,11 +160,51 @@ def decode_peer_entry(raw: bytes) -> PeerRecord | Withdrawal:
         record = _RECORD_DECODER.decode(raw)
     except msgspec.DecodeError as exc:
         raise ValueError(f"peer record is malformed: {exc}") from None
-    # The one rule a schema cannot declare: every address names the record's own peer.
+    # The rules a schema cannot declare: every address names the record's own peer, and parses as
+    # a multiaddr of dialable protocols (so no dialer ever meets one that does not).
     suffix = f"/p2p/{record.peer_id}"
     if not all(addr.endswith(suffix) for addr in record.maddrs):
         raise ValueError(f"peer record maddrs must be 1-{MAX_MADDRS} multiaddrs ending in {suffix}")
+    try:
+        for addr in record.maddrs:
+            check_maddr(addr, record.peer_id)
+    except BadAddress as exc:
+        exc.peer_id = record.peer_id
+        raise
     return record
+
+
+def check_maddr(addr: str, peer_id: str) -> None:
+    """Raise BadAddress unless `addr` (at most _MAX_MADDR_CHARS) is a multiaddr of dialable protocols
+    that parses (protocols, port range, ip syntax) as a whole, in binary, and without its `/p2p/<peer_id>`
+    suffix: the forms the dialers (node.net.transport) hand to p2pd and py-libp2p."""
+    if len(addr) > _MAX_MADDR_CHARS:
+        raise BadAddress(f"multiaddr of {len(addr)} characters exceeds {_MAX_MADDR_CHARS}")
+    problem = _maddr_problem(addr, peer_id)
+    if problem is not None:
+        raise BadAddress(problem)
+
+
+# Views are read every half heartbeat, and every read decodes the same records again: the verdicts on
+# addresses are kept (bounded; ~40-70 us each to parse), so a read costs a lookup per address.
+@functools.lru_cache(maxsize=4096)
+def _maddr_problem(addr: str, peer_id: str) -> str | None:
+    shown = addr[:80]
+    suffix = f"/p2p/{peer_id}"
+    transport_part = addr[: -len(suffix)] if addr.endswith(suffix) else addr
+    try:
+        parsed = multiaddr.Multiaddr(addr)
+        names = [protocol.name for protocol in parsed.protocols()]
+        multiaddr.Multiaddr(parsed.to_bytes())
+        multiaddr.Multiaddr(transport_part).to_bytes()
+    except Exception as exc:  # py-multiaddr raises ValueErrors of its own, and others on odd input
+        return f"unparseable multiaddr {shown!r}: {type(exc).__name__}: {str(exc)[:120]}"
+    if not names or names[0] not in _ADDRESS_START:
+        return f"multiaddr {shown!r} does not start with an ip or dns address"
+    unknown = sorted(set(names) - _DIALABLE_PROTOCOLS)
+    if unknown:
+        return f"multiaddr {shown!r} has protocols no dialer takes: {', '.join(unknown)}"
+    return None
 
 
 def owner_key(subkey: bytes) -> bytes | None:

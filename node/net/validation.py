@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import logging
 from dataclasses import dataclass, field
 
 from hivemind.dht.crypto import RSASignatureValidator
@@ -37,6 +38,7 @@ from node.net.records import (
     MAX_EXPERT_RECORDS_BYTES,
     MAX_RECORD_BYTES,
     MIN_OWNER_KEY_BITS,
+    BadAddress,
     PeerRecord,
     config_key,
     decode_expert_records,
@@ -48,12 +50,15 @@ from node.net.records import (
 )
 from node.swarm.recipe import RecipeInvalid, parse_document
 
+logger = logging.getLogger(__name__)
+
 MAX_CLOCK_SKEW_S = 30.0  # how far ahead of ours another node's clock may run
 MAX_HEARTBEAT_S = 30.0  # the longest `--heartbeat` a node takes
 RECORD_TTL_HEARTBEATS = 3  # a record outlives its heartbeat by this many periods
 MAX_RECORD_TTL_S = (RECORD_TTL_HEARTBEATS + 1) * MAX_HEARTBEAT_S  # peer and expert records, withdrawals
 CONFIG_TTL_S = 300.0  # every holder of the config stores it again every quarter of this
 MAX_CONFIG_TTL_S = 2 * CONFIG_TTL_S
+MAX_LOGGED_PEERS = 1024  # refused records are logged once per peer, for this many peers
 MAX_DHT_VALUE_BYTES = MAX_EXPERT_RECORDS_BYTES + 8192  # the largest murmur value, with signature and framing
 _MAX_CONFIG_VALUE_BYTES = _MAX_CONFIG_DOC_BYTES + 16384
 
@@ -66,6 +71,7 @@ class RecordRefusal(enum.StrEnum):
     TOO_LARGE = "too_large"
     EXPIRATION = "expiration"  # expires further ahead than the key's time to live allows
     MALFORMED = "malformed"  # not a record of the key's schema
+    BAD_ADDRESS = "bad_address"  # a peer record with an address no dialer takes (node.net.records.check_maddr)
     NOT_OWNER = "not_owner"  # a record about another peer than the subkey's owner
     NOT_MEMBER = "not_member"  # a record that proves no membership in a key or allowlist swarm
     CONFIG = "config"  # a config that is not the founder's, or outside the recipe's bounds (see ConfigRefusal)
@@ -76,10 +82,20 @@ class RefusalCounts:
     """Refused DHT values by reason (RecordRefusal, and `config_<ConfigRefusal>` for configs)."""
 
     counts: collections.Counter[str] = field(default_factory=collections.Counter)
+    logged: set[str] = field(default_factory=set)  # peers whose refused records were logged (bounded)
 
     def refuse(self, reason: str) -> bool:
         self.counts[str(reason)] += 1
         return False
+
+    def refuse_logged(self, reason: str, peer: str | None, detail: str) -> bool:
+        """`refuse`, with one log line per peer (the first MAX_LOGGED_PEERS peers; later ones are counted only)."""
+        key = peer or "an unsigned owner"
+        if key not in self.logged and len(self.logged) < MAX_LOGGED_PEERS:
+            self.logged.add(key)
+            logger.warning("refusing DHT records of %s (%s): %s; further ones are counted as dht_refused_%s",
+                           key, reason, detail, reason)
+        return self.refuse(reason)
 
 
 class DhtRules(RecordValidatorBase):  # type: ignore[misc]  # hivemind is untyped
@@ -157,6 +173,11 @@ class SwarmRules(RecordValidatorBase):  # type: ignore[misc]  # hivemind is unty
             return self._refused.refuse(RecordRefusal.TOO_LARGE)
         try:
             entry = decode_peer_entry(value)
+        except BadAddress as exc:
+            owner = owner_peer_id(record.subkey)
+            if exc.peer_id != owner:  # about another peer: that is what is wrong with it first
+                return self._refused.refuse(RecordRefusal.NOT_OWNER)
+            return self._refused.refuse_logged(RecordRefusal.BAD_ADDRESS, owner, str(exc))
         except ValueError:
             return self._refused.refuse(RecordRefusal.MALFORMED)
         if entry.peer_id != owner_peer_id(record.subkey):

@@ -109,13 +109,17 @@ def set_address_book(transport: DataPlane, discovery: Discovery) -> None:
     transport.set_address_book(addresses)
 
 
-async def start_dialer(transport: DataPlane, discovery: Discovery, stack: contextlib.AsyncExitStack) -> Dialer:
+async def start_dialer(transport: DataPlane, discovery: Discovery, stack: contextlib.AsyncExitStack,
+                       count: Callable[[str], None]) -> Dialer:
     """Dial the view's peers in the background (node.net.dialer), by the routability rule applied to
-    this node's own addresses (its record's and its DHT's); stopped with the node."""
+    this node's own addresses (its record's and its DHT's); stopped with the node. The dialer's loop is
+    supervised (node.net.supervise), its failures counted with `count`."""
     from node.net.dialer import Dialer
+    from node.net.supervise import supervise
 
     dialer = Dialer(transport, discovery.peer_id, lambda: _own_maddrs(discovery))
-    task = asyncio.create_task(dialer.run(discovery.view), name="dialer")
+    task = asyncio.create_task(supervise("dialer", lambda: dialer.run(discovery.view),
+                                         count), name="dialer")
 
     async def stop() -> None:
         task.cancel()

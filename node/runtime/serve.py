@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
+import functools
 import logging
 import sys
 from collections.abc import Callable, Coroutine
@@ -24,6 +25,7 @@ from node.config import NodeConfig
 from node.monitor import MonitorServer, start_monitor
 from node.monitor.access import new_token, remove_token, write_token
 from node.net.membership import ViewMembership
+from node.net.supervise import counter_of, supervise
 from node.runtime.data_plane import (
     advertised_data_maddrs,
     follow_child_circuits,
@@ -93,7 +95,7 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
         runtime.discovery = discovery
         stack.push_async_callback(close, discovery, "discovery")
         gate.membership = ViewMembership(discovery)
-        runtime.dialer = await start_dialer(transport, discovery, stack)
+        runtime.dialer = await start_dialer(transport, discovery, stack, runtime.count)
         runtime.maddrs = discovery.dht_maddrs  # what `murmur join --peers` takes; the record has the data plane's
         if config.network.transport == "p2pd":  # the record's addresses follow the relays held (circuits)
             host.reach.publish_to(discovery.set_maddrs)
@@ -145,8 +147,8 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
         stack.push_async_callback(final_checkpoint, runtime, ckpt_path)
         session = asyncio.Event()  # set when this session ends: the node stops, or follows a newer config
         followed: list[SwarmConfig] = []
-        for watcher in (_when_set(stop, session),
-                        _follow_newer_config(discovery, config, identity, runtime, followed, session)):
+        follow = functools.partial(_follow_newer_config, discovery, config, identity, runtime, followed, session)
+        for watcher in (_when_set(stop, session), supervise("config follow", follow, runtime.count)):
             task = asyncio.create_task(watcher)
             stack.callback(task.cancel)
         invite = f"{config.swarm}@{swarm.founder}"
@@ -306,7 +308,8 @@ def run_bootstrap(config: NodeConfig) -> int:
             maddrs = [str(a) for a in await p2p.get_visible_maddrs()]
             print(f"murmur: bootstrap peer {p2p.peer_id} ready; maddrs {' '.join(maddrs)}", flush=True)
             print(f"murmur: {host.reach.service_line()}", flush=True)
-            reporter = asyncio.create_task(_report_refusals(refused, stop))
+            reporter = asyncio.create_task(supervise("refusal report", functools.partial(_report_refusals, refused, stop),
+                                                     counter_of(refused.counts)))
             await stop.wait()
             await reporter
         return 0

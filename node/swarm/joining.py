@@ -78,6 +78,7 @@ class Refused(StrEnum):
     TIMEOUT = "timeout"
     UNREACHABLE = "unreachable"
     REJECTED = "rejected"
+    FAILED = "failed"  # an error of no declared kind: this peer's download failed, not the catch-up
 
 
 @dataclass(frozen=True)
@@ -290,6 +291,10 @@ async def _download(waiting: list[PeerRecord], wanted: int, judgement: StepJudge
                       else Refused.REJECTED if isinstance(exc, PeerRejected) else Refused.UNREACHABLE)
             outcome.refused[peer] = reason
             logger.warning("parameter download from %s failed: %s", peer, exc or type(exc).__name__)
+            return
+        except Exception as exc:  # the backstop: one peer's failure never ends the catch-up
+            outcome.refused[peer] = Refused.FAILED
+            logger.warning("parameter download from %s failed: %s: %s", peer, type(exc).__name__, exc)
             return
         if not judgement.believable(step):
             outcome.refused[peer] = Refused.STEP_OUT_OF_BOUNDS

@@ -25,7 +25,7 @@ from gossip.limits import IncomingGate
 from gossip.transport import PeerUnreachable, StreamHandler
 from node.net.proc import create_subprocess_exec
 from node.net.transport import control
-from node.net.transport.p2pd import P2PDStream, _ByteCounts
+from node.net.transport.p2pd import P2PDStream, _addresses, _ByteCounts
 
 logger = logging.getLogger(__name__)
 
@@ -187,6 +187,8 @@ class LibP2PTransport:
                     future.set_exception(PeerUnreachable(frame.error))
         except (control.ControlError, ConnectionError, OSError) as exc:
             reason = f"it broke the control protocol: {exc}"
+        except Exception as exc:  # no restart mid-frame makes sense: the data plane is down, and the node told
+            reason = f"its watcher failed: {type(exc).__name__}: {exc}"
         if self._closed:
             return
         code = await self._exit_code()
@@ -270,7 +272,13 @@ class LibP2PTransport:
 
     async def connect(self, peer_id: str, maddrs: Sequence[str]) -> None:
         """Dial `peer_id` at `maddrs` (e.g. from its DHT record) so later streams find it."""
-        await self._request(control.Op.CONNECT, peer=peer_id, maddrs=list(maddrs), timeout=self._settings.open_timeout_s)
+        try:
+            await self._request(control.Op.CONNECT, peer=peer_id, maddrs=list(maddrs),
+                                timeout=self._settings.open_timeout_s)
+        except (PeerUnreachable, ChildFailed, RuntimeError):
+            raise  # this peer's failure; the child gone; the transport closed
+        except Exception as exc:  # encoding the request, the control channel: still only this dial failed
+            raise PeerUnreachable(f"cannot connect to {peer_id}: {type(exc).__name__}: {exc}") from exc
 
     async def serve(self, protocol: str, handler: StreamHandler) -> None:
         if protocol in self._handlers:
@@ -307,7 +315,7 @@ class LibP2PTransport:
         try:
             return await self._open_stream(peer_id, protocol)
         except PeerUnreachable as first:
-            maddrs = self._address_book(peer_id) if self._address_book is not None else ()
+            maddrs = _addresses(self._address_book, peer_id)
             if not maddrs or self._closed:
                 raise
             try:
@@ -329,7 +337,7 @@ class LibP2PTransport:
         except TimeoutError:
             _abort(writer)
             raise PeerUnreachable(f"no {protocol} stream to {peer_id}: timed out") from None
-        except (control.ControlError, ConnectionError, OSError) as exc:
+        except (control.ControlError, ConnectionError, OSError, ValueError) as exc:
             _abort(writer)
             raise PeerUnreachable(f"no {protocol} stream to {peer_id}: {exc}") from exc
         except BaseException:

@@ -284,19 +284,22 @@ class P2PDTransport:
         await self._connect(peer_id, maddrs, self._open_timeout_s)
 
     async def _connect(self, peer_id: str, maddrs: Sequence[str], timeout_s: float) -> None:
-        addrs = [maddr_bytes(_transport_part(addr, peer_id)) for addr in maddrs]
-        request = p2pd_pb2.Request(
-            type=p2pd_pb2.Request.CONNECT,
-            connect=p2pd_pb2.ConnectRequest(
-                peer=PeerID.from_base58(peer_id).to_bytes(),
-                addrs=addrs,
-                timeout=math.ceil(timeout_s),
-            ),
-        )
+        # Everything that reads the peer's addresses or id is inside the try: an address that does not
+        # parse (a ValueError), a protobuf or daemon error is this peer's PeerUnreachable, never a crash
+        # of the round or download that asked for the dial. Cancellation is no Exception and passes.
         try:
+            addrs = [maddr_bytes(_transport_part(addr, peer_id)) for addr in maddrs]
+            request = p2pd_pb2.Request(
+                type=p2pd_pb2.Request.CONNECT,
+                connect=p2pd_pb2.ConnectRequest(
+                    peer=PeerID.from_base58(peer_id).to_bytes(),
+                    addrs=addrs,
+                    timeout=math.ceil(timeout_s),
+                ),
+            )
             async with asyncio.timeout(timeout_s):
                 _, writer = await self._daemon_request(request)
-        except (TimeoutError, ControlFailure, OSError) as exc:
+        except Exception as exc:
             raise PeerUnreachable(f"cannot connect to {peer_id}: {_reason(exc)}") from exc
         writer.close()
 
@@ -306,7 +309,7 @@ class P2PDTransport:
         try:
             return await self._open_stream(peer_id, protocol)
         except PeerUnreachable as first:
-            maddrs = self._address_book(peer_id) if self._address_book is not None else ()
+            maddrs = _addresses(self._address_book, peer_id)
             if not maddrs or self._closed:
                 raise
             try:
@@ -320,18 +323,18 @@ class P2PDTransport:
     async def _open_stream(self, peer_id: str, protocol: str) -> P2PDStream:
         if self._closed:
             raise RuntimeError("transport is closed")
-        request = p2pd_pb2.Request(
-            type=p2pd_pb2.Request.STREAM_OPEN,
-            streamOpen=p2pd_pb2.StreamOpenRequest(
-                peer=PeerID.from_base58(peer_id).to_bytes(),
-                proto=[protocol],
-                timeout=math.ceil(self._open_timeout_s),
-            ),
-        )
         try:
+            request = p2pd_pb2.Request(
+                type=p2pd_pb2.Request.STREAM_OPEN,
+                streamOpen=p2pd_pb2.StreamOpenRequest(
+                    peer=PeerID.from_base58(peer_id).to_bytes(),
+                    proto=[protocol],
+                    timeout=math.ceil(self._open_timeout_s),
+                ),
+            )
             async with asyncio.timeout(self._open_timeout_s):
                 reader, writer = await self._daemon_request(request, expect_stream=True)
-        except (TimeoutError, ControlFailure, OSError) as exc:
+        except Exception as exc:  # a bad peer id, a daemon or protobuf error: this peer's failure (see _connect)
             raise PeerUnreachable(f"no {protocol} stream to {peer_id}: {_reason(exc)}") from exc
         return P2PDStream(peer_id, reader, writer, self._counts, self._streams, self._close_timeout_s)
 
@@ -407,6 +410,17 @@ class P2PDTransport:
             stream.abort()
         if tasks:
             await asyncio.wait(tasks, timeout=self._close_timeout_s)
+
+
+def _addresses(book: AddressBook | None, peer_id: str) -> Sequence[str]:
+    """`peer_id`'s addresses from `book`, none if there is no book or it fails (logged: a bug, not the peer's)."""
+    if book is None:
+        return ()
+    try:
+        return book(peer_id)
+    except Exception:
+        logger.exception("the address book failed on %s; not re-dialling it", peer_id)
+        return ()
 
 
 def _transport_part(maddr: str, peer_id: str) -> str:
