@@ -23,8 +23,9 @@ from gossip.exchange import ExchangeSettings, GossipPeer
 from gossip.memory import InMemoryNetwork
 from gossip.optimizers import OptimizerConfig
 from gossip.spes import SpesConfig, assign_experts
+from node.algorithms.dsgd import GossipTrainer
 from node.train.data import Corpus, peer_shard
-from node.train.trainer import GossipTrainer, Trainer, TrainerConfig, average_tensors
+from node.train.trainer import Trainer, TrainerConfig, average_tensors
 from topology import MembershipView, PeerRound, build_topology, peer_round
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -28,11 +28,12 @@ from gossip.spes import (
 )
 from gossip.transport import Stream
 from gossip.wire import Expectation, encode_message, message_nbytes, read_message
+from node.algorithms.dsgd import GossipTrainer
 from node.algorithms.spes.node import InMemoryExpertDirectory, SpesNode
 from node.algorithms.spes.partition import ModelPartition, spes_average, tensor_manifest
 from node.train.data import Corpus, peer_shard
 from node.train.models import ModelConfig, build_model
-from node.train.trainer import GossipTrainer, Trainer, TrainerConfig, average_tensors
+from node.train.trainer import Trainer, TrainerConfig, average_tensors
 from topology import MembershipView, PeerRound, build_topology, peer_round
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]

@@ -26,9 +26,11 @@ from gossip.optimizers import (
     consensus_distance,
     global_norm,
 )
+from node.algorithms.dsgd import GossipTrainer
+from node.swarm.algorithm import StepReport
 from node.train.data import Corpus, peer_shard, training_batch
 from node.train.models import ModelConfig, build_model
-from node.train.trainer import GossipTrainer, StepReport, Trainer, TrainerConfig, average_tensors, train_alone
+from node.train.trainer import Trainer, TrainerConfig, average_tensors, train_alone
 from topology import MembershipView, PeerRound, build_topology, peer_round
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
