@@ -12,10 +12,11 @@ from typing import Any
 
 from gossip.exchange import GossipPeer
 from gossip.optimizers import consensus_distance
-from node.swarm.algorithm import Average, PlanFor, RoundReport, StepReport
+from node.swarm.algorithm import PlanFor, RoundReport, StepReport
 from node.swarm.loop import TrainingStatus
 from node.swarm.peers import SwarmRecord
 from node.swarm.recipe import TrainingRecipe
+from node.swarm.swarm_eval import Average
 from node.train.trainer import Trainer
 
 

@@ -4,15 +4,14 @@ DAdam, gossip DiLoCo, SPES: node.algorithms) owns its steps, its protocols and i
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-import numpy as np
-
 from gossip.exchange import RoundOutcome
 from node.swarm.peers import SwarmRecord
+from node.swarm.swarm_eval import Average
 from node.train.trainer import StepStats
 from topology import PeerRound
 
@@ -22,8 +21,6 @@ if TYPE_CHECKING:
 # Round index -> this peer's plan for it, returned when the round may start: the daemon waits for its
 # round clock and reads the membership view; an in-process test may wait on a barrier.
 PlanFor = Callable[[int], Awaitable[PeerRound]]
-# peer id -> that peer's tensors (this node's first) -> the average model (node.swarm.swarm_eval.Average)
-Average = Callable[[Mapping[str, Mapping[str, np.ndarray]]], dict[str, np.ndarray]]
 
 
 @dataclass(frozen=True)

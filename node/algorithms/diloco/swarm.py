@@ -16,10 +16,11 @@ from gossip.diloco import DilocoConfig, SyncSchedule
 from gossip.exchange import ExchangeSettings, GossipPeer
 from gossip.transport import Transport
 from node.algorithms.diloco.trainer import DilocoTrainer
-from node.swarm.algorithm import Average, PlanFor, RoundReport, StepReport
+from node.swarm.algorithm import PlanFor, RoundReport, StepReport
 from node.swarm.loop import TrainingStatus
 from node.swarm.peers import SwarmRecord
 from node.swarm.recipe import TrainingRecipe
+from node.swarm.swarm_eval import Average
 from node.train.trainer import Trainer
 from topology import PeerRound
 

@@ -33,11 +33,12 @@ from node.algorithms.spes.directory import DhtExpertDirectory
 from node.algorithms.spes.node import VERSION_SLACK, SpesNode
 from node.algorithms.spes.partition import ModelPartition, spes_average
 from node.net.discovery import Discovery
-from node.swarm.algorithm import Average, PlanFor, StepReport
+from node.swarm.algorithm import PlanFor, StepReport
 from node.swarm.joining import Refused
 from node.swarm.loop import TrainingStatus
 from node.swarm.peers import SwarmRecord
 from node.swarm.recipe import TrainingRecipe
+from node.swarm.swarm_eval import Average
 from node.train.trainer import Trainer, average_tensors
 
 logger = logging.getLogger("murmur.spes")
