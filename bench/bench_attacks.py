@@ -1,6 +1,8 @@
 """Every hostile mode of tests/support/hostile.py, one at a time, as 1 hostile node among 5 real `murmur`
-processes (an open swarm), against a control run of the same swarm with an honest node in its place
-(same identities, seeds and recipe; tests/support/attacks.py):
+processes, against a control run with an honest node in its place.
+
+The swarm is open, and the control has the same identities, seeds and recipe (tests/support/attacks.py).
+Printed per mode:
 
 - the founding honest nodes' validation loss after S steps, attack / control (target: <= 1.10);
 - whether any honest node installed the hostile node's parameters (the mid-run joiner's sources);

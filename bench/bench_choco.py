@@ -1,7 +1,9 @@
-"""Quality against bytes of compressed gossip (CHOCO) for DAdam: the final validation loss of the swarm-average
-model over a single process's at the same token budget, and the bytes per node per step against DAdam with
-whole fp32 parameters, over several seeds. The columns are those of issue 15's quality-against-bytes table,
-so these rows sit beside gossip DiLoCo's (bench/bench_lowcomm.py, where it exists).
+"""Quality against bytes of compressed gossip (CHOCO) for DAdam, against a single process and DAdam fp32.
+
+Per setup, over several seeds: the final validation loss of the swarm-average model over a single process's
+at the same token budget, and the bytes per node per step against DAdam with whole fp32 parameters. The
+columns are those of gossip DiLoCo's quality-against-bytes table (bench/bench_lowcomm.py), so the rows of
+both sit side by side in docs/benchmarks.md.
 
 4 GossipTrainers over the in-memory transport (no latency: the loss does not depend on the link), the tests'
 TINY dense GPT (or, with --model dense, the embedded default dense GPT, DENSE_DEFAULT: on a model that size
@@ -46,7 +48,7 @@ MODELS = {"tiny": TINY, "dense": DENSE_DEFAULT}
 @dataclass(frozen=True)
 class Setup:
     name: str
-    codec: Codec | None  # None: whole fp32 parameters (DAdam as today)
+    codec: Codec | None  # None: whole fp32 parameters (plain DAdam)
     gamma: float | None = None  # None: gossip.choco.default_gamma of the codec
 
 

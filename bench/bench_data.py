@@ -1,8 +1,10 @@
-"""Data pipeline throughput against the training step: tokens per second that one peer's `ShardStream`
-(jsonl records read, BPE-tokenized by `tokenizers` in its reader thread, packed into windows) delivers,
-as a ratio to the tokens per second a training step of hf-tiny-llama consumes, both in this run on this
-machine. A ratio above 1 means the stream keeps the step fed; the stream runs off the event loop and
-off the training thread, so it overlaps the step.
+"""Data pipeline throughput against the training step: whether one peer's `ShardStream` delivers tokens as
+fast as a training step of hf-tiny-llama consumes them, both in this run on this machine.
+
+The stream reads jsonl records, BPE-tokenizes them with `tokenizers` in its reader thread and packs them
+into windows; its tokens per second are printed as a ratio to the step's. A ratio above 1 means the stream
+keeps the step fed; the stream runs off the event loop and off the training thread, so it overlaps the
+step.
 
 Run from the repository root: .venv/bin/python -m bench.bench_data [--mib 8] [--vocab 8192] [--steps 20]
 """

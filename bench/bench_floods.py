@@ -1,7 +1,8 @@
-"""Honest nodes under a hostile peer (issue 14, item 6): the round cadence and memory of real `murmur node`
-processes (vector mode, loopback) while tests/support/hostile_flood.py floods streams and pulls,
-publishes an unroutable record that never moves and is then SIGSTOPped; against a control run of the
-same swarm (same seeds, same flags) with no hostile peer, in the same command.
+"""Honest nodes under a hostile peer: the round cadence and memory of real `murmur node` processes, against
+a control run of the same swarm (same seeds, same flags) with no hostile peer, in the same command.
+
+The nodes run in vector mode on loopback while tests/support/hostile_flood.py floods streams and pulls,
+publishes an unroutable record that never moves and is then SIGSTOPped.
 
 Printed per run: rounds per second of each honest node over the window, the longest round any of them
 reported, RSS growth of the node processes, and the hostile traffic each counted on /metrics; then the

@@ -68,7 +68,7 @@ class Setup:
     codec_options: tuple[tuple[str, float], ...] = ()
     fragments: int = 1
     overlap: bool = False
-    outer_lr: float = 1.0  # the grid's; DiLoCo's 0.7 and 0.9 (the recipe's defaults) trail here: one row shows it
+    outer_lr: float = 1.0  # the grid's, not the recipe's defaults (0.7, Nesterov 0.9): docs/benchmarks.md
     outer_momentum: float = 0.0
     anchor_every: int = 1
     anchor_codec: str = "int8"
@@ -90,8 +90,8 @@ class Result:
     seconds: float = 0.0
 
 
-# Inner learning rates, each the best of a sweep on seed 0 at this budget (docs/benchmarks.md): DAdam's
-# tests use 1.5e-2, tuned for 80 steps, which at 400-800 steps ends 25-50% behind 5e-3.
+# Inner learning rates, each the best of a sweep on seed 0 at this budget: the tests' 1.5e-2 is tuned for
+# 80 steps and falls behind at 400-800 (see docs/benchmarks.md, "Low-communication training").
 SINGLE_LR, DADAM_LR, DILOCO_LR = 5e-3, 5e-3, 5e-3
 
 

@@ -1,7 +1,8 @@
-"""Relayed against direct goodput, on the same shaped links (issue 16): two home LANs behind NAT routers
-and a public relay in network namespaces (tests/support/nat.py), every host's uplink and every router's
-downlink limited to 100 Mbit/s with tc tbf. A node in home 1 pushes bytes over a p2pd stream to a node
-in home 0:
+"""Relayed against direct goodput between two nodes behind NAT, on the same shaped links.
+
+Two home LANs behind NAT routers and a public relay in network namespaces (tests/support/nat.py), every
+host's uplink and every router's downlink limited to 100 Mbit/s with tc tbf. A node in home 1 pushes bytes
+over a p2pd stream to a node in home 0:
 
 - relayed: through the circuit of a `murmur bootstrap`-style relay (its configured limits in force),
   the home-0 node reserving a slot there as a node behind NAT does;

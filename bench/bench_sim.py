@@ -1,6 +1,8 @@
-"""Simulator cost per round against swarm size: 256, 512 and 1024 peers x 1M parameters on the
-one-peer exponential topology, with the slope per (peer x parameter) and, as the baseline measured
-in the same run, one numpy pass `out = 0.5 * a + 0.5 * b` over the same n x d floats.
+"""Simulator cost per round against swarm size, against one numpy pass over the same floats measured in the
+same run.
+
+256, 512 and 1024 peers x 1M parameters on the one-peer exponential topology, with the slope per (peer x
+parameter); the baseline pass is `out = 0.5 * a + 0.5 * b` over the same n x d floats.
 
 The simulator should stay linear in peers x parameters: time per round / baseline stays flat as
 n grows. Run from the repository root: .venv/bin/python -m bench.bench_sim [--dim 1000000] [--rounds 3]

@@ -1,6 +1,8 @@
-"""SPES against dense training and against the reference SPES scheme, in one process over the in-memory
-transport: per-node memory of parameters + gradients + optimizer state, bytes per node per sync, and
-validation loss against steps (written as an SVG plot).
+"""SPES against dense training and against the reference SPES scheme: memory, bytes per sync and validation
+loss.
+
+In one process over the in-memory transport: per-node memory of parameters + gradients + optimizer state,
+bytes per node per sync, and validation loss against steps (written as an SVG plot).
 
 Run from the repository root: .venv/bin/python -m bench.bench_spes [--steps 96] [--plot docs/img/spes_loss.svg]
 Baselines are measured in the same command: dense training on the same MoE model (memory, loss; and
@@ -173,8 +175,8 @@ TRAFFIC_SETUPS = (
     TrafficSetup(1, 2, "one-peer-exp", refresh_codec="int8", refresh_every=2),
     TrafficSetup(2, 4, "one-peer-exp", expert_codec="bf16", refresh_codec="int8", refresh_every=2),
     TrafficSetup(2, 4, "one-peer-exp", expert_codec="int8", refresh_codec="int8", refresh_every=2),
-    TrafficSetup(2, 4, "one-peer-exp"),  # the defaults before int8 + error feedback + deltas
-    TrafficSetup(2, 4, "one-peer-exp", **NEW_DEFAULTS),  # the defaults now
+    TrafficSetup(2, 4, "one-peer-exp"),  # as OLD_DEFAULTS: fp32 weights and experts, whole bf16 refreshes
+    TrafficSetup(2, 4, "one-peer-exp", **NEW_DEFAULTS),  # the defaults
     TrafficSetup(1, 2, "one-peer-exp", **NEW_DEFAULTS),
     TrafficSetup(2, 4, "ring", **NEW_DEFAULTS),
 )

@@ -175,7 +175,7 @@ def _start(net, i: int, argv: list[str], workdir: Path, name: str) -> subprocess
 
 
 def _ready_line(path: Path, process: subprocess.Popen, deadline: float):
-    from node.cli.ready_line import find_ready_line
+    from node.runtime.ready_line import find_ready_line
 
     while time.monotonic() < deadline:
         found = find_ready_line(path.read_text(errors="replace")) if path.exists() else None
@@ -472,7 +472,7 @@ def report(traces: dict[str, Trace], cfgs: dict[str, Config], args: argparse.Nam
     diloco = traces.get("diloco")
     diloco_step = diloco.step_time(warm_of("diloco")) if diloco else None
     if compute_step and diloco_step:
-        # the overlap target: the overlapped outer sync's step within 10% of inner steps alone
+        # the overlap target: the overlapped outer sync's step within 10% of inner steps alone
         lines += ["", f"Overlap: DiLoCo's step with its outer sync overlapped {diloco_step:.3f} s against the "
                   f"compute-only step {compute_step:.3f} s: {diloco_step / compute_step:.2f}x "
                   f"({'within' if diloco_step <= 1.10 * compute_step else 'NOT within'} 10%)"]

@@ -1,6 +1,8 @@
 """Header decode time: `gossip.wire.parse_header` (the declared msgspec schema) against the hand-checked
-parser it replaced, loaded from git as the baseline, on the same header bodies in the same run (best of
-N, interleaved so background load hits both alike), printed as new / old.
+parser it replaced, printed as new / old.
+
+The old parser is loaded from git as the baseline and timed on the same header bodies in the same run
+(best of N, interleaved so background load hits both alike).
 
 Run from the repository root: .venv/bin/python -m bench.bench_wire [--baseline 9a9f615] [--repeats 21]
 """

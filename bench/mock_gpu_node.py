@@ -1,5 +1,6 @@
-"""`murmur` with its forward and backward pass replaced by a sleep, as on a GPU that leaves the CPU free
-(there is no GPU here): the step's compute takes a fixed time and no CPU, while everything else (the
+"""`murmur` with its forward and backward pass replaced by a sleep, as on a GPU that leaves the CPU free.
+
+There is no GPU here: the step's compute takes a fixed time and no CPU, while everything else (the
 optimizer, the gossip, the codecs, p2pd) runs as in a real node. bench/bench_wan.py's --mock-gpu-step
 starts its nodes with this, to measure whether an overlapped sync hides behind compute on a shaped link
 when the compute is not on the same cores.

@@ -1,6 +1,9 @@
-"""An emulated WAN for the benchmarks: N "home" network namespaces, each joined to one hub namespace by
-a veth pair shaped with tbf in both directions (the home's uplink and downlink), and a user-space relay
-in the hub (bench/wan_relay.py) that adds a one-way delay, since this kernel has no netem.
+"""An emulated WAN for the benchmarks: N "home" network namespaces joined through one hub namespace, with
+shaped links and a one-way delay.
+
+Each home is joined to the hub by a veth pair shaped with tbf in both directions (the home's uplink and
+downlink); a user-space relay in the hub (bench/wan_relay.py) adds the delay, since this kernel has no
+netem.
 
 Addresses exist only inside the namespaces: home i is 10.80.i.2, its hub leg 10.80.i.1; the hub also holds
 the service address 10.81.0.1, where the relay listens on port RELAY_BASE_PORT + i for home i and forwards

@@ -1,7 +1,9 @@
-"""A delaying TCP relay for the emulated WAN (bench/wan_net.py): listens on one port per home in the hub
-namespace and forwards each connection to that home, holding every chunk for a fixed one-way delay in
-each direction. Bounded: at most MAX_CONNECTIONS connections, at most BUFFER_BYTES held per direction
-(reading pauses beyond it), a deadline on every dial, and it ends on SIGTERM or when its parent dies.
+"""A delaying TCP relay for the emulated WAN (bench/wan_net.py): it forwards each connection to its home,
+holding every chunk for a fixed one-way delay in each direction.
+
+It listens on one port per home in the hub namespace. Bounded: at most MAX_CONNECTIONS connections, at
+most BUFFER_BYTES held per direction (reading pauses beyond it), a deadline on every dial, and it ends on
+SIGTERM or when its parent dies.
 
 Run by the benchmark inside the hub: python -m bench.wan_relay --delay-ms D --route HOST:PORT=HOST:PORT ...
 """

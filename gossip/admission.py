@@ -1,6 +1,7 @@
-"""Who a protocol talks to: the hook through which a node admits the senders of a key or allowlist swarm
-and proves its own membership in every message it sends (node.net.admission builds it; the protocols
-here only call it). An open swarm uses `OPEN`."""
+"""Who a protocol talks to: the hook through which a node admits the senders of a key or allowlist swarm and
+proves its own membership in every message it sends.
+
+node.net.admission builds it; the protocols here only call it. An open swarm uses `OPEN`."""
 
 from __future__ import annotations
 

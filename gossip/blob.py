@@ -1,6 +1,7 @@
-"""Content-addressed blobs over any `Transport` (`/murmur/blob/1`): a peer asks for a small file by its
-sha256 (a swarm's tokenizer, whose hash the swarm config carries) and gets its bytes, bounded by the
-size the asker expects and checked against the hash before use.
+"""Content-addressed blobs over any `Transport` (`/murmur/blob/1`): a small file asked for by its sha256,
+such as a swarm's tokenizer.
+
+The asker gets its bytes, bounded by the size it expects and checked against the hash before use.
 
 Messages are frames (8-byte big-endian length, then the body; `gossip.wire.frames`):
 - request: msgpack map {"v": 1, "sha256": <64 hex digits>}, at most MAX_REQUEST_BYTES;

@@ -34,6 +34,7 @@ import numpy as np
 
 from gossip.codecs import Codec
 from gossip.mixing import MixingKind, MixingRule
+from gossip.rules import CHOCO_RULES, Knobs, Rule, broken_rules
 from gossip.wire import MetaValue
 from topology import TopologySpec
 
@@ -42,11 +43,11 @@ META_EDGE = "choco_edge"  # completed exchanges on the edge, as the sender count
 META_ANCHOR = "choco_anchor"  # digest of the sender's anchor
 ANCHOR_DIGEST_CHARS = 16
 DEFAULT_MAX_EDGES = 16
-# default consensus step for top-k: TOPK_GAMMA_PER_RATIO x its ratio, at most MAX_TOPK_GAMMA (see default_gamma)
+# default consensus step (see default_gamma): DENSE_GAMMA for codecs that keep every element; for top-k
+# TOPK_GAMMA_PER_RATIO x its ratio, at most MAX_TOPK_GAMMA
+DENSE_GAMMA = 1.0
 TOPK_GAMMA_PER_RATIO = 10.0
 MAX_TOPK_GAMMA = 0.5
-# mixing rules CHOCO can apply to an edge's difference (theirs - mine); the others need whole vectors
-CHOCO_RULES = (MixingKind.WEIGHTED, MixingKind.CLIPPED)
 
 # topology families whose every edge is symmetric (an exchange with an ack): the ones CHOCO runs on
 SYMMETRIC_TOPOLOGIES = ("ring", "torus", "complete", "star", "hypercube", "random-regular", "custom")
@@ -83,7 +84,7 @@ class ChocoSettings:
     and how many neighbours' estimates a node keeps."""
 
     codec: Codec
-    gamma: float = 1.0
+    gamma: float = DENSE_GAMMA
     max_edges: int = DEFAULT_MAX_EDGES
     rule: MixingRule = field(default_factory=MixingRule)
 
@@ -92,7 +93,7 @@ class ChocoSettings:
             raise ValueError(f"the compressed-gossip step gamma must be in (0, 1], got {self.gamma!r}")
         if self.max_edges < 1:
             raise ValueError(f"max_edges must be >= 1, got {self.max_edges!r}")
-        if self.rule.kind not in CHOCO_RULES:
+        if Rule.CHOCO_WITH_WHOLE_VECTOR_MIXING in broken_rules(Knobs(choco=True, mixing=self.rule.kind)):
             raise ValueError(f"compressed gossip moves along per-edge differences; mixing rule {self.rule.kind!r} "
                              f"needs whole vectors: use {' or '.join(CHOCO_RULES)}")
 
@@ -102,7 +103,7 @@ def default_gamma(codec: Codec) -> float:
     estimates then catch up in about one exchange); for top-k, 10 times its ratio, at most 1/2: the
     step that trained best in the measurements of docs/training.md (larger steps diverged with DAdam)."""
     ratio = codec.options().get("ratio") if codec.name == "topk" else None
-    return 1.0 if ratio is None else min(MAX_TOPK_GAMMA, TOPK_GAMMA_PER_RATIO * float(ratio))
+    return DENSE_GAMMA if ratio is None else min(MAX_TOPK_GAMMA, TOPK_GAMMA_PER_RATIO * float(ratio))
 
 
 def anchor_digest(anchor: Tensors) -> str:

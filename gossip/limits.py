@@ -1,7 +1,9 @@
-"""Bounds on what peers can make a node do: concurrent incoming streams per peer and in all, who may
-open one at all, how often a peer may pull, and bounded per-peer bookkeeping. Pure bookkeeping without
-sockets: the transports consult `IncomingGate` before they hand a stream to a protocol, and the
-protocols (`gossip.exchange`, `gossip.spes.fetch`) consult the request limits once a header is read.
+"""Bounds on what peers can make a node do: incoming streams, who may open one, how often a peer may pull,
+and bounded per-peer bookkeeping.
+
+Streams are capped per peer and in all. Pure bookkeeping without sockets: the transports consult
+`IncomingGate` before they hand a stream to a protocol, and the protocols (`gossip.exchange`,
+`gossip.spes.fetch`) consult the request limits once a header is read.
 
 docs/threat-model.md ("Resource limits and the monitor") gives the figures and why.
 """

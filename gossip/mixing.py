@@ -1,7 +1,9 @@
-"""One gossip round's mixing of flat parameter vectors: the weighted average over the neighbours that
-arrived (missing neighbours' weight moves to the local vector), the robust rules (centered clipping,
-coordinate-wise median, coordinate-wise trimmed mean), and the variance-corrected average (CORE). The
-adaptive clipping radius, which needs state across rounds, is `gossip.robust`.
+"""One gossip round's mixing of flat parameter vectors: the weighted average, the robust rules and the
+variance-corrected average (CORE).
+
+The weighted average runs over the neighbours that arrived (missing neighbours' weight moves to the local
+vector); the robust rules are centered clipping, the coordinate-wise median and the coordinate-wise trimmed
+mean. The adaptive clipping radius, which needs state across rounds, is `gossip.robust`.
 
 Inputs are assumed finite (the wire layer rejects non-finite frames before they get here).
 Vectors are processed in cache-sized blocks, so a call allocates the result plus O(block * vectors)

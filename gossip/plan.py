@@ -15,7 +15,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gossip.codecs import Codec, Fp32Codec, Int8Codec
+from gossip.codecs import Codec, Fp32Codec, get_codec
+from gossip.diloco.config import DILOCO_DEFAULTS
+from gossip.optimizers import OptimizerConfig
+from gossip.rules import Knobs, Rule, broken_rules
 from gossip.wire import MetaValue, TensorSpec, message_nbytes
 from topology import MembershipView, Topology, TopologySpec, build_topology, peer_round
 
@@ -112,15 +115,15 @@ class PlanConfig:
     topology: TopologySpec
     algorithm: Algorithm = Algorithm.DADAM
     codec: Codec = field(default_factory=Fp32Codec)
-    local_steps: int = 1
-    fragments: int = 1
+    local_steps: int = OptimizerConfig.local_steps
+    fragments: int = DILOCO_DEFAULTS.fragments
     compression: Compression = Compression.NONE
     tokens_per_step: int = 16 * 128
-    overlap: bool = False  # DiLoCo's outer sync runs during the next inner phase (--overlap)
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    anchor_every: int = 1  # DiLoCo mixes the anchors too at every this-many-th sync; 0: never
-    anchor_codec: Codec = field(default_factory=Int8Codec)
+    overlap: bool = DILOCO_DEFAULTS.overlap  # DiLoCo's outer sync runs during the next inner phase (--overlap)
+    outer_lr: float = DILOCO_DEFAULTS.outer_lr
+    outer_momentum: float = DILOCO_DEFAULTS.outer_momentum
+    anchor_every: int = DILOCO_DEFAULTS.anchor_every  # DiLoCo mixes the anchors too at every this-many-th sync; 0: never
+    anchor_codec: Codec = field(default_factory=lambda: get_codec(DILOCO_DEFAULTS.anchor_codec))
     header: HeaderValues = HeaderValues()
     # meta a round's tensor messages carry (CHOCO's edge state); None: what `compression` implies
     meta: Mapping[str, MetaValue] | None = None
@@ -139,11 +142,13 @@ class PlanConfig:
             raise ValueError(f"local steps (H) must be >= 1, got {self.local_steps}")
         if self.fragments < 1:
             raise ValueError(f"fragments (P) must be >= 1, got {self.fragments}")
-        if self.fragments > 1 and self.algorithm is not Algorithm.DILOCO:
+        broken = broken_rules(Knobs(codec=self.codec.name, diloco=self.algorithm is Algorithm.DILOCO,
+                                    choco=self.compression is Compression.CHOCO, fragments=self.fragments))
+        if Rule.FRAGMENTS_WITHOUT_DILOCO in broken:
             raise ValueError("fragments (P > 1) are DiLoCo's streaming sync; use them with --optimizer diloco")
         if self.fragments > len(self.specs):
             raise ValueError(f"{self.fragments} fragments of a model of {len(self.specs)} tensors: at most one per tensor")
-        if self.compression is Compression.CHOCO and self.algorithm is Algorithm.DILOCO:
+        if Rule.CHOCO_WITH_DILOCO in broken:
             raise ValueError("compressed gossip (choco) is for the per-step algorithms dsgd and dadam")
         if self.tokens_per_step < 1:
             raise ValueError(f"tokens per step must be >= 1, got {self.tokens_per_step}")

@@ -1,6 +1,8 @@
-"""What bounds a hostile neighbour's pull on a node: the adaptive radius of centered clipping (per tensor,
-estimated from earlier rounds), the magnitude bound beyond which a received tensor is refused, and
-`Mixer`, a node's mixing rule with the state it keeps across rounds (used by GossipPeer and the simulator).
+"""What bounds a hostile neighbour's pull on a node: the adaptive clipping radius, the magnitude bound, and
+`Mixer`, a node's mixing rule with the state it keeps across rounds.
+
+The radius of centered clipping is per tensor, estimated from earlier rounds; a received tensor beyond the
+magnitude bound is refused. `Mixer` is used by GossipPeer and the simulator.
 
 docs/architecture.md ("Robust mixing") explains the choices; docs/threat-model.md what they bound.
 """

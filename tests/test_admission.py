@@ -43,7 +43,7 @@ from node.net.founder import (
     verify_membership,
 )
 from node.net.identity import Identity, create_identity
-from node.swarm.recipe import swarm_document
+from node.runtime.founding import swarm_document
 from topology import MembershipView, build_topology, peer_round
 
 pytestmark = pytest.mark.unit

@@ -305,7 +305,8 @@ def test_topk_is_allowed_on_differences_only():
     """One --topk-ratio setting; --codec topk with compressed gossip or with gossip DiLoCo's pseudo-gradients,
     refused (naming both) for whole parameters."""
     from node.config import ConfigError
-    from node.swarm.recipe import RecipeInvalid, SwarmSettings, swarm_document
+    from node.runtime.founding import swarm_document
+    from node.swarm.recipe import RecipeInvalid, SwarmSettings
 
     for optimizer in ("dsgd", "dadam"):
         with pytest.raises(ConfigError, match="--optimizer diloco .* or --gossip-compression choco"):
@@ -343,7 +344,8 @@ def test_topk_is_allowed_on_differences_only():
 
 
 def test_recipe_carries_compression_to_joiners():
-    from node.swarm.recipe import SwarmSettings, swarm_document
+    from node.runtime.founding import swarm_document
+    from node.swarm.recipe import SwarmSettings
 
     config = _config("--gossip-compression", "choco", "--topology", "ring", "--mixing", "weighted", "--codec", "topk",
                      "--topk-ratio", "0.05")

@@ -28,8 +28,9 @@ def write_node_checkpoint(data_dir: Path, model_name: str, corpus: Corpus, token
     state and the meta a node writes (its swarm config inside), the tokenizer in the node's cache.
     Returns the trained model."""
     from node.cli.main import parse_node_config
+    from node.runtime.founding import swarm_document
     from node.swarm.loop import build_swarm_model
-    from node.swarm.recipe import SwarmSettings, swarm_document
+    from node.swarm.recipe import SwarmSettings
     from node.train.checkpoint import CHECKPOINT_FILE, save_checkpoint
     from node.train.tokenizer import store_in_cache
     from node.train.trainer import Trainer, TrainerConfig

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from node.cli import main as cli
+from node.cli import status as status_command
 from node.config import SETTINGS, ConfigError, NodeConfig, settings_table
 
 pytestmark = pytest.mark.unit
@@ -222,10 +223,9 @@ def fake_daemon(monkeypatch):
     daemon = types.ModuleType("node.runtime.serve")
     daemon.run_node = lambda config, founding: calls.append(("run_node", config, founding)) or 0
     daemon.run_bootstrap = lambda config: calls.append(("run_bootstrap", config)) or 0
-    status = types.ModuleType("node.cli.status")
-    status.run_status = lambda url, as_json, token=None: calls.append(("run_status", url, as_json)) or 3
+    monkeypatch.setattr(status_command, "run_status",
+                        lambda url, as_json, token=None: calls.append(("run_status", url, as_json)) or 3)
     monkeypatch.setitem(sys.modules, "node.runtime.serve", daemon)
-    monkeypatch.setitem(sys.modules, "node.cli.status", status)
     return calls
 
 
@@ -280,8 +280,8 @@ def test_status_and_eval_send_the_monitor_token_of_the_data_dir(workdir, argv, t
     (workdir / "murmur-data").mkdir()
     (workdir / "murmur-data" / "monitor.token").write_text("from-the-data-dir\n")
     args = cli.build_parser().parse_args(argv)
-    url = cli.status_url(args, {})
-    assert cli.monitor_token(args, {}, url) == token
+    url = status_command.status_url(args, {})
+    assert status_command.monitor_token(args, {}, url) == token
 
 
 def test_topology_and_sim_still_parse_as_before():

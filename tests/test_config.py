@@ -328,8 +328,9 @@ def test_a_data_dir_that_is_a_file_is_refused(tmp_path):
 
 def test_robust_mixing_is_the_default_and_a_nodes_own_rule_wins_over_the_swarms():
     from gossip.mixing import MixingKind
+    from node.runtime.founding import swarm_document
     from node.runtime.serve import exchange_settings
-    from node.swarm.recipe import SwarmSettings, swarm_document
+    from node.swarm.recipe import SwarmSettings
 
     founder = NodeConfig()
     assert founder.gossip.mixing.kind is MixingKind.ADAPTIVE_CLIP

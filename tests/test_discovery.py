@@ -39,7 +39,7 @@ from node.net.records import (
 )
 from node.net.transport.p2pd import P2PSettings, start_p2pd
 from node.net.validation import make_record_validator
-from node.swarm.recipe import swarm_document
+from node.runtime.founding import swarm_document
 
 REPO = Path(__file__).resolve().parents[1]
 SWARM = "testswarm"

@@ -1,4 +1,4 @@
-"""Hugging Face models (node.train.models.hf, .experts, node.train.export): presets built the same
+"""Hugging Face models (node.train.models.hf, .experts, node.swarm.export): presets built the same
 on every node from a seed; a model config from the network bounded before it is built; fused
 Mixtral-style experts split per expert with the same outputs, unsupported layouts named; SPES on
 hf-tiny-mixtral with 4 nodes (each optimizer holds exactly the shared weights and its owned experts;
@@ -225,7 +225,7 @@ def test_spes_on_hf_tiny_mixtral_trains_shared_and_owned_experts_within_5_percen
 
 def write_average(data_dir: Path, model: str, tensors: dict[str, np.ndarray], tokenizer: Path | None = None) -> dict:
     from node.cli.main import parse_node_config
-    from node.swarm.recipe import swarm_document
+    from node.runtime.founding import swarm_document
     from node.train.checkpoint import SWARM_AVERAGE_FILE, save_checkpoint
     from node.train.tokenizer import store_in_cache
 
@@ -252,9 +252,9 @@ def perturbed(model: torch.nn.Module) -> dict[str, np.ndarray]:
 def test_an_hf_moe_export_loads_in_transformers_with_the_averages_logits(tmp_path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from node.swarm.export import ExportSource, export_data_dir
     from node.swarm.recipe import SwarmSettings
     from node.train.data import synthetic_text
-    from node.train.export import ExportSource, export_data_dir
     from node.train.models.hf import build_hf_model
     from node.train.tokenizer import train_bpe
 
@@ -282,7 +282,7 @@ def test_an_hf_moe_export_loads_in_transformers_with_the_averages_logits(tmp_pat
 def test_an_embedded_model_exports_one_safetensors_tensor_per_parameter_in_its_shape(tmp_path) -> None:
     from safetensors.numpy import load_file
 
-    from node.train.export import export_data_dir
+    from node.swarm.export import export_data_dir
     from node.train.models import build_named_model
 
     model = build_named_model("moe", seed=0)

@@ -52,7 +52,8 @@ def dirs(tmp_path_factory) -> SimpleNamespace:
 
 def recipe_for(model: str):
     from node.cli.main import parse_node_config
-    from node.swarm.recipe import SwarmSettings, swarm_document
+    from node.runtime.founding import swarm_document
+    from node.swarm.recipe import SwarmSettings
 
     recipe = SwarmSettings.from_doc(swarm_document(parse_node_config(["node", "--model", model], {}), 1.0)).training
     assert recipe is not None

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from node.cli.ready_line import find_ready_line
 from node.net.proc import popen
+from node.runtime.ready_line import find_ready_line
 from support.netns import VethLink, veth_link
 
 pytestmark = pytest.mark.multiprocess

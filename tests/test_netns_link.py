@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from node.cli.ready_line import find_ready_line
 from node.net.proc import popen
+from node.runtime.ready_line import find_ready_line
 from support.netns import VethLink, remove_orphaned_namespaces, veth_link
 
 pytestmark = pytest.mark.multiprocess

@@ -16,6 +16,7 @@ from gossip.optimizers import ALGORITHMS
 from gossip.spes.rules import REFRESH_CODECS
 from node.config import NODE_CODECS, GossipConfig, NodeConfig, TrainingConfig
 from node.net.records import canonical_config_bytes
+from node.runtime import founding
 from node.swarm import recipe
 from node.swarm.recipe import RecipeInvalid, check_model_allowed
 from topology import TOPOLOGY_NAMES, WEIGHT_SCHEMES, TopologySpec
@@ -90,14 +91,14 @@ def test_a_founders_settings_give_the_document_murmur_always_published():
                                 spes_merge_every=10, spes_merge_until=100, spes_alpha0=0.1, spes_replication=2,
                                 spes_refresh_codec="bf16", spes_expert_codec="fp32", spes_shared_codec="fp32",
                                 spes_delta_refresh=False))
-    assert recipe.swarm_document(config, 1234.5) == MODEL_DOC
+    assert founding.swarm_document(config, 1234.5) == MODEL_DOC
     # SPES's sync knobs of issue 15 go beside `spes`, so the document above (SPES as before) keeps its bytes
     compressed = replace(config, training=replace(config.training, spes_shared_codec="int8", spes_delta_refresh=True))
-    assert recipe.swarm_document(compressed, 1234.5)["payload"] == {
+    assert founding.swarm_document(compressed, 1234.5)["payload"] == {
         **MODEL_DOC["payload"], "spes_sync": {"shared_codec": "int8", "delta_refresh": True}}
     # open admission leaves the document (and its hash) as it was; key admission adds its part
-    assert recipe.swarm_document(config, 1234.5, recipe.AdmissionDoc(mode=recipe.AdmissionMode.OPEN)) == MODEL_DOC
-    with_key = recipe.swarm_document(config, 1234.5, recipe.AdmissionDoc(mode=recipe.AdmissionMode.KEY, key_check=KEY_CHECK))
+    assert founding.swarm_document(config, 1234.5, recipe.AdmissionDoc(mode=recipe.AdmissionMode.OPEN)) == MODEL_DOC
+    with_key = founding.swarm_document(config, 1234.5, recipe.AdmissionDoc(mode=recipe.AdmissionMode.KEY, key_check=KEY_CHECK))
     assert with_key == {**MODEL_DOC, "admission": {"mode": "key", "key_check": KEY_CHECK}}
 
 
@@ -256,7 +257,7 @@ def test_json_that_is_not_a_document_is_refused():
 def test_a_founder_whose_flags_break_a_bound_gets_the_field_named():
     config = NodeConfig(gossip=GossipConfig(max_staleness_rounds=17))
     with pytest.raises(recipe.RecipeInvalid, match=r"gossip\.max_staleness_rounds: expected `int` <= 16"):
-        recipe.swarm_document(config, 0.0)
+        founding.swarm_document(config, 0.0)
 
 
 def test_settings_read_back_from_a_document():
@@ -265,7 +266,7 @@ def test_settings_read_back_from_a_document():
     assert recipe.SwarmSettings.from_doc(MODEL_DOC).admission is recipe.AdmissionMode.OPEN
     trained = recipe.SwarmSettings.from_doc(MODEL_DOC).training
     assert trained is not None and trained.spes is not None and trained.optimizer.lr == 0.003
-    assert recipe.same_recipe({**MODEL_DOC, "epoch": 5.0}, NodeConfig(seed=3)) is False
+    assert founding.same_recipe({**MODEL_DOC, "epoch": 5.0}, NodeConfig(seed=3)) is False
 
 @pytest.mark.parametrize("argv, env, message", [
     (["node", "--max-staleness", "17"], {}, "--max-staleness: expected `int` <= 16"),
@@ -285,4 +286,4 @@ def test_a_founder_is_refused_a_recipe_its_swarm_would_refuse(argv, env, message
 def test_every_document_field_names_a_setting():
     from node.config import SETTINGS_BY_KEY
 
-    assert all(key is None or key in SETTINGS_BY_KEY for key in recipe.SETTING_OF_FIELD.values())
+    assert all(key is None or key in SETTINGS_BY_KEY for key in founding.SETTING_OF_FIELD.values())

@@ -41,7 +41,7 @@ def documents() -> dict[str, dict[str, Any]]:
     """Each command line's swarm document at a fixed epoch, with its config hash."""
     from node.cli.main import build_parser, node_config_from_args
     from node.net.records import config_hash
-    from node.swarm.recipe import swarm_document
+    from node.runtime.founding import swarm_document
 
     parser = build_parser()
     out = {}

@@ -18,6 +18,7 @@ from node.net.discovery import ConfigRead
 from node.net.founder import SwarmConfig, issue_certificate, sign_config
 from node.net.identity import Identity, create_identity
 from node.runtime.errors import StartupError
+from node.runtime.founding import swarm_document
 from node.runtime.swarm_config import (
     FOUNDERS_FILE,
     found_swarm,
@@ -27,7 +28,6 @@ from node.runtime.swarm_config import (
     pinned_founder,
     why_not_follow,
 )
-from node.swarm.recipe import swarm_document
 from node.train.checkpoint import (
     CHECKPOINT_FILE,
     kept_metas,

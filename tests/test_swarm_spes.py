@@ -16,7 +16,8 @@ from node.algorithms.spes.partition import ModelPartition
 from node.algorithms.spes.swarm import saved_records
 from node.cli.main import parse_node_config
 from node.config import ConfigError
-from node.swarm.recipe import SwarmSettings, swarm_document
+from node.runtime.founding import swarm_document
+from node.swarm.recipe import SwarmSettings
 from node.train.checkpoint import load_checkpoint
 from support.swarm_harness import MURMUR, Swarm, wait_for
 from support.tiny_moe import TINY_MOE, build

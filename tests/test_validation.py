@@ -43,7 +43,8 @@ from node.net.validation import (
     SwarmMembership,
     make_record_validator,
 )
-from node.swarm.recipe import AdmissionDoc, AdmissionMode, swarm_document
+from node.runtime.founding import swarm_document
+from node.swarm.recipe import AdmissionDoc, AdmissionMode
 
 pytestmark = pytest.mark.unit
 

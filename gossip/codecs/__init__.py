@@ -40,11 +40,13 @@ from gossip.codecs.error_feedback import ErrorFeedback
 from gossip.codecs.floats import Bf16Codec, ElementwiseCodec, Fp16Codec, Fp32Codec
 from gossip.codecs.int8 import Int8Codec
 from gossip.codecs.kernels import WIRE_DTYPES, bfloat16_bits, dtype_name
-from gossip.codecs.registry import CODEC_TYPES, codec_from_wire, get_codec
-from gossip.codecs.topk import TopKCodec
+from gossip.codecs.registry import CODEC_TYPES, STATE_CODECS, codec_from_wire, get_codec
+from gossip.codecs.topk import DEFAULT_TOPK_RATIO, TopKCodec
 
 __all__ = [
     "CODEC_TYPES",
+    "DEFAULT_TOPK_RATIO",
+    "STATE_CODECS",
     "WIRE_DTYPES",
     "Bf16Codec",
     "Buffer",

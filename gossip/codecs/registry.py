@@ -14,6 +14,9 @@ from gossip.errors import UnknownCodec
 CODEC_TYPES: Mapping[str, type[Fp32Codec | Fp16Codec | Bf16Codec | Int8Codec | TopKCodec]] = MappingProxyType(
     {cls.name: cls for cls in (Fp32Codec, Fp16Codec, Bf16Codec, Int8Codec, TopKCodec)}
 )
+# Codecs that carry every element, so they are sound on whole parameter vectors (anchors, SPES's groups,
+# plain gossip); top-k drops most entries and is sound only on differences (gossip.rules).
+STATE_CODECS = (Fp32Codec.name, Fp16Codec.name, Bf16Codec.name, Int8Codec.name)
 
 
 def codec_from_wire(name: str, options: Mapping[str, object]) -> Codec:

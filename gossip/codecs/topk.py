@@ -1,8 +1,9 @@
-"""The top-k codec: the largest-magnitude entries of a tensor as (uint32 index, float32 value) pairs, or
-packed (`packed=1`): per 65,536-element block a uint32 count, then uint16 in-block offsets, one float32
-scale and int8 values, 3 bytes per kept entry instead of 8; or packed with Elias-Fano indices
-(`packed=1, elias_fano=1`): the sorted indices in about 2 + log2(n/k) bits each (under 1 byte at a 2% ratio)
-and the same scale and int8 values."""
+"""The top-k codec: a tensor's largest-magnitude entries, in one of three layouts.
+
+Plain: (uint32 index, float32 value) pairs. Packed (`packed=1`): per 65,536-element block a uint32 count, then
+uint16 in-block offsets, one float32 scale and int8 values, 3 bytes per kept entry instead of 8. Packed with
+Elias-Fano indices (`packed=1, elias_fano=1`): the sorted indices in about 2 + log2(n/k) bits each (under 1
+byte at a 2% ratio) and the same scale and int8 values."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ from gossip.codecs.kernels import _check_finite_f32, _flat_source, _from_float32
 from gossip.errors import BadSchema
 
 _BLOCK_SHIFT = 16  # packed: offsets within blocks of 2^16 elements fit a uint16
+# The ratio a swarm, a node and `murmur plan` take when none is given: one place, so that a recipe that
+# leaves it out means the same to its founder and its joiners.
+DEFAULT_TOPK_RATIO = 0.01
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,14 @@
-"""Gossip DiLoCo without torch or networking: the shared knobs (`config`), the outer Nesterov step
-(`outer`), the split of the model into streamed fragments (`fragments`), when each fragment syncs
-(`schedule`, with the quadratic synchronisation rule) and the analytic traffic (`traffic`).
+"""Gossip DiLoCo without torch or networking.
+
+The shared knobs (`config`), the outer Nesterov step (`outer`), the split of the model into streamed
+fragments (`fragments`), when each fragment syncs (`schedule`, with the quadratic synchronisation rule)
+and the analytic traffic (`traffic`).
 
 `node/algorithms/diloco/trainer.py` runs these over a trainer and one gossip peer per fragment;
 docs/training.md ("Gossip DiLoCo") explains the scheme.
 """
 
-from gossip.diloco.config import ANCHOR_CODECS, INNER_OPTIMIZERS, DilocoConfig
+from gossip.diloco.config import ANCHOR_CODECS, DILOCO_DEFAULTS, INNER_OPTIMIZERS, DilocoConfig
 from gossip.diloco.fragments import fragment_partition
 from gossip.diloco.outer import OuterNesterov
 from gossip.diloco.schedule import MAX_PHASE, SyncSchedule, qsr_period
@@ -14,6 +16,7 @@ from gossip.diloco.traffic import RoundMessages, Traffic, round_bytes, run_bytes
 
 __all__ = [
     "ANCHOR_CODECS",
+    "DILOCO_DEFAULTS",
     "INNER_OPTIMIZERS",
     "MAX_PHASE",
     "DilocoConfig",

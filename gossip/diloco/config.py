@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-ANCHOR_CODECS = ("fp32", "fp16", "bf16", "int8")
+from gossip.codecs.registry import STATE_CODECS
+
+ANCHOR_CODECS = STATE_CODECS  # anchors are whole parameters
 INNER_OPTIMIZERS = ("adam", "sgd")
 
 
@@ -65,3 +67,8 @@ class DilocoConfig:
     def mixes_anchors(self, round_index: int) -> bool:
         """Whether a fragment's sync of `round_index` also mixes its anchors."""
         return self.anchor_every > 0 and (round_index + 1) % self.anchor_every == 0
+
+
+# The one place DiLoCo's defaults are written: the node's settings, the swarm document, `murmur plan` and
+# its model read them from here, so a founder, a joiner and a prediction cannot disagree on what "unset" means.
+DILOCO_DEFAULTS = DilocoConfig()

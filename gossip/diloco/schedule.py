@@ -1,7 +1,8 @@
-"""When gossip DiLoCo syncs: phases of H inner steps (H constant, or growing as the learning rate
-decays by the quadratic synchronisation rule), and within a phase the staggered step at which each
-fragment syncs. A pure function of the step count and the swarm's recipe, so every node (a joiner
-too) agrees on it without messages."""
+"""When gossip DiLoCo syncs: phases of H inner steps, and within a phase the staggered step at which each
+fragment syncs.
+
+H is constant, or grows as the learning rate decays by the quadratic synchronisation rule. A pure function
+of the step count and the swarm's recipe, so every node (a joiner too) agrees on it without messages."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
-"""Gossip DiLoCo's analytic traffic: the bytes one node writes and reads in one gossip round of a
-fragment, from the round's plan and the exact size of each wire message; summed over a run by
-walking the sync schedule. The multi-process test checks measured bytes against it (within 10%); a
-runtime model (`murmur plan`) may stand in for it through the same `Prediction` shape."""
+"""Gossip DiLoCo's analytic traffic: the bytes one node writes and reads in one gossip round of a fragment,
+and summed over a run.
+
+A round's bytes come from its plan and the exact size of each wire message; a run's from walking the sync
+schedule. The multi-process test checks measured bytes against it (within 10%); a runtime model
+(`murmur plan`) may stand in for it through the same `Prediction` shape."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""SPES (sparse expert synchronisation for mixture-of-experts models) without torch: the rules
-(`rules`: knobs, ownership, records), the merge warm-up (`merge`), the analytic traffic and memory
-(`traffic`) and the fetch protocol for frozen copies (`fetch`).
+"""SPES (sparse expert synchronisation for mixture-of-experts models) without torch.
+
+The rules (`rules`: knobs, ownership, records), the merge warm-up (`merge`), the analytic traffic and
+memory (`traffic`) and the fetch protocol for frozen copies (`fetch`).
 
 `node/algorithms/spes/node.py` runs these over a trainer and the gossip transport, and the daemon publishes the
 records under `<swarm>.experts`. docs/spes.md explains the scheme.

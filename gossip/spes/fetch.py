@@ -1,8 +1,10 @@
-"""SPES's fetch protocol (`/murmur/spes/fetch/1`): one expert copy asked for by label and answered in
-the refresh codec with its version and hash, checked by the asker; over any `Transport`. With delta
-refreshes the asker names the hash of the copy it has, and an owner whose previous published copy has
-that hash answers with the compressed delta from it (kind `delta`, in the refresh codec) instead of the
-whole copy (kind `expert`, then in fp32); the asker adds it and checks the sum's hash.
+"""SPES's fetch protocol (`/murmur/spes/fetch/1`): one expert copy, asked for by label and checked by the asker
+against the version and hash it comes with; over any `Transport`.
+
+The copy is answered in the refresh codec. With delta refreshes the asker names the hash of the copy it has,
+and an owner whose previous published copy has that hash answers with the compressed delta from it (kind
+`delta`, in the refresh codec) instead of the whole copy (kind `expert`, then in fp32); the asker adds it and
+checks the sum's hash.
 
 docs/spes.md ("The fetch protocol") describes the messages; `node.algorithms.spes.node.SpesNode` asks and serves.
 """

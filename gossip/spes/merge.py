@@ -33,8 +33,9 @@ def _cosine(dot: float, norm_a: float, norm_b: float) -> float:
 def expert_similarity(first_matrices: Sequence[np.ndarray], exact: bool = False) -> np.ndarray:
     """Cosine similarity between the flattened first matrices of a layer's experts (E x E, float64;
     0 for a zero matrix). With `exact`, every dot product is correctly rounded (bit-identical on
-    every machine, ~100x slower); otherwise one float64 matrix product, whose summation error is
-    at most about size * 2^-53 in cosine (Cauchy-Schwarz bounds the sum of |products|)."""
+    every machine, but orders of magnitude slower: docs/benchmarks.md, "Small costs behind constants");
+    otherwise one float64 matrix product, whose summation error is at most about size * 2^-53 in cosine
+    (Cauchy-Schwarz bounds the sum of |products|)."""
     flat = _flat_first(first_matrices)
     count = len(flat)
     if exact:

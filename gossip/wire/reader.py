@@ -1,6 +1,8 @@
-"""Reading one message from an async stream: the header first (so a receiver can refuse a request before
-reading its payload), framing on the event loop, large payloads decoded on a worker thread while the
-next bytes are read."""
+"""Reading one message from an async stream, the header first, so a receiver can refuse a request before
+reading its payload.
+
+Framing runs on the event loop; large payloads are decoded on a worker thread while the next bytes are
+read."""
 
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ to the loss of the same model before training."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -19,11 +20,23 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 
-from node.cli.ready_line import ReadyLine, find_ready_line
+from node.cli.args import UsageError, add_setting_flag, number
 from node.cli.status import fetch_status
-from node.config import DEFAULTS
+from node.config import (
+    DEFAULTS,
+    EMBEDDED_MODEL_NAMES,
+    HF_PRESET_NAMES,
+    OPTIMIZERS,
+    SETTINGS_BY_KEY,
+    Command,
+    Model,
+    merge_layers,
+    read_flags,
+)
 from node.net.proc import popen
+from node.runtime.ready_line import ReadyLine, find_ready_line
 from node.train.checkpoint import CHECKPOINT_FILE, load_checkpoint
+from topology import TOPOLOGY_NAMES
 
 if TYPE_CHECKING:
     import torch
@@ -344,3 +357,66 @@ def run_demo(options: DemoOptions) -> int:
     else:
         print(summary_text(summary), file=out)
     return 0
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    demo = commands.add_parser(
+        Command.DEMO, help="train the embedded model with a local swarm of node processes",
+        description="Start N node processes on loopback in one swarm training the embedded model (MoE by "
+        "default), print the first node's monitor URL and the progress, stop them when every node has "
+        "taken --steps steps, and print the validation loss of each node and of the averaged model next "
+        "to that of the untrained model. Node logs and checkpoints live in a temporary directory (--dir "
+        "keeps them).")
+    demo.add_argument("--nodes", type=number(int, lo=1, hi=32), default=4, help="node processes (default 4)")
+    demo.add_argument("--steps", type=number(int, lo=1), default=100, help="training steps per node (default 100)")
+    demo.add_argument("--topology", choices=TOPOLOGY_NAMES, default="one-peer-exp",
+                      help="gossip topology (default one-peer-exp)")
+    demo.add_argument("--optimizer", choices=OPTIMIZERS, default="dadam", help="optimizer (default dadam)")
+    demo.add_argument("--model", choices=(*EMBEDDED_MODEL_NAMES, *HF_PRESET_NAMES), default=Model.MOE,
+                      help="embedded model, or a tiny Hugging Face preset built with transformers (default moe)")
+    demo.add_argument("--lr", type=number(float, lo=1e-12), help="peak learning rate (default: the node's, 3e-3)")
+    demo.add_argument("--batch-size", type=number(int, lo=1), default=16,
+                      help="sequences per step on each node (default 16)")
+    demo.add_argument("--spes", action="store_true",
+                      help="sparse expert sync of the experts (SPES): --model moe or hf-tiny-mixtral")
+    recipe = demo.add_argument_group("the swarm's recipe, as `murmur node` takes it (--optimizer diloco's knobs and "
+                                     "the codec); default: the node's, --local-steps 20 with diloco")
+    for key in DEMO_RECIPE_KEYS:
+        add_setting_flag(recipe, SETTINGS_BY_KEY[key])
+    demo.add_argument("--dir", type=Path, help="keep node logs and checkpoints in this directory")
+    demo.add_argument("--json", action="store_true",
+                      help="end with one JSON object: initial_val_loss, averaged_val_loss, nodes (peer_id, "
+                      "val_loss, steps, bytes_sent, bytes_received, trainable_params, optimizer_state_bytes) and "
+                      "traffic (bytes_per_node_per_step, default_demo_bytes_per_node_per_step, ratio_to_default)")
+    demo.set_defaults(run=_run_demo)
+
+
+# recipe settings `murmur demo` passes through to its founder
+DEMO_RECIPE_KEYS = ("gossip.codec", "gossip.topk_ratio", "gossip.topk_packed", "gossip.topk_elias_fano",
+                    "training.local_steps", "training.fragments", "training.overlap", "training.outer_lr", "training.outer_momentum",
+                    "training.qsr_alpha", "training.anchor_every", "training.anchor_codec",
+                    "training.inner_optimizer", "training.final_merge")
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    if args.spes and args.model not in (Model.MOE, "hf-tiny-mixtral"):
+        raise UsageError(f"--spes: SPES syncs the experts of an MoE model (moe, hf-tiny-mixtral); --model {args.model} has none")
+    given = {SETTINGS_BY_KEY[key]: vars(args)[SETTINGS_BY_KEY[key].dest] for key in DEMO_RECIPE_KEYS
+             if SETTINGS_BY_KEY[key].dest in vars(args)}
+    local_steps = SETTINGS_BY_KEY["training.local_steps"]
+    if args.optimizer == "diloco" and local_steps not in given:
+        given[local_steps] = str(DEMO_DILOCO_LOCAL_STEPS)
+    # the founder's own checks, so a bad combination exits 2 here rather than in a node
+    merge_layers(read_flags({**given, SETTINGS_BY_KEY["training.optimizer"]: args.optimizer,
+                             SETTINGS_BY_KEY["training.spes"]: args.spes,
+                             SETTINGS_BY_KEY["training.model"]: str(args.model)}))
+    flags: list[str] = []
+    for setting, value in given.items():
+        if isinstance(value, bool):
+            flags.append(setting.flag if value else f"--no-{setting.flag[2:]}")
+        else:
+            flags += [setting.flag, str(value)]
+    return run_demo(DemoOptions(nodes=args.nodes, steps=args.steps, topology=args.topology, optimizer=args.optimizer,
+                                model=args.model, lr=args.lr, batch_size=args.batch_size, as_json=args.json,
+                                workdir=args.dir.absolute() if args.dir else None, spes=args.spes,
+                                recipe_flags=tuple(flags)))

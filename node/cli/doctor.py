@@ -9,10 +9,12 @@ verdict and one line of advice per problem found; docs/deploy.md says what each 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import enum
 import json
+import os
 import sys
 import time
 import urllib.error
@@ -20,8 +22,9 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from node.cli.status import no_node, post_monitor
-from node.config import NodeConfig
+from node.cli.args import PRECEDENCE, UsageError, add_setting_flag, number, resolve
+from node.cli.status import add_monitor_target, monitor_token, no_node, post_monitor, status_url
+from node.config import SETTINGS_BY_KEY, Command, NodeConfig
 
 DEFAULT_TIMEOUT_S = 120.0
 _LIMITED = "cuts circuits after 128 KiB (p2pd's default relay limits), too little for model exchanges"
@@ -198,3 +201,36 @@ def run_doctor_before_joining(config: NodeConfig, as_json: bool, timeout_s: floa
         print(f"murmur doctor: error: the checks took longer than {timeout_s:g} s (--timeout)", file=sys.stderr)
         return 1
     return _print(report, as_json)
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    doctor = commands.add_parser(
+        Command.DOCTOR, help="check whether peers can reach a node, through what, and how fast", epilog=PRECEDENCE,
+        description="Check a node's reachability and print a verdict (reachable directly, through relays, not "
+        "reachable) with one line of advice per problem: its observed public address, whether peers can dial it "
+        "directly, the relays it holds slots at and whether their circuits carry model-sized exchanges, its own "
+        "relay service's limits, and the latency and goodput to each neighbour. Without --peers it asks a running "
+        "node (its monitor at http://MONITOR-HOST:MONITOR-PORT, or --url). With --peers it checks before joining: "
+        "a throwaway p2pd with this machine's --listen/--announce asks those peers to dial it back and reserves at "
+        "the relays (--relays, else the peers). docs/deploy.md says what each answer means.")
+    add_monitor_target(doctor)
+    joining = doctor.add_argument_group("before joining (instead of asking a running node)")
+    for key in ("network.initial_peers", "network.relays", "network.listen", "network.announce",
+                "network.reachability"):
+        add_setting_flag(joining, SETTINGS_BY_KEY[key])
+    doctor.add_argument("--timeout", type=number(float, lo=1.0), default=120.0, metavar="SECONDS",
+                        help="how long the checks may take (default 120)")
+    doctor.add_argument("--json", action="store_true",
+                        help="print one JSON object: the node's report (peer_id, mode, reach, observed, relays, "
+                        "relay_service, redetected, neighbours) with the verdict and the advice lines")
+    doctor.set_defaults(run=_run_doctor)
+
+
+def _run_doctor(args: argparse.Namespace) -> int:
+    given = vars(args)
+    if SETTINGS_BY_KEY["network.initial_peers"].dest not in given:
+        url = status_url(args, os.environ)
+        return run_doctor_node(url, args.json, args.timeout, token=monitor_token(args, os.environ, url))
+    if args.url is not None or SETTINGS_BY_KEY["monitor.port"].dest in given:
+        raise UsageError("--peers checks before joining; --url and --monitor-port ask a running node: give one or the other")
+    return run_doctor_before_joining(resolve(args, os.environ).config, args.json, args.timeout)

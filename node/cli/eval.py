@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 import urllib.error
 import urllib.request
 from typing import Any
 
-from node.cli.status import no_node, post_monitor, print_answer
+from node.cli.args import PRECEDENCE, number
+from node.cli.status import add_monitor_target, monitor_token, no_node, post_monitor, print_answer, status_url
+from node.config import Command
 
 # The node pulls each peer for at most 30 s (node.swarm.swarm_eval.FETCH_TIMEOUT_S), then evaluates.
 DEFAULT_TIMEOUT_S = 300.0
@@ -65,3 +69,30 @@ def run_eval(url: str, as_json: bool, timeout_s: float = DEFAULT_TIMEOUT_S, save
         return no_node("eval", url, exc)
     status = print_answer("eval", url, result, as_json, format_swarm_eval)
     return 1 if status == 0 and result.get("save_error") else status
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    evaluate = commands.add_parser(
+        Command.EVAL, help="validation loss of the swarm-average model, asked of a running node", epilog=PRECEDENCE,
+        description="Ask a running node to pull every live peer's current parameters, average them uniformly "
+        "with its own and evaluate the average on its validation split (POST /api/eval/average); print that "
+        "loss next to the node's own latest validation loss, and which peers were in and out. Takes seconds "
+        "(a peer that does not answer costs up to 30 s). Without --url it asks the monitor at "
+        "http://MONITOR-HOST:MONITOR-PORT.",
+    )
+    add_monitor_target(evaluate)
+    evaluate.add_argument("--timeout", type=number(float, lo=1.0), default=300.0, metavar="SECONDS",
+                          help="how long to wait for the node's answer (default 300)")
+    evaluate.add_argument("--save", action="store_true",
+                          help="the node also writes the average model to swarm-average.safetensors in its data "
+                          "directory (atomically; the previous one is kept as swarm-average.safetensors.prev)")
+    evaluate.add_argument("--json", action="store_true",
+                          help="print the node's JSON answer: loss, self, peers (peer_id, step, self), failed "
+                          "(peer id -> reason), min_step, max_step, elapsed_s, saved, save_error, "
+                          "local (val_loss, val_step, loss, step)")
+    evaluate.set_defaults(run=_run_eval)
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    url = status_url(args, os.environ)
+    return run_eval(url, args.json, args.timeout, save=args.save, token=monitor_token(args, os.environ, url))

@@ -4,6 +4,7 @@ it is not given, and prints the result)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -11,12 +12,36 @@ import math
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from gossip.codecs import Codec
-from gossip.plan import Compression, Estimate, Plan, PlanConfig, make_plan, round_roles
+from gossip.codecs import Codec, TopKCodec, get_codec
+from gossip.diloco import DILOCO_DEFAULTS
+from gossip.plan import (
+    DEFAULT_LINK_EFFICIENCY,
+    Algorithm,
+    Compression,
+    Estimate,
+    LinkSpec,
+    Plan,
+    PlanConfig,
+    make_plan,
+    round_roles,
+)
+from gossip.rules import Knobs, Rule, broken_rules
 from gossip.wire import TensorSpec
-from topology import Topology
+from node.cli.args import (
+    UsageError,
+    add_knob_flag,
+    add_topology_options,
+    non_negative_float,
+    non_negative_int,
+    number,
+    positive_int,
+    topology_spec,
+    values_checked,
+)
+from node.config import DEFAULTS, Command, setting_value
+from topology import Topology, build_topology
 
 # steps run before the timed ones: the first step allocates and warms the allocator
 WARMUP_STEPS = 1
@@ -234,3 +259,134 @@ def plan_and_print(config: PlanConfig, step: StepTime, model: str, *, as_json: b
 def flat_specs(params: int) -> Sequence[TensorSpec]:
     """A model given only by its size: one flat tensor (a real manifest adds a few bytes of header per tensor)."""
     return (TensorSpec("params", "float32", (params,)),)
+
+
+# diloco's inner steps per outer sync when --local-steps is not given (DiLoCo's own range is 100-500)
+PLAN_DILOCO_LOCAL_STEPS = 100
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    plan = commands.add_parser(
+        Command.PLAN, help="predict per-step time and bytes of a configuration against ring all-reduce",
+        description="Predict, for a model, a link and a swarm, the time per step and the bytes per step and per "
+        "token of gossip training as murmur runs it, next to ring all-reduce with the same codec and sync period "
+        "and to data-parallel fp32 all-reduce every step, and say which wins and by how much (docs/plan.md). "
+        "Bytes are the exact message sizes of the wire format; times are a model checked against "
+        "bench/bench_wan.py. Without --step-time it measures a step of the model on this machine.")
+    size = plan.add_mutually_exclusive_group()
+    add_knob_flag(size, "training.model", metavar="MODEL",
+                  help="model whose parameters are counted: moe, dense or package.module:callable (default %(default)s)")
+    size.add_argument("--params", type=positive_int, help="parameter count instead of a model (needs --step-time)")
+    plan.add_argument("--step-time", type=number(float, lo=0.0), metavar="SECONDS",
+                      help="compute time of one step on one node (default: measured on this machine)")
+    plan.add_argument("--measure-steps", type=number(int, lo=1, hi=100), default=3,
+                      help="steps timed when measuring the step time, after one warm-up (default 3)")
+    plan.add_argument("--round-cpu", type=_round_cpu, metavar="SECONDS|measure",
+                      help="CPU seconds of one sync's local work on a node (encoding, decoding, mixing), or 'measure' "
+                      "to time it here (default: measured when the step time is, else 0)")
+    # not the node's --threads: its default (torch's own) would time a step on all cores
+    plan.add_argument("--threads", type=non_negative_int, default=1,
+                      help="torch threads when measuring; 0: torch's default (default 1, as murmur demo runs nodes)")
+    plan.add_argument("--bandwidth-mbit", type=number(float, lo=1e-6), default=20.0,
+                      help="each node's link rate in Mbit/s, each way (default 20)")
+    plan.add_argument("--latency-ms", type=non_negative_float, default=25.0, help="one-way latency (default 25)")
+    plan.add_argument("--link-efficiency", type=number(float, lo=1e-3, hi=1.0), default=None,
+                      help="share of the link rate that carries message bytes (default 0.93, measured)")
+    plan.add_argument("--peers", type=number(int, lo=2), default=8, help="number of peers (default 8)")
+    # The swarm's knobs: name, bounds, choices and default are the settings table's (add_knob_flag)
+    add_knob_flag(plan, "gossip.topology.name", help="gossip topology (default %(default)s)")
+    add_knob_flag(plan, "training.optimizer",
+                  help="dsgd, dadam (round overlapped with the step) or diloco (default %(default)s)")
+    add_knob_flag(plan, "training.local_steps", default=None,
+                  help=f"H: steps between syncs (default {setting_value(DEFAULTS, 'training.local_steps')}; "
+                  f"{PLAN_DILOCO_LOCAL_STEPS} for diloco)")
+    # a plan may model more fragments than a node takes (the node's bound is the DiLoCo config's)
+    plan.add_argument("--fragments", type=positive_int, default=DILOCO_DEFAULTS.fragments,
+                      help="P: diloco's streaming fragments, each synced once per H steps (default %(default)s)")
+    add_knob_flag(plan, "training.overlap",
+                  help="diloco: the outer sync runs while the next phase computes (default off, as a node's)")
+    add_knob_flag(plan, "training.outer_lr",
+                  help="diloco: outer learning rate (default %(default)s; with 1, momentum 0 and --anchor-codec equal "
+                  "to --codec a sync that mixes anchors sends one message instead of two)")
+    add_knob_flag(plan, "training.outer_momentum", help="diloco: outer Nesterov momentum (default %(default)s)")
+    add_knob_flag(plan, "training.anchor_every",
+                  help="diloco: the anchors are mixed too at every this-many-th sync, a second round; 0: never "
+                  "(default %(default)s)")
+    add_knob_flag(plan, "training.anchor_codec", help="diloco: codec of the anchors (default %(default)s)")
+    add_knob_flag(plan, "gossip.codec", help="wire codec (default %(default)s)")
+    add_knob_flag(plan, "gossip.topk_ratio", help="share of the elements --codec topk sends (default %(default)s)")
+    # store_true, not the node's --flag/--no-flag pair: a plan has no lower layer to turn off
+    add_knob_flag(plan, "gossip.topk_packed", action="store_true",
+                  help="--codec topk in the packed layout: 3 bytes per kept element instead of 8")
+    add_knob_flag(plan, "gossip.topk_elias_fano", action="store_true",
+                  help="--codec topk packed with Elias-Fano indices: about 2 bytes per kept element at 1-2%%")
+    add_knob_flag(plan, "gossip.compression",
+                  help="choco: dsgd/dadam send compressed differences against per-neighbour estimates")
+    add_knob_flag(plan, "training.batch_size", help="sequences per micro-batch (default %(default)s)")
+    add_knob_flag(plan, "training.context", help="tokens per sequence (default %(default)s)")
+    add_knob_flag(plan, "training.micro_batches", help="micro-batches per step (default %(default)s)")
+    plan.add_argument("--json", action="store_true",
+                      help="print one JSON object: inputs, numel, gossip, allreduce, data_parallel (each: step_s, "
+                      "sync_s, syncs_per_step, sent_bytes_per_step, received_bytes_per_step, bytes_per_token, ...), "
+                      "winner, speedup, bytes_ratio, vs_data_parallel")
+    add_topology_options(plan)
+    plan.set_defaults(run=_run_plan)
+
+
+def _round_cpu(text: str) -> float | str:
+    """--round-cpu: seconds, or 'measure'."""
+    return text if text == "measure" else number(float, lo=0.0)(text)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from gossip.choco import check_topology
+
+    algorithm, compression = Algorithm(args.optimizer), Compression(args.gossip_compression)
+    if args.params is not None and args.step_time is None:
+        raise UsageError("--params gives no model to measure a step of: pass --step-time SECONDS too")
+    # the combinations PlanConfig refuses, checked before a model is built (that imports torch)
+    broken = broken_rules(Knobs(codec=args.codec, diloco=algorithm is Algorithm.DILOCO,
+                                choco=compression is Compression.CHOCO, fragments=args.fragments))
+    if Rule.FRAGMENTS_WITHOUT_DILOCO in broken:
+        raise UsageError("--fragments: streaming fragments are diloco's outer sync; use them with --optimizer diloco")
+    if Rule.CHOCO_WITH_DILOCO in broken:
+        raise UsageError("--gossip-compression choco is for the per-step algorithms dsgd and dadam; diloco "
+                         "compresses its pseudo-gradients with --codec")
+    if Rule.TOPK_ON_WHOLE_PARAMETERS in broken:
+        raise UsageError("--codec topk drops most of every message; it is sound on differences only: use it with "
+                         "--gossip-compression choco or --optimizer diloco")
+    topology = topology_spec(args, args.topology)
+    with values_checked():
+        if compression is Compression.CHOCO:
+            check_topology(topology)
+        codec = (TopKCodec(args.topk_ratio, args.topk_packed or args.topk_elias_fano, args.topk_elias_fano)
+                 if args.codec == "topk" else get_codec(args.codec))
+        link = LinkSpec(args.bandwidth_mbit, args.latency_ms,
+                        DEFAULT_LINK_EFFICIENCY if args.link_efficiency is None else args.link_efficiency)
+        build_topology(topology, args.peers)  # a bad combination fails here, in one line
+    if args.params is not None:
+        specs, model = tuple(flat_specs(args.params)), f"{args.params:,} parameters"
+    else:
+        try:
+            specs, model = model_specs(args.model), args.model
+        except (ValueError, ImportError, AttributeError, TypeError) as exc:
+            raise UsageError(f"--model {args.model}: {exc}") from None
+    local_steps = args.local_steps or (PLAN_DILOCO_LOCAL_STEPS if algorithm is Algorithm.DILOCO else 1)
+    with values_checked():
+        config = PlanConfig(specs, 0.0 if args.step_time is None else args.step_time, link, args.peers, topology,
+                            algorithm=algorithm, codec=codec, local_steps=local_steps, fragments=args.fragments,
+                            compression=compression, overlap=args.overlap, outer_lr=args.outer_lr,
+                            outer_momentum=args.outer_momentum, anchor_every=args.anchor_every,
+                            anchor_codec=get_codec(args.anchor_codec),
+                            tokens_per_step=args.batch_size * args.context * args.micro_batches)
+    # a step time given from elsewhere (say a GPU) says nothing of this machine's CPU: then 0 unless asked
+    measure_cpu = args.round_cpu == "measure" or (args.round_cpu is None and args.step_time is None)
+    costs = measure_costs(Measure(None if args.step_time is not None else args.model, args.measure_steps,
+                                  args.batch_size, args.context, args.micro_batches, args.optimizer, args.threads,
+                                  round_repeats=args.measure_steps if measure_cpu else 0),
+                          specs, codec, compression, build_topology(topology, args.peers))
+    step = costs.step if costs.step is not None else StepTime(args.step_time, "given")
+    round_cpu = args.round_cpu if isinstance(args.round_cpu, float) else costs.round_cpu_s or 0.0
+    config = replace(config, step_time_s=step.seconds, round_cpu_s=round_cpu)
+    plan_and_print(config, step, model, as_json=args.json)
+    return 0

@@ -1,14 +1,23 @@
-"""`murmur status`: read a running node's monitor API (`/api/status`) and report it."""
+"""`murmur status`: read a running node's monitor API (`/api/status`) and report it; and how the
+commands that ask a running node (status, eval, doctor, export) find its monitor and token."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
+
+from node.cli.args import PRECEDENCE, add_config_flag, add_setting_flag, resolve
+from node.config import SETTINGS_BY_KEY, Command, ConfigError
+from node.config.settings import MONITOR_TOKEN_FILE
 
 TIMEOUT_S = 5.0
 
@@ -144,3 +153,84 @@ def run_status(url: str, as_json: bool, token: str | None = None) -> int:
     except (urllib.error.URLError, OSError, ValueError) as exc:
         return no_node("status", url, exc)
     return print_answer("status", url, status, as_json, format_status)
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    status = commands.add_parser(
+        Command.STATUS, help="report a running node", epilog=PRECEDENCE,
+        description="Report a running node from its monitor's JSON API: peer id, swarm, multiaddrs, peers, "
+        "step, round, bytes sent and received, errors. Without --url it asks the monitor at "
+        "http://MONITOR-HOST:MONITOR-PORT.",
+    )
+    add_monitor_target(status)
+    status.add_argument("--json", action="store_true",
+                        help="print one JSON object: peer_id, swarm, maddrs, peers, step, round, bytes_sent, "
+                        "bytes_received, errors")
+    status.set_defaults(run=_run_status)
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    url = status_url(args, os.environ)
+    return run_status(url, args.json, token=monitor_token(args, os.environ, url))
+
+
+def add_monitor_target(parser: argparse.ArgumentParser) -> None:
+    """The flags that find a running node (`status`, `eval`, `doctor`): its monitor's port and host, or
+    --url; and its monitor token (from its data dir, or --token)."""
+    add_config_flag(parser)
+    target = parser.add_mutually_exclusive_group()
+    add_setting_flag(target, SETTINGS_BY_KEY["monitor.port"], help="TCP port of the node's monitor page")
+    target.add_argument("--url", help="monitor URL of the node, e.g. http://127.0.0.1:7690 (instead of "
+                        "--monitor-host/--monitor-port)")
+    add_setting_flag(parser, SETTINGS_BY_KEY["monitor.host"], help="host of the node's monitor page")
+    add_setting_flag(parser, SETTINGS_BY_KEY["data_dir"], help="the node's data directory, where its monitor "
+                     "token is (monitor.token)")
+    parser.add_argument("--token", help="the node's monitor token (default: read from <data-dir>/monitor.token; "
+                        "a node's POST endpoints need it)")
+
+
+def status_url(args: argparse.Namespace, env: Mapping[str, str]) -> str:
+    """The monitor URL a parsed `status` or `eval` command line asks; raises ConfigError."""
+    if args.url is not None:
+        if SETTINGS_BY_KEY["monitor.host"].dest in vars(args):
+            raise ConfigError("--monitor-host cannot be combined with --url")
+        url = urllib.parse.urlsplit(args.url)
+        try:
+            url.port  # noqa: B018 - raises ValueError for a port that is not a number in range
+        except ValueError as exc:
+            raise ConfigError(f"--url: {args.url!r} has a bad port: {exc}") from None
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ConfigError(f"--url: {args.url!r} is not an http(s) URL like http://127.0.0.1:7690")
+        return str(args.url).rstrip("/")
+    resolved = resolve(args, env)
+    if resolved.config.monitor.port == 0:
+        raise ConfigError(f"{resolved.source('monitor.port')}: port 0 means the node picked a free port; "
+                          "pass the port it reported with --monitor-port, or --url")
+    return resolved.config.monitor.url
+
+
+def monitor_token(args: argparse.Namespace, env: Mapping[str, str], url: str) -> str | None:
+    """The monitor token a parsed `status`, `eval` or `doctor` command line sends: --token, else the one in the
+    data directory. The data directory's token goes only to a loopback URL unless the data directory
+    was named (flag, environment, config file): a node elsewhere must not learn this machine's token."""
+    if args.token is not None:
+        return str(args.token).strip()
+    resolved = resolve(args, env)
+    if "data_dir" in resolved.sources:
+        return _read_token(resolved.config.data_dir)
+    return loopback_token(url, resolved.config.data_dir)
+
+
+def loopback_token(url: str, data_dir: Path) -> str | None:
+    """The token in `data_dir`, if `url` is on this machine's loopback (else None: not sent elsewhere)."""
+    host = (urllib.parse.urlsplit(url).hostname or "").lower()
+    if host not in ("localhost", "::1") and not host.startswith("127."):
+        return None
+    return _read_token(data_dir)
+
+
+def _read_token(data_dir: Path) -> str | None:
+    try:
+        return (data_dir / MONITOR_TOKEN_FILE).read_text().strip() or None
+    except OSError:
+        return None

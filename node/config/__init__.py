@@ -6,6 +6,7 @@ file, environment and flag layers and their merge; checks: checks against this m
 docs table (`python -m node.config`).
 """
 
+from gossip.codecs import STATE_CODECS
 from node.config.checks import check_environment
 from node.config.docs import TABLE_BEGIN, TABLE_END, default_in_words, settings_table
 from node.config.kinds import (
@@ -52,9 +53,7 @@ from node.config.table import (
     DAEMONS,
     DEVICE_NAME,
     DEVICES_HELP,
-    EMBEDDED_MODEL_NAMES,
     FINAL_MERGE,
-    HF_PRESET_NAMES,
     LOG_LEVELS,
     MODEL_NAME,
     MONITOR_CLIENTS,
@@ -66,16 +65,14 @@ from node.config.table import (
     SETTINGS_BY_KEY,
     SPES_EXPERT_CODECS,
     SPES_REFRESH_CODECS,
-    STATE_CODECS,
     TABLES,
     TRANSPORTS,
-    VECTOR_MODEL,
     Command,
-    Model,
     Setting,
     Transport,
     settings_for,
 )
+from node.train.model_names import EMBEDDED_MODEL_NAMES, HF_PRESET_NAMES, VECTOR_MODEL, Model
 
 __all__ = [
     "DAEMONS",

@@ -9,11 +9,13 @@ import tomllib
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, TypeVar, cast
 
+from gossip.rules import Knobs, Rule, broken_rules
 from node.config.kinds import toml_type
 from node.config.settings import DEFAULTS, ConfigError, NodeConfig, setting_value
-from node.config.table import HF_DENSE_PRESETS, SETTINGS_BY_KEY, TABLES, Model, Setting, Transport
+from node.config.table import SETTINGS_BY_KEY, TABLES, Setting, Transport
+from node.train.model_names import HF_DENSE_PRESETS, Model
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -162,22 +164,29 @@ def _check_combinations(merged: Mapping[str, Sourced]) -> None:
         raise ConfigError(f"{source('training.spes_merge_every')}: the merge interval "
                           f"{current('training.spes_merge_every')} must be a multiple of the sync interval "
                           f"{current('training.spes_sync_every')} (--spes-sync-every)")
-    _check_codec(current, source)
-    _check_compression(current, source)
-    _check_diloco(current, source)
+    broken = broken_rules(Knobs(codec=str(current("gossip.codec")), diloco=current("training.optimizer") == "diloco",
+                                choco=current("gossip.compression") == "choco", spes=bool(current("training.spes")),
+                                mixing=str(current("gossip.mixing.kind")),
+                                fragments=cast(int, current("training.fragments")),
+                                local_steps=cast(int, current("training.local_steps"))))
+    _check_codec(current, source, broken)
+    _check_compression(current, source, broken)
+    _check_diloco(current, source, broken)
     if current("gossip.topology.name") == "custom" and not current("gossip.topology.edges"):
         raise ConfigError(f"{source('gossip.topology.name')}: the custom topology needs an edge list: "
                           "set --edges, MURMUR_EDGES or gossip.topology.edges")
 
 
-def _check_compression(current: Callable[[str], object], source: Callable[[str], str]) -> None:
+def _check_compression(current: Callable[[str], object], source: Callable[[str], str], broken: Collection[Rule]
+                       ) -> None:
     """--gossip-compression choco: where it is sound (docs/training.md)."""
-    from gossip.choco import CHOCO_RULES, check_topology
+    from gossip.choco import check_topology
+    from gossip.rules import CHOCO_RULES
     from topology import TopologySpec
 
     if current("gossip.compression") != "choco":
         return
-    if current("training.optimizer") == "diloco":
+    if Rule.CHOCO_WITH_DILOCO in broken:
         raise ConfigError(f"{source('gossip.compression')}: compressed gossip is for the per-step optimizers dsgd "
                           "and dadam; --optimizer diloco compresses its pseudo-gradients with --codec (error feedback)")
     try:
@@ -186,11 +195,11 @@ def _check_compression(current: Callable[[str], object], source: Callable[[str],
                                     directed=bool(current("gossip.topology.directed"))))
     except ValueError as exc:
         raise ConfigError(f"{source('gossip.compression')}: {exc}") from None
-    if current("gossip.mixing.kind") not in CHOCO_RULES:
+    if Rule.CHOCO_WITH_WHOLE_VECTOR_MIXING in broken:
         raise ConfigError(f"{source('gossip.mixing.kind')}: compressed gossip moves along per-edge differences; "
                           f"mixing rule {current('gossip.mixing.kind')} needs whole vectors: use "
                           f"{' or '.join(CHOCO_RULES)}")
-    if current("training.spes"):
+    if Rule.CHOCO_WITH_SPES in broken:
         raise ConfigError(f"{source('gossip.compression')}: compressed gossip does not cover SPES's expert syncs; "
                           "drop --spes or --gossip-compression choco")
 
@@ -199,29 +208,27 @@ DILOCO_ONLY = ("training.outer_lr", "training.outer_momentum", "training.fragmen
                "training.qsr_alpha", "training.anchor_every", "training.anchor_codec", "training.inner_optimizer")
 
 
-def _check_codec(current: Callable[[str], object], source: Callable[[str], str]) -> None:
+def _check_codec(current: Callable[[str], object], source: Callable[[str], str], broken: Collection[Rule]) -> None:
     """--codec topk only where it is sound: on differences (DiLoCo's pseudo-gradients with error feedback,
     compressed gossip's differences against estimates), never on whole parameters."""
-    if current("gossip.codec") != "topk":
-        return
-    if current("training.spes"):
+    if Rule.TOPK_WITH_SPES in broken:
         raise ConfigError(f"{source('gossip.codec')}: SPES mixes its shared weights as whole parameters; "
                           "top-k is not sound there: use fp32, fp16, bf16 or int8")
-    if current("training.optimizer") != "diloco" and current("gossip.compression") != "choco":
+    if Rule.TOPK_ON_WHOLE_PARAMETERS in broken:
         raise ConfigError(f"{source('gossip.codec')}: top-k sends a few entries of each tensor and drops the rest, "
                           "so it is sound on differences only: use it with --optimizer diloco (pseudo-gradients "
                           "with error feedback) or --gossip-compression choco; --optimizer "
                           f"{current('training.optimizer')} gossips whole parameters: use fp32, fp16, bf16 or int8")
 
 
-def _check_diloco(current: Callable[[str], object], source: Callable[[str], str]) -> None:
+def _check_diloco(current: Callable[[str], object], source: Callable[[str], str], broken: Collection[Rule]) -> None:
     """DiLoCo's knobs only with --optimizer diloco, and fragments that fit a phase."""
     diloco = current("training.optimizer") == "diloco"
     for key in DILOCO_ONLY:
         if not diloco and current(key) != setting_value(DEFAULTS, key):
             raise ConfigError(f"{source(key)}: {SETTINGS_BY_KEY[key].flag} is a knob of --optimizer diloco; "
                               f"the optimizer here is {current('training.optimizer')}")
-    if diloco and current("training.fragments") > current("training.local_steps"):  # type: ignore[operator]
+    if Rule.FRAGMENTS_OVER_PHASE in broken:
         raise ConfigError(f"{source('training.fragments')}: {current('training.fragments')} fragments cannot "
                           f"sync at distinct steps of a {current('training.local_steps')}-step phase: use at most "
                           "--local-steps fragments")

@@ -6,9 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from gossip.codecs import DEFAULT_TOPK_RATIO
+from gossip.diloco import DILOCO_DEFAULTS
 from gossip.mixing import MixingKind, MixingRule
+from gossip.optimizers import OptimizerConfig
+from gossip.spes import SpesConfig
 from node.config.kinds import LOOPBACK_LISTEN
-from node.config.table import SETTINGS, VECTOR_MODEL
+from node.config.table import SETTINGS
+from node.train.model_names import VECTOR_MODEL
 from topology import TopologySpec
 
 # 7690 rather than 0 so that `murmur status` finds a node started with defaults; 0 asks the OS for
@@ -20,6 +25,10 @@ MONITOR_TOKEN_FILE = "monitor.token"  # this run's monitor token (node.monitor.a
 DEFAULT_TOPOLOGY = TopologySpec("one-peer-exp")
 # Robust by default: centered clipping with an adaptive radius bounds a hostile neighbour's pull (gossip.robust).
 DEFAULT_MIXING = MixingRule(MixingKind.ADAPTIVE_CLIP)
+# The algorithms' own defaults, written once in gossip/ (the fields below read them, never repeat them)
+_OPTIMIZER = OptimizerConfig()
+_DILOCO = DILOCO_DEFAULTS
+_SPES = SpesConfig()
 
 
 class ConfigError(ValueError):
@@ -81,7 +90,7 @@ class GossipConfig:
 
     topology: TopologySpec = DEFAULT_TOPOLOGY
     codec: str = "fp32"  # wire codec of the exchanged tensors (choco: of the differences; diloco: of the pseudo-gradients)
-    topk_ratio: float = 0.01  # --codec topk: fraction of each tensor's entries sent
+    topk_ratio: float = DEFAULT_TOPK_RATIO  # --codec topk: fraction of each tensor's entries sent
     topk_packed: bool = False  # --codec topk: uint16 offsets and int8 values, 3 bytes per kept entry instead of 8
     topk_elias_fano: bool = False  # --topk-packed with Elias-Fano indices: about 2 bytes per kept entry at 1-2%
     compression: str = "none"  # "choco": compressed differences against per-neighbour estimates (gossip/choco.py)
@@ -100,20 +109,20 @@ class TrainingConfig:
 
     model: str = "moe"  # "moe", "dense", "vector", an hf-tiny-* preset, "hf:PATH" or a builder "package.module:callable"
     optimizer: str = "dadam"
-    lr: float = 3e-3
+    lr: float = _OPTIMIZER.lr
     warmup_steps: int = 10
     steps: int = 0  # steps to train; 0: until stopped (the LR schedule then stays flat after warm-up)
-    local_steps: int = 1  # H: steps between gossip rounds
-    micro_batches: int = 1  # k: gradient accumulation
+    local_steps: int = _OPTIMIZER.local_steps  # H: steps between gossip rounds
+    micro_batches: int = _OPTIMIZER.micro_batches  # k: gradient accumulation
     # gossip DiLoCo (--optimizer diloco; docs/training.md): the outer step, fragments, overlap, QSR, anchors
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    fragments: int = 1  # P
-    overlap: bool = False
-    qsr_alpha: float = 0.0  # 0: constant H
-    anchor_every: int = 1  # mix anchors at every this-many-th sync; 0: never
-    anchor_codec: str = "int8"
-    inner_optimizer: str = "adam"  # adam (AdamW, DiLoCo's) or sgd
+    outer_lr: float = _DILOCO.outer_lr
+    outer_momentum: float = _DILOCO.outer_momentum
+    fragments: int = _DILOCO.fragments  # P
+    overlap: bool = _DILOCO.overlap
+    qsr_alpha: float = _DILOCO.qsr_alpha  # 0: constant H
+    anchor_every: int = _DILOCO.anchor_every  # mix anchors at every this-many-th sync; 0: never
+    anchor_codec: str = _DILOCO.anchor_codec
+    inner_optimizer: str = _DILOCO.inner  # adam (AdamW, DiLoCo's) or sgd
     final_merge: str = "auto"  # auto (on for diloco), on, off
     batch_size: int = 16  # sequences per micro-batch on each node
     context: int = 128  # tokens per sequence
@@ -128,18 +137,18 @@ class TrainingConfig:
     average_every: int = 0  # steps between writes of the swarm-average model (and one at the end); 0: never
     # SPES, sparse expert sync of the MoE model (docs/spes.md): the swarm's knobs, and this node's capacity
     spes: bool = False
-    spes_sync_every: int = 1  # S
-    spes_merge_every: int = 10  # M, a multiple of S
-    spes_merge_until: int = 0  # D; 0: no merge warm-up
-    spes_alpha0: float = 0.1
-    spes_replication: int = 2  # r
-    spes_refresh_codec: str = "int8"  # the codec of the deltas frozen copies are refreshed with
-    spes_expert_codec: str = "int8"  # co-owners mix their experts in this codec (error feedback)
-    spes_shared_codec: str = "int8"  # neighbours mix the shared weights in this codec (error feedback)
-    spes_delta_refresh: bool = True  # frozen copies are refreshed with compressed deltas
-    spes_outer_lr: float = 1.0  # the outer step of each sync (1.0 and no momentum: plain mixing)
-    spes_outer_momentum: float = 0.0
-    spes_anchor_every: int = 1
+    spes_sync_every: int = _SPES.sync_every  # S
+    spes_merge_every: int = _SPES.merge_every  # M, a multiple of S
+    spes_merge_until: int = _SPES.merge_until  # D; 0: no merge warm-up
+    spes_alpha0: float = _SPES.alpha0
+    spes_replication: int = _SPES.replication  # r
+    spes_refresh_codec: str = _SPES.refresh_codec  # the codec of the deltas frozen copies are refreshed with
+    spes_expert_codec: str = _SPES.expert_codec  # co-owners mix their experts in this codec (error feedback)
+    spes_shared_codec: str = _SPES.shared_codec  # neighbours mix the shared weights in this codec (error feedback)
+    spes_delta_refresh: bool = _SPES.delta_refresh  # frozen copies are refreshed with compressed deltas
+    spes_outer_lr: float = _SPES.outer_lr  # the outer step of each sync (1.0 and no momentum: plain mixing)
+    spes_outer_momentum: float = _SPES.outer_momentum
+    spes_anchor_every: int = _SPES.anchor_every
     experts: int | None = None  # experts per MoE layer this node trains; None: all (CPU) or by free GPU memory
 
     @property

@@ -8,8 +8,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
+from gossip.choco import DENSE_GAMMA, MAX_TOPK_GAMMA, TOPK_GAMMA_PER_RATIO
+from gossip.codecs import STATE_CODECS, TopKCodec
+from gossip.diloco import INNER_OPTIMIZERS, DilocoConfig
 from gossip.mixing import MIXING_KINDS
+from gossip.optimizers import ALGORITHMS
 from node.config.kinds import Boolean, Choice, EdgeList, Integer, Kind, Multiaddrs, Named, Number, PathKind, Text
+from node.net.reach_mode import ReachMode
+from node.train.model_names import HF_PRESET_NAMES, MODEL_NAME_PATTERN
 from topology import TOPOLOGY_NAMES, WEIGHT_SCHEMES
 
 
@@ -40,14 +46,6 @@ MONITOR_CLIENTS = NODE | {Command.STATUS, Command.EVAL, Command.DOCTOR}  # comma
 NETWORK_CHECKED = DAEMONS | {Command.DOCTOR}
 
 
-class ReachMode(StrEnum):
-    """The choices of --reachability (node.net.reachability)."""
-
-    AUTO = "auto"  # ask peers to dial back at start
-    PUBLIC = "public"  # reachable directly: a public address, or a forwarded port
-    PRIVATE = "private"  # behind NAT: reachable only through relays
-
-
 REACH_MODES = tuple(ReachMode)
 
 
@@ -58,38 +56,19 @@ class Transport(StrEnum):
     LIBP2P = "libp2p"  # py-libp2p in a child process
 
 
-class Model(StrEnum):
-    """The models --model names without an import path."""
-
-    MOE = "moe"
-    DENSE = "dense"
-    VECTOR = "vector"  # no model: gossip a random vector of `dim` floats (tests, demos of the gossip alone)
-
-
 TRANSPORTS = tuple(Transport)
-EMBEDDED_MODEL_NAMES = (Model.MOE, Model.DENSE)
-# Tiny Hugging Face configs built with transformers (node.train.models.hf.PRESETS); hf:PATH names others
-HF_PRESET_NAMES = ("hf-tiny-llama", "hf-tiny-mixtral")
-HF_DENSE_PRESETS = ("hf-tiny-llama",)
-VECTOR_MODEL = Model.VECTOR
-NODE_CODECS = ("fp32", "fp16", "bf16", "int8", "topk")
+NODE_CODECS = (*STATE_CODECS, TopKCodec.name)
 GOSSIP_COMPRESSIONS = ("none", "choco")
-# codecs for whole parameter vectors: top-k (a few entries, the rest dropped) is sound only on
-# differences (gossip DiLoCo's pseudo-gradients with error feedback, compressed gossip's), so it is refused elsewhere
-STATE_CODECS = ("fp32", "fp16", "bf16", "int8")
 SPES_REFRESH_CODECS = ("fp16", "bf16", "int8")  # what --spes-refresh-codec offers (gossip.spes takes fp32 too)
-SPES_EXPERT_CODECS = ("fp32", "fp16", "bf16", "int8")  # what --spes-expert-codec offers
+SPES_EXPERT_CODECS = STATE_CODECS  # what --spes-expert-codec offers
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 ADMISSION_MODES = ("open", "key", "allowlist")  # node.swarm.recipe.AdmissionMode
-OPTIMIZERS = ("dsgd", "dadam", "diloco")
+OPTIMIZERS = ALGORITHMS
 FINAL_MERGE = ("auto", "on", "off")
-INNER_OPTIMIZERS = ("adam", "sgd")
 DEVICES_HELP = "auto, cpu, cuda or cuda:N"
 PRECISION_NAMES = ("auto", "fp32", "bf16", "fp16")
 
-# An embedded model, `vector`, or a user builder named by import path (imported when the node starts).
-MODEL_NAME = Named("model", "|".join((*EMBEDDED_MODEL_NAMES, VECTOR_MODEL, *HF_PRESET_NAMES, r"hf:.+",
-                                     r"[\w.]+:[\w.]+")),
+MODEL_NAME = Named("model", MODEL_NAME_PATTERN,
                    hint=f"moe, dense, vector, {', '.join(HF_PRESET_NAMES)}, hf:PATH or package.module:callable",
                    description=f"moe | dense | vector | {' | '.join(HF_PRESET_NAMES)} | hf:PATH | package.module:callable",
                    metavar="MODEL")
@@ -225,7 +204,8 @@ SETTINGS: tuple[Setting, ...] = (
             "(CHOCO-SGD) instead of whole parameters; symmetric topologies only (the swarm's)", NODE),
     Setting("gossip.choco_gamma", Number(0.0, hi=1.0, lo_open=True, metavar="GAMMA"), "MURMUR_CHOCO_GAMMA",
             "--choco-gamma", "consensus step of --gossip-compression choco (the swarm's)", NODE, optional=True,
-            default_text="1 for fp32/fp16/bf16/int8; for topk 10 x --topk-ratio, at most 0.5"),
+            default_text=f"{DENSE_GAMMA:g} for fp32/fp16/bf16/int8; for topk {TOPK_GAMMA_PER_RATIO:g} x --topk-ratio, "
+            f"at most {MAX_TOPK_GAMMA:g}"),
     Setting("gossip.round_interval_s", Number(0.0, lo_open=True, metavar="S"), "MURMUR_ROUND_INTERVAL",
             "--round-interval", "seconds between the starts of two gossip rounds", NODE),
     Setting("gossip.exchange_timeout_s", Number(0.0, lo_open=True, metavar="S"), "MURMUR_EXCHANGE_TIMEOUT",
@@ -283,7 +263,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("training.outer_momentum", Number(0.0, hi=1.0, hi_open=True, metavar="MU"), "MURMUR_OUTER_MOMENTUM",
             "--outer-momentum", "diloco: Nesterov momentum of the outer step; each node keeps its own buffer "
             "(the swarm's)", NODE),
-    Setting("training.fragments", Integer(1, 64, noun="fragments"), "MURMUR_FRAGMENTS", "--fragments",
+    Setting("training.fragments", Integer(1, DilocoConfig.MAX_FRAGMENTS, noun="fragments"), "MURMUR_FRAGMENTS", "--fragments",
             "diloco: P, fragments of the model synced at staggered inner steps, so about 1/P of it is in "
             "flight at a time; at most --local-steps (the swarm's)", NODE),
     Setting("training.overlap", Boolean(), "MURMUR_OVERLAP", "--overlap",

@@ -1,6 +1,8 @@
-"""Who the monitor answers: requests whose Host header names this machine's loopback or the configured
-`--monitor-host` (a DNS-rebinding page, whose requests carry its own name, is refused), POST requests
-that carry the node's per-run token, and a bounded number of event-stream clients.
+"""Who the monitor answers: Host headers naming this machine, POSTs with the node's per-run token, and a
+bounded number of event-stream clients.
+
+A Host header must name this machine's loopback or the configured `--monitor-host`, so a DNS-rebinding
+page, whose requests carry its own name, is refused.
 
 The token is drawn at each start and written to `<data-dir>/monitor.token` (mode 0600), where
 `murmur eval` reads it; the page itself makes no POST, so it never needs or sees it (docs/monitor.md).

@@ -1,7 +1,8 @@
-"""The monitor's web server (aiohttp, in the node's event loop): the page, the JSON API, server-sent
-events and `/metrics`, plus the sampler that appends a history sample and pushes an update every
-interval. Bound to 127.0.0.1 unless the node is told otherwise (`--monitor-host`); answers only the Host
-names node.monitor.access allows, and POSTs only with the run's token."""
+"""The monitor's web server (aiohttp, in the node's event loop): the page, the JSON API, server-sent events
+and `/metrics`, plus the sampler that appends a history sample and pushes an update every interval.
+
+Bound to 127.0.0.1 unless the node is told otherwise (`--monitor-host`); answers only the Host names
+node.monitor.access allows, and POSTs only with the run's token."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""The current round's gossip graph as the monitor shows it: every peer in view, the participants'
-edges with their mixing weights, and the topology's rho; computed in a worker thread and reused while
-its inputs stay the same (a dense n x n matrix and its eigenvalues do not belong on the event loop)."""
+"""The current round's gossip graph as the monitor shows it: every peer in view, the participants' edges with
+their mixing weights, and the topology's rho.
+
+It is computed in a worker thread and reused while its inputs stay the same: a dense n x n matrix and its
+eigenvalues do not belong on the event loop."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""Dialling the peers of the view, off the round path: a background task gives the data plane the
-addresses of each new peer (or of one whose record names new addresses), a few dials at a time, each
-bounded by a timeout; a failed dial is retried after an exponential backoff; addresses the routability
-rule refuses (node.net.reach) are never dialled. Rounds never wait for a dial: an exchange with a
-peer not dialled yet fails within its own deadline, like one with a dead peer.
-"""
+"""Dialling the peers of the view in the background, off the round path.
+
+A background task gives the data plane the addresses of each new peer (or of one whose record names new
+addresses), a few dials at a time, each bounded by a timeout; a failed dial is retried after an exponential
+backoff; addresses the routability rule refuses (node.net.reach) are never dialled. Rounds never wait for a
+dial: an exchange with a peer not dialled yet fails within its own deadline, like one with a dead peer."""
 
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
-"""Swarm membership over hivemind's DHT: the service that keeps this peer's signed, expiring record
-alive, keeps the swarm's founder-signed config (and watches for newer versions of it), and holds a
-membership view (admitted peers of this config, sorted by id) that tells its subscribers when the set
-of peers changes. The records are node.net.records, the config envelope node.net.founder, the rules
-every DHT value is held to node.net.validation.
+"""Swarm membership over hivemind's DHT: this peer's record, the swarm's founder-signed config, and the view of
+the peers it admits.
+
+The service keeps this peer's signed, expiring record alive, keeps the config (and watches for newer versions
+of it), and holds the membership view (admitted peers of this config, sorted by id), telling its subscribers
+when the set of peers changes. The records are node.net.records, the config envelope node.net.founder, the
+rules every DHT value is held to node.net.validation.
 
 Runs hivemind's asyncio `DHTNode` in the node's own event loop on the node's `P2P` (one daemon, one
 identity). `hivemind.DHT` would instead fork a process that replicates the daemon connection and

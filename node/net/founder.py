@@ -1,7 +1,9 @@
-"""What a swarm's founder vouches for with its key: the invite that names a swarm (`NAME@FOUNDER_PEER_ID`),
-the swarm's config as a signed, versioned envelope (the `<swarm>.config` value), and the membership
-certificates of an allowlist swarm. Signatures are hivemind's RSA key type (RSA-PSS, SHA-256) with the
-founder's libp2p identity key, so a founder is known by its peer id.
+"""What a swarm's founder vouches for with its key: the invite that names a swarm, the swarm's signed config, and
+the membership certificates of an allowlist swarm.
+
+The invite is `NAME@FOUNDER_PEER_ID`; the config is a signed, versioned envelope (the `<swarm>.config` value).
+Signatures are hivemind's RSA key type (RSA-PSS, SHA-256) with the founder's libp2p identity key, so a founder
+is known by its peer id.
 
 Every signature covers a purpose tag, so a config signature can never pass for a certificate or a
 record: `murmur/config/1` (swarm, version, sha256 of the document) and `murmur/member/1` (swarm, peer

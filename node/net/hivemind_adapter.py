@@ -1,6 +1,6 @@
-"""The one place that works around what hivemind 1.1.12 and its bundled p2pd get wrong for NAT traversal
-(measured in network namespaces; docs/architecture.md, "Reachability"). Each workaround has its test in
-tests/test_hivemind_adapter.py:
+"""The one place that works around what hivemind 1.1.12 and its bundled p2pd get wrong for NAT traversal.
+
+Each workaround has its test in tests/test_hivemind_adapter.py (docs/architecture.md, "Reachability"):
 
 1. **relay discovery**: with `-autoRelay`, p2pd waits about 3 minutes before reserving a relay slot
    unless it gets `-relayDiscovery=0`, which `P2P.create` does not expose: `daemon_class` gives p2pd
@@ -10,13 +10,13 @@ tests/test_hivemind_adapter.py:
 3. **relay limits**: p2pd registers two relay services on the same protocol, and the last one
    registered answers. Its default one (128 KiB and 2 minutes per circuit) is registered by p2pd's
    main goroutine right after start-up; the configured one (`-relayDataLimit` / `-relayTimeLimit`)
-   only once libp2p deems the node public, by a goroutine that usually ran first, so the default
-   one answered. `relay_service_args` forces public reachability and `RELAY_SERVICE_ENV` runs
+   only once libp2p deems the node public, by a goroutine that usually runs first, so the default
+   one answers. `relay_service_args` forces public reachability and `RELAY_SERVICE_ENV` runs
    p2pd on one scheduler thread, where that goroutine usually runs only after main has registered the
-   default one. That is a race all the same: measured, 12 of 12 first starts on an idle machine (8 of
-   12 without it), 8 of 12 with one of two cores busy, and 3 to 5 of 12 with three busy processes on
-   two cores (4 of 12 without it). So node.net.probe pushes more than `DEFAULT_SERVICE_DATA_LIMIT`
-   through a circuit to check it worked, and the node restarts p2pd until it did (node.runtime.host).
+   default one. That is a race all the same, lost more often on a busy CPU (see docs/benchmarks.md,
+   "Relay service limits at p2pd start-up"). So node.net.probe pushes more than
+   `DEFAULT_SERVICE_DATA_LIMIT` through a circuit to check it worked, and the node restarts p2pd until it
+   did (node.runtime.host).
 4. **`/p2p/` encoding**: hivemind's bundled `Multiaddr` encodes `/p2p/<id>` as a CIDv1, which p2pd's
    `connect` rejects inside relayed addresses ("length greater than remaining number of bytes"):
    `maddr_bytes` encodes with the `multiaddr` package, whose `/p2p/` is the raw multihash p2pd expects.

@@ -1,7 +1,8 @@
-"""Who may open streams to this node (gossip.limits.Membership): the peers with a live record in its
-view. A stream from a peer not in view waits for a read of the view that began after it arrived (the
-background reads come every half heartbeat; one is started at once if none ran for a second), so a
-joiner whose record is a moment old is not refused."""
+"""Who may open streams to this node (gossip.limits.Membership): the peers with a live record in its view.
+
+A stream from a peer not in view waits for a read of the view that began after it arrived (the background
+reads come every half heartbeat; one is started at once if none ran for a second), so a joiner whose record is
+a moment old is not refused."""
 
 from __future__ import annotations
 

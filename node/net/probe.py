@@ -1,7 +1,8 @@
-"""Circuit probes: is this node reachable through a relay, and does the relay let a model-sized
-exchange through? Answered by pushing bytes over `/murmur/probe/1` from a throwaway p2pd (a fresh
-identity with no connection to the node, so the push really takes the circuit) and counting what
-arrives. Also the relay's own start-up check (docs/deploy.md).
+"""Circuit probes: is this node reachable through a relay, and does the relay let a model-sized exchange through?
+Also the relay's own start-up check (docs/deploy.md).
+
+A throwaway p2pd (a fresh identity with no connection to the node, so the push really takes the circuit)
+pushes bytes over `/murmur/probe/1` and the node counts what arrives.
 
 `/murmur/probe/1`: the asker sends an 8-byte big-endian length N (at most MAX_PROBE_BYTES) and N
 bytes; the node answers the 8-byte count it read. N = 0 measures the round trip (latency).
@@ -174,7 +175,7 @@ async def check_relay_service(relay_maddrs: Sequence[str], reserve_timeout_s: fl
             assert relay_id is not None
             await P2PDTransport(reserver).connect(relay_id, [relay])  # autorelay reserves once connected
             # A dial before the reservation is in puts the circuit into the dialer's backoff (5 s): wait
-            # the ~20 ms a reservation takes, with margin for a loaded machine.
+            # the few milliseconds a reservation takes, with margin for a loaded machine.
             await asyncio.sleep(_RESERVATION_S)
             client = P2PDTransport(dialer, open_timeout_s=PROBE_TIMEOUT_S)
             target = reserver.peer_id.to_base58()

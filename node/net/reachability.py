@@ -14,9 +14,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from gossip.transport import PeerUnreachable, StreamClosed
-from node.config.table import ReachMode
 from node.net.dialback import DIALBACK_PROTOCOL, MAX_PORTS, ask_dialback
 from node.net.hivemind_adapter import is_circuit, peer_of
+from node.net.reach_mode import ReachMode
 from node.net.transport.p2pd import P2PDTransport
 
 logger = logging.getLogger(__name__)

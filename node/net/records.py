@@ -1,6 +1,8 @@
-"""What murmur keeps in hivemind's DHT: the keys of a swarm, the declared schemas of its peer records and
-SPES expert records with their encoding, and the config's canonical bytes and hash. The signed config
-envelope is node.net.founder's; the validators that hold every DHT value to these are node.net.validation."""
+"""What murmur keeps in hivemind's DHT: a swarm's keys, the schemas of its peer and SPES expert records, and
+the config's canonical bytes and hash.
+
+The records' encoding is declared here too. The signed config envelope is node.net.founder's; the
+validators that hold every DHT value to these are node.net.validation."""
 
 from __future__ import annotations
 

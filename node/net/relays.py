@@ -1,7 +1,9 @@
-"""A node's reachability at run time: the relays it holds slots at (checked by pushing a model-sized
-probe through each circuit), the `/p2p-circuit` addresses its peer record carries for them, its own
-relay service and whether that service's limits are in force, and the kind of each connection to a
-neighbour. Also answers `murmur doctor` (node.cli.doctor).
+"""A node's reachability at run time: its relays and their circuits, its own relay service, and how it is
+connected to each neighbour. Also answers `murmur doctor` (node.cli.doctor).
+
+Each relay it holds a slot at is checked by pushing a model-sized probe through its circuit, and the peer
+record carries the `/p2p-circuit` addresses of those relays; the relay service is checked for whether its
+limits are in force.
 
 A relay whose connection goes away is reported lost at once (status, log, monitor) and its circuit
 leaves the record; p2pd's autorelay reconnects to it, and the node checks the circuit again then.

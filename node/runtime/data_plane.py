@@ -1,6 +1,7 @@
-"""The data plane `--transport` selects for gossip streams: p2pd's own streams, or a py-libp2p child
-process under the node's identity (docs/architecture.md, "Data-plane backends"); and the addresses
-the node's record gives for it."""
+"""The data plane `--transport` selects for gossip streams, and the addresses the node's record gives for it.
+
+Either p2pd's own streams, or a py-libp2p child process under the node's identity (docs/architecture.md,
+"Data-plane backends")."""
 
 from __future__ import annotations
 

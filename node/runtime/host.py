@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from node.config import NodeConfig
-from node.config.table import ReachMode
+from node.net.reach_mode import ReachMode
 from node.runtime.errors import StartupError
 from node.runtime.shutdown import shut_down
 
@@ -33,10 +33,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("murmur.node")
 
-# p2pd starts until its relay service's limits are in force (node.net.probe). With workaround 3
-# (node.net.hivemind_adapter) a first start has them nearly always on an idle machine but only about
-# one in three when the CPU is oversubscribed; each check takes a few seconds, and 16 leave one start in
-# a thousand without them even then
+# p2pd starts until its relay service's limits are in force (node.net.probe). Workaround 3
+# (node.net.hivemind_adapter) still loses its race often on an oversubscribed CPU (see
+# docs/benchmarks.md, "Relay service limits at p2pd start-up"); each check takes a few seconds, and 16
+# leave about one start in a thousand without them at the oversubscribed machine's rate measured there
 RELAY_SERVICE_ATTEMPTS = 16
 # A dial-back nobody answered (the bootstraps start too, or restart) is asked again this many times
 DETECT_ATTEMPTS = 3

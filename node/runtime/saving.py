@@ -76,7 +76,7 @@ async def _export_hf_average(runtime: NodeRuntime, tensors: Mapping[str, np.ndar
                              meta: Mapping[str, str | int | float]) -> None:
     """A Hugging Face model's swarm average is also written as a save_pretrained directory beside it
     (the previous one kept as .prev). A failure is logged and counted; the safetensors file stands."""
-    from node.train.export import recipe_of, replace_directory, tokenizer_bytes, write_export
+    from node.swarm.export import recipe_of, replace_directory, tokenizer_bytes, write_export
 
     try:
         recipe = recipe_of(meta)

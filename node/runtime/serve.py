@@ -1,6 +1,8 @@
 """The node's start-up wiring and its entry points: `run_node` (`murmur node` / `murmur join`) and
-`run_bootstrap` (`murmur bootstrap`). A node is p2pd, DHT discovery, the gossip peer and the local API
-in one asyncio process, running its payload (a model, or vector mode) until SIGINT/SIGTERM stops it."""
+`run_bootstrap` (`murmur bootstrap`).
+
+A node is p2pd, DHT discovery, the gossip peer and the local API in one asyncio process, running its
+payload (a model, or vector mode) until SIGINT/SIGTERM stops it."""
 
 from __future__ import annotations
 
@@ -18,7 +20,6 @@ import numpy as np
 from gossip.choco import ChocoState
 from gossip.exchange import ExchangeSettings, GossipPeer
 from gossip.limits import IncomingGate
-from node.cli.ready_line import format_ready_line
 from node.config import NodeConfig
 from node.monitor import MonitorServer, start_monitor
 from node.monitor.access import new_token, remove_token, write_token
@@ -32,6 +33,7 @@ from node.runtime.data_plane import (
 )
 from node.runtime.errors import StartupError
 from node.runtime.host import start_host
+from node.runtime.ready_line import format_ready_line
 from node.runtime.saving import checkpoint_path, final_checkpoint
 from node.runtime.shutdown import close, install_stop_signals, shut_down
 from node.runtime.status import NodeRuntime

@@ -1,7 +1,8 @@
-"""How a node comes to its swarm's config and membership: a founder signs and publishes the config (a
-new version when its recipe changed), a joiner reads the config its founder signed and pins that
-founder, and both learn who they admit (node.net.admission). A joiner also decides whether it can
-follow a newer version its founder publishes."""
+"""How a node comes to its swarm's config and membership, as its founder or as a joiner.
+
+A founder signs and publishes the config (a new version when its recipe changed); a joiner reads the config
+its founder signed, pins that founder, and decides whether it can follow a newer version the founder
+publishes. Both learn who they admit (node.net.admission)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from node.config import NodeConfig
 from node.runtime.errors import StartupError
+from node.runtime.founding import same_recipe, swarm_document
 from node.swarm.recipe import (
     AdmissionDoc,
     AdmissionMode,
@@ -22,8 +24,6 @@ from node.swarm.recipe import (
     SwarmSettings,
     check_model_allowed,
     parse_document,
-    same_recipe,
-    swarm_document,
 )
 from node.train.checkpoint import kept_metas
 

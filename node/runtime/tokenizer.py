@@ -1,6 +1,8 @@
-"""The swarm's tokenizer on this node: found locally (its own --tokenizer, or the cache under its data
-directory, by the hash the swarm config carries) or fetched from a peer over `/murmur/blob/1`; then
-kept in the cache and served to peers that lack it. A node that finds it nowhere stops with exit 2."""
+"""The swarm's tokenizer on this node: found locally or fetched from a peer, then cached and served to peers
+that lack it.
+
+Locally means its own --tokenizer, or the cache under its data directory, by the hash the swarm config
+carries; peers serve it over `/murmur/blob/1`. A node that finds it nowhere stops with exit 2."""
 
 from __future__ import annotations
 

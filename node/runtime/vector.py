@@ -1,6 +1,7 @@
-"""Vector mode (`--model vector`): one random vector of `dim` floats gossiped on the swarm's round
-clock instead of a model, which makes the gossip itself observable (`murmur status` and the
-checkpoint show it converge)."""
+"""Vector mode (`--model vector`): one random vector of `dim` floats gossiped on the swarm's round clock
+instead of a model.
+
+It makes the gossip itself observable: `murmur status` and the checkpoint show it converge."""
 
 from __future__ import annotations
 

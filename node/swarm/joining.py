@@ -1,6 +1,7 @@
-"""How a node that starts behind the swarm catches up without trusting any one peer: claimed steps are
-judged against the view, parameters come from several peers, each download is checked by its validation
-loss on the node's own held-out batches, the survivors are combined coordinate-wise, and a robust
+"""How a node that starts behind the swarm catches up without trusting any one peer.
+
+Claimed steps are judged against the view, parameters come from several peers, each download is checked by its
+validation loss on the node's own held-out batches, the survivors are combined coordinate-wise, and a robust
 step is adopted (docs/training.md, "Joining mid-run")."""
 
 from __future__ import annotations

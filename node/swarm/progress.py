@@ -1,8 +1,9 @@
-"""Which neighbours' records show progress: a round waits only for a laggard that is seen catching up,
-and leaves out a neighbour whose record stopped changing while it fell beyond the staleness bound
-(it would be skipped as stale or time out anyway), so a record at step 0 that never trains, or a frozen
-peer until its record expires, never holds a round (docs/training.md, "Training in the daemon").
-"""
+"""Which neighbours' records show progress, so that a round waits only for a laggard that is catching up
+(docs/training.md, "Training in the daemon").
+
+A round leaves out a neighbour whose record stopped changing while it fell beyond the staleness bound (it
+would be skipped as stale or time out anyway), so a record at step 0 that never trains, or a frozen peer until
+its record expires, never holds a round."""
 
 from __future__ import annotations
 

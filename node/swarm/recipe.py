@@ -1,7 +1,8 @@
 """The swarm's shared recipe: the document the founder publishes under `<swarm>.config` (topology,
 codec, round timing, mixing, admission, and what is trained with which optimizer), declared as msgspec
 Structs with the bounds a node holds any founder to, and the validated settings a node reads back
-from it, so every peer of a swarm gossips and trains the same way.
+from it, so every peer of a swarm gossips and trains the same way. The founder builds its document
+from its own settings in node.runtime.founding (this module knows no NodeConfig).
 
 Adding a field: give it a default, declare its bounds with `Meta`, and leave the Struct's
 `omit_defaults` on, so a document that does not use the field keeps its bytes (and its config hash);
@@ -14,20 +15,19 @@ import enum
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, cast
 
 import msgspec
 
 from gossip.choco import ChocoSettings, check_topology, default_gamma
-from gossip.codecs import Codec, Fp32Codec, get_codec
-from gossip.diloco import DilocoConfig
+from gossip.codecs import DEFAULT_TOPK_RATIO, Codec, Fp32Codec, get_codec
+from gossip.diloco import DILOCO_DEFAULTS, DilocoConfig
 from gossip.mixing import MixingKind, MixingRule
 from gossip.optimizers import Algorithm, OptimizerConfig
+from gossip.rules import Knobs, Rule, broken_rules
 from gossip.spes import SpesConfig
-from node.config import EMBEDDED_MODEL_NAMES, HF_PRESET_NAMES, VECTOR_MODEL, NodeConfig
-from node.config.table import MODEL_NAME
 from node.swarm.rounds import RoundClock
+from node.train.model_names import EMBEDDED_MODEL_NAMES, HF_PRESET_NAMES, MODEL_NAME_PATTERN, VECTOR_MODEL
 from node.train.tokenizer import TokenizerSpec
 from topology import TopologySpec
 
@@ -57,7 +57,6 @@ MAX_SPES_EVERY = 10**6
 MAX_REPLICATION = 64
 MAX_MODEL_NAME = 256
 MAX_KEY_CHECK = 128
-DEFAULT_TOPK_RATIO = 0.01
 # A Hugging Face model config (node.train.models.hf bounds its size and the fields that decide memory)
 MAX_MODEL_CONFIG_KEYS = 512
 MAX_MODEL_CONFIG_KEY = 128
@@ -72,9 +71,9 @@ CodecName = Literal["fp32", "fp16", "bf16", "int8", "topk"]
 # whole parameter vectors (anchors, SPES's groups): top-k is sound only on differences
 StateCodecName = Literal["fp32", "fp16", "bf16", "int8"]
 RefreshCodecName = Literal["fp32", "fp16", "bf16", "int8"]
-MAX_FRAGMENTS = 64
+MAX_FRAGMENTS = DilocoConfig.MAX_FRAGMENTS
 MAX_QSR_ALPHA = 1e3
-ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_MODEL_NAME, pattern=f"^(?:{MODEL_NAME.pattern})$")]
+ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_MODEL_NAME, pattern=f"^(?:{MODEL_NAME_PATTERN})$")]
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
 Sha256Hex = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
 ModelConfigDoc = Annotated[dict[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_MODEL_CONFIG_KEY)], Any],
@@ -112,16 +111,19 @@ _D = TypeVar("_D", bound=_Doc)
 
 
 class DilocoDoc(_Doc, frozen=True):
-    """Gossip DiLoCo's outer loop (gossip.diloco.DilocoConfig); present exactly with algorithm diloco."""
+    """Gossip DiLoCo's outer loop (gossip.diloco.DilocoConfig); present exactly with algorithm diloco.
 
-    outer_lr: Annotated[float, msgspec.Meta(gt=0.0, le=MAX_LR)] = 0.7
-    outer_momentum: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.9
-    fragments: Annotated[int, msgspec.Meta(ge=1, le=MAX_FRAGMENTS)] = 1
-    overlap: bool = False
-    qsr_alpha: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_QSR_ALPHA)] = 0.0
-    anchor_every: Annotated[int, msgspec.Meta(ge=0, le=MAX_SPES_EVERY)] = 1
-    anchor_codec: StateCodecName = "int8"
-    inner: Literal["adam", "sgd"] = "adam"
+    A field left out means DiLoCo's default (gossip.diloco.DILOCO_DEFAULTS): changing one of those
+    changes what published documents mean, so it takes a new SWARM_CONFIG_VERSION."""
+
+    outer_lr: Annotated[float, msgspec.Meta(gt=0.0, le=MAX_LR)] = DILOCO_DEFAULTS.outer_lr
+    outer_momentum: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = DILOCO_DEFAULTS.outer_momentum
+    fragments: Annotated[int, msgspec.Meta(ge=1, le=MAX_FRAGMENTS)] = DILOCO_DEFAULTS.fragments
+    overlap: bool = DILOCO_DEFAULTS.overlap
+    qsr_alpha: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_QSR_ALPHA)] = DILOCO_DEFAULTS.qsr_alpha
+    anchor_every: Annotated[int, msgspec.Meta(ge=0, le=MAX_SPES_EVERY)] = DILOCO_DEFAULTS.anchor_every
+    anchor_codec: StateCodecName = cast(StateCodecName, DILOCO_DEFAULTS.anchor_codec)
+    inner: Literal["adam", "sgd"] = cast(Literal["adam", "sgd"], DILOCO_DEFAULTS.inner)
 
 
 class OptimizerDoc(_Doc, frozen=True):
@@ -428,89 +430,6 @@ def optimizer_config(algorithm: str, lr: float, warmup_steps: int, steps: int, l
                            local_steps=local_steps, micro_batches=micro_batches)
 
 
-def training_recipe(config: NodeConfig) -> TrainingRecipe | None:
-    """The recipe a founder publishes from its own settings; None for the vector payload. Reads the
-    tokenizer and a Hugging Face model's config (and hashes pretrained weights): RecipeInvalid says
-    what is wrong with them."""
-    t = config.training
-    if not t.trains_model:
-        return None
-    try:
-        model_config, weights_sha256, tokenizer = _model_and_tokenizer(t.model, t.tokenizer)
-    except ValueError as exc:
-        raise RecipeInvalid(str(exc)) from None
-    spes = SpesConfig(sync_every=t.spes_sync_every, merge_every=t.spes_merge_every, merge_until=t.spes_merge_until,
-                      alpha0=t.spes_alpha0, replication=t.spes_replication,
-                      refresh_codec=t.spes_refresh_codec, expert_codec=t.spes_expert_codec,
-                      shared_codec=t.spes_shared_codec, delta_refresh=t.spes_delta_refresh, outer_lr=t.spes_outer_lr,
-                      outer_momentum=t.spes_outer_momentum, anchor_every=t.spes_anchor_every) if t.spes else None
-    diloco = DilocoConfig(outer_lr=t.outer_lr, outer_momentum=t.outer_momentum, fragments=t.fragments,
-                          overlap=t.overlap, qsr_alpha=t.qsr_alpha, anchor_every=t.anchor_every,
-                          anchor_codec=t.anchor_codec, inner=t.inner_optimizer) if t.optimizer == "diloco" else None
-    final_merge = t.final_merge == "on" or (t.final_merge == "auto" and diloco is not None)
-    return TrainingRecipe(model=t.model, seed=config.seed, batch_size=t.batch_size, context=t.context, steps=t.steps,
-                          optimizer=optimizer_config(t.optimizer, t.lr, t.warmup_steps, t.steps, t.local_steps,
-                                                     t.micro_batches), spes=spes, model_config=model_config,
-                          weights_sha256=weights_sha256, tokenizer=tokenizer, diloco=diloco, final_merge=final_merge)
-
-
-def _model_and_tokenizer(model: str, tokenizer: Path | None) -> tuple[dict[str, Any] | None, str | None,
-                                                                        TokenizerSpec | None]:
-    """A founder's model config, weights hash and tokenizer entry. A pretrained hf:PATH checkpoint with
-    a tokenizer.json of its own trains with that tokenizer unless --tokenizer names another."""
-    from node.train.tokenizer import read_tokenizer_file, spec_of
-
-    spec = spec_of(read_tokenizer_file(tokenizer)) if tokenizer is not None else None
-    if model not in HF_PRESET_NAMES and not model.startswith("hf:"):
-        return None, None, spec
-    from node.train.models.hf import read_source, weights_digest
-
-    source = read_source(model, spec.vocab_size if spec is not None else None)
-    if spec is None and source.weights is not None and source.tokenizer is not None:
-        spec = spec_of(read_tokenizer_file(source.tokenizer))
-    if spec is not None and int(source.config.get("vocab_size", 0)) < spec.vocab_size:
-        raise RecipeInvalid(f"--model {model}: vocab_size {source.config.get('vocab_size')} is smaller than the "
-                            f"tokenizer's {spec.vocab_size}")
-    return source.config, weights_digest(source.weights) if source.weights is not None else None, spec
-
-
-def build_document(config: NodeConfig, epoch: float, admission: AdmissionDoc | None = None) -> SwarmDocument:
-    """The document a founder with `config` publishes; RecipeInvalid if its settings are out of bounds."""
-    topo, gossip = config.gossip.topology, config.gossip
-    recipe = training_recipe(config)
-    gossip_doc: dict[str, Any] = {
-        "topology": {"name": topo.name, "weights": topo.weights, "degree": topo.degree, "seed": topo.seed,
-                     "rows": topo.rows, "edges": [list(e) for e in topo.edges], "directed": topo.directed},
-        "codec": gossip.codec,
-        "round_interval_s": gossip.round_interval_s,
-        "max_staleness_rounds": gossip.max_staleness_rounds,
-        "mixing": {"kind": gossip.mixing.kind.value, "tau": gossip.mixing.tau, "trim": gossip.mixing.trim},
-    }
-    if gossip.codec == "topk":
-        gossip_doc["topk_ratio"] = gossip.topk_ratio
-        if gossip.topk_packed or gossip.topk_elias_fano:  # Elias-Fano indices come in the packed layout
-            gossip_doc["topk_packed"] = True
-        if gossip.topk_elias_fano:
-            gossip_doc["topk_elias_fano"] = True
-    if gossip.compression == "choco":
-        gossip_doc["compression"] = {"kind": "choco", "gamma": gossip.choco_gamma}
-    raw = {
-        "version": SWARM_CONFIG_VERSION,
-        "epoch": epoch,
-        "payload": msgspec.to_builtins(recipe.to_payload()) if recipe is not None
-        else {"kind": PayloadKind.VECTOR.value, "dim": config.dim},
-        "gossip": gossip_doc,
-    }
-    if admission is not None and admission.mode is not AdmissionMode.OPEN:
-        raw["admission"] = msgspec.to_builtins(admission)
-    return parse_document(raw)
-
-
-def swarm_document(config: NodeConfig, epoch: float, admission: AdmissionDoc | None = None) -> dict[str, Any]:
-    """What the founder publishes under `<swarm>.config`; joiners take these settings from it."""
-    return document_dict(build_document(config, epoch, admission))
-
-
 @dataclass(frozen=True)
 class SwarmSettings:
     """The shared settings read back from a swarm document (validated by `from_doc`)."""
@@ -540,17 +459,19 @@ class SwarmSettings:
                      else get_codec(g.codec))
             mixing = MixingRule(kind=g.mixing.kind, tau=g.mixing.tau, trim=g.mixing.trim)
             choco = None
-            diloco = isinstance(payload, ModelPayload) and payload.optimizer.diloco is not None
+            model = payload if isinstance(payload, ModelPayload) else None
+            broken = broken_rules(Knobs(codec=codec.name, diloco=model is not None and model.optimizer.diloco is not None,
+                                        choco=g.compression is not None, spes=model is not None and model.spes is not None))
             if g.compression is not None:
                 check_topology(topology)
-                if isinstance(payload, ModelPayload) and payload.spes is not None:
+                if Rule.CHOCO_WITH_SPES in broken:
                     raise ValueError("compressed gossip does not cover SPES's expert syncs")
-                if diloco:
+                if Rule.CHOCO_WITH_DILOCO in broken:
                     raise ValueError("compressed gossip is for dsgd and dadam; diloco compresses its pseudo-gradients "
                                      "with the codec")
                 gamma = default_gamma(codec) if g.compression.gamma is None else g.compression.gamma
                 choco = ChocoSettings(codec=codec, gamma=gamma, rule=mixing)
-            elif codec.name == "topk" and not diloco:
+            elif Rule.TOPK_ON_WHOLE_PARAMETERS in broken:
                 raise ValueError("codec topk is sound on differences only (compressed gossip's, gossip DiLoCo's "
                                  "pseudo-gradients), and the swarm gossips whole parameters")
             return cls(
@@ -568,51 +489,17 @@ class SwarmSettings:
             raise RecipeInvalid(f"the swarm's config is invalid: {exc}") from None
 
     def __post_init__(self) -> None:
-        if self.codec.name == "topk" and (self.training is None or self.training.diloco is None):
+        # built from a document by `from_document`, or directly: the rules hold either way (under compressed
+        # gossip `codec` is the fp32 of whole tensors, the differences' is the choco's)
+        t = self.training
+        broken = broken_rules(Knobs(codec=self.codec.name, diloco=t is not None and t.diloco is not None,
+                                    spes=t is not None and t.spes is not None))
+        if Rule.TOPK_ON_WHOLE_PARAMETERS in broken:
             raise RecipeInvalid("the swarm's config is invalid: gossip.codec: topk drops most of each tensor and is "
                                 "sound only on gossip DiLoCo's pseudo-gradients, not on whole parameters")
-        if self.training is not None and self.training.spes is not None and self.training.diloco is not None:
+        if Rule.SPES_WITH_DILOCO in broken:
             raise RecipeInvalid("the swarm's config is invalid: SPES takes its outer step knobs from its own fields, "
                                 "not from optimizer.diloco")
-
-
-# The setting (node.config.table) each field of the document comes from, so a founder's bad flag is named.
-SETTING_OF_FIELD = {
-    "epoch": None, "payload.dim": "dim", "payload.model": "training.model", "payload.seed": "seed",
-    "payload.batch_size": "training.batch_size", "payload.context": "training.context", "payload.steps": "training.steps",
-    "payload.optimizer.algorithm": "training.optimizer", "payload.optimizer.lr": "training.lr",
-    "payload.optimizer.warmup_steps": "training.warmup_steps", "payload.optimizer.local_steps": "training.local_steps",
-    "payload.optimizer.micro_batches": "training.micro_batches", "payload.spes": "training.spes",
-    "payload.spes.sync_every": "training.spes_sync_every", "payload.spes.merge_every": "training.spes_merge_every",
-    "payload.spes.merge_until": "training.spes_merge_until", "payload.spes.alpha0": "training.spes_alpha0",
-    "payload.spes.replication": "training.spes_replication", "payload.spes.refresh_codec": "training.spes_refresh_codec",
-    "payload.spes.expert_codec": "training.spes_expert_codec",
-    "payload.spes_sync.shared_codec": "training.spes_shared_codec",
-    "payload.spes_sync.delta_refresh": "training.spes_delta_refresh", "payload.spes_sync.outer_lr": "training.spes_outer_lr",
-    "payload.spes_sync.outer_momentum": "training.spes_outer_momentum",
-    "payload.spes_sync.anchor_every": "training.spes_anchor_every",
-    "payload.optimizer.diloco": "training.optimizer", "payload.optimizer.diloco.outer_lr": "training.outer_lr",
-    "payload.optimizer.diloco.outer_momentum": "training.outer_momentum",
-    "payload.optimizer.diloco.fragments": "training.fragments", "payload.optimizer.diloco.overlap": "training.overlap",
-    "payload.optimizer.diloco.qsr_alpha": "training.qsr_alpha",
-    "payload.optimizer.diloco.anchor_every": "training.anchor_every",
-    "payload.optimizer.diloco.anchor_codec": "training.anchor_codec",
-    "payload.optimizer.diloco.inner": "training.inner_optimizer", "payload.final_merge": "training.final_merge",
-    "payload.model_config": "training.model",
-    "payload.weights_sha256": "training.model", "payload.tokenizer": "training.tokenizer",
-    "payload.tokenizer.sha256": "training.tokenizer", "payload.tokenizer.vocab_size": "training.tokenizer",
-    "payload.tokenizer.bytes": "training.tokenizer", "gossip.topology.name": "gossip.topology.name",
-    "gossip.topology.weights": "gossip.topology.weights", "gossip.topology.degree": "gossip.topology.degree",
-    "gossip.topology.seed": "gossip.topology.seed", "gossip.topology.rows": "gossip.topology.rows",
-    "gossip.topology.edges": "gossip.topology.edges", "gossip.topology.directed": "gossip.topology.directed",
-    "gossip.codec": "gossip.codec", "gossip.round_interval_s": "gossip.round_interval_s",
-    "gossip.max_staleness_rounds": "gossip.max_staleness_rounds", "gossip.mixing.kind": "gossip.mixing.kind",
-    "gossip.mixing.tau": "gossip.mixing.tau", "gossip.mixing.trim": "gossip.mixing.trim",
-    "gossip.topk_ratio": "gossip.topk_ratio", "gossip.topk_packed": "gossip.topk_packed",
-    "gossip.topk_elias_fano": "gossip.topk_elias_fano",
-    "gossip.compression": "gossip.compression",
-    "gossip.compression.kind": "gossip.compression", "gossip.compression.gamma": "gossip.choco_gamma",
-}
 
 
 def field_at_fault(error: RecipeInvalid) -> tuple[str, str] | None:
@@ -622,15 +509,3 @@ def field_at_fault(error: RecipeInvalid) -> tuple[str, str] | None:
     if not sep or " " in where:
         return None
     return where.split("[")[0], problem
-
-
-def same_recipe(doc: Mapping[str, Any], config: NodeConfig, admission: AdmissionDoc | None = None) -> bool:
-    """Whether a founder restarting with `config` may keep the swarm document `doc` (of a checkpoint):
-    everything but the epoch is what it would publish now, so the swarm keeps its epoch and hash."""
-    if doc.get("version") != SWARM_CONFIG_VERSION:
-        return False
-    try:
-        now = swarm_document(config, 0.0, admission)
-    except RecipeInvalid:
-        return False
-    return {**doc, "epoch": 0.0} == now

@@ -1,6 +1,7 @@
-"""The swarm-average model, on request or every few steps: pull every live peer's current parameters,
-average them uniformly with this node's own, evaluate the average on this node's validation split and,
-when asked, write it to disk (docs/training.md, "The swarm-average model")."""
+"""The swarm-average model, on request or every few steps (docs/training.md, "The swarm-average model").
+
+Every live peer's current parameters are pulled and averaged uniformly with this node's own; the average
+is evaluated on this node's validation split and, when asked, written to disk."""
 
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
 """Atomic checkpoints that survive crashes, full disks and corruption, in safetensors.
 
 A save writes a temporary file, fsyncs it, keeps the previous checkpoint as `<name>.prev` and
-renames the new one into place; a load that finds the newest file truncated or corrupt falls back to
-the previous one. A failed save leaves both files as they were.
+renames the new one into place, fsyncing the directory after each rename (`save_checkpoint`): a
+process killed at any instant leaves at least one complete checkpoint, the new one or the previous. A
+load that finds the newest file truncated or corrupt falls back to the previous one. A failed save
+leaves both files as they were.
 
 Layout (docs/training.md, "Checkpoints"): a safetensors file whose tensors are the named arrays, and
 whose metadata holds `murmur.meta` (the meta values as one JSON object, so ints and floats keep their
@@ -30,6 +32,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
+
+from node.train.durable import fsync_directory, remove_stale_temporaries, temporary_name, writing
 
 logger = logging.getLogger(__name__)
 
@@ -66,13 +70,17 @@ def _raw(array: np.ndarray) -> memoryview:
     return array.reshape(-1).view(np.uint8).data
 
 
+def _update_digest(digest: hashlib._Hash, name: str, array: np.ndarray) -> None:
+    array = np.require(array, requirements="C")
+    digest.update(f"{name}\x00{array.dtype.str}\x00{array.shape}\x00".encode())
+    digest.update(_raw(array))
+
+
 def tensors_digest(tensors: Mapping[str, np.ndarray]) -> str:
     """sha256 over every tensor's name, dtype, shape and bytes, in name order."""
     digest = hashlib.sha256()
     for name in sorted(tensors):
-        array = np.require(tensors[name], requirements="C")
-        digest.update(f"{name}\x00{array.dtype.str}\x00{array.shape}\x00".encode())
-        digest.update(_raw(array))
+        _update_digest(digest, name, tensors[name])
     return digest.hexdigest()
 
 
@@ -103,25 +111,98 @@ def write_safetensors(f: BinaryIO, tensors: Mapping[str, np.ndarray], metadata: 
         f.write(_raw(array))
 
 
+# Files this process wrote and fsynced, or read whole with a matching digest: path -> (device, inode,
+# size, mtime). A file that still has that signature is complete without being read again.
+_complete_files: dict[str, tuple[int, int, int, int]] = {}
+
+
+def _signature(path: Path) -> tuple[int, int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _remember_complete(path: Path) -> None:
+    signature = _signature(path)
+    if signature is not None:
+        _complete_files[str(path.absolute())] = signature
+
+
+def _verify_file(path: Path) -> None:
+    """Raise (ValueError, OSError...) unless `path` is a complete checkpoint whose digest matches;
+    reads one tensor at a time."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic == _ZIP_MAGIC:
+        _read_npz(path)
+        return
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            header = f.metadata() or {}
+            if DIGEST_KEY not in header or META_KEY not in header:
+                raise ValueError("not a murmur checkpoint")
+            digest = hashlib.sha256()
+            for name in sorted(f.keys()):
+                _update_digest(digest, name, f.get_tensor(name))
+    except SafetensorError as exc:
+        raise ValueError(f"not a readable safetensors file: {exc}") from None
+    if digest.hexdigest() != header[DIGEST_KEY]:
+        raise CheckpointCorrupt("the tensors do not match the digest they were written with")
+
+
+def is_complete(path: Path) -> bool:
+    """Whether `path` is a complete, loadable checkpoint (known from this process's own write or read,
+    else read and checked against its digest)."""
+    signature = _signature(path)
+    if signature is None:
+        return False
+    if _complete_files.get(str(path.absolute())) == signature:
+        return True
+    try:
+        _verify_file(path)
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError, json.JSONDecodeError):
+        return False
+    _complete_files[str(path.absolute())] = signature
+    return True
+
+
 def save_checkpoint(path: Path, tensors: Mapping[str, np.ndarray], meta: Mapping[str, MetaValue]) -> None:
-    """Write atomically; raises OSError (e.g. disk full) with the old checkpoints untouched."""
+    """Write atomically; raises OSError (e.g. disk full) with the old checkpoints untouched.
+
+    The switch never leaves the directory without a complete checkpoint, whenever the process dies:
+    1. the new one is written to `.<name>.<pid>.tmp` and fsynced (the old files untouched);
+    2. the current file, if complete, is renamed to `.prev` (replacing the older one) and the directory
+       fsynced: `.prev` is now complete; a torn or corrupt current file is not, so `.prev` stays;
+    3. the temporary is renamed to `<name>` and the directory fsynced.
+    A kill between 2 and 3 leaves only `.prev`, which `load_checkpoint` falls back to. Temporaries of
+    a killed save are removed by the next one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    remove_stale_temporaries(path)
+    tmp = path.with_name(temporary_name(path))
     arrays = {name: np.require(t, requirements="C") for name, t in tensors.items()}
     header = {META_KEY: json.dumps(dict(meta)), DIGEST_KEY: tensors_digest(arrays)}
+    with writing(tmp):
+        _switch(path, tmp, arrays, header)
+
+
+def _switch(path: Path, tmp: Path, arrays: Mapping[str, np.ndarray], header: Mapping[str, str]) -> None:
     try:
         with open(tmp, "wb") as f:
             write_safetensors(f, arrays, header)
             f.flush()
             os.fsync(f.fileno())
-        if path.exists():
+        if is_complete(path):
             os.replace(path, previous_path(path))
+            fsync_directory(path.parent)
+        elif path.exists():
+            logger.warning("checkpoint %s is unreadable; it is replaced and %s kept", path, previous_path(path).name)
         os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_DIRECTORY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        fsync_directory(path.parent)
+        _remember_complete(path)
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -246,7 +327,10 @@ def load_checkpoint(path: Path) -> Checkpoint | None:
         return None
     for candidate in candidates:
         try:
-            return read_checkpoint_file(candidate)
+            checkpoint = read_checkpoint_file(candidate)
         except (OSError, ValueError, zipfile.BadZipFile, EOFError, json.JSONDecodeError) as exc:
             logger.warning("checkpoint %s is unreadable (%s); trying the previous one", candidate, exc)
+            continue
+        _remember_complete(candidate)
+        return checkpoint
     raise CheckpointUnreadable(f"no readable checkpoint among {', '.join(map(str, candidates))}")

@@ -1,6 +1,5 @@
-"""`--data`: a directory or glob of text, jsonl or parquet shards, streamed (never loaded whole),
-split into units, and read by each peer in a disjoint, deterministic part per epoch (the shard plan,
-docs/training.md "Data").
+"""`--data`: a directory or glob of text, jsonl or parquet shards, streamed (never loaded whole) and read by
+each peer in a disjoint, deterministic part per epoch (the shard plan, docs/training.md "Data").
 
 - A **unit** is a byte range of a text or jsonl file (a line belongs to the unit it starts in) or one
   row group of a parquet file. The unit size is a function of the files' total size only, so peers

@@ -1,6 +1,8 @@
-"""Pinned host buffers for a CUDA model's gossip tensors: parameters leave and reach the GPU through
-page-locked memory with asynchronous copies, one synchronisation per direction, instead of one
-blocking pageable copy per parameter. Untested on a GPU here (docs/training.md, "GPU")."""
+"""Pinned host buffers for a CUDA model's gossip tensors, so parameters leave and reach the GPU with one
+synchronisation per direction.
+
+The copies go through page-locked memory asynchronously, instead of one blocking pageable copy per
+parameter. Untested on a GPU here (docs/training.md, "GPU")."""
 
 from __future__ import annotations
 

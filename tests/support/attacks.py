@@ -1,7 +1,8 @@
-"""A five-node swarm of real `murmur` processes with one node (n3) optionally hostile (support.hostile),
-run the same way for a control and an attack: founder n0 and joiners n1, n2, n3 start together, n4
-joins mid-run. The attack test (tests/test_swarm_attacks.py) and bench/bench_attacks.py build on it.
-Not a test module."""
+"""A five-node swarm of real `murmur` processes with one node (n3) optionally hostile (support.hostile), run
+the same way for a control and an attack. Not a test module.
+
+Founder n0 and joiners n1, n2, n3 start together, n4 joins mid-run. The attack test
+(tests/test_swarm_attacks.py) and bench/bench_attacks.py build on it."""
 
 from __future__ import annotations
 

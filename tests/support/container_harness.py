@@ -129,7 +129,7 @@ def debian_mirror() -> str:
 
 
 def ensure_rootfs_image(podman: Podman, workdir: Path) -> None:
-    """A minimal Debian bookworm image from debootstrap (~40 s), unless an earlier run left one."""
+    """A minimal Debian bookworm image from debootstrap (slow), unless an earlier run left one."""
     if podman.image_exists(ROOTFS_IMAGE):
         return
     rootfs = workdir / "rootfs"

@@ -48,7 +48,7 @@ from node.net.founder import SignedConfig, sign_config
 from node.net.identity import claim_identity, peer_id_of_ssh_key
 from node.net.records import PeerRecord, config_key, encode_peer_record, peers_key
 from node.net.transport.p2pd import P2PSettings, start_p2pd
-from node.swarm.recipe import swarm_document
+from node.runtime.founding import swarm_document
 
 MODES = ("forge-config", "flood-records")
 STORE_TIMEOUT_S = 10.0
@@ -83,7 +83,7 @@ def _key(bits: int) -> RSAPrivateKey:
 
 def _hivemind_key(private: rsa.RSAPrivateKey) -> RSAPrivateKey:
     """hivemind's key around a cryptography key (what its own unpickling makes, without loading the key
-    again from DER: that checks the primes, some 50 ms a key)."""
+    again from DER: that checks the primes, which costs about as much as generating a key)."""
     key = RSAPrivateKey.__new__(RSAPrivateKey)
     key._private_key = private
     return key
@@ -92,8 +92,8 @@ def _hivemind_key(private: rsa.RSAPrivateKey) -> RSAPrivateKey:
 def distinct_keys(count: int) -> list[RSAPrivateKey]:
     """`count` distinct 2048-bit RSA keys (so distinct peer ids), each the product of two of a few
     1024-bit primes taken from generated keys: k generated keys give 2k primes and k(2k - 1) keys, in
-    about k generations' time instead of `count` (a generation takes ~70 ms). An attacker may pay
-    that; a test need not. Any two of the primes give a 2048-bit modulus (OpenSSL makes each prime
+    about k generations' time instead of `count` (docs/benchmarks.md, "Small costs behind constants").
+    An attacker may pay that; a test need not. Any two of the primes give a 2048-bit modulus (OpenSSL makes each prime
     at least sqrt(2) x 2^1023); the keys share factors, which nothing here checks and no validator can."""
     generated = 1
     while generated * (2 * generated - 1) < count:

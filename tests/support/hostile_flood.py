@@ -1,8 +1,10 @@
-"""A hostile peer process for the resource-limit attacks (issue 14, item 6): run as
-`python tests/support/hostile_flood.py WORKDIR EXTRA_IDS` (it starts its hosts, then waits for
-WORKDIR/target.json, a `Target`), it joins a swarm of real `murmur` nodes through
-their DHT and attacks them with the modes the target file names, for a bounded time, then writes a
-report (JSON, one line on stdout) and stays, its record live, until it is signalled.
+"""A hostile peer process for the resource-limit attacks: it floods a swarm of real `murmur` nodes with
+streams and pulls, or lies in its record, for a bounded time.
+
+Run as `python tests/support/hostile_flood.py WORKDIR EXTRA_IDS` (it starts its hosts, then waits for
+WORKDIR/target.json, a `Target`), it joins the swarm through its DHT and attacks with the modes the target
+file names, then writes a report (JSON, one line on stdout) and stays, its record live, until it is
+signalled.
 
 Modes (`Mode`):
 - `flood-streams`: many concurrent incoming gossip and SPES-fetch streams, from its own peer id (a

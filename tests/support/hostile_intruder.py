@@ -1,7 +1,8 @@
-"""A non-member that tries anyway: the real `murmur join`, started as a process, with one behaviour
-replaced, what it proves of its membership. It skips the checks that stop an honest node without the
-swarm key or a certificate, admits every peer itself (so it pulls from everyone it sees and would mix
-anything), and presents
+"""A non-member that tries anyway: the real `murmur join`, started as a process, with what it proves of its
+membership replaced.
+
+It skips the checks that stop an honest node without the swarm key or a certificate, admits every peer
+itself (so it pulls from everyone it sees and would mix anything), and presents
 
 - `--wrong-key`: proofs under a random key of its own (a key swarm), or
 - `--stolen-certificate FILE`: another peer's certificate, as anyone can copy it from that peer's DHT

@@ -1,7 +1,9 @@
-"""An internet in network namespaces: a "wan" switch (a bridge in a namespace of its own), public hosts
-on it, and home LANs behind NAT routers (MASQUERADE; new connections from the wan dropped), for the
-NAT tests and benchmarks (needs root, `ip`, `tc` and `iptables`; `iptables` is installed with apt when
-missing, as the container test installs podman).
+"""An internet in network namespaces for the NAT tests and benchmarks: public hosts on a "wan" switch, and
+home LANs behind NAT routers.
+
+The switch is a bridge in a namespace of its own; the routers MASQUERADE and drop new connections from the
+wan. Needs root, `ip`, `tc` and `iptables` (`iptables` is installed with apt when missing, as the
+container test installs podman).
 
 Every namespace and device is created inside namespaces this module makes (a veth pair is created in
 one of them and its peer moved to the other), so nothing appears in the host's namespace and no
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from node.cli.ready_line import find_ready_line
+from node.runtime.ready_line import find_ready_line
 from support.netns import TBF_BURST, TBF_LATENCY, NetnsUnavailable, _call_in_namespace, remove_orphaned_namespaces
 
 T = TypeVar("T")

@@ -1,7 +1,8 @@
-"""A harness for multi-process tests: start real `murmur node`/`murmur join` processes on loopback,
-read their status and checkpoints, signal them, and kill every process they started, even when a
-test fails. Not a test module; the swarm test files build their fixtures on `Swarm`.
-"""
+"""A harness for multi-process tests: real `murmur node`/`murmur join` processes on loopback, killed even
+when a test fails. Not a test module.
+
+It starts them, reads their status and checkpoints, signals them, and kills every process they started;
+the swarm test files build their fixtures on `Swarm`."""
 
 from __future__ import annotations
 
@@ -19,13 +20,13 @@ from typing import TypeVar
 import numpy as np
 import psutil
 
-from node.cli.ready_line import find_ready_line
 from node.cli.status import fetch_status
+from node.runtime.ready_line import find_ready_line
 from node.train.checkpoint import CHECKPOINT_FILE, load_checkpoint
 
 MURMUR = Path(sys.executable).with_name("murmur")
 HOSTILE = Path(__file__).resolve().with_name("hostile.py")  # a hostile node: the real one with a behaviour replaced
-# Importing torch and hivemind costs ~4 s of CPU per process; a loaded 2-core machine starts 8 at once.
+# Importing torch and hivemind costs seconds of CPU per process; a loaded 2-core machine starts 8 at once.
 READY_TIMEOUT_S = 120.0
 
 # What every test node gets unless a test says otherwise: small, fast, loopback, chatty enough to debug.

@@ -1,6 +1,8 @@
-"""The py-libp2p data-plane transport, node side: starts the child process (libp2p_child.py) that runs
-the libp2p host, and implements `gossip.transport.Transport` by talking to it over local sockets
-(node/net/transport/control.py). Imports no libp2p: that lives only in the child.
+"""The py-libp2p data-plane transport, node side: `gossip.transport.Transport` through a child process
+(libp2p_child.py) that runs the libp2p host.
+
+It starts the child and talks to it over local sockets (node/net/transport/control.py). Imports no libp2p:
+that lives only in the child.
 
 The child gets PR_SET_PDEATHSIG, so it dies with the node; the node notices the child's death at once
 (its end of the control socketpair closes), fails every open stream, and calls `on_death`.

@@ -1,6 +1,7 @@
-"""The py-libp2p data-plane process: a libp2p host (TCP, Noise or TLS, Yamux) that a murmur node starts
-and drives over local sockets (node/net/transport/control.py), piping each libp2p stream to one local
-connection.
+"""The py-libp2p data-plane process: a libp2p host (TCP, Noise or TLS, Yamux) that a murmur node starts and
+drives over local sockets (node/net/transport/control.py).
+
+Each libp2p stream is piped to one local connection.
 
 Never imports hivemind (both register protobuf package `crypto.pb`; see docs/architecture.md), nor
 anything from the node but the control protocol. Runs under trio, the only loop py-libp2p supports.

@@ -1,6 +1,7 @@
-"""Models a swarm trains: the embedded GPT (dense or mixture-of-experts), Hugging Face causal LMs
-(node.train.models.hf, imported only when one is built), user models by import path, and the
-shared/expert parameter partition SPES syncs by."""
+"""Models a swarm trains, and the shared/expert parameter partition SPES syncs by.
+
+The embedded GPT (dense or mixture-of-experts), Hugging Face causal LMs (node.train.models.hf, imported
+only when one is built) and user models by import path."""
 
 from node.train.models.evaluate import mean_cross_entropy
 from node.train.models.factory import (

@@ -12,13 +12,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from node.train.model_names import HF_PRESET_NAMES
 from node.train.models.gpt import DEFAULT, DENSE_DEFAULT, ModelConfig, build_model
 
 
 def is_hf_model(name: str) -> bool:
     """A Hugging Face preset or hf:PATH (node.train.models.hf, imported only to build one)."""
-    from node.config import HF_PRESET_NAMES
-
     return name in HF_PRESET_NAMES or name.startswith("hf:")
 
 

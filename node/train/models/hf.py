@@ -1,6 +1,8 @@
-"""Hugging Face causal language models: built with transformers from a model config (a seeded random
-init, the same on every node) or from a local pretrained checkpoint, and wrapped so the trainer sees
-forward(idx, targets) -> (logits, loss) like the embedded GPT.
+"""Hugging Face causal language models, wrapped so the trainer sees forward(idx, targets) -> (logits, loss)
+like the embedded GPT.
+
+They are built with transformers from a model config (a seeded random init, the same on every node) or
+from a local pretrained checkpoint.
 
 transformers is imported only here and only when such a model is built, so the fast commands stay
 fast. A swarm config carries the model config itself; it comes from the network, so its size and the

@@ -9,17 +9,17 @@
   ModelConfig fields, "vocab": "bytes" or "tokenizer.json"}) and the tokenizer.json if the swarm has one.
 
 Every export also writes murmur.json: what was exported (kind, swarm, config hash, steps, peers).
-A directory is written beside its destination and renamed into place; an existing one is kept as
-`<dir>.prev` (the periodic swarm-average export) or refused (`murmur export` without --force).
+A directory is written beside its destination, fsynced and renamed into place
+(node.train.durable.replace_directory); an existing one is kept as `<dir>.prev` (the periodic
+swarm-average export), replaced only once the new one is complete (`murmur export --force`: swapped
+in one atomic step, then removed), or refused (`murmur export` without --force). A kill at any
+point leaves the old export or the new one complete at the destination.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from torch import nn
 
 from node.swarm.recipe import SwarmSettings, TrainingRecipe, embedded_options
 from node.train.checkpoint import CHECKPOINT_FILE, SWARM_AVERAGE_FILE, Checkpoint, load_checkpoint
+from node.train.durable import replace_directory
 from node.train.tokenizer import EOS, BpeTokenizer, cache_path
 
 MODEL_FILE = "model.safetensors"
@@ -161,26 +162,6 @@ def write_export(directory: Path, recipe: TrainingRecipe, tensors: Mapping[str, 
     (directory / MANIFEST_FILE).write_text(json.dumps(dict(manifest), indent=2, default=str) + "\n")
 
 
-def replace_directory(destination: Path, fill: Callable[[Path], None], keep_previous: bool) -> None:
-    """Write a directory with `fill` beside `destination`, then move it into place; an existing one
-    becomes `<destination>.prev` (`keep_previous`) or is refused (FileExistsError). On an error the
-    destination stays as it was."""
-    destination = destination.absolute()
-    if destination.exists() and not keep_previous:
-        raise FileExistsError(f"{destination} exists")
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=destination.parent, prefix=f".{destination.name}.", suffix=".tmp"))
-    try:
-        fill(tmp)
-        previous = destination.with_name(destination.name + ".prev")
-        if destination.exists():
-            shutil.rmtree(previous, ignore_errors=True)
-            os.replace(destination, previous)
-        os.replace(tmp, destination)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 def export_data_dir(data_dir: Path, destination: Path, source: ExportSource | None = None,
                     force: bool = False) -> tuple[ExportSource, dict[str, Any]]:
     """`murmur export --data-dir`: the chosen model of a node's data directory to `destination`."""
@@ -194,9 +175,8 @@ def export_data_dir(data_dir: Path, destination: Path, source: ExportSource | No
                 "peers": json.loads(str(meta["peers"])) if "peers" in meta else None,
                 "val_loss": meta.get("val_loss"), "source": str(data_dir.absolute())}
     tensors = parameters_of(kind, checkpoint)
-    if destination.exists() and force:
-        shutil.rmtree(destination)
-    replace_directory(destination, lambda d: write_export(d, recipe, tensors, tokenizer, manifest), keep_previous=False)
+    replace_directory(destination, lambda d: write_export(d, recipe, tensors, tokenizer, manifest),
+                      keep_previous=False, force=force)
     return kind, manifest
 
 
