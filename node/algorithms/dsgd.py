@@ -1,5 +1,7 @@
-"""D-SGD and overlapped DAdam (gossip.optimizers, docs/training.md): a `GossipTrainer` combines a
-Trainer with a GossipPeer; `DsgdAlgorithm` runs it inside the daemon's loop, a round after every H-th step."""
+"""D-SGD and overlapped DAdam: a Trainer and a GossipPeer as one node of decentralized training.
+
+`GossipTrainer` combines them (update rules in gossip.optimizers, docs/training.md); `DsgdAlgorithm` runs
+it inside the daemon's loop, a round after every H-th step."""
 
 from __future__ import annotations
 

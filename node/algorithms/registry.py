@@ -1,5 +1,6 @@
-"""Which Algorithm a swarm trains with, by name: the runtime looks its recipe's up here instead of
-branching on it, and a new algorithm is one entry."""
+"""Which Algorithm a swarm trains with, by name.
+
+The runtime looks its recipe's up here instead of branching on it; a new algorithm is one entry."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""The seam between the one loop (node.swarm.loop.SwarmLoop) and what a swarm trains with: the loop
-owns catch-up, quorum, laggards, evaluation, checkpoints and the final merge; an `Algorithm` (D-SGD or
-DAdam, gossip DiLoCo, SPES: node.algorithms) owns its steps, its protocols and its part of the status."""
+"""The seam between the one loop (node.swarm.loop.SwarmLoop) and what a swarm trains with.
+
+The loop owns catch-up, quorum, laggards, evaluation, checkpoints and the final merge; an `Algorithm`
+(D-SGD or DAdam, gossip DiLoCo, SPES: node.algorithms) owns its steps, its protocols and its part of the status."""
 
 from __future__ import annotations
 

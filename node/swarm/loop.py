@@ -1,7 +1,9 @@
-"""Training inside the daemon: build the swarm's model, data and optimizer; start from this node's
-checkpoint or from a live peer's parameters; then step the swarm's algorithm (node.swarm.algorithm),
-whose rounds (one after every H steps, numbered step // H) mix with the neighbours the topology names
-in the current membership view, evaluating, checkpointing and reporting as it goes: one loop for all."""
+"""Training inside the daemon: the one loop every algorithm runs in.
+
+It builds the swarm's model, data and optimizer, starts from this node's checkpoint or from a live peer's
+parameters, then steps the swarm's algorithm (node.swarm.algorithm), whose rounds (one after every H steps,
+numbered step // H) mix with the neighbours the topology names in the current membership view, evaluating,
+checkpointing and reporting as it goes."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""What the swarm's loop reads of the membership (node.net.discovery), as Protocols: node.swarm sits
-below node.net and names no class of it."""
+"""What the swarm's loop reads of the membership, as Protocols.
+
+node.swarm sits below node.net and names no class of it (node.net.discovery, node.net.records)."""
 
 from __future__ import annotations
 

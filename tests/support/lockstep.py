@@ -1,5 +1,6 @@
-"""A lock-step round planner for in-process swarms: round r of every peer starts together, as a shared
-round clock makes it, over one fixed membership view."""
+"""A lock-step round planner for in-process swarms.
+
+Round r of every peer starts together, as a shared round clock makes it, over one fixed membership view."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""Gossip DiLoCo inside the daemon: an Algorithm whose steps run a DilocoTrainer (inner steps, per-fragment
-outer exchanges over the topology of the current view), whose checkpoints carry the outer state, whose
-joiners take a peer's outer momentum with its anchor, and whose status shows the outer loop."""
+"""Gossip DiLoCo inside the daemon: the Algorithm the loop runs for a DiLoCo recipe.
+
+Its steps run a DilocoTrainer (inner steps, per-fragment outer exchanges over the topology of the current
+view), its checkpoints carry the outer state, its joiners take a peer's outer momentum with its anchor,
+and its status shows the outer loop."""
 
 from __future__ import annotations
 

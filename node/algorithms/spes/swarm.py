@@ -1,6 +1,7 @@
-"""SPES training inside the daemon: an Algorithm whose steps run a SpesNode (shared weights with
-topology neighbours, owned experts with their co-owners, frozen copies refreshed when changed),
-with ownership recomputed from the membership view and capacities."""
+"""SPES training inside the daemon: the Algorithm the loop runs for a SPES recipe.
+
+Its steps run a SpesNode (shared weights with topology neighbours, owned experts with their co-owners,
+frozen copies refreshed when changed), with ownership recomputed from the membership view and capacities."""
 
 from __future__ import annotations
 
