@@ -32,10 +32,11 @@ from gossip.choco import ChocoSettings, ChocoState, default_gamma
 from gossip.codecs import Codec, Int8Codec, TopKCodec, get_codec
 from gossip.exchange import ExchangeSettings, GossipPeer
 from gossip.memory import InMemoryNetwork
+from node.algorithms.dsgd import GossipTrainer
 from node.train.data import embedded_corpus, peer_shard
 from node.train.models import build_model
 from node.train.models.gpt import DENSE_DEFAULT, ModelConfig
-from node.train.trainer import GossipTrainer, average_tensors
+from node.train.trainer import average_tensors
 
 CORPUS_BYTES = 600_000
 # symmetric topologies compressed gossip runs on: the ring (2 neighbours), or the hypercube's one-peer

@@ -42,9 +42,10 @@ from gossip.exchange import ExchangeSettings, GossipPeer
 from gossip.memory import InMemoryNetwork, LinkModel
 from gossip.optimizers import OptimizerConfig
 from node.algorithms.diloco.trainer import DilocoTrainer
+from node.algorithms.dsgd import GossipTrainer
 from node.train.data import Corpus, embedded_corpus, peer_shard
 from node.train.models import DENSE_DEFAULT, ModelConfig, build_model
-from node.train.trainer import GossipTrainer, Trainer, TrainerConfig, average_tensors, train_alone
+from node.train.trainer import Trainer, TrainerConfig, average_tensors, train_alone
 from topology import MembershipView, PeerRound, build_topology, peer_round
 
 TINY = ModelConfig(context=32, layers=2, width=64, heads=4, experts=0, expert_hidden=128)

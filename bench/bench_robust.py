@@ -29,9 +29,10 @@ from gossip.exchange import ExchangeSettings, GossipPeer
 from gossip.memory import InMemoryNetwork
 from gossip.mixing import MixingKind, MixingRule
 from gossip.robust import Mixer
+from node.algorithms.dsgd import GossipTrainer
 from node.train.data import embedded_corpus, peer_shard
 from node.train.models import build_named_model
-from node.train.trainer import GossipTrainer, average_tensors
+from node.train.trainer import average_tensors
 
 QUALITY_TARGET = 1.03
 CORPUS_BYTES = 600_000

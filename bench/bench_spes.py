@@ -30,11 +30,12 @@ from gossip.exchange import ExchangeSettings, GossipPeer
 from gossip.memory import InMemoryNetwork
 from gossip.optimizers import OptimizerConfig
 from gossip.spes import SpesConfig, assign_experts, reference_sync_bytes, training_memory
+from node.algorithms.dsgd import GossipTrainer
 from node.algorithms.spes.node import InMemoryExpertDirectory, SpesNode
 from node.algorithms.spes.partition import ModelPartition, spes_average
 from node.train.data import Corpus, embedded_corpus, peer_shard
 from node.train.models import DEFAULT, ModelConfig, build_model
-from node.train.trainer import GossipTrainer, Trainer, TrainerConfig, average_tensors
+from node.train.trainer import Trainer, TrainerConfig, average_tensors
 from topology import MembershipView, PeerRound, build_topology, peer_round
 
 NODES = 4

@@ -34,9 +34,11 @@ from gossip.codecs import get_codec
 from gossip.exchange import ExchangeSettings, GossipPeer
 from gossip.memory import InMemoryNetwork
 from gossip.optimizers import OptimizerConfig
+from node.algorithms.dsgd import GossipTrainer
+from node.swarm.algorithm import PlanFor
 from node.train.data import Corpus, embedded_corpus, peer_shard
 from node.train.models import ModelConfig, build_model, build_named_model
-from node.train.trainer import GossipTrainer, PlanFor, Trainer, TrainerConfig, average_tensors
+from node.train.trainer import Trainer, TrainerConfig, average_tensors
 from topology import MembershipView, PeerRound, build_topology, peer_round
 
 # The tests' (tests/test_trainer.py) tiny model, per-node batch and tuned schedules.

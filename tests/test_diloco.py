@@ -33,7 +33,8 @@ from node.algorithms.diloco.trainer import DilocoTrainer
 from node.train.data import Corpus, peer_shard
 from node.train.models import ModelConfig, build_model
 from node.train.trainer import Trainer, TrainerConfig, average_tensors
-from topology import MembershipView, PeerRound, build_topology, peer_round
+from support.lockstep import Lockstep
+from topology import MembershipView, build_topology, peer_round
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -193,21 +194,6 @@ async def diloco_swarm(corpus: Corpus, ids: list[str], optimizer: OptimizerConfi
     return nodes
 
 
-def lockstep(ids: list[str], topology: str = "complete"):
-    """plan_for per peer: every peer's (fragment, round) starts together, as the round clock makes it."""
-    view = MembershipView.of(ids)
-    topo = build_topology(topology, view.n)
-    barriers: dict[tuple[int, int], asyncio.Barrier] = {}
-
-    def plan_for(peer_id: str):
-        async def plan(fragment: int, round_index: int) -> PeerRound:
-            await barriers.setdefault((fragment, round_index), asyncio.Barrier(len(ids))).wait()
-            return peer_round(topo, view, peer_id, round_index)
-        return plan
-
-    return plan_for
-
-
 async def run(nodes: list[DilocoTrainer], steps: int, plan_for, last: int | None = None) -> None:
     async def one(node: DilocoTrainer) -> None:
         plan = plan_for(node.trainer.peer_id)
@@ -240,7 +226,7 @@ def test_two_nodes_take_the_outer_step_of_an_independent_computation(corpus: Cor
     async def main() -> None:
         nodes = await diloco_swarm(corpus, ids, optimizer, config)
         apart = [make_trainer(corpus, optimizer, pid) for pid in ids]
-        await run(nodes, H * phases, lockstep(ids), last=H * phases)
+        await run(nodes, H * phases, Lockstep(ids).fragment_plan_for, last=H * phases)
         anchor = {n: v.astype(np.float64) for n, v in (await apart[0].tensors()).items()}
         momentum: dict = {}
         start = [dict(anchor), dict(anchor)]
@@ -285,7 +271,7 @@ def test_a_restored_node_continues_with_its_anchor_momentum_and_residuals(corpus
 
     async def main() -> None:
         nodes = await diloco_swarm(corpus, ids, optimizer, config, codec="int8")
-        await run(nodes, 5, lockstep(ids, "ring"))
+        await run(nodes, 5, Lockstep(ids, "ring").fragment_plan_for)
         saved = nodes[0].state()
         names = set(nodes[0].anchor)
         assert {k.split("/", 2)[2] for k in saved if k.startswith("diloco/anchor/")} == names
@@ -318,7 +304,7 @@ def test_a_joiner_takes_a_peers_momentum_only_within_bounds(corpus: Corpus) -> N
 
     async def main() -> None:
         nodes = await diloco_swarm(corpus, ids, optimizer, DilocoConfig())
-        await run(nodes, 4, lockstep(ids))
+        await run(nodes, 4, Lockstep(ids).fragment_plan_for)
         got = await nodes[1].fetch_momentum("peer-a")
         assert got is not None
         for n, b in nodes[0].momentum.items():

@@ -11,7 +11,6 @@ import asyncio
 import json
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,9 +22,10 @@ from gossip.exchange import ExchangeSettings, GossipPeer
 from gossip.memory import InMemoryNetwork
 from gossip.optimizers import OptimizerConfig
 from gossip.spes import SpesConfig, assign_experts
+from node.algorithms.dsgd import GossipTrainer
 from node.train.data import Corpus, peer_shard
-from node.train.trainer import GossipTrainer, Trainer, TrainerConfig, average_tensors
-from topology import MembershipView, PeerRound, build_topology, peer_round
+from node.train.trainer import Trainer, TrainerConfig, average_tensors
+from support.lockstep import Lockstep
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -156,27 +156,6 @@ SETTINGS = ExchangeSettings(swarm="hf-spes", config_hash="c0ffee", codec=get_cod
 OPTIMIZER = OptimizerConfig(algorithm="dadam", lr=1e-2, warmup_steps=5, total_steps=STEPS)
 
 
-@dataclass
-class Lockstep:
-    """Round r of every peer starts together, and every peer's expert records are published before anyone reads them."""
-
-    ids: list[str]
-
-    def __post_init__(self) -> None:
-        self.view = MembershipView.of(self.ids)
-        self.topology = build_topology("ring", self.view.n)
-        self.barrier = asyncio.Barrier(len(self.ids))
-
-    def plan_for(self, peer_id: str):
-        async def plan(round_index: int) -> PeerRound:
-            await self.barrier.wait()
-            return peer_round(self.topology, self.view, peer_id, round_index)
-        return plan
-
-    async def published(self, sync_index: int) -> None:
-        await self.barrier.wait()
-
-
 def mixtral_trainer(corpus: Corpus, peer_id: str) -> Trainer:
     from node.train.models.hf import build_hf_model
 
@@ -201,7 +180,7 @@ def test_spes_on_hf_tiny_mixtral_trains_shared_and_owned_experts_within_5_percen
             await peer.start()
             nodes.append(GossipTrainer(trainer, peer))
         initial = await nodes[0].trainer.evaluate()
-        lockstep = Lockstep(IDS)
+        lockstep = Lockstep(IDS, "ring")
         async with asyncio.timeout(600), asyncio.TaskGroup() as group:
             for node in nodes:
                 group.create_task(node.run(STEPS, lockstep.plan_for(node.peer.peer_id)))
@@ -218,7 +197,7 @@ def test_spes_on_hf_tiny_mixtral_trains_shared_and_owned_experts_within_5_percen
                  for pid in IDS]
         for node in nodes:
             await node.start()
-        lockstep = Lockstep(IDS)
+        lockstep = Lockstep(IDS, "ring")
         async with asyncio.timeout(600), asyncio.TaskGroup() as group:
             for node in nodes:
                 group.create_task(node.run(STEPS, lockstep.plan_for(node.peer_id), lockstep.published))

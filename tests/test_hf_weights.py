@@ -145,7 +145,7 @@ def test_a_joiner_that_got_no_parameters_for_pretrained_weights_exits_2_with_one
     caught_up: list[int] = []
 
     class NoPeerServed:
-        """A SwarmTraining whose catch-up found no peer to download from: must_download stays set."""
+        """A SwarmLoop whose catch-up found no peer to download from: must_download stays set."""
 
         must_download = True
         trainer = SimpleNamespace(step=0)

@@ -12,7 +12,7 @@ import pytest
 
 from gossip.errors import WireError
 from gossip.spes import ExpertKey, ExpertRecord, overclaiming_peers, version_bound
-from node.algorithms.spes.swarm import SpesSwarmTraining
+from node.algorithms.spes.swarm import SpesAlgorithm
 from node.net.records import PeerRecord
 from node.swarm.joining import (
     JoinRules,
@@ -24,7 +24,7 @@ from node.swarm.joining import (
     plausible_steps,
     swarm_left_behind,
 )
-from node.swarm.loop import TrainingStatus
+from node.swarm.loop import SwarmLoop, TrainingStatus
 
 pytestmark = pytest.mark.unit
 
@@ -324,18 +324,20 @@ class _Trainer:
 
 
 def spes_joiner(view: list[PeerRecord], directory: dict[str, dict[ExpertKey, ExpertRecord]],
-                swarm: Swarm) -> SpesSwarmTraining:
-    """A SpesSwarmTraining with stand-ins for what its catch-up touches (4 experts per layer, a sync
-    every step): the DHT view and expert directory, the gossip peer's downloads, the trainer."""
-    joiner = object.__new__(SpesSwarmTraining)
+                swarm: Swarm) -> SwarmLoop:
+    """A SwarmLoop with SPES's algorithm, with stand-ins for what its catch-up touches (4 experts per
+    layer, a sync every step): the DHT view and expert directory, the gossip peer's downloads, the trainer."""
+    joiner = object.__new__(SwarmLoop)
     joiner.peer, joiner.trainer = _Peer(swarm), _Trainer(swarm)  # type: ignore[assignment]
     joiner.discovery = SimpleNamespace(view=lambda: view)  # type: ignore[assignment]
-    joiner.directory = _Directory(directory)  # type: ignore[assignment]
     joiner.recipe = SimpleNamespace(steps=0, optimizer=SimpleNamespace(local_steps=1))  # type: ignore[assignment]
-    joiner.partition = SimpleNamespace(experts_per_layer=4)  # type: ignore[assignment]
-    joiner.spes_config = SimpleNamespace(sync_every=1)  # type: ignore[assignment]
     joiner.status = TrainingStatus(model="m", optimizer="adamw", steps_target=0, trainable_params=16)
-    joiner.must_download, joiner._record_sample = False, None
+    joiner.must_download, joiner._record_sample, joiner._catch_up_with = False, None, None
+    spes = joiner.algorithm = object.__new__(SpesAlgorithm)
+    spes.peer = joiner.peer
+    spes.directory = _Directory(directory)  # type: ignore[assignment]
+    spes.partition = SimpleNamespace(experts_per_layer=4)  # type: ignore[assignment]
+    spes.spes_config = SimpleNamespace(sync_every=1)  # type: ignore[assignment]
 
     async def connect(records: object) -> None:
         return None

@@ -35,6 +35,7 @@ from gossip.plan import (
     specs_for_vectors,
 )
 from gossip.wire import encode_message
+from support.lockstep import Lockstep
 from topology import MembershipView, TopologySpec, build_topology, peer_round
 
 pytestmark = pytest.mark.unit
@@ -283,10 +284,10 @@ def test_predicted_diloco_bytes_equal_counted_bytes_of_real_outer_syncs():
                 await group.start({name: rng.standard_normal(size).astype(np.float32) for name, size in sizes.items()},
                                   step, first - 1)
                 groups.append(group)
-            topo, view = build_topology("one-peer-exp", n), MembershipView.of(ids)
+            lockstep = Lockstep(ids, "one-peer-exp")
             for r in range(first, first + syncs):
                 async def plan_for(pid: str, r: int = r):
-                    return peer_round(topo, view, pid, r)
+                    return lockstep.plan(pid, r)
 
                 results = await asyncio.gather(*(g.exchange(r, {name: rng.standard_normal(size).astype(np.float32)
                                                                 for name, size in sizes.items()}, step,

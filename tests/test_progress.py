@@ -83,7 +83,7 @@ def test_a_round_waits_for_a_laggard_catching_up_but_not_for_a_record_that_never
         training = SimpleNamespace(discovery=SimpleNamespace(view=lambda: tuple(records.values())),
                                    progress=progress, trainer=SimpleNamespace(step=100), _lag_window=10,
                                    _done=lambda step: False)
-        wait = loop.SwarmTraining._wait_for_laggards
+        wait = loop.SwarmLoop._wait_for_laggards
         progress.observe(tuple(records.values()))
         started = time.monotonic()
         await wait(training, PeerRound(0.5, {"zero": 0.5}, ()))  # type: ignore[arg-type]

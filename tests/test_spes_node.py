@@ -28,12 +28,14 @@ from gossip.spes import (
 )
 from gossip.transport import Stream
 from gossip.wire import Expectation, encode_message, message_nbytes, read_message
+from node.algorithms.dsgd import GossipTrainer
 from node.algorithms.spes.node import InMemoryExpertDirectory, SpesNode
 from node.algorithms.spes.partition import ModelPartition, spes_average, tensor_manifest
 from node.train.data import Corpus, peer_shard
 from node.train.models import ModelConfig, build_model
-from node.train.trainer import GossipTrainer, Trainer, TrainerConfig, average_tensors
-from topology import MembershipView, PeerRound, build_topology, peer_round
+from node.train.trainer import Trainer, TrainerConfig, average_tensors
+from support.lockstep import Lockstep
+from topology import PeerRound
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -53,29 +55,6 @@ def make_trainer(corpus: Corpus, peer_id: str, optimizer: OptimizerConfig = OPTI
                            eval_batch_size=64, eval_batches=8, eval_every_rounds=None)
     return Trainer(build_model(MOE), config, peer_id=peer_id, train_tokens=peer_shard(corpus, peer_id),
                    val_tokens=corpus.val)
-
-
-@dataclass
-class Lockstep:
-    """Round r of every peer starts together (as a shared round clock makes it), and every peer's
-    records are published before anyone reads the directory."""
-
-    ids: list[str]
-    topology: str = TOPOLOGY
-
-    def __post_init__(self) -> None:
-        self.view = MembershipView.of(self.ids)
-        self.topo = build_topology(self.topology, self.view.n)
-        self.barrier = asyncio.Barrier(len(self.ids))
-
-    def plan_for(self, peer_id: str):
-        async def plan(round_index: int) -> PeerRound:
-            await self.barrier.wait()
-            return peer_round(self.topo, self.view, peer_id, round_index)
-        return plan
-
-    async def published(self, sync_index: int) -> None:
-        await self.barrier.wait()
 
 
 async def spes_swarm(corpus: Corpus, config: SpesConfig, capacity: int, net: InMemoryNetwork,
@@ -132,7 +111,7 @@ def dense(corpus: Corpus) -> DenseRun:
             await peer.start()
             nodes.append(GossipTrainer(trainer, peer))
         initial = await nodes[0].trainer.evaluate()
-        lockstep = Lockstep(IDS)
+        lockstep = Lockstep(IDS, TOPOLOGY)
         async with asyncio.timeout(900), asyncio.TaskGroup() as group:
             for node in nodes:
                 group.create_task(node.run(STEPS, lockstep.plan_for(node.peer.peer_id)))
@@ -162,7 +141,7 @@ def test_spes_stays_within_5_percent_of_dense_training_while_training_only_share
     async def main():
         net, directory = InMemoryNetwork(), InMemoryExpertDirectory()
         nodes = await spes_swarm(corpus, config, capacity, net, directory, optimizer=PARITY_OPTIMIZER)
-        reports = await run_lockstep(nodes, STEPS, Lockstep(IDS))
+        reports = await run_lockstep(nodes, STEPS, Lockstep(IDS, TOPOLOGY))
         members = {n.peer_id: await n.trainer.tensors() for n in nodes}
         loss = await nodes[0].trainer.evaluate(spes_average(members, nodes[0].ownership, nodes[0].partition))
         close(nodes)
@@ -242,7 +221,7 @@ def test_bytes_per_sync_match_the_analytic_figure_and_unchanged_experts_are_neve
     async def main() -> None:
         net, directory = InMemoryNetwork(), InMemoryExpertDirectory()
         nodes = await spes_swarm(corpus, config, 4, net, directory, optimizer=optimizer)
-        lockstep = Lockstep(IDS)
+        lockstep = Lockstep(IDS, TOPOLOGY)
         await run_lockstep(nodes, 2, lockstep)
         before = {n.peer_id: n.bytes_sent for n in nodes}
         fetched_before = {n.peer_id: n.fetch_stats.fetched for n in nodes}
@@ -260,7 +239,7 @@ def test_bytes_per_sync_match_the_analytic_figure_and_unchanged_experts_are_neve
         for node in nodes:
             served = sum(1 for key in changed for q in IDS if q not in ownership.owners[key]
                          and refresh_source(key, ownership, records, q) == node.peer_id)
-            plan = peer_round(lockstep.topo, lockstep.view, node.peer_id, sync_index)
+            plan = lockstep.plan(node.peer_id, sync_index)
             analytic = sync_bytes_sent(shared_bytes, len(plan.out_peers), expert_bytes,
                                        [len(ownership.co_owners(k, node.peer_id)) for k in node.owned],
                                        refresh_bytes, served)
@@ -274,7 +253,7 @@ def test_bytes_per_sync_match_the_analytic_figure_and_unchanged_experts_are_neve
         versions = await directory.read()
         fetch_bytes = {n.peer_id: n.fetch_stats.bytes_sent + n.fetch_stats.bytes_received for n in nodes}
         async with asyncio.TaskGroup() as group:
-            again = [group.create_task(n.sync(sync_index + 1, peer_round(lockstep.topo, lockstep.view, n.peer_id, sync_index + 1),
+            again = [group.create_task(n.sync(sync_index + 1, lockstep.plan(n.peer_id, sync_index + 1),
                                               lockstep.published)) for n in nodes]
         assert all(task.result().refreshed == () for task in again)
         assert {n.peer_id: n.fetch_stats.bytes_sent + n.fetch_stats.bytes_received for n in nodes} == fetch_bytes
@@ -305,7 +284,7 @@ def test_when_both_owners_of_an_expert_die_a_live_peer_continues_it_from_the_fre
         nodes = await spes_swarm(corpus, config, 4, net, directory, settings)
         by_id = {n.peer_id: n for n in nodes}
         assert nodes[0].ownership.owners[key] == ("peer0", "peer1")
-        lockstep = Lockstep(IDS)
+        lockstep = Lockstep(IDS, TOPOLOGY)
         await run_lockstep(nodes, 2, lockstep)
         stale_version = by_id["peer2"].records()[key].version
         for dead in ("peer0", "peer1"):
@@ -339,7 +318,7 @@ def test_when_both_owners_of_an_expert_die_a_live_peer_continues_it_from_the_fre
         assert by_id["peer2"].fetch_stats.fetched >= 1
 
         loss_before = await by_id["peer2"].trainer.evaluate()
-        after = await run_lockstep(survivors, 6, Lockstep(live))
+        after = await run_lockstep(survivors, 6, Lockstep(live, TOPOLOGY))
         assert all(not r.sync.refresh_skipped for rs in after for r in rs)
         trained = await by_id["peer2"].trainer.tensors(names)
         assert not all(np.array_equal(trained[n], published[n]) for n in names)

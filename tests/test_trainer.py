@@ -26,10 +26,12 @@ from gossip.optimizers import (
     consensus_distance,
     global_norm,
 )
+from node.algorithms.dsgd import GossipTrainer
+from node.swarm.algorithm import StepReport
 from node.train.data import Corpus, peer_shard, training_batch
 from node.train.models import ModelConfig, build_model
-from node.train.trainer import GossipTrainer, StepReport, Trainer, TrainerConfig, average_tensors, train_alone
-from topology import MembershipView, PeerRound, build_topology, peer_round
+from node.train.trainer import Trainer, TrainerConfig, average_tensors, train_alone
+from support.lockstep import Lockstep
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -218,21 +220,6 @@ def test_autocast_on_cpu_trains_like_fp32(corpus: Corpus, precision: str) -> Non
 # ---- gossip ----------------------------------------------------------------------------------------
 
 
-def barrier_planner(topology: str, ids: list[str]):
-    """plan_for for each peer: every peer's round r starts together, as a shared round clock would make it."""
-    view = MembershipView.of(ids)
-    topo = build_topology(topology, view.n)
-    barrier = asyncio.Barrier(len(ids))
-
-    def plan_for(peer_id: str):
-        async def plan(round_index: int) -> PeerRound:
-            await barrier.wait()
-            return peer_round(topo, view, peer_id, round_index)
-        return plan
-
-    return plan_for
-
-
 async def make_swarm(net: InMemoryNetwork, trainers: list[Trainer]) -> list[GossipTrainer]:
     nodes = []
     for trainer in trainers:
@@ -244,7 +231,7 @@ async def make_swarm(net: InMemoryNetwork, trainers: list[Trainer]) -> list[Goss
 
 
 async def run_swarm(nodes: list[GossipTrainer], steps: int, topology: str):
-    plan_for = barrier_planner(topology, [node.peer.peer_id for node in nodes])
+    plan_for = Lockstep([node.peer.peer_id for node in nodes], topology).plan_for
     async with asyncio.timeout(600), asyncio.TaskGroup() as group:
         tasks = [group.create_task(node.run(steps, plan_for(node.peer.peer_id))) for node in nodes]
     return [task.result() for task in tasks]

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from node.net.records import PeerRecord
     from node.net.relays import NodeReachability
     from node.runtime.data_plane import DataPlane
-    from node.swarm.loop import SwarmTraining
+    from node.swarm.loop import SwarmLoop
     from node.swarm.swarm_eval import SwarmEvaluator
 
 logger = logging.getLogger("murmur.node")
@@ -56,7 +56,7 @@ class NodeRuntime:
         self.monitor_url = ""
         self.node_errors: dict[str, int] = {}
         self.gossip_from = 0
-        self.training: SwarmTraining | None = None  # while a model is trained
+        self.training: SwarmLoop | None = None  # while a model is trained
         self.swarm_eval: SwarmEvaluator | None = None  # while a model is trained
         self.history = HistoryRecorder()  # the monitor's charts; the trainer feeds it through record()
         self.events = EventLog()  # the monitor's recent events and errors
@@ -173,7 +173,7 @@ class NodeRuntime:
         swarm's topology, this node and the round."""
         view, me = self._view(), self._me()
         round_index = self.peer.round if self.peer else 0
-        if self.training is not None:  # a trained swarm's rounds mix over everyone in view (SwarmTraining.plan_for)
+        if self.training is not None:  # a trained swarm's rounds mix over everyone in view (SwarmLoop.plan_for)
             members = MembershipView.of(p.peer_id for p in view)
         else:
             timings = [PeerTiming(p.peer_id, p.gossip_from) for p in view if p.peer_id != me]

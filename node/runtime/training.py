@@ -1,6 +1,6 @@
 """Training wiring: the runtime's side of a swarm that trains a model. It builds the trainer and its
 gossip peer from the swarm's recipe and this node's settings, restores this node's checkpoint, picks
-SPES or plain gossip training, and runs it until the node stops."""
+the recipe's algorithm (node.algorithms.registry), and runs the loop until the node stops."""
 
 from __future__ import annotations
 
@@ -30,9 +30,8 @@ from node.train.trainer import Precision
 from topology import Topology, TopologyCache
 
 if TYPE_CHECKING:
-    from node.net.records import PeerRecord
-    from node.swarm.loop import SwarmTraining
-    from node.swarm.swarm_eval import Average, PeerRecordLike
+    from node.swarm.loop import SwarmLoop
+    from node.swarm.peers import PeerRecordLike, SwarmRecord
 
 logger = logging.getLogger("murmur.node")
 
@@ -49,12 +48,13 @@ def training_settings(config: NodeConfig) -> TrainingSettings:
 
 async def start_training(runtime: NodeRuntime, recipe: TrainingRecipe, settings: SwarmSettings,
                          exchange: ExchangeSettings, checkpoint: Checkpoint | None,
-                         stack: contextlib.AsyncExitStack) -> SwarmTraining:
+                         stack: contextlib.AsyncExitStack) -> SwarmLoop:
     """Build the trainer and its gossip peer; restore this node's checkpoint when it is of this swarm."""
+    from node.algorithms.registry import ALGORITHMS, AlgorithmContext, algorithm_name
     from node.swarm.loop import (
         CATCH_UP_DIAL_S,
         StartedFrom,
-        SwarmTraining,
+        SwarmLoop,
         TrainingSetupError,
         build_trainer,
         checkpoint_matches,
@@ -97,39 +97,24 @@ async def start_training(runtime: NodeRuntime, recipe: TrainingRecipe, settings:
     def topology_for(n: int) -> Topology:
         return topologies.get(n)
 
-    async def connect(records: Sequence[PeerRecord]) -> None:
+    async def connect(records: Sequence[SwarmRecord]) -> None:
         await dialer.ensure(records, CATCH_UP_DIAL_S)
 
     local_steps = recipe.optimizer.local_steps
     # DHT records lag by up to a heartbeat: the window leaves room for that beyond the staleness bound
     lag_window = max(10, 2 * (settings.max_staleness + 1) * local_steps)
-    training: SwarmTraining
-    average: Average | None = None  # how the swarm evaluation combines the members; None: uniformly
-    if recipe.spes is not None:
-        from node.algorithms.spes.swarm import SpesSwarmTraining, saved_records
-
-        try:
-            training = SpesSwarmTraining(
-                trainer, peer, discovery, recipe, local, topology_for, connect, lag_window,
-                record=runtime.record, transport=transport, exchange=exchange, heartbeat_s=config.heartbeat_s,
-                ttl_s=runtime.record_ttl_s, swarm=config.swarm, capacity=config.training.experts,
-                saved=saved_records(checkpoint.meta) if checkpoint is not None and resumed else None)
-        except ValueError as exc:  # a model without MoE layers
-            raise StartupError(f"cannot train the swarm's model with SPES here: {exc}") from None
-        average = training.swarm_average
-    elif recipe.diloco is not None:
-        from node.algorithms.diloco.swarm import DilocoSwarmTraining
-
-        try:
-            training = DilocoSwarmTraining(
-                trainer, peer, discovery, recipe, local, topology_for, connect, lag_window, record=runtime.record,
-                transport=transport, exchange=exchange, state=state_exchange,
-                saved=checkpoint.tensors if checkpoint is not None and resumed else None)
-        except ValueError as exc:  # fewer tensors than fragments, a checkpoint of another model
-            raise StartupError(f"cannot train the swarm's model with gossip DiLoCo here: {exc}") from None
-    else:
-        training = SwarmTraining(trainer, peer, discovery, recipe, local, topology_for, connect, lag_window,
-                                 record=runtime.record)
+    entry = ALGORITHMS[algorithm_name(recipe)]
+    context = AlgorithmContext(trainer=trainer, peer=peer, discovery=discovery, transport=transport, recipe=recipe,
+                               exchange=exchange, peer_exchange=state_exchange,
+                               resumed=checkpoint if resumed else None, swarm=config.swarm,
+                               heartbeat_s=config.heartbeat_s, record_ttl_s=runtime.record_ttl_s,
+                               experts=config.training.experts)
+    try:
+        algorithm = entry.build(context)
+    except ValueError as exc:  # SPES: no MoE layers; DiLoCo: fewer tensors than fragments, another model's checkpoint
+        raise StartupError(f"cannot train the swarm's model with {entry.label} here: {exc}") from None
+    training = SwarmLoop(trainer, peer, discovery, recipe, local, topology_for, connect, lag_window, algorithm,
+                         record=runtime.record)
     training.status.started_from = StartedFrom.CHECKPOINT if resumed else StartedFrom.INIT
     training.progress = PeerProgress(stalled_after(config.heartbeat_s, config.gossip.exchange_timeout_s))
     runtime.training = training
@@ -139,12 +124,12 @@ async def start_training(runtime: NodeRuntime, recipe: TrainingRecipe, settings:
 
     swarm_eval = runtime.swarm_eval = SwarmEvaluator(
         trainer, peer, discovery.view, connect=dial, count=runtime.count,
-        average=average, save=functools.partial(save_swarm_average, runtime))
+        average=algorithm.average, save=functools.partial(save_swarm_average, runtime))
     stack.push_async_callback(swarm_eval.close)
     return training
 
 
-async def train_until(stop: asyncio.Event, runtime: NodeRuntime, training: SwarmTraining, settings: SwarmSettings,
+async def train_until(stop: asyncio.Event, runtime: NodeRuntime, training: SwarmLoop, settings: SwarmSettings,
                       ckpt_path: Path) -> None:
     """Catch up with the swarm if it is ahead (a joiner, or a node that was down), wait for the quorum of
     a fresh swarm, train, and keep serving parameters once the step budget is spent."""

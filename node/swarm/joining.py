@@ -12,7 +12,7 @@ import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -20,9 +20,7 @@ from gossip.errors import OutOfRange, WireError
 from gossip.exchange import PeerRejected
 from gossip.mixing import coordinate_median
 from gossip.robust import ValueBound, check_values
-
-if TYPE_CHECKING:
-    from node.net.records import PeerRecord
+from node.swarm.peers import SwarmRecord
 
 logger = logging.getLogger("murmur.train")
 
@@ -87,7 +85,7 @@ class StepJudgement:
 
     reference: int  # the lower median of the claims of the peers ahead
     tolerance: int  # claims above reference + tolerance are ignored
-    candidates: tuple[PeerRecord, ...]  # peers ahead with believable claims, closest to the reference first
+    candidates: tuple[SwarmRecord, ...]  # peers ahead with believable claims, closest to the reference first
     ignored: tuple[str, ...]  # peers ahead whose claims are not believable
     # peers of the view left out before judging (judge_steps' `refused`), whatever their step, with the
     # reason: a status that names a lying record only when its peer was ahead would hide it from a
@@ -103,7 +101,7 @@ class StepJudgement:
         return {**dict.fromkeys(self.ignored, str(Refused.STEP_OUT_OF_BOUNDS)), **self.refused}
 
 
-def judge_steps(view: Sequence[PeerRecord], me: str, step: int, margin: int, budget: int,
+def judge_steps(view: Sequence[SwarmRecord], me: str, step: int, margin: int, budget: int,
                 plausible: int | None = None, rules: JoinRules = DEFAULT_RULES,
                 refused: Mapping[str, str] | None = None) -> StepJudgement | None:
     """The peers more than `margin` steps ahead of `step`, judged by their claims; None if none is ahead.
@@ -115,7 +113,7 @@ def judge_steps(view: Sequence[PeerRecord], me: str, step: int, margin: int, bud
     outvoted: its claim, within those bounds, is the reference (and its download must beat the
     node's own model, see `loss_verdicts`).
 
-    Peers in `refused` (peer -> reason, e.g. `Refused.RECORD_OUT_OF_BOUNDS`: SwarmTraining.record_refusals)
+    Peers in `refused` (peer -> reason, e.g. `Refused.RECORD_OUT_OF_BOUNDS`: Algorithm.record_refusals)
     count for nothing: neither their claims nor as candidates; those in the view are kept in the
     judgement's `refused`, whatever their step.
     """
@@ -137,7 +135,7 @@ def judge_steps(view: Sequence[PeerRecord], me: str, step: int, margin: int, bud
     return StepJudgement(reference, tolerance, tuple(ranked), tuple(ignored), left_out)
 
 
-def swarm_left_behind(view: Sequence[PeerRecord], me: str, step: int, margin: int, budget: int,
+def swarm_left_behind(view: Sequence[SwarmRecord], me: str, step: int, margin: int, budget: int,
                       plausible: int | None = None) -> int | None:
     """The swarm's step (the lower median of the other training peers' claims) when more than half of
     them claim more than `margin` steps beyond `step`, else None: one fast peer, or one claiming a huge
@@ -268,15 +266,15 @@ async def join_swarm(judgement: StepJudgement, fetch: Fetch, evaluate: Evaluate,
     return outcome
 
 
-async def _download(waiting: list[PeerRecord], wanted: int, judgement: StepJudgement, fetch: Fetch, own: Tensors,
+async def _download(waiting: list[SwarmRecord], wanted: int, judgement: StepJudgement, fetch: Fetch, own: Tensors,
                     rules: JoinRules, bound: ValueBound,
-                    outcome: JoinOutcome) -> tuple[list[Download], list[PeerRecord]]:
+                    outcome: JoinOutcome) -> tuple[list[Download], list[SwarmRecord]]:
     """Up to `wanted` valid downloads from the first of `waiting`, asked in parallel, the next ones
     standing in for failures; returns them (by peer id) and the candidates not asked."""
     limits = bound.limits(own)
     got: list[Download] = []
 
-    async def one(record: PeerRecord) -> None:
+    async def one(record: SwarmRecord) -> None:
         peer = record.peer_id
         try:
             async with asyncio.timeout(rules.fetch_timeout_s):

@@ -1,7 +1,9 @@
-"""Training inside the daemon: build the swarm's model, data and optimizer; start from this node's
-checkpoint or from a live peer's parameters; then step a GossipTrainer whose rounds (one after every
-H steps, numbered step // H) mix with the neighbours the topology names in the current membership
-view, evaluating, checkpointing and reporting as it goes."""
+"""Training inside the daemon: the one loop every algorithm runs in.
+
+It builds the swarm's model, data and optimizer, starts from this node's checkpoint or from a live peer's
+parameters, then steps the swarm's algorithm (node.swarm.algorithm), whose rounds (one after every H steps,
+numbered step // H) mix with the neighbours the topology names in the current membership view, evaluating,
+checkpointing and reporting as it goes."""
 
 from __future__ import annotations
 
@@ -13,12 +15,14 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from gossip.exchange import GossipPeer
-from node.swarm.joining import JoinOutcome, join_swarm, judge_steps, plausible_steps
+from node.swarm.algorithm import Algorithm, StepReport
+from node.swarm.joining import JoinOutcome, join_swarm, judge_steps, plausible_steps, swarm_left_behind
+from node.swarm.peers import Membership, SwarmRecord
 from node.swarm.progress import PeerProgress, leave_out_stalled
 from node.swarm.recipe import TrainingRecipe, embedded_options
 from node.train.checkpoint import Checkpoint
@@ -27,12 +31,8 @@ from node.train.models import build_named_model, model_context, model_vocab_size
 from node.train.settings import TrainingSettings
 from node.train.shards import ShardStream, open_dataset
 from node.train.tokenizer import SwarmTokenizer, TextTokenizer
-from node.train.trainer import GossipTrainer, StepReport, Trainer, TrainerConfig, resolve_device
+from node.train.trainer import Trainer, TrainerConfig, resolve_device
 from topology import MembershipView, PeerRound, Topology, peer_round
-
-if TYPE_CHECKING:
-    from node.net.discovery import Discovery
-    from node.net.records import PeerRecord
 
 logger = logging.getLogger("murmur.train")
 
@@ -44,6 +44,9 @@ CATCH_UP_DIAL_S = 10.0  # how long a starting node waits for dials to the peers 
 STALLED_AFTER_S = 10.0  # default: a record unchanged this long shows no progress (node.swarm.progress)
 EVAL_BATCH_SIZE = 32
 MERGE_WAIT_S = 120.0  # longest the final merge waits for the peers in view to finish their budget
+# How often a node whose algorithm re-joins when left behind (DiLoCo) looks whether the swarm left it
+# behind (SwarmLoop._rejoin_if_left_behind)
+LAGGARD_CHECK_S = 5.0
 
 
 class TrainingSetupError(ValueError):
@@ -65,7 +68,7 @@ class RecordSample(Protocol):
 
 
 # dials these peers now (not in a round: a start-up download), waiting for the dials a bounded time
-Connect = Callable[[Sequence["PeerRecord"]], Awaitable[None]]
+Connect = Callable[[Sequence[SwarmRecord]], Awaitable[None]]
 # the final merge: every live peer's final model averaged with ours (node.swarm.swarm_eval), with what it
 # took in; None when there was nothing to merge
 Merge = Callable[[], Awaitable[tuple[dict[str, Any], "MergeReport"]]]
@@ -193,12 +196,12 @@ def last_round_at(step: int, recipe: TrainingRecipe) -> int:
     return max(0, step // recipe.optimizer.local_steps - 1)
 
 
-class SwarmTraining:
-    """One node's training run inside the daemon (see the module docstring)."""
+class SwarmLoop:
+    """One node's training run inside the daemon (see the module docstring); `algorithm` steps it."""
 
-    def __init__(self, trainer: Trainer, peer: GossipPeer, discovery: Discovery, recipe: TrainingRecipe,
+    def __init__(self, trainer: Trainer, peer: GossipPeer, discovery: Membership, recipe: TrainingRecipe,
                  settings: TrainingSettings, topology_for: Callable[[int], Topology], connect: Connect,
-                 lag_window: int, record: RecordSample | None = None) -> None:
+                 lag_window: int, algorithm: Algorithm, record: RecordSample | None = None) -> None:
         self.trainer = trainer
         self.peer = peer
         self.discovery = discovery
@@ -209,7 +212,7 @@ class SwarmTraining:
         self._lag_window = lag_window
         # the monitor's history: record(step=, loss=, val_loss=, consensus_distance=, tokens=)
         self._record_sample = record
-        self._gossip = GossipTrainer(trainer, peer)
+        self.algorithm = algorithm
         self.progress = PeerProgress(STALLED_AFTER_S)  # the runtime sets the bound from heartbeat and deadline
         # the swarm starts from pretrained weights this node lacks: it must download the parameters
         self.must_download = False
@@ -217,6 +220,10 @@ class SwarmTraining:
         self._tokens = 0  # trained since this process started, for bytes_per_token
         self.status = TrainingStatus(model=recipe.model, optimizer=recipe.optimizer.algorithm, steps_target=recipe.steps,
                                      trainable_params=trainable, step=trainer.step)
+        self._catch_up_with: tuple[int, float | None] | None = None  # margin and epoch of the first catch-up
+        self._stop: asyncio.Event | None = None
+        self._checked_at = 0.0
+        algorithm.show(self.status)
 
     @property
     def finished(self) -> bool:
@@ -275,6 +282,12 @@ class SwarmTraining:
         combined, at a robust step (node.swarm.joining); `epoch` (the swarm's founding time) bounds
         the steps a peer can claim. With `look`, wait up to JOIN_LOOK_S for the view to show another
         peer: records arrive a moment after start."""
+        await self.algorithm.start()
+        if self._catch_up_with is None:
+            self._catch_up_with = (margin, epoch)
+        await self._catch_up(stop, margin, look, epoch)
+
+    async def _catch_up(self, stop: asyncio.Event, margin: int, look: bool, epoch: float | None) -> None:
         me = self.peer.peer_id
         if self.must_download:
             margin, look = -1, True  # any live peer's parameters beat a random init of a pretrained model
@@ -289,7 +302,7 @@ class SwarmTraining:
         if judgement is None:
             return
         # records that claim what no honest peer does: judged again without them (their step claims too)
-        refused = await self.record_refusals(view, judgement.reference + judgement.tolerance)
+        refused = await self.algorithm.record_refusals(view, judgement.reference + judgement.tolerance)
         if refused:
             logger.warning("not downloading from peers whose records claim what no honest peer does: %s",
                            _reasons(refused))
@@ -315,7 +328,7 @@ class SwarmTraining:
         self.trainer.step = step
         self.peer.set_tensors(outcome.tensors, step=step, moved=False)
         self.must_download = False
-        await self._after_download([r for r in judgement.candidates if r.peer_id in outcome.sources])
+        await self.algorithm.adopt_download([r for r in judgement.candidates if r.peer_id in outcome.sources])
         self.peer.round = last_round_at(self.trainer.step, self.recipe)
         self.status.started_from = outcome.describe()
         self.status.step = self.trainer.step
@@ -324,12 +337,6 @@ class SwarmTraining:
                     f"; refused {_reasons(outcome.refused)}" if outcome.refused else "")
         await self.evaluate()
         logger.info("validation loss after the download: %.4f", self.status.val_loss)
-
-    async def record_refusals(self, view: Sequence[PeerRecord], step: int) -> dict[str, str]:
-        """Peers of `view` a catch-up takes nothing from, whatever their step, by what their records
-        claim of a swarm whose believable steps go up to `step`: peer -> reason (a `Refused`). None
-        here; SPES refuses impossible capacities and expert versions (node.algorithms.spes.swarm)."""
-        return {}
 
     def _step_now(self, downloaded: int, epoch: float | None, refused: Mapping[str, str] | None = None) -> int:
         """The step to continue from after a download made at step `downloaded`: the swarm trained on
@@ -343,9 +350,27 @@ class SwarmTraining:
         logger.info("the swarm moved on from step %d to %d while the downloads were checked", downloaded, now.reference)
         return now.reference
 
-    async def _after_download(self, sources: Sequence[PeerRecord]) -> None:
-        """What else a node takes from the swarm after downloading its parameters (DiLoCo: the outer
-        momentum); `sources` are the peers it downloaded from, best first."""
+    async def _rejoin_if_left_behind(self) -> None:
+        """The laggard rule, for an algorithm that opts in (`rejoins_when_left_behind`: DiLoCo). A node more
+        than the staleness bound of outer rounds behind its neighbours (slower compute, a long pause)
+        finds every round stale: its neighbours answer nothing, and it never mixes again. Every
+        LAGGARD_CHECK_S it judges the view's steps as a joiner does; once the swarm is more than that
+        margin ahead, the algorithm lands what is in flight and the node catches up like a joiner (the
+        swarm's parameters from several peers, checked and combined, the view's step), giving up the
+        local progress it could not sync anyway."""
+        now = time.monotonic()
+        if (not self.algorithm.rejoins_when_left_behind or self._catch_up_with is None or self._stop is None
+                or now - self._checked_at < LAGGARD_CHECK_S):
+            return
+        self._checked_at = now
+        margin, epoch = self._catch_up_with
+        stop = self._stop
+        plausible = plausible_steps(epoch, time.time()) if epoch is not None else None
+        judged = swarm_left_behind(self.discovery.view(), self.peer.peer_id, self.trainer.step, margin,
+                                   self.recipe.steps, plausible)
+        if judged is None:
+            return
+        await self.algorithm.rejoin(judged, margin, lambda: self._catch_up(stop, margin, False, epoch))
 
     async def wait_for_quorum(self, stop: asyncio.Event) -> None:
         """A fresh swarm starts together: wait until `min_peers` peers are in the view."""
@@ -364,6 +389,13 @@ class SwarmTraining:
         """Train until the recipe's step budget is spent or `stop` is set; `save` writes a checkpoint;
         `average` starts writing the swarm average every `average_every` steps and at the end (0: never);
         `merge` averages every live peer's final model with ours (the recipe's final merge)."""
+        await self.algorithm.start()
+        self._stop = stop
+        async with self.algorithm.running():
+            await self._train(stop, save, average, merge)
+
+    async def _train(self, stop: asyncio.Event, save: Callable[[], Awaitable[None]],
+                     average: Callable[[], None] | None, merge: Merge | None) -> None:
         every_eval, every_ckpt = self.settings.eval_every, self.settings.checkpoint_every
         every_average = self.settings.average_every
         view = self.discovery.view()
@@ -377,7 +409,7 @@ class SwarmTraining:
                 return
             if self.finished:
                 # what peers pull from now on (downloads, evaluations, their final merge) is the final model
-                await self._publish_final()
+                await self.algorithm.publish_final()
             self._record(report)
             step = self.trainer.step
             if step % every_eval == 0 or self.finished:
@@ -418,15 +450,8 @@ class SwarmTraining:
         return stepping.result()
 
     async def _step(self) -> StepReport:
-        """One step, with a gossip round after every H-th (node.algorithms.spes.swarm overrides it for SPES)."""
-        step = self.trainer.step
-        optimizer = self.recipe.optimizer
-        round_index = step // optimizer.local_steps if optimizer.mixes_after(step) else None
-        return await self._gossip.step(round_index, self.plan_for)
-
-    async def _publish_final(self) -> None:
-        """Offer the final parameters on the main gossip peer (DAdam's holds the last mix before its update)."""
-        self.peer.set_tensors(await self.trainer.tensors(), step=self.trainer.step)
+        await self._rejoin_if_left_behind()
+        return await self.algorithm.step(self.plan_for)
 
     async def _final_merge(self, merge: Merge, stop: asyncio.Event, save: Callable[[], Awaitable[None]]) -> None:
         """Wait (up to MERGE_WAIT_S) until every peer in view has spent its budget, then average their
@@ -444,42 +469,41 @@ class SwarmTraining:
         if stop.is_set():
             return
         merged, report = await merge()
-        await self._adopt_merged(merged)
+        await self.algorithm.adopt_merged(merged)
         self.status.final_merge = report.as_dict()
         await self.evaluate()
         await save()
         logger.info("final merge over %d peers: val loss %s", len(report.as_dict().get("peers", [])),
                     _fmt(self.status.val_loss))
 
-    async def _adopt_merged(self, merged: dict[str, Any]) -> None:
-        await self.trainer.load_tensors(merged)
-
     async def state(self) -> dict[str, Any]:
-        """What the checkpoint holds: the trainer's state (DiLoCo adds its outer state)."""
-        return await self.trainer.state()
+        """What the checkpoint holds: the trainer's state and the algorithm's (DiLoCo's outer state)."""
+        return await self.algorithm.state()
 
     def status_dict(self) -> dict[str, Any]:
         """The `training` section of the node's status, as of now."""
         # read at status time, not at the last _record: a SPES table change or a step that has not
-        # been recorded yet changes the state, and the spes section reads the optimizer live too
+        # been recorded yet changes the state, and the spes section reads the optimizer live too;
+        # DiLoCo's exchanges in flight change between steps
+        self.algorithm.show(self.status)
         self.status.optimizer_state_bytes = self.trainer.optimizer_state_bytes
         return self.status.as_dict()
 
     def extra_traffic(self) -> tuple[int, int]:
         """Bytes sent and received on protocols besides the main gossip peer's (SPES, DiLoCo)."""
-        return 0, 0
+        return self.algorithm.traffic()
 
     def extra_errors(self) -> dict[str, int]:
         """Refused input counted on protocols besides the main gossip peer's (DiLoCo's fragments)."""
-        return {}
+        return self.algorithm.errors()
 
     def checkpoint_meta(self) -> dict[str, str]:
-        """What the checkpoint carries beyond the trainer state (SPES: the expert records)."""
-        return {}
+        """What the checkpoint carries beyond its tensors (SPES: the expert records)."""
+        return self.algorithm.checkpoint_meta()
 
     def spes_status(self) -> dict[str, Any] | None:
         """The `spes` section of the node's status; None without SPES."""
-        return None
+        return self.algorithm.sections().get("spes")
 
     def _record(self, report: StepReport) -> None:
         s = self.status
@@ -499,6 +523,7 @@ class SwarmTraining:
                                 consensus_distance=report.round.consensus_distance if report.round else None)
         if s.step % 10 == 0:
             logger.info("step %d loss %.4f lr %.2e %.0f tok/s", s.step, s.loss, s.lr, s.tokens_per_s)
+        self.algorithm.show(s)
 
 
 def _reasons(refused: Mapping[str, str]) -> str:

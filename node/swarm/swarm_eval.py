@@ -14,12 +14,13 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from gossip.errors import WireError
 from gossip.exchange import GossipPeer, PeerRejected
+from node.swarm.peers import PeerRecordLike
 
 if TYPE_CHECKING:
     from node.train.trainer import Trainer
@@ -30,16 +31,6 @@ logger = logging.getLogger("murmur.eval")
 FETCH_TIMEOUT_S = 30.0
 
 Tensors = Mapping[str, np.ndarray]
-
-
-class PeerRecordLike(Protocol):
-    """What this module reads of a membership record (node.net.discovery.PeerRecord)."""
-
-    @property
-    def peer_id(self) -> str: ...
-
-    @property
-    def maddrs(self) -> tuple[str, ...]: ...
 
 
 View = Callable[[], Sequence[PeerRecordLike]]

@@ -1,6 +1,5 @@
 """Training on a node: a `Trainer` that owns a torch model, its local optimizer state and its data shard
-and runs every step on its own worker thread, and a `GossipTrainer` that combines it with a
-`GossipPeer` into D-SGD or overlapped DAdam (update rules in gossip.optimizers, docs/training.md).
+and runs every step on its own worker thread (node.algorithms.dsgd combines it with a GossipPeer).
 
 The model is only ever touched on the trainer's worker thread, so the event loop (gossip, heartbeats,
 the monitor) never waits behind a forward pass, and a round's exchange can run while a gradient is
@@ -16,30 +15,25 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Literal, Protocol, TypeVar
 
 import numpy as np
 import torch
 from torch import nn
 
-from gossip.exchange import GossipPeer, RoundOutcome
-from gossip.optimizers import LocalOptimizer, OptimizerConfig, clip_factor, consensus_distance, global_norm
+from gossip.optimizers import LocalOptimizer, OptimizerConfig, clip_factor, global_norm
 from node.train.data import training_batch, validation_batches
 from node.train.models import mean_cross_entropy, model_vocab_size
 from node.train.staging import HostStaging
-from topology import PeerRound
 
 logger = logging.getLogger(__name__)
 
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 PRECISIONS: tuple[Precision, ...] = ("auto", "fp32", "bf16", "fp16")
 Tensors = Mapping[str, np.ndarray]
-# Round index -> this peer's plan for it, returned when the round may start: the daemon waits for its
-# round clock and reads the membership view; an in-process test may wait on a barrier.
-PlanFor = Callable[[int], Awaitable[PeerRound]]
 T = TypeVar("T")
 
 # fp16 dynamic loss scaling (as torch.amp.GradScaler): halve on overflow, double after a run of good steps.
@@ -72,7 +66,7 @@ class TrainerConfig:
     precision: Precision = "auto"  # auto: bf16 (else fp16) autocast on CUDA, fp32 on CPU
     eval_batch_size: int = 32
     eval_batches: int | None = 8  # validation batches per evaluation; None: the whole validation split
-    eval_every_rounds: int | None = 1  # GossipTrainer.run evaluates after every this many rounds; None: never
+    eval_every_rounds: int | None = 1  # node.algorithms.dsgd.GossipTrainer.run evaluates after every this many rounds; None: never
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "context", "eval_batch_size"):
@@ -95,21 +89,6 @@ class StepStats:
     grad_norm: float  # global L2 norm before clipping
     skipped: bool  # non-finite gradient: the step changes nothing but the step counter
     compute_s: float
-
-
-@dataclass(frozen=True)
-class RoundReport:
-    index: int
-    outcome: RoundOutcome
-    consensus_distance: float | None  # ||x_i - mean of the neighbour values that arrived||_2
-
-
-@dataclass(frozen=True)
-class StepReport:
-    stats: StepStats
-    step_s: float  # wall time of the whole step, exchange included
-    round: RoundReport | None = None
-    val_loss: float | None = None
 
 
 def resolve_device(device: str) -> torch.device:
@@ -464,76 +443,6 @@ def _as_torch(vector: np.ndarray, name: str, like: torch.Tensor) -> torch.Tensor
     # memory: only such arrays are copied
     source = torch.from_numpy(np.require(vector, requirements=("W", "C")))
     return source.view(like.shape).to(device=like.device, dtype=like.dtype)
-
-
-class GossipTrainer:
-    """A Trainer and a GossipPeer as one node of decentralized training.
-
-    D-SGD (adapt, then combine): a local step, then a round on the new values, whose mix becomes x.
-    DAdam (overlapped): the round exchanges x_t while the worker thread computes g(x_t) and the Adam
-    direction; then x_{t+1} = mix(x_t) - lr * direction. This object must be the only writer of the
-    peer's tensors: run_round installs its mix only when nothing was installed during the round, and
-    the mix is read back from the peer afterwards.
-    """
-
-    def __init__(self, trainer: Trainer, peer: GossipPeer) -> None:
-        self.trainer = trainer
-        self.peer = peer
-
-    async def step(self, round_index: int | None = None, plan_for: PlanFor | None = None) -> StepReport:
-        """One optimizer step; with a `round_index`, also gossip round `round_index`, whose plan
-        `plan_for` gives (awaited after this peer's tensors for the round are offered)."""
-        started = time.perf_counter()
-        if round_index is None:
-            stats = await self.trainer.train_step()
-            return StepReport(stats, time.perf_counter() - started)
-        if plan_for is None:
-            raise ValueError("a step with a round needs plan_for")
-        if self.trainer.config.optimizer.algorithm == "dadam":
-            await self._offer()
-            async with asyncio.TaskGroup() as group:
-                mixing = group.create_task(self._mix(round_index, plan_for))
-                computing = group.create_task(self.trainer.compute_update())
-            await self.trainer.apply_update(self.peer.tensors)
-            stats, report = computing.result(), mixing.result()
-        else:
-            stats = await self.trainer.train_step()
-            await self._offer()
-            report = await self._mix(round_index, plan_for)
-            await self.trainer.load_tensors(self.peer.tensors)
-        return StepReport(stats, time.perf_counter() - started, report)
-
-    async def _offer(self) -> None:
-        """Make the current parameters the peer's tensors: what this round sends and mixes."""
-        self.peer.set_tensors(await self.trainer.tensors(), step=self.trainer.step)
-
-    async def _mix(self, round_index: int, plan_for: PlanFor) -> RoundReport:
-        """Run the round on the offered tensors; the peer holds their mix afterwards."""
-        plan = await plan_for(round_index)
-        own = self.peer.tensors
-        outcome = await self.peer.run_round(round_index, plan)
-        distance = await asyncio.to_thread(consensus_distance, own, self.peer.tensors, plan.self_weight,
-                                           plan.in_weights, outcome.mixed_with)
-        return RoundReport(round_index, outcome, distance)
-
-    async def run(self, steps: int, plan_for: PlanFor,
-                  on_report: Callable[[StepReport], None] | None = None) -> list[StepReport]:
-        """`steps` steps with a round after every `local_steps`-th, numbered step // local_steps
-        (every node of a swarm that starts together agrees on the numbering); the local model is
-        evaluated after every `eval_every_rounds`-th round (StepReport.val_loss)."""
-        config = self.trainer.config
-        reports = []
-        for _ in range(steps):
-            step = self.trainer.step
-            round_index = step // config.optimizer.local_steps if config.optimizer.mixes_after(step) else None
-            report = await self.step(round_index, plan_for)
-            every = config.eval_every_rounds
-            if round_index is not None and every is not None and (round_index + 1) % every == 0:
-                report = replace(report, val_loss=await self.trainer.evaluate())
-            reports.append(report)
-            if on_report is not None:
-                on_report(report)
-        return reports
 
 
 async def train_alone(trainer: Trainer, steps: int) -> list[StepStats]:

@@ -51,8 +51,9 @@ from gossip.spes import (
 from gossip.transport import Transport
 from node.algorithms.outer_group import GroupSync, OuterGroup
 from node.algorithms.spes.partition import ModelPartition, optimizer_state_covers, spes_average, tensor_manifest
+from node.swarm.algorithm import PlanFor
 from node.train.models.experts import moe_expert_lists
-from node.train.trainer import PlanFor, StepStats, Tensors, Trainer
+from node.train.trainer import StepStats, Tensors, Trainer
 from topology import PeerRound
 
 logger = logging.getLogger(__name__)

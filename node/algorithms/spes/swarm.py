@@ -1,15 +1,17 @@
-"""SPES training inside the daemon: a SwarmTraining whose steps run a SpesNode (shared weights with
-topology neighbours, owned experts with their co-owners, frozen copies refreshed when changed)
-instead of a GossipTrainer, with ownership recomputed from the membership view and capacities."""
+"""SPES training inside the daemon: the Algorithm the loop runs for a SPES recipe.
+
+Its steps run a SpesNode (shared weights with topology neighbours, owned experts with their co-owners,
+frozen copies refreshed when changed), with ownership recomputed from the membership view and capacities."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,16 +33,14 @@ from gossip.transport import Transport
 from node.algorithms.spes.directory import DhtExpertDirectory
 from node.algorithms.spes.node import VERSION_SLACK, SpesNode
 from node.algorithms.spes.partition import ModelPartition, spes_average
+from node.net.discovery import Discovery
+from node.swarm.algorithm import PlanFor, StepReport
 from node.swarm.joining import Refused
-from node.swarm.loop import Connect, Merge, RecordSample, SwarmTraining
+from node.swarm.loop import TrainingStatus
+from node.swarm.peers import SwarmRecord
 from node.swarm.recipe import TrainingRecipe
-from node.train.settings import TrainingSettings
-from node.train.trainer import StepReport, Trainer, average_tensors
-from topology import Topology
-
-if TYPE_CHECKING:
-    from node.net.discovery import Discovery
-    from node.net.records import PeerRecord
+from node.swarm.swarm_eval import Average
+from node.train.trainer import Trainer, average_tensors
 
 logger = logging.getLogger("murmur.spes")
 
@@ -90,28 +90,39 @@ def saved_records(meta: Mapping[str, Any] | None) -> dict[ExpertKey, ExpertRecor
         return None
 
 
-class SpesSwarmTraining(SwarmTraining):
-    """SwarmTraining with SPES steps (docs/spes.md, "Running SPES"). `self.peer` (the node's main
-    GossipPeer) carries no SPES traffic: it serves the whole current model to joiners' downloads and
-    swarm evaluations, refreshed after every sync."""
+class SpesAlgorithm:
+    """SPES steps in the daemon's loop (docs/spes.md, "Running SPES"; node.swarm.algorithm.Algorithm).
+    `self.peer` (the node's main GossipPeer) carries no SPES traffic: it serves the whole current model
+    to joiners' downloads and swarm evaluations, refreshed after every sync."""
 
-    def __init__(self, trainer: Trainer, peer: GossipPeer, discovery: Discovery, recipe: TrainingRecipe,
-                 settings: TrainingSettings, topology_for: Callable[[int], Topology], connect: Connect,
-                 lag_window: int, *, record: RecordSample | None = None, transport: Transport,
-                 exchange: ExchangeSettings, heartbeat_s: float, ttl_s: float, swarm: str, capacity: int | None,
-                 saved: Mapping[ExpertKey, ExpertRecord] | None) -> None:
-        super().__init__(trainer, peer, discovery, recipe, settings, topology_for, connect, lag_window, record=record)
+    rejoins_when_left_behind = False
+
+    def __init__(self, trainer: Trainer, peer: GossipPeer, discovery: Discovery, recipe: TrainingRecipe, *,
+                 transport: Transport, exchange: ExchangeSettings, heartbeat_s: float, ttl_s: float, swarm: str,
+                 capacity: int | None, saved: Mapping[ExpertKey, ExpertRecord] | None) -> None:
+        self.trainer = trainer
+        self.peer = peer
+        self.discovery = discovery
+        self.recipe = recipe
         self._transport = transport
         assert self.recipe.spes is not None, "a SPES recipe"
         self.spes_config = self.recipe.spes
         self.partition = ModelPartition.of(self.trainer.model)
         self._wanted_capacity = capacity
-        self.capacity = capacity if capacity is not None else self.partition.experts_per_layer  # set by run()
+        self.capacity = capacity if capacity is not None else self.partition.experts_per_layer  # set by running()
         self._exchange = exchange
         self._saved = saved
         self.directory = DhtExpertDirectory(self.discovery, swarm, heartbeat_s, ttl_s)
         self.node: SpesNode | None = None
         self.ownership_changes = 0
+        self._trainable_params: int | None = None  # as of the last announcement of this node's experts
+
+    @property
+    def average(self) -> Average:
+        return self.swarm_average
+
+    def _done(self, step: int) -> bool:
+        return self.recipe.steps > 0 and step >= self.recipe.steps
 
     def ownership_from_view(self, my_capacity: int | None = None) -> Ownership:
         """The expert table every peer with the same view computes: over the peers training now (as the
@@ -124,7 +135,7 @@ class SpesSwarmTraining(SwarmTraining):
         return assign_experts(capacities, capacities, self.partition.experts_per_layer, self.partition.layers,
                               self.spes_config.replication)
 
-    async def record_refusals(self, view: Sequence[PeerRecord], step: int) -> dict[str, str]:
+    async def record_refusals(self, view: Sequence[SwarmRecord], step: int) -> dict[str, str]:
         """A joiner downloads from no peer whose peer record claims a capacity above the layer's expert
         count, or whose expert records (in the directory) claim a version beyond the bound at `step`
         (the highest believable step of the swarm): `Refused.RECORD_OUT_OF_BOUNDS`. Ownership already
@@ -137,10 +148,13 @@ class SpesSwarmTraining(SwarmTraining):
                                   version_bound(step, self.spes_config.sync_every, VERSION_SLACK))
         return dict.fromkeys(sorted(over), str(Refused.RECORD_OUT_OF_BOUNDS))
 
-    async def run(self, stop: asyncio.Event, save: Callable[[], Awaitable[None]],
-                  average: Callable[[], None] | None = None, merge: Merge | None = None) -> None:
-        """Start the SpesNode (once), then train as SwarmTraining does while the directory keeps this
-        node's records stored. A training failure propagates as itself, not wrapped in a group."""
+    async def start(self) -> None:
+        pass
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """Start the SpesNode (once), then let the loop train while the directory keeps this node's
+        records stored. A training failure propagates as itself, not wrapped in a group."""
         failure: Exception | None = None
         async with asyncio.TaskGroup() as group:
             keeper = group.create_task(self.directory.run())
@@ -158,7 +172,7 @@ class SpesSwarmTraining(SwarmTraining):
                                          self.ownership_from_view(my_capacity=0), self.directory)
                     await self.node.start(self._saved)
                     self._announce_ownership()
-                await super().run(stop, save, average, merge)
+                yield
             except Exception as exc:
                 failure = exc
             finally:
@@ -166,7 +180,7 @@ class SpesSwarmTraining(SwarmTraining):
         if failure is not None:
             raise failure
 
-    async def _step(self) -> StepReport:
+    async def step(self, plan_for: PlanFor) -> StepReport:
         assert self.node is not None
         started = time.perf_counter()
         ownership = self.ownership_from_view()
@@ -176,26 +190,44 @@ class SpesSwarmTraining(SwarmTraining):
             self._announce_ownership()
             logger.info("SPES ownership over %d peers: this node owns experts %s", len(ownership.peer_ids),
                         _indices(self.node.owned))
-        report = await self.node.step(self.plan_for)
+        report = await self.node.step(plan_for)
         if report.sync is not None:
             self.peer.round = report.sync.sync_index
             self.peer.set_tensors(await self.trainer.tensors(), step=self.trainer.step)
         return StepReport(report.stats, time.perf_counter() - started)
 
-    def extra_traffic(self) -> tuple[int, int]:
+    async def rejoin(self, swarm_step: int, margin: int, catch_up: Callable[[], Awaitable[None]]) -> None:
+        await catch_up()
+
+    async def adopt_download(self, sources: Sequence[SwarmRecord]) -> None:
+        pass
+
+    async def publish_final(self) -> None:
+        self.peer.set_tensors(await self.trainer.tensors(), step=self.trainer.step)
+
+    async def adopt_merged(self, merged: dict[str, Any]) -> None:
+        await self.trainer.load_tensors(merged)
+
+    async def state(self) -> dict[str, Any]:
+        return await self.trainer.state()
+
+    def traffic(self) -> tuple[int, int]:
         node = self.node
         return (node.bytes_sent, node.bytes_received) if node is not None else (0, 0)
 
-    def _record(self, report: StepReport) -> None:
-        super()._record(report)
-        sizes = {name: p.numel() for name, p in self.trainer.model.named_parameters()}
-        self.status.trainable_params = sum(sizes[n] for n in self.trainer.trainable_parameter_names)
+    def errors(self) -> dict[str, int]:
+        return {}
+
+    def show(self, status: TrainingStatus) -> None:
+        # SPES trains only the shared weights and this node's experts; they change with the ownership
+        if self._trainable_params is not None:
+            status.trainable_params = self._trainable_params
 
     def _announce_ownership(self) -> None:
         assert self.node is not None
         self.discovery.update(experts=_indices(self.node.owned), capacity=self.capacity)
         sizes = {name: p.numel() for name, p in self.trainer.model.named_parameters()}
-        self.status.trainable_params = sum(sizes[n] for n in self.trainer.trainable_parameter_names)
+        self._trainable_params = sum(sizes[n] for n in self.trainer.trainable_parameter_names)
 
     def swarm_average(self, members: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
         """The SPES swarm average of `members` (peer id -> full model) for the swarm evaluation: shared
@@ -209,7 +241,10 @@ class SpesSwarmTraining(SwarmTraining):
             return {CHECKPOINT_META_KEY: json.dumps(records_to_wire(self._saved))} if self._saved else {}
         return {CHECKPOINT_META_KEY: json.dumps(records_to_wire(self.node.records()))}
 
-    def spes_status(self) -> dict[str, Any] | None:
+    def sections(self) -> dict[str, dict[str, Any]]:
+        return {"spes": self.spes_status()}
+
+    def spes_status(self) -> dict[str, Any]:
         """The `spes` section of the node's status (docs/spes.md, "Running SPES")."""
         node = self.node
         base: dict[str, Any] = {"capacity": self.capacity, "experts_per_layer": self.partition.experts_per_layer,
@@ -242,4 +277,4 @@ def _indices(keys: frozenset[ExpertKey]) -> list[int]:
     return sorted({e for _, e in keys})
 
 
-__all__ = ["SpesSwarmTraining", "capacity_for", "saved_records", "spes_capacity"]
+__all__ = ["SpesAlgorithm", "capacity_for", "saved_records", "spes_capacity"]

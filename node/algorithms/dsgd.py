@@ -1,0 +1,156 @@
+"""D-SGD and overlapped DAdam: a Trainer and a GossipPeer as one node of decentralized training.
+
+`GossipTrainer` combines them (update rules in gossip.optimizers, docs/training.md); `DsgdAlgorithm` runs
+it inside the daemon's loop, a round after every H-th step."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from gossip.exchange import GossipPeer
+from gossip.optimizers import consensus_distance
+from node.swarm.algorithm import PlanFor, RoundReport, StepReport
+from node.swarm.loop import TrainingStatus
+from node.swarm.peers import SwarmRecord
+from node.swarm.recipe import TrainingRecipe
+from node.swarm.swarm_eval import Average
+from node.train.trainer import Trainer
+
+
+class GossipTrainer:
+    """A Trainer and a GossipPeer as one node of decentralized training.
+
+    D-SGD (adapt, then combine): a local step, then a round on the new values, whose mix becomes x.
+    DAdam (overlapped): the round exchanges x_t while the worker thread computes g(x_t) and the Adam
+    direction; then x_{t+1} = mix(x_t) - lr * direction. This object must be the only writer of the
+    peer's tensors: run_round installs its mix only when nothing was installed during the round, and
+    the mix is read back from the peer afterwards.
+    """
+
+    def __init__(self, trainer: Trainer, peer: GossipPeer) -> None:
+        self.trainer = trainer
+        self.peer = peer
+
+    async def step(self, round_index: int | None = None, plan_for: PlanFor | None = None) -> StepReport:
+        """One optimizer step; with a `round_index`, also gossip round `round_index`, whose plan
+        `plan_for` gives (awaited after this peer's tensors for the round are offered)."""
+        started = time.perf_counter()
+        if round_index is None:
+            stats = await self.trainer.train_step()
+            return StepReport(stats, time.perf_counter() - started)
+        if plan_for is None:
+            raise ValueError("a step with a round needs plan_for")
+        if self.trainer.config.optimizer.algorithm == "dadam":
+            await self._offer()
+            async with asyncio.TaskGroup() as group:
+                mixing = group.create_task(self._mix(round_index, plan_for))
+                computing = group.create_task(self.trainer.compute_update())
+            await self.trainer.apply_update(self.peer.tensors)
+            stats, report = computing.result(), mixing.result()
+        else:
+            stats = await self.trainer.train_step()
+            await self._offer()
+            report = await self._mix(round_index, plan_for)
+            await self.trainer.load_tensors(self.peer.tensors)
+        return StepReport(stats, time.perf_counter() - started, report)
+
+    async def _offer(self) -> None:
+        """Make the current parameters the peer's tensors: what this round sends and mixes."""
+        self.peer.set_tensors(await self.trainer.tensors(), step=self.trainer.step)
+
+    async def _mix(self, round_index: int, plan_for: PlanFor) -> RoundReport:
+        """Run the round on the offered tensors; the peer holds their mix afterwards."""
+        plan = await plan_for(round_index)
+        own = self.peer.tensors
+        outcome = await self.peer.run_round(round_index, plan)
+        distance = await asyncio.to_thread(consensus_distance, own, self.peer.tensors, plan.self_weight,
+                                           plan.in_weights, outcome.mixed_with)
+        return RoundReport(round_index, outcome, distance)
+
+    async def run(self, steps: int, plan_for: PlanFor,
+                  on_report: Callable[[StepReport], None] | None = None) -> list[StepReport]:
+        """`steps` steps with a round after every `local_steps`-th, numbered step // local_steps
+        (every node of a swarm that starts together agrees on the numbering); the local model is
+        evaluated after every `eval_every_rounds`-th round (StepReport.val_loss)."""
+        config = self.trainer.config
+        reports = []
+        for _ in range(steps):
+            step = self.trainer.step
+            round_index = step // config.optimizer.local_steps if config.optimizer.mixes_after(step) else None
+            report = await self.step(round_index, plan_for)
+            every = config.eval_every_rounds
+            if round_index is not None and every is not None and (round_index + 1) % every == 0:
+                report = replace(report, val_loss=await self.trainer.evaluate())
+            reports.append(report)
+            if on_report is not None:
+                on_report(report)
+        return reports
+
+
+class DsgdAlgorithm:
+    """D-SGD or DAdam in the daemon (node.swarm.algorithm.Algorithm): the main gossip peer runs the rounds."""
+
+    rejoins_when_left_behind = False
+    average: Average | None = None
+
+    def __init__(self, trainer: Trainer, peer: GossipPeer, recipe: TrainingRecipe) -> None:
+        self.trainer = trainer
+        self.peer = peer
+        self.recipe = recipe
+        self.gossip = GossipTrainer(trainer, peer)
+
+    async def start(self) -> None:
+        pass
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        yield
+
+    async def step(self, plan_for: PlanFor) -> StepReport:
+        """One step, with a gossip round after every H-th."""
+        step = self.trainer.step
+        optimizer = self.recipe.optimizer
+        round_index = step // optimizer.local_steps if optimizer.mixes_after(step) else None
+        return await self.gossip.step(round_index, plan_for)
+
+    async def rejoin(self, swarm_step: int, margin: int, catch_up: Callable[[], Awaitable[None]]) -> None:
+        await catch_up()
+
+    async def record_refusals(self, view: Sequence[SwarmRecord], step: int) -> dict[str, str]:
+        return {}
+
+    async def adopt_download(self, sources: Sequence[SwarmRecord]) -> None:
+        pass
+
+    async def publish_final(self) -> None:
+        """DAdam's peer holds the last mix before its update: offer the final parameters instead."""
+        self.peer.set_tensors(await self.trainer.tensors(), step=self.trainer.step)
+
+    async def adopt_merged(self, merged: dict[str, Any]) -> None:
+        await self.trainer.load_tensors(merged)
+
+    async def state(self) -> dict[str, Any]:
+        return await self.trainer.state()
+
+    def checkpoint_meta(self) -> dict[str, str]:
+        return {}
+
+    def show(self, status: TrainingStatus) -> None:
+        pass
+
+    def sections(self) -> dict[str, dict[str, Any]]:
+        return {}
+
+    def traffic(self) -> tuple[int, int]:
+        return 0, 0
+
+    def errors(self) -> dict[str, int]:
+        return {}
+
+
+__all__ = ["DsgdAlgorithm", "GossipTrainer"]
