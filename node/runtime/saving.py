@@ -76,7 +76,7 @@ async def _export_hf_average(runtime: NodeRuntime, tensors: Mapping[str, np.ndar
                              meta: Mapping[str, str | int | float]) -> None:
     """A Hugging Face model's swarm average is also written as a save_pretrained directory beside it
     (the previous one kept as .prev). A failure is logged and counted; the safetensors file stands."""
-    from node.swarm.export import recipe_of, replace_directory, tokenizer_bytes, write_export
+    from node.swarm.export import recipe_of, replace_directory, swarm_doc_of, tokenizer_bytes, write_export
 
     try:
         recipe = recipe_of(meta)
@@ -84,10 +84,12 @@ async def _export_hf_average(runtime: NodeRuntime, tensors: Mapping[str, np.ndar
             return
         data_dir = runtime.config.data_dir
         tokenizer = await asyncio.to_thread(tokenizer_bytes, recipe, data_dir)
-        manifest = {**{k: meta[k] for k in ("kind", "swarm", "config_hash", "min_step", "max_step", "val_loss")},
+        manifest = {**{k: meta[k] for k in ("kind", "swarm", "config_hash", "min_step", "max_step", "val_loss",
+                                             "written_by")},
                     "model": recipe.model, "peers": json.loads(str(meta["peers"]))}
+        swarm_doc = swarm_doc_of(meta)
         await asyncio.to_thread(replace_directory, data_dir / SWARM_AVERAGE_HF_DIR,
-                                lambda d: write_export(d, recipe, tensors, tokenizer, manifest), True)
+                                lambda d: write_export(d, recipe, tensors, tokenizer, manifest, swarm_doc), True)
     except (OSError, ValueError) as exc:
         runtime.count("swarm_average_export_failed")
         logger.error("swarm average not exported as a save_pretrained directory: %s", exc)
