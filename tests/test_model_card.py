@@ -36,7 +36,8 @@ def test_a_swarm_averages_card_names_its_peers_with_equal_shares_and_the_recipe(
                                   "--micro-batches", "2", "--topology", "ring", "--steps", "500"])
     manifest = {"kind": "average", "model": "moe", "swarm": "lab", "config_hash": "abc", "min_step": 90,
                 "max_step": 100, "peers": ["peer-b", "peer-a", "peer-c", "peer-d"], "val_loss": 2.5,
-                "written_by": "peer-b", "source": "/somewhere"}
+                "written_by": "peer-b", "source": "/somewhere",
+                "peer_steps": {"peer-a": 100, "peer-b": 95, "peer-c": 90, "peer-d": 99}}
     facts = ModelFacts("murmur's `moe`", 1234567, False, "bytes (256 ids, id = UTF-8 byte)")
     text = model_card(recipe, manifest, facts, doc)
     assert text == model_card(recipe, dict(manifest), facts, doc)  # deterministic
@@ -46,7 +47,7 @@ def test_a_swarm_averages_card_names_its_peers_with_equal_shares_and_the_recipe(
     for wanted in ("# moe, trained by the murmur swarm `lab`", "- parameters: 1,234,567", "- optimizer: `diloco`",
                    "- topology: `ring`", "- DiLoCo: inner", "- steps: 90-100 (the averaged peers' steps) of a budget of 500",
                    f"- tokens: {100 * 8 * 64 * 2:,} per node", "- config hash: `abc`", "- validation loss: 2.5000",
-                   "The swarm average over 4 peer(s), taken by `peer-b`", "| `peer-a` | 25.0% |",
+                   "The swarm average over 4 peer(s), taken by `peer-b`", "| `peer-a` | 100 | 25.0% |", "| `peer-c` | 90 | 25.0% |",
                    "murmur records no per-peer token counts"):
         assert wanted in body, wanted
     assert "/somewhere" not in text  # where the export was read from is not the model's business
@@ -59,7 +60,7 @@ def test_the_periodic_swarm_average_kind_is_an_average_too() -> None:
     facts = ModelFacts("LlamaForCausalLM", 10, True, "bytes")
     front, body = split_card(model_card(recipe, {"kind": "swarm-average", "min_step": 5, "max_step": 5,
                                                  "peers": ["x"], "swarm": "s", "config_hash": "h"}, facts, doc))
-    assert front["library_name"] == "transformers" and "| `x` | 100.0% |" in body and "- steps: 5 (no step budget)" in body
+    assert front["library_name"] == "transformers" and "| `x` | not recorded | 100.0% |" in body and "- steps: 5 (no step budget)" in body
     _, body = split_card(model_card(recipe, {"kind": "checkpoint", "step": None}, facts, None))
     assert "- tokens: unknown" in body and "This node only" in body
 

@@ -66,7 +66,8 @@ async def save_swarm_average(runtime: NodeRuntime, tensors: Mapping[str, np.ndar
     meta: dict[str, str | int | float] = {
         "kind": "swarm-average", **swarm_meta(runtime), "written_by": result.self_id, "written_at": time.time(),
         "val_loss": result.loss, "min_step": result.min_step, "max_step": result.max_step,
-        "peers": json.dumps([p.peer_id for p in result.included])}
+        "peers": json.dumps([p.peer_id for p in result.included]),
+        "peer_steps": json.dumps({p.peer_id: p.step for p in result.included})}  # each peer's step as pulled
     await asyncio.to_thread(save_checkpoint, path, tensors, meta)
     await _export_hf_average(runtime, tensors, meta)
     return str(path)
@@ -86,7 +87,8 @@ async def _export_hf_average(runtime: NodeRuntime, tensors: Mapping[str, np.ndar
         tokenizer = await asyncio.to_thread(tokenizer_bytes, recipe, data_dir)
         manifest = {**{k: meta[k] for k in ("kind", "swarm", "config_hash", "min_step", "max_step", "val_loss",
                                              "written_by")},
-                    "model": recipe.model, "peers": json.loads(str(meta["peers"]))}
+                    "model": recipe.model, "peers": json.loads(str(meta["peers"])),
+                    "peer_steps": json.loads(str(meta["peer_steps"]))}
         swarm_doc = swarm_doc_of(meta)
         await asyncio.to_thread(replace_directory, data_dir / SWARM_AVERAGE_HF_DIR,
                                 lambda d: write_export(d, recipe, tensors, tokenizer, manifest, swarm_doc), True)

@@ -205,6 +205,7 @@ def export_data_dir(data_dir: Path, destination: Path, source: ExportSource | No
                 "config_hash": meta.get("config_hash"), "step": meta.get("step", meta.get("max_step")),
                 "min_step": meta.get("min_step"), "max_step": meta.get("max_step"),
                 "peers": json.loads(str(meta["peers"])) if "peers" in meta else None,
+                "peer_steps": json.loads(str(meta["peer_steps"])) if "peer_steps" in meta else None,
                 "val_loss": meta.get("val_loss"), "written_by": meta.get("written_by"),
                 "source": str(data_dir.absolute())}
     tensors = parameters_of(kind, checkpoint)

@@ -3,7 +3,8 @@ model was made — model, data, algorithm, training, contributors — from the e
 swarm's config document and what the exported file records), so the same inputs give the same card
 (docs/training.md, "Export").
 
-Contributors: a swarm average names the peers it averaged (each weighs 1/N in the uniform average);
+Contributors: a swarm average names the peers it averaged (each weighs 1/N in the uniform average)
+and, when written by this murmur, each one's step as pulled;
 a node's checkpoint names no peer. No file records per-peer tokens, so the card says so.
 """
 
@@ -86,10 +87,13 @@ def _contributors(manifest: Mapping[str, Any]) -> list[str]:
         ids = [str(p) for p in peers]
         share = 100.0 / len(ids)
         writer = manifest.get("written_by")
+        raw_steps = manifest.get("peer_steps")
+        steps = {str(k): v for k, v in raw_steps.items()} if isinstance(raw_steps, Mapping) else {}
         lines = [f"The swarm average over {len(ids)} peer(s), taken by "
                  + (f"`{writer}`" if writer else "the exporting node") + ":", "",
-                 "| peer | share of the average |", "| --- | --- |"]
-        lines += [f"| `{p}` | {share:.1f}% |" for p in ids]
+                 "| peer | step when averaged | share of the average |", "| --- | --- | --- |"]
+        lines += [f"| `{p}` | {_int(steps.get(p)) if _int(steps.get(p)) is not None else 'not recorded'} | {share:.1f}% |"
+                  for p in ids]
         lines += ["", "Each peer's parameters weigh 1/N in the uniform average (with SPES, the shared weights; "
                   "each expert is averaged over its owners)."]
         return lines
