@@ -62,6 +62,22 @@ def write_node_checkpoint(data_dir: Path, model_name: str, corpus: Corpus, token
     return model
 
 
+class Card:
+    def __init__(self, front: dict, body: str) -> None:
+        self.front, self.body = front, body
+
+
+def read_card(directory: Path) -> Card:
+    """An export's README.md: its YAML front matter (parsed) and the Markdown after it."""
+    yaml = pytest.importorskip("yaml")
+    text = (directory / "README.md").read_text(encoding="utf-8")
+    assert text.startswith("---\n")
+    front, body = text[4:].split("\n---\n", 1)
+    parsed = yaml.safe_load(front)
+    assert isinstance(parsed, dict)
+    return Card(parsed, body)
+
+
 def murmur_export(data_dir: Path, out: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([MURMUR, "export", "--data-dir", str(data_dir), "--from", "checkpoint", "--to", str(out)],
                           capture_output=True, text=True, timeout=300)
@@ -77,7 +93,8 @@ def test_murmur_export_writes_an_embedded_models_checkpoint_as_safetensors(tmp_p
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == (f"murmur export: wrote this node's checkpoint of swarm 'exported' (moe, step 3) "
                                    f"to {tmp_path / 'out'}")
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors", "murmur.json"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "README.md", "config.json", "model.safetensors", "murmur.json", "tokenizer.json", "tokenizer_config.json"]
     weights = load_file(str(tmp_path / "out" / "model.safetensors"))
     trained = {n: p.detach().numpy() for n, p in model.named_parameters()}
     assert weights.keys() == trained.keys()
@@ -92,6 +109,14 @@ def test_murmur_export_writes_an_embedded_models_checkpoint_as_safetensors(tmp_p
         torch.testing.assert_close(rebuilt.eval()(ids)[0], model.eval()(ids)[0], atol=0, rtol=0)
     manifest = json.loads((tmp_path / "out" / "murmur.json").read_text())
     assert manifest["kind"] == "checkpoint" and manifest["step"] == 3 and manifest["config_hash"] == "cafe"
+    # the byte vocabulary comes as a tokenizer AutoTokenizer loads, though transformers cannot load the model
+    from transformers import AutoTokenizer
+
+    text = "Grüße, 日本 🎉"
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    assert hf_tokenizer(text)["input_ids"] == list(text.encode("utf-8"))
+    card = read_card(tmp_path / "out")
+    assert "library_name" not in card.front and "murmur" in card.front["tags"] and "`moe`" in card.body
 
 
 def test_murmur_export_writes_an_hf_presets_checkpoint_that_transformers_loads(tmp_path, corpus: Corpus) -> None:
@@ -115,3 +140,40 @@ def test_murmur_export_writes_an_hf_presets_checkpoint_that_transformers_loads(t
     with torch.no_grad():
         np.testing.assert_allclose(loaded.eval()(input_ids=ids).logits.numpy(), model.eval()(ids)[0].numpy(),
                                    atol=1e-5, rtol=0)
+
+
+def test_a_byte_vocabulary_hf_export_carries_a_tokenizer_and_a_model_card(tmp_path, corpus: Corpus) -> None:
+    """`murmur node --model hf-tiny-llama` without --tokenizer trains on bytes: its export's tokenizer
+    gives murmur's byte ids, round-trips non-ASCII text and decodes what the exported model generates;
+    README.md says how the model was made."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = write_node_checkpoint(tmp_path / "node", "hf-tiny-llama", corpus)
+    done = murmur_export(tmp_path / "node", tmp_path / "out")
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = tmp_path / "out"
+    assert {"README.md", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(out))
+    text = "Nora found the lantern — grüße, naïve café, 日本語 🎉\n"
+    ids = hf_tokenizer(text)["input_ids"]
+    assert ids == list(text.encode("utf-8")) and hf_tokenizer.decode(ids) == text
+    loaded = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    prompt = hf_tokenizer("Nora found", return_tensors="pt")
+    with torch.no_grad():
+        np.testing.assert_allclose(loaded(input_ids=prompt.input_ids).logits.numpy(),
+                                   model.eval()(prompt.input_ids)[0].numpy(), atol=1e-5, rtol=0)
+        generated = loaded.generate(**prompt, max_new_tokens=8, do_sample=False)
+    assert generated.shape == (1, prompt.input_ids.shape[1] + 8)  # no EOS in the byte vocabulary: all 8 come
+    assert hf_tokenizer.decode(generated[0]).startswith("Nora found")
+
+    card = read_card(out)
+    assert card.front["library_name"] == "transformers"
+    assert {"murmur", "decentralized-training", "dadam", "hf-tiny-llama"} <= set(card.front["tags"])
+    for wanted in ("# hf-tiny-llama, trained by the murmur swarm `exported`", "LlamaForCausalLM",
+                   "## Data", "- optimizer: `dadam`", "- topology: `one-peer-exp`", "- steps: 3",
+                   f"- tokens: {3 * 16 * 128:,} per node", "- config hash: `cafe`", "## Contributors",
+                   "This node only", "bytes (256 ids"):
+        assert wanted in card.body, wanted
+    # deterministic: the same inputs give the same card
+    again = murmur_export(tmp_path / "node", tmp_path / "again")
+    assert again.returncode == 0 and (tmp_path / "again" / "README.md").read_text() == (out / "README.md").read_text()

@@ -272,6 +272,8 @@ def test_an_hf_moe_export_loads_in_transformers_with_the_averages_logits(tmp_pat
     ids = hf_tokenizer("Nora found the little lantern", return_tensors="pt").input_ids
     with torch.no_grad():
         np.testing.assert_allclose(loaded(input_ids=ids).logits.numpy(), model(ids)[0].numpy(), atol=1e-5, rtol=0)
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "MixtralForCausalLM" in card and "| `a` | not recorded | 50.0% |" in card and "| `b` | not recorded | 50.0% |" in card
     with pytest.raises(FileExistsError):
         export_data_dir(tmp_path, tmp_path / "out")
     export_data_dir(tmp_path, tmp_path / "out", force=True)

@@ -223,6 +223,8 @@ def test_a_saved_average_is_the_model_evaluated_and_a_failed_write_is_reported(c
         assert written.meta["kind"] == "swarm-average" and written.meta["swarm"] == "test"
         assert (written.meta["min_step"], written.meta["max_step"]) == (7, 12)
         assert json.loads(written.meta["peers"]) == ["me", "peer-a", "peer-b"]
+        steps = json.loads(written.meta["peer_steps"])  # each peer's step as pulled (the export's model card)
+        assert list(steps) == ["me", "peer-a", "peer-b"] and (min(steps.values()), max(steps.values())) == (7, 12)
         assert failed.saved is None and "a-file" in failed.save_error  # mkdir: it exists, as a file
         assert failed.loss == pytest.approx(result.loss, rel=1e-6)  # the evaluation itself still answered
         assert counted == ["swarm_average_save_failed"]

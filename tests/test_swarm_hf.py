@@ -99,6 +99,8 @@ def test_three_nodes_train_hf_tiny_llama_with_a_trained_tokenizer_and_export_wha
 
     average = load_checkpoint(founder.data_dir / SWARM_AVERAGE_FILE)
     assert average is not None and sorted(json.loads(average.meta["peers"])) == sorted(n.peer_id for n in nodes)
+    card = (exported / "README.md").read_text()  # the model card lists every averaged peer with its step
+    assert all(f"| `{n.peer_id}` | {STEPS} | 33.3% |" in card for n in nodes), card
     recipe = SwarmSettings.from_doc(json.loads(average.meta["swarm_config"])).training
     assert recipe is not None and recipe.tokenizer is not None and recipe.model_config["vocab_size"] == 512
 

@@ -18,9 +18,10 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     export = commands.add_parser(
         Command.EXPORT, help="write the swarm's model as a directory transformers (or safetensors) loads",
         description="Write a swarm's model to --to DIR: for a Hugging Face model a save_pretrained directory "
-        "(config, model.safetensors, the swarm's tokenizer) that AutoModelForCausalLM and AutoTokenizer load; for "
-        "the embedded models model.safetensors with one tensor per parameter and config.json (docs/training.md, "
-        "\"Export\"). From a node's --data-dir (its swarm average if written, else its checkpoint; --from picks), or "
+        "(config, model.safetensors, the tokenizer) that AutoModelForCausalLM and AutoTokenizer load; for "
+        "the embedded models model.safetensors with one tensor per parameter and config.json; every export with a "
+        "tokenizer AutoTokenizer loads (the byte vocabulary if the swarm has no tokenizer file), murmur.json and "
+        "README.md, a model card (docs/training.md, \"Export\"). From a node's --data-dir (its swarm average if written, else its checkpoint; --from picks), or "
         "from a running node's monitor (--url), which first pulls and writes the swarm average.")
     export.add_argument("--to", type=Path, required=True, metavar="DIR", help="the directory to write (must not exist, "
                         "or be empty, unless --force)")

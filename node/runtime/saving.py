@@ -66,7 +66,8 @@ async def save_swarm_average(runtime: NodeRuntime, tensors: Mapping[str, np.ndar
     meta: dict[str, str | int | float] = {
         "kind": "swarm-average", **swarm_meta(runtime), "written_by": result.self_id, "written_at": time.time(),
         "val_loss": result.loss, "min_step": result.min_step, "max_step": result.max_step,
-        "peers": json.dumps([p.peer_id for p in result.included])}
+        "peers": json.dumps([p.peer_id for p in result.included]),
+        "peer_steps": json.dumps({p.peer_id: p.step for p in result.included})}  # each peer's step as pulled
     await asyncio.to_thread(save_checkpoint, path, tensors, meta)
     await _export_hf_average(runtime, tensors, meta)
     return str(path)
@@ -76,7 +77,7 @@ async def _export_hf_average(runtime: NodeRuntime, tensors: Mapping[str, np.ndar
                              meta: Mapping[str, str | int | float]) -> None:
     """A Hugging Face model's swarm average is also written as a save_pretrained directory beside it
     (the previous one kept as .prev). A failure is logged and counted; the safetensors file stands."""
-    from node.swarm.export import recipe_of, replace_directory, tokenizer_bytes, write_export
+    from node.swarm.export import recipe_of, replace_directory, swarm_doc_of, tokenizer_bytes, write_export
 
     try:
         recipe = recipe_of(meta)
@@ -84,10 +85,13 @@ async def _export_hf_average(runtime: NodeRuntime, tensors: Mapping[str, np.ndar
             return
         data_dir = runtime.config.data_dir
         tokenizer = await asyncio.to_thread(tokenizer_bytes, recipe, data_dir)
-        manifest = {**{k: meta[k] for k in ("kind", "swarm", "config_hash", "min_step", "max_step", "val_loss")},
-                    "model": recipe.model, "peers": json.loads(str(meta["peers"]))}
+        manifest = {**{k: meta[k] for k in ("kind", "swarm", "config_hash", "min_step", "max_step", "val_loss",
+                                             "written_by")},
+                    "model": recipe.model, "peers": json.loads(str(meta["peers"])),
+                    "peer_steps": json.loads(str(meta["peer_steps"]))}
+        swarm_doc = swarm_doc_of(meta)
         await asyncio.to_thread(replace_directory, data_dir / SWARM_AVERAGE_HF_DIR,
-                                lambda d: write_export(d, recipe, tensors, tokenizer, manifest), True)
+                                lambda d: write_export(d, recipe, tensors, tokenizer, manifest, swarm_doc), True)
     except (OSError, ValueError) as exc:
         runtime.count("swarm_average_export_failed")
         logger.error("swarm average not exported as a save_pretrained directory: %s", exc)

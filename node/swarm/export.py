@@ -6,9 +6,13 @@
   per-expert parameters murmur trains are stacked back into transformers' fused expert tensors.
 - The embedded GPT (or a user model): model.safetensors with one tensor per `named_parameters()`
   name in its own shape (float32), config.json ({"murmur_model": name, "config": the GPT's
-  ModelConfig fields, "vocab": "bytes" or "tokenizer.json"}) and the tokenizer.json if the swarm has one.
+  ModelConfig fields, "vocab": "bytes" or "tokenizer.json"}), the swarm's tokenizer.json (its exact
+  bytes) and tokenizer_config.json.
 
-Every export also writes murmur.json: what was exported (kind, swarm, config hash, steps, peers).
+A swarm without a tokenizer file trains on bytes (id = UTF-8 byte): its export carries that byte
+vocabulary as a tokenizer.json (node.train.tokenizer.byte_tokenizer_json), so `AutoTokenizer` loads
+every export. Every export also writes murmur.json: what was exported (kind, swarm, config hash,
+steps, peers), and README.md, its model card (node.swarm.model_card).
 A directory is written beside its destination, fsynced and renamed into place
 (node.train.durable.replace_directory); an existing one is kept as `<dir>.prev` (the periodic
 swarm-average export), replaced only once the new one is complete (`murmur export --force`: swapped
@@ -28,10 +32,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from node.swarm.model_card import CARD_FILE, ModelFacts, model_card
 from node.swarm.recipe import SwarmSettings, TrainingRecipe, embedded_options
 from node.train.checkpoint import CHECKPOINT_FILE, SWARM_AVERAGE_FILE, Checkpoint, load_checkpoint
 from node.train.durable import replace_directory
-from node.train.tokenizer import EOS, BpeTokenizer, cache_path
+from node.train.tokenizer import EOS, BpeTokenizer, byte_tokenizer_json, cache_path
 
 MODEL_FILE = "model.safetensors"
 MANIFEST_FILE = "murmur.json"
@@ -102,18 +107,29 @@ def _load_into(model: nn.Module, tensors: Mapping[str, np.ndarray]) -> None:
             p.copy_(torch.from_numpy(value.reshape(p.shape)))
 
 
-def _write_tokenizer(directory: Path, data: bytes, model_config: Any | None = None) -> None:
+def _write_tokenizer(directory: Path, data: bytes | None, model_config: Any | None = None) -> None:
+    """tokenizer.json and tokenizer_config.json that AutoTokenizer loads: the swarm's BPE file (its
+    special tokens all EOS), or with None the byte vocabulary (no special token: the byte tokenizer has none)."""
     from tokenizers import Tokenizer
 
     from node.train.models.hf import transformers_module
 
-    tokenizer = transformers_module().PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(data.decode("utf-8")), eos_token=EOS,
-                                        bos_token=EOS, unk_token=EOS, pad_token=EOS)
+    fast = transformers_module().PreTrainedTokenizerFast
+    if data is None:
+        tokenizer = fast(tokenizer_object=Tokenizer.from_str(byte_tokenizer_json().decode("utf-8")))
+    else:
+        tokenizer = fast(tokenizer_object=Tokenizer.from_str(data.decode("utf-8")), eos_token=EOS, bos_token=EOS,
+                         unk_token=EOS, pad_token=EOS)
     tokenizer.model_max_length = int(getattr(model_config, "max_position_embeddings", 0) or 0) or tokenizer.model_max_length
     tokenizer.save_pretrained(str(directory))
 
 
-def _write_hf(directory: Path, recipe: TrainingRecipe, tensors: Mapping[str, np.ndarray], tokenizer: bytes | None) -> None:
+def _vocabulary(recipe: TrainingRecipe) -> str:
+    t = recipe.tokenizer
+    return "bytes (256 ids, id = UTF-8 byte)" if t is None else f"BPE, {t.vocab_size} tokens (tokenizer sha256 `{t.sha256}`)"
+
+
+def _write_hf(directory: Path, recipe: TrainingRecipe, tensors: Mapping[str, np.ndarray], tokenizer: bytes | None) -> ModelFacts:
     from node.train.models.experts import fuse_state_dict
     from node.train.models.hf import build_hf_model, hf_config, transformers_module
 
@@ -131,11 +147,13 @@ def _write_hf(directory: Path, recipe: TrainingRecipe, tensors: Mapping[str, np.
     if tokenizer is not None:
         fresh.generation_config.eos_token_id = fresh.generation_config.pad_token_id = config.eos_token_id
     fresh.save_pretrained(str(directory), safe_serialization=True)
-    if tokenizer is not None:
-        _write_tokenizer(directory, tokenizer, config)
+    _write_tokenizer(directory, tokenizer, config)
+    architecture = ", ".join(getattr(fresh.config, "architectures", None) or [type(fresh).__name__])
+    return ModelFacts(f"{architecture} (`{config.model_type}`, {config.num_hidden_layers} layers, hidden size "
+                      f"{config.hidden_size})", sum(p.numel() for p in fresh.parameters()), True, _vocabulary(recipe))
 
 
-def _write_plain(directory: Path, recipe: TrainingRecipe, tensors: Mapping[str, np.ndarray], tokenizer: bytes | None) -> None:
+def _write_plain(directory: Path, recipe: TrainingRecipe, tensors: Mapping[str, np.ndarray], tokenizer: bytes | None) -> ModelFacts:
     from node.train.checkpoint import write_safetensors
     from node.train.models import build_named_model
 
@@ -145,21 +163,35 @@ def _write_plain(directory: Path, recipe: TrainingRecipe, tensors: Mapping[str, 
     with open(directory / MODEL_FILE, "wb") as f:
         write_safetensors(f, shaped, {"format": "pt", "murmur_model": recipe.model})
     model_config: Any = getattr(model, "config", None)
-    config = {"murmur_model": recipe.model, "config": model_config.to_dict() if hasattr(model_config, "to_dict") else None,
+    fields: dict[str, Any] | None = model_config.to_dict() if hasattr(model_config, "to_dict") else None
+    config = {"murmur_model": recipe.model, "config": fields,
               "vocab": "tokenizer.json" if tokenizer is not None else "bytes"}
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _write_tokenizer(directory, tokenizer, None)
     if tokenizer is not None:
-        (directory / "tokenizer.json").write_bytes(tokenizer)
+        (directory / "tokenizer.json").write_bytes(tokenizer)  # the swarm's own bytes: its sha256 is the config's
+    described = ", ".join(f"{k} {v}" for k, v in (fields or {}).items() if k in ("layers", "width", "heads", "experts"))
+    return ModelFacts(f"murmur's `{recipe.model}` (node.train.models)" + (f": {described}" if described else ""),
+                      sum(p.numel() for p in model.parameters()), False, _vocabulary(recipe))
 
 
 def write_export(directory: Path, recipe: TrainingRecipe, tensors: Mapping[str, np.ndarray], tokenizer: bytes | None,
-                 manifest: Mapping[str, Any]) -> None:
-    """Fill `directory` (existing, empty) with the export of `tensors` (flat float32 per parameter name)."""
+                 manifest: Mapping[str, Any], swarm_doc: Mapping[str, Any] | None = None) -> None:
+    """Fill `directory` (existing, empty) with the export of `tensors` (flat float32 per parameter name);
+    `swarm_doc`, the swarm's config document, gives the model card its gossip settings."""
     if recipe.model_config is not None:
-        _write_hf(directory, recipe, tensors, tokenizer)
+        facts = _write_hf(directory, recipe, tensors, tokenizer)
     else:
-        _write_plain(directory, recipe, tensors, tokenizer)
+        facts = _write_plain(directory, recipe, tensors, tokenizer)
     (directory / MANIFEST_FILE).write_text(json.dumps(dict(manifest), indent=2, default=str) + "\n")
+    (directory / CARD_FILE).write_text(model_card(recipe, manifest, facts, swarm_doc), encoding="utf-8")
+
+
+def swarm_doc_of(meta: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The swarm config document a checkpoint's or swarm average's meta carries, if any."""
+    raw = meta.get("swarm_config")
+    doc = json.loads(str(raw)) if raw is not None else None
+    return doc if isinstance(doc, dict) else None
 
 
 def export_data_dir(data_dir: Path, destination: Path, source: ExportSource | None = None,
@@ -173,14 +205,18 @@ def export_data_dir(data_dir: Path, destination: Path, source: ExportSource | No
                 "config_hash": meta.get("config_hash"), "step": meta.get("step", meta.get("max_step")),
                 "min_step": meta.get("min_step"), "max_step": meta.get("max_step"),
                 "peers": json.loads(str(meta["peers"])) if "peers" in meta else None,
-                "val_loss": meta.get("val_loss"), "source": str(data_dir.absolute())}
+                "peer_steps": json.loads(str(meta["peer_steps"])) if "peer_steps" in meta else None,
+                "val_loss": meta.get("val_loss"), "written_by": meta.get("written_by"),
+                "source": str(data_dir.absolute())}
     tensors = parameters_of(kind, checkpoint)
-    replace_directory(destination, lambda d: write_export(d, recipe, tensors, tokenizer, manifest),
+    swarm_doc = swarm_doc_of(meta)
+    replace_directory(destination, lambda d: write_export(d, recipe, tensors, tokenizer, manifest, swarm_doc),
                       keep_previous=False, force=force)
     return kind, manifest
 
 
 __all__ = [
+    "CARD_FILE",
     "MANIFEST_FILE",
     "MODEL_FILE",
     "ExportFailed",
@@ -189,6 +225,7 @@ __all__ = [
     "read_source",
     "recipe_of",
     "replace_directory",
+    "swarm_doc_of",
     "tokenizer_bytes",
     "write_export",
 ]

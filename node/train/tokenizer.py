@@ -164,6 +164,27 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out: Path, min_frequency: i
     return spec_of(data)
 
 
+def _byte_to_char() -> dict[int, str]:
+    """GPT-2's printable stand-in for each byte (the characters of `tokenizers`' ByteLevel alphabet)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    shifted = [b for b in range(256) if b not in kept]
+    return {**{b: chr(b) for b in kept}, **{b: chr(256 + i) for i, b in enumerate(shifted)}}
+
+
+def byte_tokenizer_json() -> bytes:
+    """The byte tokenizer (ByteTokenizer: id = UTF-8 byte, 256 ids, no special token) as a `tokenizers`
+    tokenizer.json, for tools that load one (`murmur export`): a ByteLevel pre-tokenizer without its
+    split regex turns the text into one stand-in character per byte, and a BPE without merges gives each
+    stand-in its byte's id; the ByteLevel decoder turns ids back into the bytes' text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {char: b for b, char in _byte_to_char().items()}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer.to_str().encode("utf-8")
+
+
 @dataclass(frozen=True)
 class SwarmTokenizer:
     """The tokenizer a node trains with: the swarm's BPE file (bytes) or the byte tokenizer (None)."""
@@ -183,6 +204,7 @@ __all__ = [
     "TextTokenizer",
     "TokenizerInvalid",
     "TokenizerSpec",
+    "byte_tokenizer_json",
     "cache_path",
     "find_local",
     "read_tokenizer_file",
