@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -114,6 +115,24 @@ def distinct_keys(count: int) -> list[RSAPrivateKey]:
             assert n.bit_length() == 2048, n.bit_length()
             keys.append(_hivemind_key(numbers.private_key(unsafe_skip_rsa_key_validation=True)))
     return keys
+
+
+def large_exponent_key(exponent_bits: int = 1024, primes: tuple[int, int] | None = None) -> RSAPrivateKey:
+    """A 2048-bit RSA key whose public exponent has `exponent_bits` bits instead of 65537's 17: a verify
+    with it costs about exponent_bits / 17 times an ordinary one, its signing no more. From a generated
+    key's primes (or `primes`), with the smallest exponent of that size coprime to (p - 1)(q - 1)."""
+    if primes is None:
+        numbers = rsa.generate_private_key(public_exponent=65537, key_size=2048).private_numbers()
+        primes = (numbers.p, numbers.q)
+    p, q = primes
+    phi = (p - 1) * (q - 1)
+    e = (1 << (exponent_bits - 1)) + 1
+    while math.gcd(e, phi) != 1:
+        e += 2
+    d = pow(e, -1, phi)
+    private = rsa.RSAPrivateNumbers(p, q, d, rsa.rsa_crt_dmp1(d, p), rsa.rsa_crt_dmq1(d, q), rsa.rsa_crt_iqmp(p, q),
+                                    rsa.RSAPublicNumbers(e, p * q))
+    return _hivemind_key(private.private_key(unsafe_skip_rsa_key_validation=True))
 
 
 def _marker(key: RSAPrivateKey) -> bytes:
