@@ -29,8 +29,8 @@ FLOOD_ENTRIES = 600  # per request: ~600 KB; half of them one entry repeated
 FLOOD_DURATION_S = 12.0
 FLOOD_EVERY_S = 0.5
 TICK_S = 0.1
-# generous (~0.1 s measured with the guard on a loaded 2-core machine; 1.6 s with neither the guard nor the
-# exponent check, when each verify costs ~8 ms on the loop)
+# generous (0.08 s measured on a loaded 2-core machine; 0.1 s with the guard but not the exponent check,
+# whose verify thread then spends ~1 s per request; 1.6 s with neither, each ~8 ms verify on the loop)
 MAX_LOOP_LAG_S = 1.0
 
 
