@@ -32,7 +32,9 @@ from hivemind.p2p import P2P
 from hivemind.utils.timed_storage import get_dht_time
 
 from node.net.admission import Admission
+from node.net.dht_guard import StoreGuard
 from node.net.founder import ConfigRefused, NotAdmitted, SwarmConfig, verify_config
+from node.net.hivemind_adapter import guard_dht_node
 from node.net.identity import Identity
 from node.net.records import (
     MAX_MADDRS,
@@ -191,6 +193,7 @@ class Discovery:
             heartbeat=0.0,
         )
         self._dht: DHTNode | None = None
+        self._guard: StoreGuard | None = None  # answers the DHT's store RPC (node.net.dht_guard)
         self._runner: asyncio.Task[None] | None = None
         self._last_expiration = -math.inf
         self._view: tuple[PeerRecord, ...] = ()
@@ -253,6 +256,7 @@ class Discovery:
                     wait_timeout=self._settings.rpc_timeout_s,
                     bootstrap_timeout=self._settings.rpc_timeout_s,
                 )
+                self._guard = await guard_dht_node(self._dht, self.refused)
                 maddrs = tuple(str(addr) for addr in await self._p2p.get_visible_maddrs())
         except TimeoutError:
             await self._shutdown_dht()
@@ -329,6 +333,8 @@ class Discovery:
         self._changed.set()  # wake subscribers so they see the end
 
     async def _shutdown_dht(self) -> None:
+        if self._guard is not None:
+            self._guard.close()
         if self._dht is None:
             return
         try:

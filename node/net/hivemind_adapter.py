@@ -1,6 +1,7 @@
-"""The one place that works around what hivemind 1.1.12 and its bundled p2pd get wrong for NAT traversal.
+"""The one place that works around what hivemind 1.1.12 and its bundled p2pd get wrong for NAT traversal,
+and where murmur's DHT store guard (node.net.dht_guard) replaces hivemind's store handler (5).
 
-Each workaround has its test in tests/test_hivemind_adapter.py (docs/architecture.md, "Reachability"):
+Workarounds 1-4 have their tests in tests/test_hivemind_adapter.py (docs/architecture.md, "Reachability"):
 
 1. **relay discovery**: with `-autoRelay`, p2pd waits about 3 minutes before reserving a relay slot
    unless it gets `-relayDiscovery=0`, which `P2P.create` does not expose: `daemon_class` gives p2pd
@@ -20,6 +21,11 @@ Each workaround has its test in tests/test_hivemind_adapter.py (docs/architectur
 4. **`/p2p/` encoding**: hivemind's bundled `Multiaddr` encodes `/p2p/<id>` as a CIDv1, which p2pd's
    `connect` rejects inside relayed addresses ("length greater than remaining number of bytes"):
    `maddr_bytes` encodes with the `multiaddr` package, whose `/p2p/` is the raw multihash p2pd expects.
+5. **the DHT's store RPC**: `DHTNode.create` builds its `DHTProtocol` itself and registers its handlers
+   with p2pd at once; it takes no protocol class. p2pd's client looks a unary handler up by name on each
+   request, so `guard_dht_node` swaps the node's storages for bounded ones and replaces the
+   `DHTProtocol.rpc_store` handler (same name, so peers see no difference) by `StoreGuard.rpc_store`.
+   Before that, for the few seconds `DHTNode.create` bootstraps, hivemind's own handler answers.
 """
 
 from __future__ import annotations
@@ -30,7 +36,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import multiaddr
+from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P
+from hivemind.proto import dht_pb2
+from hivemind.utils.auth import AuthRole, AuthRPCWrapper
+
+from node.net.dht_guard import BoundedStorage, StoreGuard
+from node.net.validation import RefusalCounts
 
 CIRCUIT = "/p2p-circuit"
 # p2pd's default relay service (go-libp2p's relay.DefaultResources): what a circuit carries through a
@@ -124,3 +136,19 @@ def maddr_bytes(maddr: str) -> bytes:
         return bytes(multiaddr.Multiaddr(maddr).to_bytes())
     except Exception as exc:  # py-multiaddr raises its own StringParseError (a ValueError) and others
         raise ValueError(f"bad multiaddr {maddr!r}: {exc}") from None
+
+
+async def guard_dht_node(node: DHTNode, refused: RefusalCounts, **bounds: Any) -> StoreGuard:
+    """Bound `node`'s local storage and cache, and answer its store RPC with a `StoreGuard` (workaround
+    5); `bounds` go to BoundedStorage. Close the guard when the node shuts down."""
+    protocol = node.protocol
+    protocol.storage = BoundedStorage.adopt(protocol.storage, refused, **bounds)
+    protocol.cache = BoundedStorage.adopt(protocol.cache, refused, **bounds)
+    guard = StoreGuard(protocol, refused)
+    if not protocol.client_mode:  # a client serves no RPCs
+        name = type(protocol)._get_handle_name(None, "rpc_store")
+        handler = guard.rpc_store if protocol.authorizer is None else \
+            AuthRPCWrapper(guard, AuthRole.SERVICER, protocol.authorizer).rpc_store
+        await protocol.p2p.remove_protobuf_handler(name)
+        await protocol.p2p.add_protobuf_handler(name, handler, dht_pb2.StoreRequest)
+    return guard

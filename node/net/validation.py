@@ -2,8 +2,9 @@
 must be before it is stored or taken from another node (hivemind calls them on both).
 
 - Every key (`DhtRules`, the only rules a bootstrap, which knows no swarm, can apply): the value sits
-  in a subkey that names its owner's RSA key (of at least 2048 bits, as every libp2p peer id has) and
-  carries that owner's signature (hivemind's RSASignatureValidator checks it), so no plain value is
+  in a subkey that names its owner's RSA key (of at least 2048 bits, as every libp2p peer id has, at
+  most MAX_OWNER_KEY_BITS, with the public exponent 65537: checked before any signature, so no key makes
+  a verify dearer than an ordinary peer's) and carries that owner's signature (hivemind's RSASignatureValidator checks it), so no plain value is
   kept anywhere; it is at most MAX_DHT_VALUE_BYTES; it expires at most MAX_CONFIG_TTL_S (plus clock
   skew) from now.
 - A swarm's own keys (`SwarmRules`, on that swarm's nodes): `<swarm>.peers` holds a peer record or a
@@ -21,9 +22,13 @@ from __future__ import annotations
 
 import collections
 import enum
+import functools
 import logging
+import threading
 from dataclasses import dataclass, field
 
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
@@ -33,7 +38,6 @@ from hivemind.utils.timed_storage import get_dht_time
 from node.net.admission import Admission
 from node.net.founder import MAX_CONFIG_BYTES as _MAX_CONFIG_DOC_BYTES
 from node.net.founder import ConfigRefused, NotAdmitted, verify_config
-from node.net.identity import owner_key_bits
 from node.net.records import (
     MAX_EXPERT_RECORDS_BYTES,
     MAX_RECORD_BYTES,
@@ -61,6 +65,12 @@ MAX_CONFIG_TTL_S = 2 * CONFIG_TTL_S
 MAX_LOGGED_PEERS = 1024  # refused records are logged once per peer, for this many peers
 MAX_DHT_VALUE_BYTES = MAX_EXPERT_RECORDS_BYTES + 8192  # the largest murmur value, with signature and framing
 _MAX_CONFIG_VALUE_BYTES = _MAX_CONFIG_DOC_BYTES + 16384
+# An RSA verify costs about e's bit length times the modulus' size squared: a key of exponent 2^k + 1 or an
+# 8192-bit modulus makes one verify tens of times dearer. murmur's identities (node.net.identity) and
+# hivemind's are 2048-bit keys with e = 65537, as almost every libp2p peer's; 4096 leaves room for peers
+# that chose a longer key and bounds a verify at about 4x a 2048-bit one.
+MAX_OWNER_KEY_BITS = 4096
+OWNER_KEY_EXPONENT = 65537
 
 
 class RecordRefusal(enum.StrEnum):
@@ -68,13 +78,31 @@ class RecordRefusal(enum.StrEnum):
 
     UNSIGNED = "unsigned"  # no single owner key in the subkey: a plain value
     WEAK_KEY = "weak_key"  # an owner key no libp2p peer could have (RSA under 2048 bits)
+    ODD_KEY = "odd_key"  # RSA over MAX_OWNER_KEY_BITS or with another exponent than 65537: a dear verify
     TOO_LARGE = "too_large"
     EXPIRATION = "expiration"  # expires further ahead than the key's time to live allows
     MALFORMED = "malformed"  # not a record of the key's schema
     BAD_ADDRESS = "bad_address"  # a peer record with an address no dialer takes (node.net.records.check_maddr)
     NOT_OWNER = "not_owner"  # a record about another peer than the subkey's owner
     NOT_MEMBER = "not_member"  # a record that proves no membership in a key or allowlist swarm
+    DUPLICATE = "duplicate"  # an entry repeated in one store request: dropped unvalidated (node.net.dht_guard)
+    OVER_BUDGET = "over_budget"  # beyond MAX_VALIDATED_PER_STORE entries of one store request, unvalidated
+    STORAGE_FULL = "storage_full"  # a new entry beyond the local storage's bound (node.net.dht_guard)
     CONFIG = "config"  # a config that is not the founder's, or outside the recipe's bounds (see ConfigRefusal)
+
+
+@functools.lru_cache(maxsize=4096)
+def owner_key_shape(ssh_public_key: bytes) -> tuple[int, int]:
+    """(modulus bits, public exponent) of an OpenSSH-encoded RSA key, read without any RSA operation
+    (cached per key: a flood repeats its keys); ValueError for anything that is not an RSA public key."""
+    try:
+        key = serialization.load_ssh_public_key(ssh_public_key)
+    except Exception as exc:  # cryptography raises ValueError, and UnsupportedAlgorithm for other key types
+        raise ValueError(f"not an OpenSSH public key: {exc}") from None
+    if not isinstance(key, rsa.RSAPublicKey):
+        raise ValueError("not an RSA public key")
+    numbers = key.public_numbers()
+    return key.key_size, numbers.e
 
 
 @dataclass
@@ -83,9 +111,12 @@ class RefusalCounts:
 
     counts: collections.Counter[str] = field(default_factory=collections.Counter)
     logged: set[str] = field(default_factory=set)  # peers whose refused records were logged (bounded)
+    # validators also run on the DHT's verify thread (node.net.dht_guard): one count at a time
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def refuse(self, reason: str) -> bool:
-        self.counts[str(reason)] += 1
+        with self._lock:
+            self.counts[str(reason)] += 1
         return False
 
     def refuse_logged(self, reason: str, peer: str | None, detail: str) -> bool:
@@ -109,10 +140,13 @@ class DhtRules(RecordValidatorBase):  # type: ignore[misc]  # hivemind is untype
         if key is None or owner_key(record.key) is not None:
             return self._refused.refuse(RecordRefusal.UNSIGNED)
         try:
-            if owner_key_bits(key) < MIN_OWNER_KEY_BITS:
-                return self._refused.refuse(RecordRefusal.WEAK_KEY)
+            bits, exponent = owner_key_shape(key)
         except ValueError:
             return self._refused.refuse(RecordRefusal.UNSIGNED)
+        if bits < MIN_OWNER_KEY_BITS:
+            return self._refused.refuse(RecordRefusal.WEAK_KEY)
+        if bits > MAX_OWNER_KEY_BITS or exponent != OWNER_KEY_EXPONENT:
+            return self._refused.refuse(RecordRefusal.ODD_KEY)
         if len(record.value) > MAX_DHT_VALUE_BYTES:
             return self._refused.refuse(RecordRefusal.TOO_LARGE)
         if record.expiration_time > get_dht_time() + MAX_CONFIG_TTL_S + MAX_CLOCK_SKEW_S:

@@ -9,6 +9,11 @@ writes what an attacker would, in one of these modes (each bounded in count and 
   membership in another), some from 1024-bit keys no libp2p peer can have, and the rest in its own
   subkey but naming other peer ids. The real keys are made from pairs of a few generated primes (see
   `distinct_keys`): hundreds of distinct peer ids in a second, enough to fill a node's view beyond its cap.
+- `store-flood`: store RPCs straight to each `--probe` peer, `--count` entries each, again every
+  `--every` seconds until `--duration` is over: one peer record signed by a key with a 1024-bit public
+  exponent (a verify ~50x an ordinary one), half of the entries that one entry repeated, half of it
+  with distinct expirations (so no two are identical). Without the store guard (node.net.dht_guard)
+  each entry is verified again on the node's event loop.
 
 It signs with its own keys and accepts anything itself; its DHT node runs in client mode and never
 stores locally, so what it wrote lives only on the honest nodes (and `murmur bootstrap`) that accepted it. At the end it asks each
@@ -27,6 +32,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -50,7 +56,7 @@ from node.net.records import PeerRecord, config_key, encode_peer_record, peers_k
 from node.net.transport.p2pd import P2PSettings, start_p2pd
 from node.runtime.founding import swarm_document
 
-MODES = ("forge-config", "flood-records")
+MODES = ("forge-config", "flood-records", "store-flood")
 STORE_TIMEOUT_S = 10.0
 FLOOD_BATCH = 100
 
@@ -114,6 +120,24 @@ def distinct_keys(count: int) -> list[RSAPrivateKey]:
             assert n.bit_length() == 2048, n.bit_length()
             keys.append(_hivemind_key(numbers.private_key(unsafe_skip_rsa_key_validation=True)))
     return keys
+
+
+def large_exponent_key(exponent_bits: int = 1024, primes: tuple[int, int] | None = None) -> RSAPrivateKey:
+    """A 2048-bit RSA key whose public exponent has `exponent_bits` bits instead of 65537's 17: a verify
+    with it costs about exponent_bits / 17 times an ordinary one, its signing no more. From a generated
+    key's primes (or `primes`), with the smallest exponent of that size coprime to (p - 1)(q - 1)."""
+    if primes is None:
+        numbers = rsa.generate_private_key(public_exponent=65537, key_size=2048).private_numbers()
+        primes = (numbers.p, numbers.q)
+    p, q = primes
+    phi = (p - 1) * (q - 1)
+    e = (1 << (exponent_bits - 1)) + 1
+    while math.gcd(e, phi) != 1:
+        e += 2
+    d = pow(e, -1, phi)
+    private = rsa.RSAPrivateNumbers(p, q, d, rsa.rsa_crt_dmp1(d, p), rsa.rsa_crt_dmq1(d, q), rsa.rsa_crt_iqmp(p, q),
+                                    rsa.RSAPublicNumbers(e, p * q))
+    return _hivemind_key(private.private_key(unsafe_skip_rsa_key_validation=True))
 
 
 def _marker(key: RSAPrivateKey) -> bytes:
@@ -212,6 +236,46 @@ async def flood_records(dht: DHTNode, validator: SignsWithWhateverKey, own: RSAP
     return {**{f"tried_{k}": v for k, v in tried.items()}, **{f"accepted_{k}": v for k, v in accepted.items()}}, real
 
 
+async def store_flood(dht: DHTNode, swarm: str, targets: list[str], count: int, duration: float,
+                      every: float) -> dict[str, int]:
+    """Store requests full of one large-exponent entry (repeated, and with distinct expirations) to each
+    of `targets`, for `duration` seconds: how many requests and entries were sent, answered and accepted."""
+    key = await asyncio.to_thread(large_exponent_key, 1024)
+    validator = SignsWithWhateverKey({_marker(key): key})
+    peer_id = peer_id_of_ssh_key(key.get_public_key().to_bytes())
+    key_id = DHTID.generate(source=peers_key(swarm))
+    subkey = _marker(key)
+    sent = {"requests": 0, "entries": 0, "answered": 0, "accepted": 0}
+    peers = [PeerID.from_base58(maddr.rsplit("/p2p/", 1)[1]) for maddr in targets]
+    deadline = time.monotonic() + duration
+    while True:
+        expiration = get_dht_time() + 60
+        expirations = [expiration] * (count // 2) + [expiration + i * 1e-3 for i in range(1, count - count // 2 + 1)]
+        values = []
+        for item_expiration in expirations:  # each signed for its own expiration (the repeats share one)
+            record = DHTRecord(key_id.to_bytes(), MSGPackSerializer.dumps(subkey),
+                               MSGPackSerializer.dumps(encode_peer_record(_fake_record(peer_id, ""))), item_expiration)
+            if values and item_expiration == expiration:
+                values.append(values[0])
+                continue
+            values.append(validator.sign_value(record))
+        for peer in peers:
+            try:
+                async with asyncio.timeout(STORE_TIMEOUT_S):
+                    stored = await dht.protocol.call_store(peer, [key_id] * count, values, expirations,
+                                                           subkeys=[subkey] * count)
+            except Exception:
+                stored = None
+            sent["requests"] += 1
+            sent["entries"] += count
+            if stored is not None:
+                sent["answered"] += 1
+                sent["accepted"] += sum(bool(ok) for ok in stored)
+        if time.monotonic() + every > deadline:
+            return sent
+        await asyncio.sleep(every)
+
+
 async def probe(dht: DHTNode, maddr: str, key: str) -> dict[str, object]:
     """What the peer at `maddr` holds under `key`, asked directly: subkey owner -> (value size, expires in)."""
     peer = PeerID.from_base58(maddr.rsplit("/p2p/", 1)[1])
@@ -263,6 +327,10 @@ async def main(args: argparse.Namespace) -> int:
                             await asyncio.sleep(args.every)
                         report["forged"] = rounds
                         key, what = config_key(args.swarm), "config"
+                    elif mode == "store-flood":
+                        report["store_flood"] = await store_flood(dht, args.swarm, args.probe, args.count,
+                                                                  args.duration, args.every)
+                        key, what = peers_key(args.swarm), "peers"
                     else:
                         report["flood"], report["real_key_peer_ids"] = await flood_records(
                             dht, validator, own, args.swarm, args.count, args.keys, args.config_hash)
