@@ -291,6 +291,7 @@ def run_bootstrap(config: NodeConfig) -> int:
         from hivemind.dht.crypto import RSASignatureValidator
         from hivemind.dht.node import DHTNode
 
+        from node.net.hivemind_adapter import guard_dht_node
         from node.net.validation import RefusalCounts, make_record_validator
 
         stop = asyncio.Event()
@@ -305,6 +306,9 @@ def run_bootstrap(config: NodeConfig) -> int:
                 dht = await DHTNode.create(p2p=p2p, initial_peers=list(config.network.initial_peers) or None,
                                            record_validator=validator)
             stack.push_async_callback(shut_down, dht, "DHT")
+            # a bootstrap is the first DHT node strangers reach: the same store guard and storage bound
+            guard = await guard_dht_node(dht, refused)
+            stack.callback(guard.close)
             maddrs = [str(a) for a in await p2p.get_visible_maddrs()]
             print(f"murmur: bootstrap peer {p2p.peer_id} ready; maddrs {' '.join(maddrs)}", flush=True)
             print(f"murmur: {host.reach.service_line()}", flush=True)
