@@ -170,3 +170,15 @@ def test_murmur_node_exits_2_with_one_line_when_the_model_does_not_fit(big_llama
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("murmur: error:")]
     assert len(errors) == 1 and "1.10B parameters" in errors[0] and "8.0 GiB available" in errors[0], proc.stderr[-2000:]
+
+
+@pytest.mark.unit
+def test_murmur_status_shows_the_estimate_in_one_line():
+    from node.cli.status import format_status
+
+    memory = footprint(MemoryInputs(10**9, "dadam", "cuda")).as_json()
+    status = {"peer_id": "QmMe", "swarm": "s", "maddrs": [], "round": 0, "step": 0, "peers": [], "bytes_sent": 0,
+              "bytes_received": 0, "errors": {}, "memory": memory}
+    lines = [line for line in format_status(status).splitlines() if line.startswith("memory")]
+    assert lines == ["memory   ~55.9 GiB RAM (60 B/param), ~14.9 GiB GPU (16 B/param) for 1,000,000,000 parameters"]
+    assert not [line for line in format_status({**status, "memory": None}).splitlines() if line.startswith("memory")]
