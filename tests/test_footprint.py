@@ -182,3 +182,16 @@ def test_murmur_status_shows_the_estimate_in_one_line():
     lines = [line for line in format_status(status).splitlines() if line.startswith("memory")]
     assert lines == ["memory   ~55.9 GiB RAM (60 B/param), ~14.9 GiB GPU (16 B/param) for 1,000,000,000 parameters"]
     assert not [line for line in format_status({**status, "memory": None}).splitlines() if line.startswith("memory")]
+
+
+@pytest.mark.multiprocess
+def test_a_fitting_node_starts_and_its_status_carries_the_estimate(tmp_path):
+    from support.swarm_harness import Swarm
+
+    with Swarm(tmp_path) as swarm:
+        node = swarm.found(model="moe", threads=1, steps=20)
+        memory = node.status()["memory"]
+        assert memory is not None and 0 < memory["parameters"] < 10**8 and memory["algorithm"] == "dadam"
+        assert memory["host_bytes"] > 0 and {t["name"] for t in memory["terms"]} >= {"parameters", "gradients"}
+        assert "preflight:" in node.stderr()
+        swarm.stop_all([node])
