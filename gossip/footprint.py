@@ -29,7 +29,7 @@ unless it says otherwise; the peak of a round is counted, not the average:
 - SPES: the terms of DiLoCo's outer groups over the trained part (the shared weights and the owned
   experts); the other experts stay frozen on the device in bfloat16 (node/algorithms/spes/swarm.py).
 - A checkpoint (node/runtime/saving.py, Trainer.state) is written from a host snapshot of the
-  parameters and the optimizer state; DiLoCo's outer state in it shares the arrays it already holds.
+  parameters (every one in float32) and the optimizer state; DiLoCo's outer state in it shares the arrays it already holds.
 """
 
 from __future__ import annotations
@@ -221,8 +221,8 @@ def footprint(m: MemoryInputs) -> Footprint:
             terms.append(Term("error-feedback residuals", Where.HOST, F32 * t))
         if mixes_anchors and m.anchor_codec not in LOSSLESS_CODECS:
             terms.append(Term("anchor error-feedback residuals", Where.HOST, F32 * t))
-    terms.append(Term("checkpoint snapshot", Where.HOST, F32 * trained + FROZEN_EXPERT_BYTES * frozen
-                      + opt * F32 * trained))
+    # Trainer.state copies every parameter as float32 (frozen experts too) and the optimizer state
+    terms.append(Term("checkpoint snapshot", Where.HOST, F32 + opt * F32 * trained))
     return Footprint(m.parameters, tuple(term for term in terms if term.per_parameter > 0))
 
 

@@ -138,7 +138,7 @@ def test_preflight_refuses_a_1b_model_on_a_small_machine_and_names_the_numbers(b
         preflight(settings.training, settings, "cpu")
     line = str(refused.value)
     assert "\n" not in line and "1.10B parameters" in line and "gossip DiLoCo" in line
-    assert "31.0 GiB available" in line and "fits up to ~" in line and "dadam would need" in line
+    assert "31.0 GiB available" in line and "fits up to ~" in line and "dsgd would need ~" in line
 
 
 @pytest.mark.unit
@@ -195,3 +195,25 @@ def test_a_fitting_node_starts_and_its_status_carries_the_estimate(tmp_path):
         assert memory["host_bytes"] > 0 and {t["name"] for t in memory["terms"]} >= {"parameters", "gradients"}
         assert "preflight:" in node.stderr()
         swarm.stop_all([node])
+
+
+@pytest.mark.unit
+def test_spes_owned_share_follows_experts_or_the_least_on_a_gpu():
+    from node.runtime.preflight import ModelSize, owned_share
+
+    size = ModelSize(100, 80, 8)
+    assert owned_share(size, "cpu", None) == 1.0  # a CPU node trains every expert
+    assert owned_share(size, "cuda", None) == 1 / 8  # sized to the GPU at start: the least must fit
+    assert owned_share(size, "cuda", 2) == 2 / 8 and owned_share(size, "cpu", 99) == 1.0
+    assert owned_share(ModelSize(100), "cuda", None) == 1.0
+
+
+@pytest.mark.unit
+def test_the_refusal_names_an_algorithm_that_fits():
+    from node.runtime.preflight import Machine, judge
+
+    inputs = MemoryInputs(10**9, "diloco", "cpu", codec="bf16")
+    dsgd = footprint(MemoryInputs(10**9, "dsgd", "cpu", inner="sgd", codec="bf16"))
+    fits, line = judge(inputs, Machine(dsgd.host_bytes + 1, None))
+    assert line is not None and "dsgd fits with ~" in line and "diloco" not in line.split("; ", 1)[1]
+    assert judge(inputs, Machine(fits.host_bytes, None))[1] is None  # exactly enough: it fits

@@ -75,9 +75,16 @@ def this_machine(device: str) -> Machine:
     return Machine(available_ram(), vram)
 
 
-def parameter_split(recipe: TrainingRecipe) -> tuple[int, int] | None:
-    """(parameters, of which routed experts) of the recipe's model, counted without allocating; None when
-    the model cannot be counted cheaply (a user model)."""
+@dataclass(frozen=True)
+class ModelSize:
+    parameters: int
+    expert_parameters: int = 0  # of them, in routed experts (`.experts.<i>.` in their names)
+    experts_per_layer: int = 0
+
+
+def parameter_split(recipe: TrainingRecipe) -> ModelSize | None:
+    """The recipe's model's size, counted on the meta device (nothing allocated); None when the model
+    cannot be built there (a user model: it is checked as it is built)."""
     import torch
 
     from node.swarm.recipe import embedded_options
@@ -95,12 +102,24 @@ def parameter_split(recipe: TrainingRecipe) -> tuple[int, int] | None:
     except Exception as exc:  # a model the meta device cannot build is checked as it is built
         logger.debug("preflight: the model's size is not known before it is built: %s", exc)
         return None
-    total = experts = 0
+    total = experts = per_layer = 0
     for name, p in model.named_parameters():
         total += p.numel()
-        if ".experts." in f".{name}.":
+        found = re.search(r"(?:^|\.)experts\.(\d+)\.", name)
+        if found:
             experts += p.numel()
-    return total, experts
+            per_layer = max(per_layer, int(found.group(1)) + 1)
+    return ModelSize(total, experts, per_layer)
+
+
+def owned_share(size: ModelSize, device: str, wanted: int | None) -> float:
+    """The share of the routed experts a SPES node trains: --experts of the layer's; without it every
+    expert on a CPU node, and on CUDA at least one (the node sizes its capacity to the free GPU memory
+    at start, node.algorithms.spes.swarm.capacity_for: the preflight checks that the least fits)."""
+    if size.experts_per_layer == 0:
+        return 1.0
+    owned = wanted if wanted is not None else (size.experts_per_layer if device == "cpu" else 1)
+    return min(owned, size.experts_per_layer) / size.experts_per_layer
 
 
 # the swarm size the topology's neighbour counts are read at (the swarm's own size is not known at start)
@@ -146,11 +165,13 @@ def memory_inputs(parameters: int, experts: int, recipe: TrainingRecipe, setting
 
 
 def _gib(n: float) -> str:
-    return f"{n / GIB:.1f} GiB"
+    return f"{n / GIB:.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
 
 
 def _count(n: float) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.1f}M"
+    if n >= 1e8:
+        return f"{n / 1e9:.2f}B"
+    return f"{n / 1e6:.1f}M" if n >= 1e5 else f"{n / 1e3:.1f}K"
 
 
 def judge(inputs: MemoryInputs, machine: Machine) -> tuple[Footprint, str | None]:
@@ -176,35 +197,40 @@ def judge(inputs: MemoryInputs, machine: Machine) -> tuple[Footprint, str | None
     line = (f"the swarm's model ({_count(inputs.parameters)} parameters) with {name} needs ~{_gib(needed)} of {what} "
             f"here ({per:.0f} bytes per parameter: {', '.join(f.largest(where))}, ...), this machine has "
             f"{_gib(have)} available: a node here fits up to ~{_count(fits)} parameters with this algorithm")
-    others = []
+    others: list[tuple[bool, int, str]] = []  # (fits, RAM needed, what)
     for algorithm in ("dsgd", "dadam", "diloco"):
         other = replace(inputs, algorithm=algorithm, choco=False, spes=False, inner="sgd" if algorithm == "dsgd" else "adam")
-        if other == inputs or (algorithm == inputs.algorithm and not inputs.choco and not inputs.spes):
+        if algorithm == inputs.algorithm and not inputs.choco and not inputs.spes:
             continue
         g = footprint(other)
-        needs = f"{_gib(g.host_bytes)} of RAM" + (f" and {_gib(g.device_bytes)} of GPU memory"
+        ok = g.host_bytes <= machine.ram and (inputs.device != "cuda" or machine.vram is None
+                                              or g.device_bytes <= machine.vram)
+        needs = f"~{_gib(g.host_bytes)} of RAM" + (f" and ~{_gib(g.device_bytes)} of GPU memory"
                                                    if inputs.device == "cuda" else "")
-        others.append(f"{algorithm} would need ~{needs}")
-    if inputs.spes and inputs.expert_parameters:
-        others.append("SPES with fewer owned experts (--experts) needs less")
-    return f, line + ("; " + ", ".join(others) if others else "")
+        others.append((ok, g.host_bytes, f"{algorithm} would need {needs}"))
+    fitting = [what.replace("would need", "fits with") for ok, _, what in others if ok]
+    hints = fitting or [min(others)[2]] if others else []
+    if inputs.spes and inputs.expert_parameters and inputs.owned_share >= 0.5:
+        hints.append("SPES with fewer owned experts (--experts) needs less")
+    others_text = "; ".join(hints)
+    return f, line + ("; " + others_text if others_text else "")
 
 
 def preflight(recipe: TrainingRecipe, settings: SwarmSettings, device: str,
-              experts_per_layer_owned: float | None = None) -> dict[str, Any] | None:
+              wanted_experts: int | None = None) -> dict[str, Any] | None:
     """Refuse (StartupError) a model that would not fit here with the swarm's algorithm; else log one
     line and return the footprint for the status (None when the model cannot be counted cheaply)."""
     try:
         machine = this_machine(device)
     except ValueError as exc:
         raise StartupError(str(exc)) from None
-    split = parameter_split(recipe)
-    if split is None:
+    size = parameter_split(recipe)
+    if size is None:
         return None
-    parameters, experts = split
+    parameters = size.parameters
     kind = "cuda" if machine.vram is not None else "cpu"
-    inputs = memory_inputs(parameters, experts, recipe, settings, kind,
-                           capacity_share=experts_per_layer_owned if experts_per_layer_owned is not None else 1.0)
+    inputs = memory_inputs(parameters, size.expert_parameters, recipe, settings, kind,
+                           capacity_share=owned_share(size, kind, wanted_experts))
     f, refusal = judge(inputs, machine)
     if refusal is not None:
         raise StartupError(refusal)
@@ -216,5 +242,16 @@ def preflight(recipe: TrainingRecipe, settings: SwarmSettings, device: str,
             "vram_available": machine.vram}
 
 
-__all__ = ["MOCK_ENV", "Machine", "available_ram", "judge", "memory_inputs", "parameter_split", "parse_mock",
-           "preflight", "this_machine"]
+__all__ = [
+    "MOCK_ENV",
+    "Machine",
+    "ModelSize",
+    "available_ram",
+    "judge",
+    "memory_inputs",
+    "owned_share",
+    "parameter_split",
+    "parse_mock",
+    "preflight",
+    "this_machine",
+]

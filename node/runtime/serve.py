@@ -127,7 +127,8 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
         exchange = dataclasses.replace(exchange_settings(config, swarm.config_hash, settings), admission=admission)
         training = None
         if settings.training is not None:
-            runtime.memory = await asyncio.to_thread(preflight, settings.training, settings, config.training.device)
+            runtime.memory = await asyncio.to_thread(preflight, settings.training, settings,
+                                                   config.training.device, config.training.experts)
             training = await start_training(runtime, settings.training, settings, exchange, checkpoint, stack)
             peer = training.peer
         else:
