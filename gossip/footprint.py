@@ -13,9 +13,10 @@ unless it says otherwise; the peak of a round is counted, not the average:
 - A gossip peer (gossip/exchange.py GossipPeer) keeps its tensors as each round began for the last
   max_staleness + 1 rounds (`_round_inputs`, the current values among them), the last mix until the
   next round (`_base`, the adaptive radius's reference); during a round the neighbours' decoded
-  values (float32 whatever the codec, one per in-neighbour) and the mix it installs; the encoded
-  messages (the reply it serves, the ones it receives) in the wire's bytes per element. With DAdam
-  the trainer's next values (a fresh copy from `Trainer.tensors()`) exist while the round runs.
+  values (float32 whatever the codec, one per in-neighbour) and the mix it installs. Messages are
+  encoded and decoded a chunk at a time (gossip/wire: `iter_message`, `decode_into`), so the wire's
+  own buffers are bounded, not model-sized. DAdam's update (x_{t+1} = mix - lr d) runs after the
+  round, on the device: no host copy beside the round's.
 - CHOCO (gossip/choco.py): the anchor, two estimates (`mine`, `theirs`) per neighbour edge, and per
   exchange the difference and its decoded image (`Outgoing.wire`, `.sent`).
 - Gossip DiLoCo (node/algorithms/diloco/trainer.py, node/algorithms/outer_group.py): the anchor; the
@@ -49,20 +50,6 @@ class Where(enum.StrEnum):
     DEVICE = "device"
 
 
-def wire_bytes_per_element(codec: str, topk_ratio: float = 0.01) -> float:
-    """What one element costs in a message of `codec` (the header aside): top-k sends an index and a
-    value per kept element."""
-    if codec == "fp32":
-        return 4.0
-    if codec in ("bf16", "fp16"):
-        return 2.0
-    if codec == "int8":
-        return 1.0
-    if codec == "topk":
-        return 8.0 * topk_ratio
-    raise ValueError(f"unknown codec {codec!r}")
-
-
 @dataclass(frozen=True)
 class MemoryInputs:
     """What the footprint depends on. `parameters` counts the whole model; with SPES, `expert_parameters`
@@ -72,13 +59,11 @@ class MemoryInputs:
     algorithm: str = "dadam"  # dsgd, dadam, diloco
     device: str = "cpu"  # cpu or cuda
     codec: str = "fp32"  # of whole tensors (dsgd/dadam), of the pseudo-gradients (diloco)
-    topk_ratio: float = 0.01
     inner: str = "adam"  # the trainer's optimizer: adam, or sgd
     momentum: float = 0.0  # sgd's
     max_staleness: int = 2
     in_neighbours: int = 2  # values a round receives (a ring: 2)
     choco: bool = False
-    choco_codec: str = "int8"
     choco_edges: int = 2  # neighbours whose estimates are kept (a ring: 2)
     fragments: int = 1
     overlap: bool = False
@@ -164,18 +149,16 @@ def _optimizer_floats(m: MemoryInputs) -> int:
     return 1 if m.momentum > 0 else 0
 
 
-def _peer_terms(prefix: str, share: float, m: MemoryInputs, codec: str, transient: float) -> list[Term]:
+def _peer_terms(prefix: str, share: float, m: MemoryInputs, transient: float) -> list[Term]:
     """A gossip peer over `share` of the model (in model fractions); `transient` scales the buffers that
     exist only while its round runs (fragments take turns)."""
     d = m.in_neighbours
-    wire = wire_bytes_per_element(codec, m.topk_ratio)
     return [
         Term(f"{prefix}round inputs (max_staleness + 1 = {m.max_staleness + 1})", Where.HOST,
              (m.max_staleness + 1) * F32 * share),
         Term(f"{prefix}last mix", Where.HOST, F32 * share),
         Term(f"{prefix}neighbours' values ({d}, decoded)", Where.HOST, d * F32 * share * transient),
         Term(f"{prefix}mix result", Where.HOST, F32 * share * transient),
-        Term(f"{prefix}wire messages ({d + 1}, {codec})", Where.HOST, (d + 1) * wire * share * transient),
     ]
 
 
@@ -193,9 +176,7 @@ def footprint(m: MemoryInputs) -> Footprint:
     if m.device == "cuda":
         terms.append(Term("pinned staging buffers", Where.HOST, F32 * trained))
     if not m.outer:
-        terms += _peer_terms("", 1.0, m, m.choco_codec if m.choco else m.codec, 1.0)
-        if m.algorithm == "dadam":
-            terms.append(Term("next values (overlapped step)", Where.HOST, F32))
+        terms += _peer_terms("", 1.0, m, 1.0)
         if m.choco:
             d = m.in_neighbours
             terms += [Term("CHOCO anchor", Where.HOST, F32),
@@ -211,9 +192,9 @@ def footprint(m: MemoryInputs) -> Footprint:
         if m.overlap:
             terms.append(Term("phase start (overlap)", Where.HOST, F32 * t))
         if not (fused and mixes_anchors):
-            terms += _peer_terms("pseudo-gradients: ", t, m, m.codec, turn)
+            terms += _peer_terms("pseudo-gradients: ", t, m, turn)
         if mixes_anchors:
-            terms += _peer_terms("anchors: ", t, m, m.anchor_codec, turn)
+            terms += _peer_terms("anchors: ", t, m, turn)
         if m.outer_momentum > 0:
             terms += [Term("outer momentum", Where.HOST, F32 * t),
                       Term("served momentum's previous values", Where.HOST, F32 * t)]
@@ -226,12 +207,13 @@ def footprint(m: MemoryInputs) -> Footprint:
     return Footprint(m.parameters, tuple(term for term in terms if term.per_parameter > 0))
 
 
-# The table of docs/training.md ("Memory per parameter"): a ring (2 neighbours), max_staleness 2, CUDA.
+# The table of docs/training.md ("Memory per parameter"): CUDA, max_staleness 2, a ring (2 neighbours a
+# round) unless it says one-peer-exp (the default topology: 1 neighbour a round).
 TABLE_CASES: Mapping[str, MemoryInputs] = {
+    "dadam (one-peer-exp, the defaults)": MemoryInputs(1, "dadam", "cuda", in_neighbours=1),
     "dsgd (momentum 0.9, fp32)": MemoryInputs(1, "dsgd", "cuda", inner="sgd", momentum=0.9),
     "dadam (fp32)": MemoryInputs(1, "dadam", "cuda"),
-    "dadam (bf16)": MemoryInputs(1, "dadam", "cuda", codec="bf16"),
-    "dadam + CHOCO (int8)": MemoryInputs(1, "dadam", "cuda", choco=True),
+    "dadam + CHOCO": MemoryInputs(1, "dadam", "cuda", choco=True),
     "diloco (bf16, anchors int8)": MemoryInputs(1, "diloco", "cuda", codec="bf16"),
     "diloco (bf16, 4 fragments, overlap)": MemoryInputs(1, "diloco", "cuda", codec="bf16", fragments=4, overlap=True),
     "SPES (int8, 1/4 of 3/4 experts owned)": MemoryInputs(4, "dadam", "cuda", codec="int8", spes=True,
@@ -257,5 +239,4 @@ __all__ = [
     "Where",
     "footprint",
     "table_markdown",
-    "wire_bytes_per_element",
 ]

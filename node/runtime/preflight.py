@@ -145,13 +145,11 @@ def memory_inputs(parameters: int, experts: int, recipe: TrainingRecipe, setting
     per_round, distinct = neighbours(settings.topology)
     common: dict[str, Any] = {
         "parameters": parameters, "device": device, "codec": settings.codec.name,
-        "topk_ratio": float(settings.codec.options().get("ratio", 0.01) or 0.01),
         "inner": "adam" if inner.algorithm in ("dadam", "adam") else "sgd", "momentum": inner.momentum,
         "max_staleness": settings.max_staleness, "in_neighbours": per_round,
     }
     if settings.choco is not None:
-        common.update(choco=True, choco_codec=settings.choco.codec.name,
-                      choco_edges=min(settings.choco.max_edges, distinct))
+        common.update(choco=True, choco_edges=min(settings.choco.max_edges, distinct))
     d = recipe.diloco
     if d is not None:
         return MemoryInputs(algorithm="diloco", fragments=d.fragments, overlap=d.overlap,
