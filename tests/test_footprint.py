@@ -220,3 +220,15 @@ def test_the_refusal_names_an_algorithm_that_fits():
     fits, line = judge(inputs, Machine(dsgd.host_bytes + 1, None))
     assert line is not None and "dsgd fits with ~" in line and "diloco" not in line.split("; ", 1)[1]
     assert judge(inputs, Machine(fits.host_bytes, None))[1] is None  # exactly enough: it fits
+
+
+@pytest.mark.unit
+def test_a_malformed_mock_is_a_startup_error_naming_the_variable(monkeypatch):
+    from node.runtime.errors import StartupError
+    from node.runtime.preflight import MOCK_ENV, preflight
+
+    settings = settings_for()
+    assert settings.training is not None
+    monkeypatch.setenv(MOCK_ENV, "ram=lots")
+    with pytest.raises(StartupError, match=f"^{MOCK_ENV}: expected ram=SIZE"):
+        preflight(settings.training, settings, "cpu")

@@ -220,8 +220,9 @@ def preflight(recipe: TrainingRecipe, settings: SwarmSettings, device: str,
     line and return the footprint for the status (None when the model cannot be counted cheaply)."""
     try:
         machine = this_machine(device)
-    except ValueError as exc:
-        raise StartupError(str(exc)) from None
+    except ValueError as exc:  # the mock's text, or a CUDA device torch does not see
+        raise StartupError(str(exc) if str(exc).startswith(MOCK_ENV) else
+                           f"cannot train the swarm's model here: {exc}") from None
     size = parameter_split(recipe)
     if size is None:
         return None
