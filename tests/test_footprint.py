@@ -232,3 +232,14 @@ def test_a_malformed_mock_is_a_startup_error_naming_the_variable(monkeypatch):
     monkeypatch.setenv(MOCK_ENV, "ram=lots")
     with pytest.raises(StartupError, match=f"^{MOCK_ENV}: expected ram=SIZE"):
         preflight(settings.training, settings, "cpu")
+
+
+@pytest.mark.unit
+def test_experts_are_counted_in_the_embedded_and_the_fused_transformers_layout():
+    from node.runtime.preflight import parameter_split
+
+    for model in ("moe", "hf-tiny-mixtral"):
+        settings = settings_for("--model", model)
+        assert settings.training is not None
+        size = parameter_split(settings.training)
+        assert size is not None and 0 < size.expert_parameters < size.parameters and size.experts_per_layer > 1, model

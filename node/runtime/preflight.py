@@ -84,7 +84,9 @@ class ModelSize:
 
 def parameter_split(recipe: TrainingRecipe) -> ModelSize | None:
     """The recipe's model's size, counted on the meta device (nothing allocated); None when the model
-    cannot be built there (a user model: it is checked as it is built)."""
+    cannot be built there (a user model: it is checked as it is built). Routed experts are found by
+    name: `experts.<i>.` (one module per expert) or `experts.<proj>` of shape [experts, ...] (the
+    fused layout transformers 5 builds, which murmur splits per expert when it builds the model)."""
     import torch
 
     from node.swarm.recipe import embedded_options
@@ -106,9 +108,12 @@ def parameter_split(recipe: TrainingRecipe) -> ModelSize | None:
     for name, p in model.named_parameters():
         total += p.numel()
         found = re.search(r"(?:^|\.)experts\.(\d+)\.", name)
-        if found:
+        if found:  # one module per expert (the embedded MoE, murmur's split of a transformers MoE)
             experts += p.numel()
             per_layer = max(per_layer, int(found.group(1)) + 1)
+        elif re.search(r"(?:^|\.)experts\.[A-Za-z_]+$", name) and p.dim() >= 3:  # transformers' fused experts
+            experts += p.numel()
+            per_layer = max(per_layer, int(p.shape[0]))
     return ModelSize(total, experts, per_layer)
 
 
