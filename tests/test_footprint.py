@@ -219,6 +219,9 @@ def test_the_refusal_names_an_algorithm_that_fits():
     dsgd = footprint(MemoryInputs(10**9, "dsgd", "cpu", inner="sgd", codec="bf16"))
     fits, line = judge(inputs, Machine(dsgd.host_bytes + 1, None))
     assert line is not None and "dsgd fits with ~" in line and "diloco" not in line.split("; ", 1)[1]
+    # the largest model this machine takes with diloco: its RAM over diloco's bytes per parameter
+    largest = (dsgd.host_bytes + 1) / footprint(inputs).host_per_parameter
+    assert f"fits up to ~{largest / 1e9:.2f}B parameters with this algorithm" in line
     assert judge(inputs, Machine(fits.host_bytes, None))[1] is None  # exactly enough: it fits
 
 

@@ -194,9 +194,6 @@ def judge(inputs: MemoryInputs, machine: Machine) -> tuple[Footprint, str | None
     per = f.host_per_parameter if where is Where.HOST else f.device_per_parameter
     fits = min(machine.ram / max(f.host_per_parameter, 1e-9),
                machine.vram / max(f.device_per_parameter, 1e-9) if inputs.device == "cuda" and machine.vram else 1e30)
-    if inputs.spes and inputs.expert_parameters:
-        # what the trained part costs beyond the frozen bf16 experts: fewer owned experts may fit
-        fits = fits * (inputs.trained / inputs.parameters)
     line = (f"the swarm's model ({_count(inputs.parameters)} parameters) with {name} needs ~{_gib(needed)} of {what} "
             f"here ({per:.0f} bytes per parameter: {', '.join(f.largest(where))}, ...), this machine has "
             f"{_gib(have)} available: a node here fits up to ~{_count(fits)} parameters with this algorithm")
@@ -212,7 +209,7 @@ def judge(inputs: MemoryInputs, machine: Machine) -> tuple[Footprint, str | None
                                                    if inputs.device == "cuda" else "")
         others.append((ok, g.host_bytes, f"{algorithm} would need {needs}"))
     fitting = [what.replace("would need", "fits with") for ok, _, what in others if ok]
-    hints = fitting or [min(others)[2]] if others else []
+    hints = (fitting or [min(others)[2]]) if others else []
     if inputs.spes and inputs.expert_parameters and inputs.owned_share >= 0.5:
         hints.append("SPES with fewer owned experts (--experts) needs less")
     others_text = "; ".join(hints)
