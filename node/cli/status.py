@@ -82,6 +82,11 @@ def format_status(status: dict[str, Any]) -> str:
     if experts or spes:
         capacity = f"   (SPES capacity {spes['capacity']} per layer)" if spes.get("capacity") is not None else ""
         lines.append(f"experts  {', '.join(map(str, experts)) or 'none yet'}{capacity}")
+    memory = status.get("memory")
+    if memory:
+        lines.append(f"memory   ~{memory['host_bytes'] / 2**30:.1f} GiB RAM ({memory['host_bytes_per_parameter']:g} B/param), "
+                     f"~{memory['device_bytes'] / 2**30:.1f} GiB GPU ({memory['device_bytes_per_parameter']:g} B/param) "
+                     f"for {memory['parameters']:,} parameters")
     lines += _reach_lines(status.get("reachability"))
     for peer in status["peers"]:
         if peer.get("connection"):

@@ -35,6 +35,7 @@ from node.runtime.data_plane import (
 )
 from node.runtime.errors import StartupError
 from node.runtime.host import start_host
+from node.runtime.preflight import preflight
 from node.runtime.ready_line import format_ready_line
 from node.runtime.saving import checkpoint_path, final_checkpoint
 from node.runtime.shutdown import close, install_stop_signals, shut_down
@@ -128,6 +129,8 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
         exchange = dataclasses.replace(exchange_settings(config, swarm.config_hash, settings), admission=admission)
         training = None
         if settings.training is not None:
+            runtime.memory = await asyncio.to_thread(preflight, settings.training, settings,
+                                                   config.training.device, config.training.experts)
             training = await start_training(runtime, settings.training, settings, exchange, checkpoint, stack)
             peer = training.peer
         else:

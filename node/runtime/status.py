@@ -64,6 +64,7 @@ class NodeRuntime:
         self._graphs = RoundGraphCache()  # the monitor's topology, computed off the event loop
         self._spec: tuple[str, TopologySpec] | None = None  # (config hash, its topology)
         self._doctor_running = False
+        self.memory: dict[str, Any] | None = None  # the preflight's footprint (node.runtime.preflight)
 
     def count(self, kind: str) -> None:
         self.node_errors[kind] = self.node_errors.get(kind, 0) + 1
@@ -290,6 +291,7 @@ class NodeRuntime:
             "experts": list(discovery.local_record.experts) if discovery else [],
             "uptime_s": time.time() - self.started,
             "limits": self.limits(),
+            "memory": self.memory,
         }
 
 
