@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gossip.optimizers import LocalOptimizer, OptimizerConfig, accum_adam_step
-from node.swarm.recipe import TrainingRecipe
+from node.swarm.recipe import ModelPayload, TrainingRecipe
 from node.train.data import Corpus, peer_shard
 from node.train.models import ModelConfig, build_model
 from node.train.trainer import Trainer, TrainerConfig, train_alone
@@ -181,3 +181,21 @@ def test_a_recipe_with_accumulation_outside_dadam_is_refused() -> None:
     doc["optimizer"] = {**doc["optimizer"], "algorithm": "dsgd"}
     with pytest.raises(ValueError, match="adam_accumulate"):
         TrainingRecipe.from_doc(doc)
+
+
+def test_a_founders_flag_reaches_the_document_and_a_joiners_recipe() -> None:
+    from node.config import NodeConfig, TrainingConfig
+    from node.runtime import founding
+    from node.swarm.recipe import RecipeInvalid, parse_document
+
+    config = NodeConfig(seed=3, training=TrainingConfig(model="dense", optimizer="dadam", adam_accumulate=4))
+    doc = founding.swarm_document(config, 0.0)
+    assert doc["payload"]["optimizer"]["adam_accumulate"] == 4
+    payload = parse_document(doc).payload
+    assert isinstance(payload, ModelPayload)
+    assert TrainingRecipe.from_payload(payload).optimizer.adam_accumulate == 4
+    plain = founding.swarm_document(NodeConfig(seed=3, training=TrainingConfig(model="dense")), 0.0)
+    assert "adam_accumulate" not in plain["payload"]["optimizer"]
+    with pytest.raises(RecipeInvalid, match="adam_accumulate"):
+        founding.swarm_document(NodeConfig(training=TrainingConfig(model="dense", optimizer="dsgd",
+                                                                   adam_accumulate=4)), 0.0)
