@@ -9,8 +9,11 @@
 2. overlap: wall time per step of DAdam on the default model with real p2pd transports on loopback:
    (a) local steps only, (b) overlapped (x_t exchanged while g(x_t) is computed), (c) the same
    exchange done before the compute; (b)/(a) and (c)/(a) (target: (b)/(a) < 1.15).
+3. accum (only when asked: --only accum): DAdam against AccumAdam (--adam-accumulate K) at a small
+   local batch (4 nodes x batch 2 by default), the swarm-average model's validation loss over S steps,
+   each seed against one process with batch 4 x 2 and plain Adam on the same schedule.
 
-Run from the repository root: .venv/bin/python -m bench.bench_training [--only target,overlap] [--quick]
+Run from the repository root: .venv/bin/python -m bench.bench_training [--only target,overlap,accum] [--quick]
 """
 
 from __future__ import annotations
@@ -120,8 +123,8 @@ def tiny_trainer(corpus: Corpus, optimizer: OptimizerConfig, peer_id: str, seed:
 
 
 async def single_curve(corpus: Corpus, optimizer: OptimizerConfig, seed: int, steps: int, every: int,
-                       model: ModelConfig = TINY) -> Curve:
-    async with tiny_trainer(corpus, optimizer, f"s{seed}-base", seed, NODES * BATCH, corpus.train, model) as alone:
+                       model: ModelConfig = TINY, batch: int = NODES * BATCH) -> Curve:
+    async with tiny_trainer(corpus, optimizer, f"s{seed}-base", seed, batch, corpus.train, model) as alone:
         points, losses = [0], [await alone.evaluate()]
         while alone.step < steps:
             for _ in range(min(every, steps - alone.step)):
@@ -132,12 +135,12 @@ async def single_curve(corpus: Corpus, optimizer: OptimizerConfig, seed: int, st
 
 
 async def swarm_curve(corpus: Corpus, optimizer: OptimizerConfig, seed: int, max_steps: int, every: int,
-                      stop_below: float, min_steps: int) -> Curve:
+                      stop_below: float, min_steps: int, batch: int = BATCH) -> Curve:
     """The swarm-average model's loss every `every` steps, until it is at most `stop_below` (and at
     least `min_steps` were taken) or after `max_steps`."""
     ids = [f"s{seed}-peer{i}" for i in range(NODES)]
     net = InMemoryNetwork()
-    trainers = [tiny_trainer(corpus, optimizer, pid, seed, BATCH, peer_shard(corpus, pid)) for pid in ids]
+    trainers = [tiny_trainer(corpus, optimizer, pid, seed, batch, peer_shard(corpus, pid)) for pid in ids]
     try:
         nodes = await gossip_nodes([net.transport(pid) for pid in ids], trainers)
         plan_for = barrier_planner("one-peer-exp", ids)
@@ -187,6 +190,50 @@ def report_targets(results: list[TargetResult], every: int, max_factor: float) -
         single = r.single.losses[-1]
         lines.append(f"- {r.algorithm} seed {r.seed}: initial {r.single.losses[0]:.3f}, single {single:.3f},"
                      f" swarm {at_s:.3f} ({at_s / single:.3f}x)")
+    return lines
+
+
+# ---- 3. AccumAdam at a small local batch ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AccumResult:
+    seed: int
+    single: Curve
+    dadam: Curve
+    accum: Curve
+
+
+async def accum_arms(seed: int, steps: int, every: int, batch: int, accumulate: int, lr: float | None,
+                     corpus: Corpus) -> AccumResult:
+    """One seed: the single process (batch NODES * batch, Adam), then DAdam and AccumAdam swarms of
+    NODES x `batch`, each run for exactly `steps` steps on the same schedule (peak `lr`, None: dadam's)."""
+    optimizer = replace(SCHEDULES["dadam"], total_steps=steps, lr=lr or SCHEDULES["dadam"].lr,
+                        warmup_steps=min(SCHEDULES["dadam"].warmup_steps, steps // 10))
+    single = await single_curve(corpus, optimizer, seed, steps, every, batch=NODES * batch)
+    dadam = await swarm_curve(corpus, optimizer, seed, steps, every, float("-inf"), steps, batch=batch)
+    accum = await swarm_curve(corpus, replace(optimizer, adam_accumulate=accumulate), seed, steps, every,
+                              float("-inf"), steps, batch=batch)
+    return AccumResult(seed, single, dadam, accum)
+
+
+def report_accum(results: list[AccumResult], accumulate: int) -> list[str]:
+    lines = ["| seed | initial | single process | DAdam swarm | AccumAdam swarm (K = "
+             f"{accumulate}) | AccumAdam - DAdam | best DAdam / AccumAdam |", "|---:|---:|---:|---:|---:|---:|---|"]
+    for r in results:
+        single, dadam, accum = r.single.losses[-1], r.dadam.losses[-1], r.accum.losses[-1]
+        lines.append(f"| {r.seed} | {r.single.losses[0]:.3f} | {single:.3f} | {dadam:.3f} | {accum:.3f} | "
+                     f"{accum - dadam:+.3f} | {min(r.dadam.losses):.3f} / {min(r.accum.losses):.3f} |")
+    if results:
+        mean = {arm: statistics.mean(getattr(r, arm).losses[-1] for r in results) for arm in ("single", "dadam", "accum")}
+        lines.append(f"| mean | | {mean['single']:.3f} | {mean['dadam']:.3f} | {mean['accum']:.3f} | "
+                     f"{mean['accum'] - mean['dadam']:+.3f} | |")
+    lines += ["", "validation loss of the final model (the swarm's: the average of its 4 nodes); curves "
+              "(step: single / DAdam / AccumAdam):"]
+    for r in results:
+        points = ", ".join(f"{s}: {a:.3f}/{b:.3f}/{c:.3f}" for s, a, b, c in
+                           zip(r.single.steps, r.single.losses, r.dadam.losses, r.accum.losses))
+        lines.append(f"- seed {r.seed}: {points}")
     return lines
 
 
@@ -315,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m bench.bench_training", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="target,overlap", help="comma-separated parts to run (default: both)")
+    parser.add_argument("--only", default="target,overlap",
+                        help="comma-separated parts to run: target, overlap, accum (default: target,overlap)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: S = 20 steps; 2 peers, 2 timed blocks of 1 step per mode")
     parser.add_argument("--algorithms", default="dsgd,dadam", help="schedules of the target part (default both)")
@@ -330,10 +378,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=128, help="tokens per sequence in the overlap part")
     parser.add_argument("--blocks", type=int, default=6, help="timed blocks per mode, after a warm-up (default 6)")
     parser.add_argument("--block-steps", type=int, default=1, help="steps per block (default 1)")
+    parser.add_argument("--accum-batch", type=int, default=2, help="per-node batch of the accum part (default 2)")
+    parser.add_argument("--accumulate", type=int, default=4, help="AccumAdam's K in the accum part (default 4)")
+    parser.add_argument("--accum-lr", type=float, help="peak lr of all arms of the accum part (default dadam's 1.5e-2)")
     args = parser.parse_args(argv)
     parts = {p.strip() for p in args.only.split(",") if p.strip()}
-    if parts - {"target", "overlap"}:
-        parser.error(f"--only: unknown part(s) {', '.join(sorted(parts - {'target', 'overlap'}))}")
+    known = {"target", "overlap", "accum"}
+    if parts - known:
+        parser.error(f"--only: unknown part(s) {', '.join(sorted(parts - known))}")
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     if set(algorithms) - SCHEDULES.keys():
         parser.error(f"--algorithms: choose from {', '.join(SCHEDULES)}")
@@ -358,6 +410,15 @@ def main(argv: list[str] | None = None) -> int:
                  f"in-memory transport) vs one process x batch {NODES * BATCH}, TINY model "
                  f"({sum(p.numel() for p in build_model(TINY).parameters()):,} parameters)", "",
                  *report_targets(results, args.every, args.max_factor), ""]
+        print("\n".join(lines), flush=True)
+    if "accum" in parts:
+        corpus = embedded_corpus(size_bytes=CORPUS_BYTES)
+        total = args.steps or SCHEDULES["dadam"].total_steps
+        accum_results = [asyncio.run(accum_arms(seed, total, args.every, args.accum_batch, args.accumulate,
+                                                args.accum_lr, corpus)) for seed in seeds]
+        lines = [f"### 3. AccumAdam at a small local batch: {NODES} nodes x batch {args.accum_batch} (one-peer "
+                 f"exponential, in-memory transport) vs one process x batch {NODES * args.accum_batch}, TINY model, "
+                 f"dadam schedule (peak lr {args.accum_lr or SCHEDULES['dadam'].lr:g}), S = {total} steps", "", *report_accum(accum_results, args.accumulate), ""]
         print("\n".join(lines), flush=True)
     if "overlap" in parts:
         with tempfile.TemporaryDirectory(prefix="murmur-bench-") as tmp:

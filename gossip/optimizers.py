@@ -69,7 +69,9 @@ class OptimizerConfig:
 
     - ``dsgd``: `local_steps` (H) SGD steps, then one gossip round on the result (adapt, then combine).
     - ``dadam``: Adam moments stay local; a round's exchange of x_t runs while g(x_t) is computed and
-      x_{t+1} = mix(x_t) - lr * AdamDirection(g(x_t)); with H > 1 only every H-th step mixes.
+      x_{t+1} = mix(x_t) - lr * AdamDirection(g(x_t)); with H > 1 only every H-th step mixes. With
+      `adam_accumulate` K > 1 the direction is AccumAdam's (`accum_adam_step`): the moments advance once
+      per K steps on the K steps' mean gradient, which lowers the variance of small local batches.
     - ``diloco``: H local AdamW steps (the inner optimizer), then an outer Nesterov step on the gossip-mixed
       pseudo-gradient (gossip.diloco; the outer knobs are a DilocoConfig beside this one).
     Each runs without a swarm as the single-process baseline (SGD or Adam with the same schedule).
@@ -88,6 +90,8 @@ class OptimizerConfig:
     betas: tuple[float, float] = (0.9, 0.999)  # dadam
     eps: float = 1e-8  # dadam
     weight_decay: float = 0.0  # decoupled (AdamW-style): direction += weight_decay * x
+    # K: dadam's AccumAdam (Decent-DP): the moments take the mean gradient of each K steps; 1 is plain Adam
+    adam_accumulate: int = 1
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -107,6 +111,10 @@ class OptimizerConfig:
             raise ValueError(f"eps must be > 0, got {self.eps!r}")
         if not self.weight_decay >= 0:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+        if self.adam_accumulate < 1:
+            raise ValueError(f"adam_accumulate must be >= 1, got {self.adam_accumulate!r}")
+        if self.adam_accumulate > 1 and self.algorithm != "dadam":
+            raise ValueError(f"adam_accumulate (AccumAdam) is an option of dadam, not of {self.algorithm!r}")
 
     @property
     def schedule(self) -> LRSchedule:
@@ -152,11 +160,50 @@ def _sqrt(x: Array) -> Array:
     return x.sqrt() if hasattr(x, "sqrt") else np.sqrt(x)
 
 
+def accum_adam_step(m: Array, v: Array, accum: Array, grad: Array, count: int, accumulate: int,
+                    betas: tuple[float, float], eps: float) -> tuple[Array, bool]:
+    """One step of AccumAdam, the accumulated Adam of Decent-DP (Wang et al., ICLR 2025), in place.
+
+    With K = `accumulate`, t = `count` (this step, 1-based) and b = ceil(t / K) (the block it is in):
+
+        A     += g_t / K                                  (the block's mean gradient, once complete)
+        m_hat  = beta1 * m + (1 - beta1) * g_t            (m, v: EMAs of the completed blocks' A)
+        v_hat  = beta2 * v + (1 - beta2) * g_t**2
+        d_t    = (m_hat / (1 - beta1**b)) / (sqrt(v_hat / (1 - beta2**b)) + eps)
+        at the end of a block (t % K == 0):  m = beta1 * m + (1 - beta1) * A,  v = beta2 * v + (1 - beta2) * A**2
+
+    Returns (d_t, whether t ends a block); the caller zeroes `accum` at a block's end. The moments'
+    history is made of K-step means (K times less gradient noise, no extra compute); each step's own
+    gradient still enters its direction. K = 1 is Adam exactly (torch.optim.Adam's direction).
+    """
+    beta1, beta2 = betas
+    accum += grad * (1.0 / accumulate)
+    blocks = -(-count // accumulate)
+    m_hat = beta1 * m + (1.0 - beta1) * grad
+    v_hat = beta2 * v + (1.0 - beta2) * grad * grad
+    direction = (m_hat / (1.0 - beta1**blocks)) / (_sqrt(v_hat) / math.sqrt(1.0 - beta2**blocks) + eps)
+    end_of_block = count % accumulate == 0
+    if end_of_block:
+        m *= beta1
+        m += (1.0 - beta1) * accum
+        v *= beta2
+        v += (1.0 - beta2) * accum * accum
+    return direction, end_of_block
+
+
+def _zero(x: Array) -> None:
+    if hasattr(x, "zero_"):
+        x.zero_()
+    else:
+        x.fill(0)
+
+
 @dataclass
 class _AdamMoments:
     m: Array
     v: Array
     count: int = 0
+    accum: Array | None = None  # AccumAdam's running sum of g / K over the current block of K steps
 
 
 @dataclass
@@ -164,7 +211,8 @@ class LocalOptimizer:
     """Per-parameter local state (SGD momentum buffers or Adam moments) and the direction d such that
     the update is x <- base - lr * d (base is x itself for a local step, the gossip mix for DAdam).
 
-    Adam with these directions is exactly torch.optim.Adam (and AdamW for weight decay); SGD with
+    Adam with these directions is exactly torch.optim.Adam (and AdamW for weight decay); with
+    `adam_accumulate` K > 1 it is AccumAdam (`accum_adam_step`, one more buffer per parameter); SGD with
     momentum is torch.optim.SGD's heavy ball. State is created on first use, keyed by parameter name.
     """
 
@@ -192,10 +240,13 @@ class LocalOptimizer:
         return d
 
     def _adam_direction(self, name: str, grad: Array) -> Array:
-        beta1, beta2 = self.config.betas
+        accumulate = self.config.adam_accumulate
         state = self._adam.get(name)
         if state is None:
             state = self._adam[name] = _AdamMoments(_zeros_like(grad), _zeros_like(grad))
+        if accumulate > 1:
+            return self._accum_adam_direction(state, grad, accumulate)
+        beta1, beta2 = self.config.betas
         state.count += 1
         state.m *= beta1
         state.m += (1.0 - beta1) * grad
@@ -205,12 +256,26 @@ class LocalOptimizer:
         bias2 = 1.0 - beta2**state.count
         return (state.m / bias1) / (_sqrt(state.v) / math.sqrt(bias2) + self.config.eps)
 
+    def _accum_adam_direction(self, state: _AdamMoments, grad: Array, accumulate: int) -> Array:
+        """AccumAdam (accum_adam_step): the stored moments advance once per block of K steps."""
+        if state.accum is None:
+            state.accum = _zeros_like(grad)
+        state.count += 1
+        direction, end_of_block = accum_adam_step(state.m, state.v, state.accum, grad, state.count, accumulate,
+                                                  self.config.betas, self.config.eps)
+        if end_of_block:
+            _zero(state.accum)
+        return direction
+
     def state(self) -> dict[str, Array]:
-        """The state as named arrays (for checkpoints): `<param>/momentum`, `<param>/adam_m`, `<param>/adam_v`."""
+        """The state as named arrays (for checkpoints): `<param>/momentum`, `<param>/adam_m`, `<param>/adam_v`,
+        and AccumAdam's `<param>/adam_accum` (adam_accumulate > 1 only)."""
         out: dict[str, Array] = {f"{name}/momentum": buffer for name, buffer in self._momentum.items()}
         for name, moments in self._adam.items():
             out[f"{name}/adam_m"] = moments.m
             out[f"{name}/adam_v"] = moments.v
+            if moments.accum is not None:
+                out[f"{name}/adam_accum"] = moments.accum
         return out
 
     def state_counts(self) -> dict[str, int]:
@@ -222,16 +287,20 @@ class LocalOptimizer:
         momentum: dict[str, Array] = {}
         first: dict[str, Array] = {}
         second: dict[str, Array] = {}
+        accum: dict[str, Array] = {}
         for key, value in state.items():
             name, _, kind = key.rpartition("/")
-            target = {"momentum": momentum, "adam_m": first, "adam_v": second}.get(kind)
+            target = {"momentum": momentum, "adam_m": first, "adam_v": second, "adam_accum": accum}.get(kind)
             if target is None:
                 raise ValueError(f"unknown optimizer state entry {key!r}")
             target[name] = value
         if first.keys() != second.keys() or not first.keys() <= counts.keys():
             raise ValueError("optimizer state: Adam moments and step counts do not name the same parameters")
+        if not accum.keys() <= first.keys():
+            raise ValueError("optimizer state: AccumAdam buffers of parameters without Adam moments")
         self._momentum = momentum
-        self._adam = {name: _AdamMoments(first[name], second[name], int(counts[name])) for name in first}
+        self._adam = {name: _AdamMoments(first[name], second[name], int(counts[name]), accum.get(name))
+                      for name in first}
 
     def state_bytes(self) -> int:
         """Memory the local state takes (what the swarm status reports as optimizer_state_bytes)."""

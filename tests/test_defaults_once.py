@@ -16,7 +16,7 @@ from gossip.optimizers import OptimizerConfig
 from gossip.plan import PlanConfig
 from gossip.spes import SpesConfig
 from node.config import DEFAULTS, SETTINGS_BY_KEY, setting_value
-from node.swarm.recipe import DilocoDoc, GossipDoc
+from node.swarm.recipe import DilocoDoc, GossipDoc, OptimizerDoc
 
 pytestmark = pytest.mark.unit
 
@@ -43,7 +43,7 @@ SPES_KNOBS = {
     "training.spes_outer_momentum": "outer_momentum", "training.spes_anchor_every": "anchor_every",
 }
 OPTIMIZER_KNOBS = {"training.lr": "lr", "training.local_steps": "local_steps",
-                   "training.micro_batches": "micro_batches"}
+                   "training.micro_batches": "micro_batches", "training.adam_accumulate": "adam_accumulate"}
 
 
 def _struct_default(cls: type[msgspec.Struct], name: str) -> Any:
@@ -81,6 +81,10 @@ def test_spes_defaults_are_the_gossip_configs(key: str, name: str) -> None:
 @pytest.mark.parametrize(("key", "name"), sorted(OPTIMIZER_KNOBS.items()))
 def test_optimizer_defaults_are_the_gossip_configs(key: str, name: str) -> None:
     assert setting_value(DEFAULTS, key) is getattr(OptimizerConfig(), name)
+
+
+def test_adam_accumulate_left_out_means_the_gossip_default() -> None:
+    assert _struct_default(OptimizerDoc, "adam_accumulate") is OptimizerConfig().adam_accumulate
 
 
 def test_topk_ratio_is_the_codecs() -> None:

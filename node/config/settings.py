@@ -114,6 +114,7 @@ class TrainingConfig:
     steps: int = 0  # steps to train; 0: until stopped (the LR schedule then stays flat after warm-up)
     local_steps: int = _OPTIMIZER.local_steps  # H: steps between gossip rounds
     micro_batches: int = _OPTIMIZER.micro_batches  # k: gradient accumulation
+    adam_accumulate: int = _OPTIMIZER.adam_accumulate  # K: dadam's AccumAdam block; 1: plain DAdam
     # gossip DiLoCo (--optimizer diloco; docs/training.md): the outer step, fragments, overlap, QSR, anchors
     outer_lr: float = _DILOCO.outer_lr
     outer_momentum: float = _DILOCO.outer_momentum

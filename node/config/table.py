@@ -287,6 +287,10 @@ SETTINGS: tuple[Setting, ...] = (
             "peers once, so the swarm ends on one model; auto: on for diloco, off otherwise (the swarm's)", NODE),
     Setting("training.micro_batches", Integer(1, noun="micro-batches"), "MURMUR_MICRO_BATCHES",
             "--micro-batches", "k: micro-batches accumulated per step (the swarm's)", NODE),
+    Setting("training.adam_accumulate", Integer(1, noun="AccumAdam steps", metavar="K"), "MURMUR_ADAM_ACCUMULATE",
+            "--adam-accumulate", "dadam: AccumAdam (Decent-DP) - the Adam moments advance once per K steps on "
+            "the K steps' mean gradient, for small local batches; one more parameter-sized buffer of "
+            "optimizer state; 1: plain DAdam (the swarm's)", NODE),
     Setting("training.batch_size", Integer(1, noun="batch size"), "MURMUR_BATCH_SIZE", "--batch-size",
             "sequences per micro-batch on each node (the swarm's)", NODE),
     Setting("training.context", Integer(2, noun="context"), "MURMUR_CONTEXT", "--context",

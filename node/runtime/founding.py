@@ -51,9 +51,13 @@ def training_recipe(config: NodeConfig) -> TrainingRecipe | None:
                           overlap=t.overlap, qsr_alpha=t.qsr_alpha, anchor_every=t.anchor_every,
                           anchor_codec=t.anchor_codec, inner=t.inner_optimizer) if t.optimizer == "diloco" else None
     final_merge = t.final_merge == "on" or (t.final_merge == "auto" and diloco is not None)
+    try:  # refuses --adam-accumulate above 1 outside dadam, for one
+        optimizer = optimizer_config(t.optimizer, t.lr, t.warmup_steps, t.steps, t.local_steps, t.micro_batches,
+                                     adam_accumulate=t.adam_accumulate)
+    except ValueError as exc:
+        raise RecipeInvalid(str(exc)) from None
     return TrainingRecipe(model=t.model, seed=config.seed, batch_size=t.batch_size, context=t.context, steps=t.steps,
-                          optimizer=optimizer_config(t.optimizer, t.lr, t.warmup_steps, t.steps, t.local_steps,
-                                                     t.micro_batches), spes=spes, model_config=model_config,
+                          optimizer=optimizer, spes=spes, model_config=model_config,
                           weights_sha256=weights_sha256, tokenizer=tokenizer, diloco=diloco, final_merge=final_merge)
 
 
@@ -120,7 +124,8 @@ SETTING_OF_FIELD = {
     "payload.batch_size": "training.batch_size", "payload.context": "training.context", "payload.steps": "training.steps",
     "payload.optimizer.algorithm": "training.optimizer", "payload.optimizer.lr": "training.lr",
     "payload.optimizer.warmup_steps": "training.warmup_steps", "payload.optimizer.local_steps": "training.local_steps",
-    "payload.optimizer.micro_batches": "training.micro_batches", "payload.spes": "training.spes",
+    "payload.optimizer.micro_batches": "training.micro_batches",
+    "payload.optimizer.adam_accumulate": "training.adam_accumulate", "payload.spes": "training.spes",
     "payload.spes.sync_every": "training.spes_sync_every", "payload.spes.merge_every": "training.spes_merge_every",
     "payload.spes.merge_until": "training.spes_merge_until", "payload.spes.alpha0": "training.spes_alpha0",
     "payload.spes.replication": "training.spes_replication", "payload.spes.refresh_codec": "training.spes_refresh_codec",

@@ -57,6 +57,8 @@ def _algorithm_lines(recipe: TrainingRecipe, gossip: Mapping[str, Any]) -> list[
     o = recipe.optimizer
     lines = [f"- optimizer: `{o.algorithm}`, learning rate {o.lr:g}, warm-up {o.warmup_steps} steps, "
              f"{o.decay} decay, {o.local_steps} local step(s) per gossip round, {o.micro_batches} micro-batch(es) per step"]
+    if o.adam_accumulate > 1:
+        lines.append(f"- AccumAdam: Adam moments advance once per {o.adam_accumulate} steps on their mean gradient")
     topology = gossip.get("topology") or {}
     if topology:
         extra = f", weights `{topology['weights']}`" if topology.get("weights") else ""

@@ -44,6 +44,7 @@ MAX_CONTEXT = 1 << 17
 MAX_LR = 10.0
 MAX_LOCAL_STEPS = 10_000
 MAX_MICRO_BATCHES = 1024
+MAX_ADAM_ACCUMULATE = 1024
 MAX_VECTOR_DIM = 1 << 27  # 512 MiB of float32
 MAX_STALENESS_ROUNDS = 16
 MIN_ROUND_INTERVAL_S = 1e-3
@@ -133,6 +134,8 @@ class OptimizerDoc(_Doc, frozen=True):
     local_steps: Annotated[int, msgspec.Meta(ge=1, le=MAX_LOCAL_STEPS)]
     micro_batches: Annotated[int, msgspec.Meta(ge=1, le=MAX_MICRO_BATCHES)]
     diloco: DilocoDoc | None = None  # gossip DiLoCo's knobs; absent unless algorithm is diloco
+    # dadam's AccumAdam block length K (gossip.optimizers.accum_adam_step); absent: 1, plain DAdam
+    adam_accumulate: Annotated[int, msgspec.Meta(ge=1, le=MAX_ADAM_ACCUMULATE)] = OptimizerConfig.adam_accumulate
 
 
 class SpesDoc(_Doc, frozen=True, omit_defaults=False):
@@ -351,7 +354,8 @@ class TrainingRecipe:
         return ModelPayload(
             model=self.model, seed=self.seed, batch_size=self.batch_size, context=self.context, steps=self.steps,
             optimizer=OptimizerDoc(algorithm=o.algorithm, lr=o.lr, warmup_steps=o.warmup_steps,
-                                   local_steps=o.local_steps, micro_batches=o.micro_batches, diloco=diloco),
+                                   local_steps=o.local_steps, micro_batches=o.micro_batches, diloco=diloco,
+                                   adam_accumulate=o.adam_accumulate),
             spes=spes, spes_sync=None if spes_sync == SpesSyncDoc() else spes_sync, model_config=self.model_config, weights_sha256=self.weights_sha256, tokenizer=self.tokenizer,
             final_merge=self.final_merge)
 
@@ -368,7 +372,7 @@ class TrainingRecipe:
             raise ValueError("spes_sync comes with spes and only with it")
         return cls(model=p.model, seed=p.seed, batch_size=p.batch_size, context=p.context, steps=p.steps,
                    optimizer=optimizer_config(o.algorithm, o.lr, o.warmup_steps, p.steps, o.local_steps,
-                                              o.micro_batches),
+                                              o.micro_batches, adam_accumulate=o.adam_accumulate),
                    spes=_spes_from_doc(p.spes, p.spes_sync or SpesSyncDoc()) if p.spes is not None else None,
                    model_config=_checked_model_config(p.model_config), weights_sha256=p.weights_sha256,
                    tokenizer=p.tokenizer, diloco=_diloco_from_doc(o.diloco) if o.diloco is not None else None,
@@ -422,12 +426,12 @@ def _diloco_from_doc(doc: DilocoDoc) -> DilocoConfig:
 
 
 def optimizer_config(algorithm: str, lr: float, warmup_steps: int, steps: int, local_steps: int,
-                     micro_batches: int) -> OptimizerConfig:
+                     micro_batches: int, *, adam_accumulate: int = OptimizerConfig.adam_accumulate) -> OptimizerConfig:
     """The optimizer of a recipe: warm-up, then a cosine to 0.1 lr at `steps` (flat when steps is 0)."""
-    # OptimizerConfig refuses an unknown algorithm (ValueError)
+    # OptimizerConfig refuses an unknown algorithm, and adam_accumulate > 1 outside dadam (ValueError)
     return OptimizerConfig(algorithm=cast(Algorithm, algorithm), lr=lr, warmup_steps=warmup_steps,
                            decay="cosine" if steps else "constant", total_steps=steps or None,
-                           local_steps=local_steps, micro_batches=micro_batches)
+                           local_steps=local_steps, micro_batches=micro_batches, adam_accumulate=adam_accumulate)
 
 
 @dataclass(frozen=True)
