@@ -92,11 +92,14 @@ def data_dir(swarm: NatSwarm, node: NatNode) -> str:
 # the staleness bound ahead in steps and said so in its answer; `stalled`, its record showed it that far
 # behind and unchanged, so the round left it out. The pair meets again in a later round.
 PACING = ("stale", "stalled")
+# Counted with the skips but no exchange was skipped: a round did not wait for a partner far behind whose
+# waiting budget was spent (node/swarm/progress.py); the exchange still ran.
+NOT_SKIPS = ("laggard_wait_spent",)
 
 
 def failed_exchanges(status: dict) -> dict:
     """Skips of neighbours whose exchange failed (unreachable, timeout, truncated, rejected...)."""
-    return {reason: n for reason, n in status["skipped"].items() if reason not in PACING}
+    return {reason: n for reason, n in status["skipped"].items() if reason not in PACING + NOT_SKIPS}
 
 
 def paced(status: dict) -> int:

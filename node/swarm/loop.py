@@ -262,18 +262,41 @@ class SwarmLoop:
         swarm together. Only a laggard whose record shows its step rising is waited for: a record that
         never moves (a peer at step 0 that never trains, a frozen peer) holds no round, and is left out
         of it once it is stale (see plan_for). A neighbour that died leaves the view within a few heartbeats.
+
+        Each neighbour's waiting is paid from a budget of its own (PeerProgress.wait_left: 90 s, refilled
+        over 15 min), so a record that creeps up a step a heartbeat, just beyond the lag window, cannot
+        hold every round: once its budget is spent, rounds go on without waiting for it (it is still mixed
+        with when it answers in time), counted in skipped["laggard_wait_spent"] once a round and logged
+        once a budget window.
         """
+        progress = self.progress
         deadline = time.monotonic() + LAG_WAIT_S
+        waiting: list[str] = []  # held for since the last look: each is charged the time
+        spent: set[str] = set()
+        last = progress.now
         while time.monotonic() < deadline:
             view = self.discovery.view()
-            self.progress.observe(view)
+            progress.observe(view)
+            now = progress.now
+            progress.charge_wait(waiting, now - last)
+            last = now
             records = {p.peer_id: p for p in view}
             floor = self.trainer.step - self._lag_window
             behind = [p for p in plan.in_weights if p in records and records[p].step < floor
-                      and not self._done(records[p].step) and self.progress.progressing(p)]
-            if not behind:
+                      and not self._done(records[p].step) and progress.progressing(p)]
+            waiting = [p for p in behind if progress.may_wait_for(p)]
+            for p in behind:
+                if p not in waiting and p not in spent:
+                    spent.add(p)
+                    self.peer.stats.skipped["laggard_wait_spent"] += 1
+                    if progress.tell_wait_spent(p):
+                        logger.info("neighbour %s held rounds %g s within %g s while far behind: rounds go on "
+                                    "without waiting for it until its budget refills", p,
+                                    progress.wait_budget_s, progress.wait_budget_window_s)
+            if not waiting:
                 return
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(min(0.2, max(0.01, min(progress.wait_left(p) for p in waiting))))
+        progress.charge_wait(waiting, progress.now - last)
         logger.info("round goes on without neighbours still far behind after %g s", LAG_WAIT_S)
 
     async def catch_up(self, stop: asyncio.Event, margin: int, look: bool, epoch: float | None = None) -> None:

@@ -1,0 +1,170 @@
+"""The creeping laggard (docs/threat-model.md): a round waits for a laggard catching up, but each
+neighbour's waiting comes from a budget of its own (node/swarm/progress.py, PeerProgress.wait_left), so a
+record that rises a step a heartbeat while staying beyond the lag window holds its neighbours' rounds for
+the budget, then a tenth of the time at most; an honest peer catching up is waited for as before.
+
+The loop's wait runs here on a fake clock: time.monotonic and asyncio.sleep of node.swarm.loop are
+replaced, so 50 rounds of 30 s waits take no time."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+
+import node.swarm.loop as loop
+from node.swarm.progress import WAIT_BUDGET_S, WAIT_BUDGET_WINDOW_S, PeerProgress
+from topology import PeerRound
+
+pytestmark = pytest.mark.unit
+
+LAG_WINDOW = 10
+TRAIN_S = 5.0  # fake seconds a round's steps take between two waits
+HEARTBEAT_S = 2.0
+
+
+@dataclass(frozen=True)
+class Record:
+    peer_id: str
+    step: int = 0
+    round: int = 0
+    gossip_from: int = 0
+
+
+class FakeTime:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.now = 1000.0
+        real_sleep = asyncio.sleep
+
+        async def sleep(seconds: float) -> None:
+            self.now += seconds
+            await real_sleep(0)
+
+        monkeypatch.setattr(loop, "time", SimpleNamespace(monotonic=lambda: self.now))
+        monkeypatch.setattr(loop, "asyncio", SimpleNamespace(sleep=sleep))
+
+
+def training_for(clock: FakeTime, step_of: Callable[[float], int]) -> SimpleNamespace:
+    """A SwarmLoop's parts the wait reads: its step, a view with one neighbour whose record shows
+    `step_of(now)` (published each heartbeat), its progress and its counters."""
+    progress = PeerProgress(10.0, clock=lambda: clock.now)
+
+    def view() -> tuple[Record, ...]:
+        published = clock.now - clock.now % HEARTBEAT_S
+        return (Record("me", step=training.trainer.step), Record("other", step=step_of(published)))
+
+    training = SimpleNamespace(discovery=SimpleNamespace(view=view), progress=progress,
+                               trainer=SimpleNamespace(step=0), _lag_window=LAG_WINDOW, _done=lambda step: False,
+                               peer=SimpleNamespace(stats=SimpleNamespace(skipped=collections.Counter())))
+    progress.observe(view())  # seen once: a rise shows from the next look on
+    return training
+
+
+async def one_round(training: SimpleNamespace, clock: FakeTime) -> float:
+    """Train a round (TRAIN_S), then wait for laggards as plan_for does; how long the wait held it."""
+    clock.now += TRAIN_S
+    training.progress.observe(training.discovery.view())
+    started = clock.now
+    await loop.SwarmLoop._wait_for_laggards(training, PeerRound(0.5, {"other": 0.5}, ()))
+    return clock.now - started
+
+
+def test_a_creeping_record_holds_rounds_for_its_budget_then_a_tenth_of_the_time(monkeypatch, caplog):
+    clock = FakeTime(monkeypatch)
+
+    def creeping(now: float) -> int:
+        return int(now // HEARTBEAT_S)  # one step a heartbeat, for ever
+
+    training = training_for(clock, creeping)
+    caplog.set_level(logging.INFO, logger="murmur.train")
+
+    async def main() -> list[float]:
+        waits = []
+        for _ in range(50):
+            # the swarm runs well ahead: the creeper stays beyond the lag window however long a round waits
+            training.trainer.step = creeping(clock.now) + LAG_WINDOW + 30
+            waits.append(await one_round(training, clock))
+        return waits
+
+    waits = asyncio.run(main())
+    # the first rounds wait as they do for any laggard, the whole LAG_WAIT_S, until the budget is spent
+    assert waits[:2] == [pytest.approx(loop.LAG_WAIT_S, abs=0.3)] * 2
+    assert sum(waits[:3]) == pytest.approx(WAIT_BUDGET_S, abs=2.0)
+    # then each round waits only for what the bucket refilled while it trained: a tenth of TRAIN_S
+    refill = TRAIN_S * WAIT_BUDGET_S / WAIT_BUDGET_WINDOW_S
+    assert all(w <= refill + 0.25 for w in waits[4:]), waits
+    elapsed = 50 * TRAIN_S + sum(waits)
+    assert sum(waits) <= WAIT_BUDGET_S + elapsed * WAIT_BUDGET_S / WAIT_BUDGET_WINDOW_S + 1.0
+    # counted each round its spent budget cut the wait short, logged once in the window
+    assert training.peer.stats.skipped["laggard_wait_spent"] >= 45
+    assert sum("held rounds" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_an_honest_peer_catching_up_is_waited_for_as_before(monkeypatch):
+    clock = FakeTime(monkeypatch)
+    joined_at = clock.now + 20.0
+
+    def joiner(now: float) -> int:
+        # a restarted peer at step 0 until its download lands (20 s), then at the swarm's step less the
+        # rounds it missed, training a step a second
+        return 0 if now < joined_at else 480 + int(now - joined_at)
+
+    training = training_for(clock, joiner)
+
+    async def main() -> list[float]:
+        training.trainer.step = 500
+        training.progress.observe(training.discovery.view())
+        first = await one_round(training, clock)  # step 0, not rising: not waited for
+        clock.now = joined_at
+        training.progress.observe(training.discovery.view())  # seen rising: 0 -> 480+
+        second = await one_round(training, clock)
+        return [first, second]
+
+    first, second = asyncio.run(main())
+    assert first == 0.0
+    # held until it is back within the lag window (step 490 at the node's 500), not the whole 30 s
+    assert 3.0 < second < loop.LAG_WAIT_S
+    assert training.progress.wait_left("other") > WAIT_BUDGET_S - loop.LAG_WAIT_S
+    assert training.peer.stats.skipped["laggard_wait_spent"] == 0
+
+
+def test_a_slow_honest_peer_gets_three_full_waits_and_the_budget_comes_back_after_the_window(monkeypatch):
+    clock = FakeTime(monkeypatch)
+    training = training_for(clock, lambda now: int(now // HEARTBEAT_S))
+
+    async def main() -> tuple[list[float], float]:
+        waits = []
+        for _ in range(3):
+            training.trainer.step = int(clock.now // HEARTBEAT_S) + LAG_WINDOW + 30
+            waits.append(await one_round(training, clock))
+        clock.now += WAIT_BUDGET_WINDOW_S  # a window without waiting for it
+        assert training.progress.wait_left("other") == WAIT_BUDGET_S
+        training.trainer.step = int(clock.now // HEARTBEAT_S) + LAG_WINDOW + 30
+        return waits, await one_round(training, clock)
+
+    waits, after = asyncio.run(main())
+    assert waits == [pytest.approx(loop.LAG_WAIT_S, abs=0.3)] * 3
+    assert after == pytest.approx(loop.LAG_WAIT_S, abs=0.3)
+
+
+def test_the_budget_is_a_token_bucket_per_peer_and_leaving_the_view_does_not_refill_it():
+    now = [0.0]
+    progress = PeerProgress(5.0, clock=lambda: now[0], wait_budget_s=10.0, wait_budget_window_s=100.0)
+    progress.charge_wait(["a", "b"], 4.0)  # both held the same 4 s: each pays it
+    progress.charge_wait(["a"], 8.0)
+    assert progress.wait_left("a") == 0.0 and not progress.may_wait_for("a")
+    assert progress.wait_left("b") == 6.0 and progress.wait_left("c") == 10.0
+    progress.observe([Record("c")])  # a and b left the view: what they spent is kept
+    now[0] = 50.0
+    assert progress.wait_left("a") == pytest.approx(5.0) and progress.may_wait_for("a")
+    now[0] = 200.0
+    assert progress.wait_left("a") == 10.0 and progress.wait_left("b") == 10.0
+    # told once per window
+    assert progress.tell_wait_spent("a") and not progress.tell_wait_spent("a")
+    now[0] = 301.0
+    assert progress.tell_wait_spent("a")
