@@ -224,8 +224,9 @@ class ChocoState:
         check_values(received, limits)
         edge = self._edges.get(peer)
         theirs = edge.theirs if edge is not None else self._anchor
-        check_values({name: theirs[name] + np.asarray(q, np.float32).reshape(-1) for name, q in received.items()
-                      if name in theirs}, limits)
+        for name, q in received.items():  # one tensor's estimate at a time
+            if name in theirs:
+                check_values({name: theirs[name] + np.asarray(q, np.float32).reshape(-1)}, limits)
 
     def step(self, own: Tensors, weights: Mapping[str, float], mixer: Mixer | None = None,
              base: Tensors | None = None) -> ChocoStep:
