@@ -11,7 +11,7 @@ Printed per mode:
 
 The dense modes run on the tests' tiny GPT (DAdam by default); spes-capacity on the tiny MoE with SPES.
 Run from the repository root: .venv/bin/python -m bench.bench_attacks [--modes noise,scaled] [--steps 200]
-[--optimizer dadam|dsgd]. Figures go to docs/benchmarks.md ("Attacks").
+[--optimizer dadam|dsgd] [--gossip-compression choco] (the dense modes against CHOCO nodes on a ring). Figures go to docs/benchmarks.md ("Attacks").
 """
 
 from __future__ import annotations
@@ -39,9 +39,13 @@ DENSE_MODES = (Mode.HUGE_STEP, Mode.NOISE, Mode.SCALED, Mode.SIGN_FLIP, Mode.STA
 SPES_MODES = (Mode.SPES_CAPACITY,)
 
 
-def recipes(optimizer: str, lr: float) -> dict[str, dict[str, object]]:
-    common = {"batch_size": 16, "optimizer": optimizer, "lr": lr, "warmup_steps": 10, "steps": 0,
-              "topology": "one-peer-exp", "min_peers": 4}
+def recipes(optimizer: str, lr: float, compression: str | None = None) -> dict[str, dict[str, object]]:
+    common: dict[str, object] = {"batch_size": 16, "optimizer": optimizer, "lr": lr, "warmup_steps": 10, "steps": 0,
+                                 "topology": "one-peer-exp", "min_peers": 4}
+    if compression is not None:
+        # compressed gossip runs on symmetric edges; the hostile's tensor modes then replace its differences,
+        # and each honest node mixes with its own --mixing (the default adaptive_clip)
+        common = {**common, "topology": "ring", "gossip_compression": compression, "codec": "int8"}
     return {"dense": {"model": "tiny_model:build", "context": TINY.context, **common},
             "spes": {"model": "tiny_moe:build", "context": TINY_MOE.context, **common}}  # the founder adds --spes
 
@@ -101,12 +105,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--optimizer", choices=("dadam", "dsgd"), default="dadam")
     parser.add_argument("--lr", type=float, help="default: 1.5e-2 for dadam, 0.5 for dsgd")
     parser.add_argument("--spes-experts", type=int, help="the honest SPES nodes' capacity (default: every expert)")
+    parser.add_argument("--gossip-compression", choices=("choco",),
+                        help="the dense modes under compressed gossip (ring, int8 differences; SPES is refused)")
     parser.add_argument("--dir", type=Path, help="keep the runs' logs here (default: a temporary directory)")
     args = parser.parse_args(argv)
     modes = [Mode(m) for m in args.modes.split(",")]
     lr = args.lr or (1.5e-2 if args.optimizer == "dadam" else 0.5)
     os.environ["PYTHONPATH"] = with_support_path(os.environ)
-    print(f"# bench_attacks on {platform.node()}: {args.optimizer} lr {lr}, S = {args.steps}, modes "
+    if args.gossip_compression and any(m in SPES_MODES for m in modes):
+        parser.error("compressed gossip does not cover SPES: pick --modes among the dense ones")
+    print(f"# bench_attacks on {platform.node()}: {args.optimizer} lr {lr}, S = {args.steps}, "
+          f"compression {args.gossip_compression or 'none'}, modes "
           f"{', '.join(modes)}", flush=True)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-attacks-") as scratch:
@@ -116,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         controls: dict[str, SwarmRun] = {}
         for mode in modes:
             kind = "spes" if mode in SPES_MODES else "dense"
-            recipe = recipes(args.optimizer, lr)[kind]
+            recipe = recipes(args.optimizer, lr, args.gossip_compression)[kind]
             setup = AttackSetup(recipe, node_flags(args.steps, args.spes_experts if kind == "spes" else None), steps=args.steps, join_at=args.steps // 5,
                                 timeout_s=1800.0, founder_args=("--spes",) if kind == "spes" else ())
             if kind not in controls:

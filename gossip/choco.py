@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gossip.codecs import Codec
-from gossip.mixing import MixingKind, MixingRule
+from gossip.mixing import MixingKind, MixingRule, clip_scale, distance
+from gossip.robust import Mixer, check_values
 from gossip.rules import CHOCO_RULES, Knobs, Rule, broken_rules
 from gossip.wire import MetaValue
 from topology import TopologySpec
@@ -133,6 +134,14 @@ class Outgoing:
     count: int
 
 
+@dataclass(frozen=True)
+class ChocoStep:
+    """A round's move: the node's new tensors, and the neighbours whose pull its own rule clipped."""
+
+    tensors: dict[str, np.ndarray]
+    clipped: tuple[str, ...] = ()
+
+
 class _Edge:
     __slots__ = ("count", "mine", "theirs")
 
@@ -208,26 +217,48 @@ class ChocoState:
         if self._edges.pop(peer, None) is not None:
             self.resets += 1
 
-    def step(self, own: Tensors, weights: Mapping[str, float]) -> dict[str, np.ndarray]:
-        """x + gamma * sum_j w_j * d(theirs_j - mine_j) over the edges in `weights` (those that completed
-        this round), d the rule's treatment of one difference (identity, or clipping to tau per tensor)."""
+    def screen(self, peer: str, received: Tensors, limits: Mapping[str, float]) -> None:
+        """Raise OutOfRange unless the differences `received` from `peer`, and the estimate of `peer` they
+        would make, hold finite values within `limits` (the node's value bound, `gossip.robust.ValueBound`,
+        relative to its own tensors). Changes nothing: a refused difference never reaches the estimate."""
+        check_values(received, limits)
+        edge = self._edges.get(peer)
+        theirs = edge.theirs if edge is not None else self._anchor
+        for name, q in received.items():  # one tensor's estimate at a time
+            if name in theirs:
+                check_values({name: theirs[name] + np.asarray(q, np.float32).reshape(-1)}, limits)
+
+    def step(self, own: Tensors, weights: Mapping[str, float], mixer: Mixer | None = None,
+             base: Tensors | None = None) -> ChocoStep:
+        """x + gamma * sum_j w_j * s_j * (theirs_j - mine_j) over the edges in `weights` (those that completed
+        this round): the move towards neighbour j's estimate from this node's own as the edge holds it.
+        s_j in [0, 1] is the product of the swarm's rule (`clipped`: its tau per tensor; any other: 1) and
+        of the node's own rule, `mixer` (its --mixing; see `Mixer.edge_scales`: centered clipping of the
+        neighbour's estimate at the node's adaptive radius unless the node chose `weighted`); `base` is
+        what the node's tensors were after the last round's mix (its own move feeds the radius)."""
         gamma, rule = self.settings.gamma, self.settings.rule
+        peers = sorted(weights)
+        flat = {name: np.asarray(x).reshape(-1) for name, x in own.items()}
+        # ||theirs_j - mine_j|| block by block: no difference is held for more than one tensor at a time
+        norms = {name: {peer: distance(self._edges[peer].theirs[name], self._edges[peer].mine[name])
+                        for peer in peers} for name in flat}
+        scales = {name: dict.fromkeys(peers, 1.0) for name in flat}
+        if rule.kind is MixingKind.CLIPPED:
+            assert rule.tau is not None  # MixingRule checks it
+            scales = {name: {peer: clip_scale(n[peer], rule.tau) for peer in peers} for name, n in norms.items()}
+        clipped: tuple[str, ...] = ()
+        if mixer is not None and peers:
+            own_scales, clipped = mixer.edge_scales(flat, norms, base)
+            scales = {name: {peer: s[peer] * own_scales[name][peer] for peer in peers} for name, s in scales.items()}
         out: dict[str, np.ndarray] = {}
         for name, x in own.items():
-            flat = np.asarray(x).reshape(-1)
-            move = np.zeros(flat.shape, np.float64)
-            for peer in sorted(weights):
+            move = np.zeros(flat[name].shape, np.float64)
+            for peer in peers:
                 edge = self._edges[peer]
                 diff = np.subtract(edge.theirs[name], edge.mine[name], dtype=np.float64)
-                scale = weights[peer]
-                if rule.kind is MixingKind.CLIPPED:
-                    assert rule.tau is not None  # MixingRule checks it
-                    norm = float(np.linalg.norm(diff))
-                    if norm > rule.tau:
-                        scale *= rule.tau / norm
-                move += scale * diff
-            out[name] = (flat + gamma * move).astype(flat.dtype).reshape(np.shape(x))
-        return out
+                move += (weights[peer] * scales[name][peer]) * diff
+            out[name] = (flat[name] + gamma * move).astype(flat[name].dtype).reshape(np.shape(x))
+        return ChocoStep(out, clipped)
 
     def _edge(self, peer: str) -> _Edge:
         edge = self._edges.get(peer)

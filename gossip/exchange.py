@@ -36,7 +36,7 @@ from enum import Enum, StrEnum
 import numpy as np
 
 from gossip.admission import OPEN, StreamAdmission
-from gossip.choco import ChocoState, Desync, Outgoing
+from gossip.choco import ChocoState, ChocoStep, Desync, Outgoing
 from gossip.codecs import Codec
 from gossip.errors import BadSchema, ManifestMismatch, Truncated, WireError
 from gossip.limits import DEFAULT_INCOMING, CountPerKey, IncomingLimits, PeerBuckets
@@ -367,7 +367,7 @@ class GossipPeer:
             for peer in sorted(plan.in_weights):
                 group.create_task(one(peer))
 
-        # compressed gossip receives differences against estimates, not parameters: the Mixer's screen is for the latter
+        # compressed gossip receives differences against estimates, not parameters: _choco_mix screens those
         if received and self._choco is None:
             refused = await asyncio.to_thread(self._mixer.screen, own_snapshot,
                                               {peer: r.tensors for peer, r in received.items()})
@@ -378,7 +378,8 @@ class GossipPeer:
         mixed = running.result() if running is not None and received.keys() == set(plan.in_weights) else None
         clipped: tuple[str, ...] = ()
         if self._choco is not None:
-            mixed = await asyncio.to_thread(self._choco_mix, own_snapshot, received, plan)
+            step = await asyncio.to_thread(self._choco_mix, own_snapshot, received, plan, base)
+            mixed, clipped = step.tensors, step.clipped
         elif mixed is None:
             outcome = await asyncio.to_thread(self._mixer.mix, own_snapshot,
                                               {peer: r.tensors for peer, r in received.items()},
@@ -405,10 +406,11 @@ class GossipPeer:
         self_weight, weights = effective_weights(plan.self_weight, plan.in_weights, plan.in_weights.keys())
         return IncrementalMix(own, self_weight, *weights.values())
 
-    def _choco_mix(self, own: dict[str, np.ndarray], received: Mapping[str, _Received],
-                   plan: PeerRound) -> dict[str, np.ndarray]:
+    def _choco_mix(self, own: dict[str, np.ndarray], received: Mapping[str, _Received], plan: PeerRound,
+                   base: Tensors | None) -> ChocoStep:
         """Compressed gossip: both ends of every completed exchange add what crossed to their estimates,
-        then this node moves towards its neighbours' estimates (gossip.choco.ChocoState.step)."""
+        then this node moves towards its neighbours' estimates under its own mixing rule
+        (gossip.choco.ChocoState.step; what crossed was screened before the ack, `_choco_screen`)."""
         assert self._choco is not None
         weights = {}
         for peer, got in received.items():
@@ -419,7 +421,15 @@ class GossipPeer:
                 self._desync(peer, self.round, str(exc))
                 continue
             weights[peer] = plan.in_weights[peer]
-        return self._choco.step(own, weights)
+        return self._choco.step(own, weights, self._mixer, base)
+
+    async def _choco_screen(self, peer: str, received: Tensors, own: Tensors) -> None:
+        """Raise OutOfRange unless `peer`'s differences, and the estimate of `peer` they would make, are
+        finite and within the node's value bound (relative to `own`, as dense gossip's screen). Called
+        before the ack, so a refused difference is committed by neither end: the estimates stay in step."""
+        assert self._choco is not None
+        choco = self._choco
+        await asyncio.to_thread(lambda: choco.screen(peer, received, self._mixer.bound.limits(own)))
 
     def _desync(self, peer: str, round_index: int, why: str) -> None:
         assert self._choco is not None
@@ -518,6 +528,7 @@ class GossipPeer:
                 if outgoing is not None:
                     assert self._choco is not None
                     self._choco.check(peer, reply.header.meta)  # Desync: no ack, so neither end mixes
+                    await self._choco_screen(peer, reply.tensors, own)  # OutOfRange: no ack either
             if kind == EXCHANGE:
                 # The ack commits both sides to mixing: the answering peer mixes our tensors only if
                 # it reads the ack, so it is sent only once the reply is known to be good and in time.
@@ -648,6 +659,8 @@ class GossipPeer:
             try:
                 async with asyncio.timeout(self._settings.exchange_timeout_s):
                     message = await request.rest()
+                    if outgoing is not None:  # OutOfRange: rejected, so neither end commits the exchange
+                        await self._choco_screen(peer, message.tensors, inputs)
                     phase = "sending the reply"
                     await stream.send(frames)
                     phase = "waiting for the ack"

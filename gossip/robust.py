@@ -228,6 +228,50 @@ class Mixer:
                 out[name] = mix(x, theirs, self_weight, weights, self.rule)
         return MixOutcome(out, tuple(sorted(clipped)))
 
+    def edge_scales(self, own: Tensors, distances: Mapping[str, Mapping[str, float]],
+                    base: Tensors | None = None) -> tuple[dict[str, dict[str, float]], tuple[str, ...]]:
+        """Per tensor and neighbour, the factor in [0, 1] the node's rule shrinks a neighbour's difference
+        by, given its length `distances[name][peer]`; and the neighbours clipped in some tensor. For
+        compressed gossip (gossip.choco), whose differences are per edge: `weighted` keeps every
+        difference, `clipped` clips to its tau, and every other rule (`adaptive_clip`, and the whole-vector
+        rules median, trimmed mean, variance-corrected, which have no per-edge form) clips at the adaptive
+        radius shrunk by the neighbour's standing, as `mix` does for adaptive_clip."""
+        kind = self.rule.kind
+        peers = sorted({peer for d in distances.values() for peer in d})
+        if kind is MixingKind.WEIGHTED:
+            return {name: dict.fromkeys(peers, 1.0) for name in distances}, ()
+        if kind is MixingKind.CLIPPED:
+            tau = self.rule.tau
+            assert tau is not None  # checked by MixingRule
+            scales = {name: {peer: clip_scale(d[peer], tau) for peer in peers} for name, d in distances.items()}
+        else:
+            taus = {}
+            for name, x in own.items():
+                if base is not None and name in base:
+                    self.radius.observe_move(name, distance(np.asarray(x).reshape(-1),
+                                                            np.asarray(base[name]).reshape(-1)))
+                taus[name] = self.radius.radius(name)
+            shrink = self._shrink(peers, taus, distances)
+            scales = {name: {peer: clip_scale(d[peer], taus[name] / shrink[peer]) for peer in peers}
+                      for name, d in distances.items()}
+            for name, d in distances.items():
+                self.radius.observe(name, (d[peer] for peer in peers))
+        clipped = tuple(peer for peer in peers if any(s[peer] < 1.0 for s in scales.values()))
+        return scales, clipped
+
+    def _shrink(self, peers: Iterable[str], taus: Mapping[str, float],
+                distances: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+        """Each neighbour's radius divisor, max(1, standing)^2, recording this encounter's standing."""
+        tau_norm = math.sqrt(sum(t * t for t in taus.values()))
+        shrink = {}
+        for peer in peers:
+            if tau_norm > 0.0:
+                far = math.sqrt(sum(d[peer] ** 2 for d in distances.values())) / tau_norm
+                shrink[peer] = max(1.0, self.standing.record(peer, far)) ** 2
+            else:  # no radius yet: nothing moves this round, and there is nothing to measure by
+                shrink[peer] = max(1.0, self.standing.of(peer)) ** 2
+        return shrink
+
     def _adaptive(self, own: Tensors, received: Mapping[str, Tensors], self_weight: float,
                   weights: Mapping[str, float], base: Tensors | None) -> MixOutcome:
         """Centered clipping, each tensor at its adaptive radius shrunk by each neighbour's standing."""
@@ -239,14 +283,7 @@ class Mixer:
                 self.radius.observe_move(name, distance(x, base[name]))
             taus[name] = self.radius.radius(name)
             distances[name] = {peer: distance(received[peer][name], x) for peer in peers}
-        tau_norm = math.sqrt(sum(t * t for t in taus.values()))
-        shrink = {}
-        for peer in peers:
-            if tau_norm > 0.0:
-                far = math.sqrt(sum(d[peer] ** 2 for d in distances.values())) / tau_norm
-                shrink[peer] = max(1.0, self.standing.record(peer, far)) ** 2
-            else:  # no radius yet: nothing moves this round, and there is nothing to measure by
-                shrink[peer] = max(1.0, self.standing.of(peer)) ** 2
+        shrink = self._shrink(peers, taus, distances)
         clipped: set[str] = set()
         out: dict[str, np.ndarray] = {}
         for name, x in own.items():

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 from gossip.mixing import MixingKind
 
-# mixing rules CHOCO can apply to an edge's difference (theirs - mine); the others need whole vectors
-CHOCO_RULES = (MixingKind.WEIGHTED, MixingKind.CLIPPED)
+# mixing rules CHOCO can apply to an edge's difference (theirs - mine); the others need whole vectors (a node
+# whose own rule is one of those clips each edge at its adaptive radius instead: gossip.robust.Mixer.edge_scales)
+CHOCO_RULES = (MixingKind.WEIGHTED, MixingKind.CLIPPED, MixingKind.ADAPTIVE_CLIP)
 
 
 class Rule(enum.StrEnum):

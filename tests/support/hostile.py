@@ -12,7 +12,8 @@ Everything before `--` configures the attack; everything after it is a `murmur` 
 
 - huge-step: its peer record and every gossip header claim step 10^9 (HUGE_STEP); it trains honestly.
 - noise: every tensor it serves (gossip replies, exchange requests, pulls and downloads) is finite
-  Gaussian noise with each tensor's own standard deviation (at least 0.01).
+  Gaussian noise with each tensor's own standard deviation (at least 0.01). Under compressed gossip
+  (`--gossip-compression choco`) the tensor modes replace the differences it sends instead.
 - scaled: it serves its honest tensors x 1000 (SCALE).
 - sign-flip: it serves its update reversed and amplified: with x_prev the tensors it held when it last
   served a message of an earlier round and x its current ones, it serves x_prev - k (x - x_prev),
@@ -231,14 +232,16 @@ def install_tensor_modes(ctx: HostileContext) -> None:
     original = exchange.GossipPeer._frames
     served: dict[int, Served] = {}
 
-    def frames(self: GossipPeer, tensors: Any, round_index: int | None, kind: str, meta: Any = None) -> Any:
+    def frames(self: GossipPeer, tensors: Any, round_index: int | None, kind: str, meta: Any = None,
+               codec: Any = None) -> Any:
+        # under compressed gossip (`codec` given) the tensors are the CHOCO differences: those are replaced
         if tensors and kind in (exchange.REPLY, exchange.EXCHANGE):
             r = self.round if round_index is None else round_index
             mode = ctx.tensor_mode(r)
             if mode is not None:
                 tensors = tampered(ctx, served.setdefault(id(self), Served()), mode, tensors, r)
                 ctx.count(mode, f"tampered {kind}")
-        return original(self, tensors, round_index, kind, meta)
+        return original(self, tensors, round_index, kind, meta, codec)
 
     exchange.GossipPeer._frames = frames  # type: ignore[method-assign]
 
@@ -263,11 +266,12 @@ def install_huge_step(ctx: HostileContext) -> None:
     ctx.before_start(lambda d: d.update(step=HUGE_STEP))
     original = exchange.GossipPeer._frames
 
-    def frames(self: GossipPeer, tensors: Any, round_index: int | None, kind: str, meta: Any = None) -> Any:
+    def frames(self: GossipPeer, tensors: Any, round_index: int | None, kind: str, meta: Any = None,
+               codec: Any = None) -> Any:
         honest = self.step
         self.step = HUGE_STEP  # iter_message reads it when called, before this returns
         try:
-            return original(self, tensors, round_index, kind, meta)
+            return original(self, tensors, round_index, kind, meta, codec)
         finally:
             self.step = honest
 
