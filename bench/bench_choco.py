@@ -27,10 +27,11 @@ import statistics
 import sys
 from dataclasses import dataclass, replace
 
-from bench.bench_training import BATCH, NODES, SCHEDULES, TINY, barrier_planner, single_curve, tiny_trainer
+from bench.bench_training import BATCH, NODES, SCHEDULES, TINY, single_curve, tiny_trainer
 from gossip.choco import ChocoSettings, ChocoState, default_gamma
 from gossip.codecs import Codec, Int8Codec, TopKCodec, get_codec
 from gossip.exchange import ExchangeSettings, GossipPeer
+from gossip.lockstep import Lockstep
 from gossip.memory import InMemoryNetwork
 from node.algorithms.dsgd import GossipTrainer
 from node.train.data import embedded_corpus, peer_shard
@@ -84,7 +85,7 @@ async def swarm_run(setup: Setup, seed: int, steps: int, model: ModelConfig,
             peer = GossipPeer(net.transport(pid), settings, await trainer.tensors(), choco=choco)
             await peer.start()
             nodes.append(GossipTrainer(trainer, peer))
-        plan_for = barrier_planner(topology, ids)
+        plan_for = Lockstep(ids, topology).plan_for
         async with asyncio.TaskGroup() as group:
             for node in nodes:
                 group.create_task(node.run(steps, plan_for(node.peer.peer_id)))

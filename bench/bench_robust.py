@@ -23,9 +23,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from bench.bench_training import SCHEDULES, barrier_planner, tiny_trainer
+from bench.bench_training import SCHEDULES, tiny_trainer
 from gossip.codecs import get_codec
 from gossip.exchange import ExchangeSettings, GossipPeer
+from gossip.lockstep import Lockstep
 from gossip.memory import InMemoryNetwork
 from gossip.mixing import MixingKind, MixingRule
 from gossip.robust import Mixer
@@ -64,7 +65,7 @@ async def train_swarm(algorithm: str, rule: MixingKind, seed: int, nodes: int, s
             peer = GossipPeer(net.transport(trainer.peer_id), settings, await trainer.tensors())
             await peer.start()
             swarm.append(GossipTrainer(trainer, peer))
-        plan_for = barrier_planner("one-peer-exp", ids)
+        plan_for = Lockstep(ids, "one-peer-exp").plan_for
         async with asyncio.timeout(3600), asyncio.TaskGroup() as group:
             for node in swarm:
                 group.create_task(node.run(steps, plan_for(node.peer.peer_id)))

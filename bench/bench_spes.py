@@ -18,7 +18,6 @@ import asyncio
 import platform
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import torch
 
 from gossip.codecs import get_codec
 from gossip.exchange import ExchangeSettings, GossipPeer
+from gossip.lockstep import Lockstep
 from gossip.memory import InMemoryNetwork
 from gossip.optimizers import OptimizerConfig
 from gossip.spes import SpesConfig, assign_experts, reference_sync_bytes, training_memory
@@ -36,7 +36,6 @@ from node.algorithms.spes.partition import ModelPartition, spes_average
 from node.train.data import Corpus, embedded_corpus, peer_shard
 from node.train.models import DEFAULT, ModelConfig, build_model
 from node.train.trainer import Trainer, TrainerConfig, average_tensors
-from topology import MembershipView, PeerRound, build_topology, peer_round
 
 NODES = 4
 IDS = [f"peer{i}" for i in range(NODES)]
@@ -44,24 +43,6 @@ SETTINGS = ExchangeSettings(swarm="bench", config_hash="spes", codec=get_codec("
 # the loss curves use the tests' small MoE, so that three runs fit in a few minutes on two cores
 SMALL = ModelConfig(context=32, layers=2, width=32, heads=4, experts=8, top_k=2, expert_hidden=64)
 TARGET_TRAFFIC_RATIO = 0.4
-
-
-class Lockstep:
-    """Every peer's round r starts together, and records are published before anyone reads them."""
-
-    def __init__(self, ids: list[str], topology: str) -> None:
-        self.view = MembershipView.of(ids)
-        self.topology = build_topology(topology, self.view.n)
-        self.barrier = asyncio.Barrier(len(ids))
-
-    def plan_for(self, peer_id: str) -> Callable[[int], object]:
-        async def plan(round_index: int) -> PeerRound:
-            await self.barrier.wait()
-            return peer_round(self.topology, self.view, peer_id, round_index)
-        return plan
-
-    async def published(self, sync_index: int) -> None:
-        await self.barrier.wait()
 
 
 def trainer_config(optimizer: OptimizerConfig, model: ModelConfig) -> TrainerConfig:

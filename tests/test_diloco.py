@@ -27,13 +27,13 @@ from gossip.diloco import (
     run_bytes,
 )
 from gossip.exchange import ExchangeSettings
+from gossip.lockstep import Lockstep
 from gossip.memory import InMemoryNetwork
 from gossip.optimizers import LRSchedule, OptimizerConfig
 from node.algorithms.diloco.trainer import DilocoTrainer
 from node.train.data import Corpus, peer_shard
 from node.train.models import ModelConfig, build_model
 from node.train.trainer import Trainer, TrainerConfig, average_tensors
-from support.lockstep import Lockstep
 from topology import MembershipView, build_topology, peer_round
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]

@@ -19,13 +19,13 @@ import torch
 
 from gossip.codecs import get_codec
 from gossip.exchange import ExchangeSettings, GossipPeer
+from gossip.lockstep import Lockstep
 from gossip.memory import InMemoryNetwork
 from gossip.optimizers import OptimizerConfig
 from gossip.spes import SpesConfig, assign_experts
 from node.algorithms.dsgd import GossipTrainer
 from node.train.data import Corpus, peer_shard
 from node.train.trainer import Trainer, TrainerConfig, average_tensors
-from support.lockstep import Lockstep
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,6 +13,7 @@ import torch
 
 from gossip.codecs import get_codec
 from gossip.exchange import ExchangeSettings, GossipPeer
+from gossip.lockstep import Lockstep
 from gossip.memory import InMemoryNetwork, LinkModel
 from gossip.optimizers import OptimizerConfig
 from gossip.spes import (
@@ -34,7 +35,6 @@ from node.algorithms.spes.partition import ModelPartition, spes_average, tensor_
 from node.train.data import Corpus, peer_shard
 from node.train.models import ModelConfig, build_model
 from node.train.trainer import Trainer, TrainerConfig, average_tensors
-from support.lockstep import Lockstep
 from topology import PeerRound
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]

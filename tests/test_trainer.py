@@ -16,6 +16,7 @@ from torch.optim.sgd import sgd
 
 from gossip.codecs import get_codec
 from gossip.exchange import ExchangeSettings, GossipPeer
+from gossip.lockstep import Lockstep
 from gossip.memory import InMemoryNetwork, LinkModel
 from gossip.mixing import mix
 from gossip.optimizers import (
@@ -31,7 +32,6 @@ from node.swarm.algorithm import StepReport
 from node.train.data import Corpus, peer_shard, training_batch
 from node.train.models import ModelConfig, build_model
 from node.train.trainer import Trainer, TrainerConfig, average_tensors, train_alone
-from support.lockstep import Lockstep
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
