@@ -44,6 +44,7 @@ from gossip.memory import InMemoryNetwork, LinkModel
 from gossip.optimizers import OptimizerConfig
 from node.algorithms.diloco.trainer import DilocoTrainer
 from node.algorithms.dsgd import GossipTrainer
+from node.algorithms.lockstep import drive
 from node.train.data import Corpus, embedded_corpus, peer_shard
 from node.train.models import DENSE_DEFAULT, ModelConfig, build_model
 from node.train.trainer import Trainer, TrainerConfig, average_tensors, train_alone
@@ -154,9 +155,7 @@ async def run_dadam(corpus: Corpus, setup: Setup, seed: int, steps: int) -> Resu
             await peer.start()
             nodes.append(GossipTrainer(trainer, peer))
         lockstep = Lockstep(ids, TOPOLOGY)
-        async with asyncio.TaskGroup() as group:
-            for node in nodes:
-                group.create_task(node.run(steps, lockstep.plan_for(node.peer.peer_id)))
+        await drive(nodes, steps, lockstep)
         finals = [await t.tensors() for t in trainers]
         loss = await trainers[0].evaluate(average_tensors(finals))
         moved = sum(n.peer.stats.bytes_sent + n.peer.stats.bytes_received for n in nodes) / NODES
@@ -181,16 +180,7 @@ async def run_diloco(corpus: Corpus, setup: Setup, seed: int, steps: int) -> Res
                                  schedule)
             await node.start()
             nodes.append(node)
-        plans = Lockstep(ids, TOPOLOGY).fragment_plan_for
-
-        async def one(node: DilocoTrainer) -> None:
-            plan = plans(node.trainer.peer_id)
-            for step in range(steps):
-                await node.step(plan, final=step == steps - 1)
-
-        async with asyncio.TaskGroup() as group:
-            for node in nodes:
-                group.create_task(one(node))
+        await drive(nodes, steps, Lockstep(ids, TOPOLOGY), last=steps)
         finals = [node.anchor for node in nodes]
         # the final merge: every node ends on the average of the nodes' final models
         loss = await trainers[0].evaluate(average_tensors(finals))

@@ -31,6 +31,7 @@ from gossip.memory import InMemoryNetwork
 from gossip.mixing import MixingKind, MixingRule
 from gossip.robust import Mixer
 from node.algorithms.dsgd import GossipTrainer
+from node.algorithms.lockstep import drive
 from node.train.data import embedded_corpus, peer_shard
 from node.train.models import build_named_model
 from node.train.trainer import average_tensors
@@ -65,10 +66,8 @@ async def train_swarm(algorithm: str, rule: MixingKind, seed: int, nodes: int, s
             peer = GossipPeer(net.transport(trainer.peer_id), settings, await trainer.tensors())
             await peer.start()
             swarm.append(GossipTrainer(trainer, peer))
-        plan_for = Lockstep(ids, "one-peer-exp").plan_for
-        async with asyncio.timeout(3600), asyncio.TaskGroup() as group:
-            for node in swarm:
-                group.create_task(node.run(steps, plan_for(node.peer.peer_id)))
+        async with asyncio.timeout(3600):
+            await drive(swarm, steps, Lockstep(ids, "one-peer-exp"))
         losses = [await t.evaluate() for t in trainers]
         average = await trainers[0].evaluate(average_tensors([await t.tensors() for t in trainers]))
         return QualityResult(algorithm, seed, str(rule), float(np.mean(losses)), average,

@@ -31,6 +31,7 @@ from gossip.memory import InMemoryNetwork
 from gossip.optimizers import OptimizerConfig
 from gossip.spes import SpesConfig, assign_experts, reference_sync_bytes, training_memory
 from node.algorithms.dsgd import GossipTrainer
+from node.algorithms.lockstep import drive
 from node.algorithms.spes.node import InMemoryExpertDirectory, SpesNode
 from node.algorithms.spes.partition import ModelPartition, spes_average
 from node.train.data import Corpus, embedded_corpus, peer_shard
@@ -182,9 +183,7 @@ async def measure_traffic(corpus: Corpus, setup: TrafficSetup, syncs: int) -> Tr
     lockstep = Lockstep(IDS, topology)
 
     async def run(steps: int) -> None:
-        async with asyncio.TaskGroup() as group:
-            for node in nodes:
-                group.create_task(node.run(steps, lockstep.plan_for(node.peer_id), lockstep.published))
+        await drive(nodes, steps, lockstep)
 
     await run(1)  # the first sync also carries the first refreshes; steady state from the second on
     before = sum(n.bytes_sent + n.bytes_received for n in nodes)
@@ -216,9 +215,7 @@ async def dense_curve(corpus: Corpus, optimizer: OptimizerConfig, steps: int, ev
     lockstep = Lockstep(IDS, "ring")
     curve = [(0, await nodes[0].trainer.evaluate())]
     for done in range(every, steps + 1, every):
-        async with asyncio.TaskGroup() as group:
-            for node in nodes:
-                group.create_task(node.run(every, lockstep.plan_for(node.peer.peer_id)))
+        await drive(nodes, every, lockstep)
         average = average_tensors([await n.trainer.tensors() for n in nodes])
         curve.append((done, await nodes[0].trainer.evaluate(average)))
     for node in nodes:
@@ -232,9 +229,7 @@ async def spes_curve(corpus: Corpus, optimizer: OptimizerConfig, config: SpesCon
     lockstep = Lockstep(IDS, "ring")
     curve = [(0, await nodes[0].trainer.evaluate())]
     for done in range(every, steps + 1, every):
-        async with asyncio.TaskGroup() as group:
-            for node in nodes:
-                group.create_task(node.run(every, lockstep.plan_for(node.peer_id), lockstep.published))
+        await drive(nodes, every, lockstep)
         members = {n.peer_id: await n.trainer.tensors() for n in nodes}
         average = spes_average(members, nodes[0].ownership, nodes[0].partition)
         curve.append((done, await nodes[0].trainer.evaluate(average)))

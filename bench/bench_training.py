@@ -36,6 +36,7 @@ from gossip.lockstep import Lockstep
 from gossip.memory import InMemoryNetwork
 from gossip.optimizers import OptimizerConfig
 from node.algorithms.dsgd import GossipTrainer
+from node.algorithms.lockstep import drive
 from node.swarm.algorithm import PlanFor
 from node.train.data import Corpus, embedded_corpus, peer_shard
 from node.train.models import ModelConfig, build_model, build_named_model
@@ -125,14 +126,13 @@ async def swarm_curve(corpus: Corpus, optimizer: OptimizerConfig, seed: int, max
     trainers = [tiny_trainer(corpus, optimizer, pid, seed, BATCH, peer_shard(corpus, pid)) for pid in ids]
     try:
         nodes = await gossip_nodes([net.transport(pid) for pid in ids], trainers)
-        plan_for = Lockstep(ids, "one-peer-exp").plan_for
+        lockstep = Lockstep(ids, "one-peer-exp")
         evaluator = trainers[0]
         points, losses = [0], [await evaluator.evaluate(average_tensors([await t.tensors() for t in trainers]))]
         while trainers[0].step < max_steps and (losses[-1] > stop_below or trainers[0].step < min_steps):
             chunk = min(every, max_steps - trainers[0].step)
-            async with asyncio.timeout(ROUND_TIMEOUT_S), asyncio.TaskGroup() as group:
-                for node in nodes:
-                    group.create_task(node.run(chunk, plan_for(node.peer.peer_id)))
+            async with asyncio.timeout(ROUND_TIMEOUT_S):
+                await drive(nodes, chunk, lockstep)
             points.append(trainers[0].step)
             losses.append(await evaluator.evaluate(average_tensors([await t.tensors() for t in trainers])))
     finally:
