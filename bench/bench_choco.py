@@ -27,12 +27,14 @@ import statistics
 import sys
 from dataclasses import dataclass, replace
 
-from bench.bench_training import BATCH, NODES, SCHEDULES, TINY, barrier_planner, single_curve, tiny_trainer
+from bench.bench_training import BATCH, NODES, SCHEDULES, TINY, single_curve, tiny_trainer
 from gossip.choco import ChocoSettings, ChocoState, default_gamma
 from gossip.codecs import Codec, Int8Codec, TopKCodec, get_codec
 from gossip.exchange import ExchangeSettings, GossipPeer
+from gossip.lockstep import Lockstep
 from gossip.memory import InMemoryNetwork
 from node.algorithms.dsgd import GossipTrainer
+from node.algorithms.lockstep import drive
 from node.train.data import embedded_corpus, peer_shard
 from node.train.models import build_model
 from node.train.models.gpt import DENSE_DEFAULT, ModelConfig
@@ -84,10 +86,7 @@ async def swarm_run(setup: Setup, seed: int, steps: int, model: ModelConfig,
             peer = GossipPeer(net.transport(pid), settings, await trainer.tensors(), choco=choco)
             await peer.start()
             nodes.append(GossipTrainer(trainer, peer))
-        plan_for = barrier_planner(topology, ids)
-        async with asyncio.TaskGroup() as group:
-            for node in nodes:
-                group.create_task(node.run(steps, plan_for(node.peer.peer_id)))
+        await drive(nodes, steps, Lockstep(ids, topology))
         loss = await trainers[0].evaluate(average_tensors([await t.tensors() for t in trainers]))
         moved = statistics.mean(n.peer.stats.bytes_sent + n.peer.stats.bytes_received for n in nodes) / steps
         return loss, moved

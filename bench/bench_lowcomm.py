@@ -39,10 +39,12 @@ import torch
 from gossip.codecs import get_codec
 from gossip.diloco import DilocoConfig, SyncSchedule
 from gossip.exchange import ExchangeSettings, GossipPeer
+from gossip.lockstep import Lockstep
 from gossip.memory import InMemoryNetwork, LinkModel
 from gossip.optimizers import OptimizerConfig
 from node.algorithms.diloco.trainer import DilocoTrainer
 from node.algorithms.dsgd import GossipTrainer
+from node.algorithms.lockstep import drive
 from node.train.data import Corpus, embedded_corpus, peer_shard
 from node.train.models import DENSE_DEFAULT, ModelConfig, build_model
 from node.train.trainer import Trainer, TrainerConfig, average_tensors, train_alone
@@ -122,22 +124,6 @@ def tiny_trainer(corpus: Corpus, optimizer: OptimizerConfig, peer_id: str, seed:
     return Trainer(build_model(TINY, seed=seed), config, peer_id=peer_id, train_tokens=tokens, val_tokens=corpus.val)
 
 
-def lockstep(ids: Sequence[str]) -> Callable[[str], Callable[[int, int], Awaitable[PeerRound]]]:
-    """plan_for per peer and (fragment, round): each starts together on every peer, as the daemon's
-    sync schedule and the exchange's waits make it."""
-    view = MembershipView.of(ids)
-    topo = build_topology(TOPOLOGY, view.n)
-    barriers: dict[tuple[int, int], asyncio.Barrier] = {}
-
-    def plan_for(peer_id: str) -> Callable[[int, int], Awaitable[PeerRound]]:
-        async def plan(fragment: int, round_index: int) -> PeerRound:
-            await barriers.setdefault((fragment, round_index), asyncio.Barrier(len(ids))).wait()
-            return peer_round(topo, view, peer_id, round_index)
-        return plan
-
-    return plan_for
-
-
 def settings(codec: str, options: tuple[tuple[str, float], ...] = ()) -> ExchangeSettings:
     return ExchangeSettings(swarm="bench", config_hash="0" * 64, codec=get_codec(codec, **dict(options)),
                             exchange_timeout_s=EXCHANGE_TIMEOUT_S)
@@ -168,15 +154,8 @@ async def run_dadam(corpus: Corpus, setup: Setup, seed: int, steps: int) -> Resu
             peer = GossipPeer(net.transport(pid), settings(setup.codec, setup.codec_options), await trainer.tensors())
             await peer.start()
             nodes.append(GossipTrainer(trainer, peer))
-        plans = lockstep(ids)
-
-        def plan_of(pid: str) -> Callable[[int], Awaitable[PeerRound]]:
-            plan = plans(pid)
-            return lambda r: plan(0, r)
-
-        async with asyncio.TaskGroup() as group:
-            for node in nodes:
-                group.create_task(node.run(steps, plan_of(node.peer.peer_id)))
+        lockstep = Lockstep(ids, TOPOLOGY)
+        await drive(nodes, steps, lockstep)
         finals = [await t.tensors() for t in trainers]
         loss = await trainers[0].evaluate(average_tensors(finals))
         moved = sum(n.peer.stats.bytes_sent + n.peer.stats.bytes_received for n in nodes) / NODES
@@ -201,16 +180,7 @@ async def run_diloco(corpus: Corpus, setup: Setup, seed: int, steps: int) -> Res
                                  schedule)
             await node.start()
             nodes.append(node)
-        plans = lockstep(ids)
-
-        async def one(node: DilocoTrainer) -> None:
-            plan = plans(node.trainer.peer_id)
-            for step in range(steps):
-                await node.step(plan, final=step == steps - 1)
-
-        async with asyncio.TaskGroup() as group:
-            for node in nodes:
-                group.create_task(one(node))
+        await drive(nodes, steps, Lockstep(ids, TOPOLOGY), last=steps)
         finals = [node.anchor for node in nodes]
         # the final merge: every node ends on the average of the nodes' final models
         loss = await trainers[0].evaluate(average_tensors(finals))

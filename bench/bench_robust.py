@@ -23,13 +23,15 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from bench.bench_training import SCHEDULES, barrier_planner, tiny_trainer
+from bench.bench_training import SCHEDULES, tiny_trainer
 from gossip.codecs import get_codec
 from gossip.exchange import ExchangeSettings, GossipPeer
+from gossip.lockstep import Lockstep
 from gossip.memory import InMemoryNetwork
 from gossip.mixing import MixingKind, MixingRule
 from gossip.robust import Mixer
 from node.algorithms.dsgd import GossipTrainer
+from node.algorithms.lockstep import drive
 from node.train.data import embedded_corpus, peer_shard
 from node.train.models import build_named_model
 from node.train.trainer import average_tensors
@@ -64,10 +66,8 @@ async def train_swarm(algorithm: str, rule: MixingKind, seed: int, nodes: int, s
             peer = GossipPeer(net.transport(trainer.peer_id), settings, await trainer.tensors())
             await peer.start()
             swarm.append(GossipTrainer(trainer, peer))
-        plan_for = barrier_planner("one-peer-exp", ids)
-        async with asyncio.timeout(3600), asyncio.TaskGroup() as group:
-            for node in swarm:
-                group.create_task(node.run(steps, plan_for(node.peer.peer_id)))
+        async with asyncio.timeout(3600):
+            await drive(swarm, steps, Lockstep(ids, "one-peer-exp"))
         losses = [await t.evaluate() for t in trainers]
         average = await trainers[0].evaluate(average_tensors([await t.tensors() for t in trainers]))
         return QualityResult(algorithm, seed, str(rule), float(np.mean(losses)), average,

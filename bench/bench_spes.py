@@ -18,7 +18,6 @@ import asyncio
 import platform
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,16 +26,17 @@ import torch
 
 from gossip.codecs import get_codec
 from gossip.exchange import ExchangeSettings, GossipPeer
+from gossip.lockstep import Lockstep
 from gossip.memory import InMemoryNetwork
 from gossip.optimizers import OptimizerConfig
 from gossip.spes import SpesConfig, assign_experts, reference_sync_bytes, training_memory
 from node.algorithms.dsgd import GossipTrainer
+from node.algorithms.lockstep import drive
 from node.algorithms.spes.node import InMemoryExpertDirectory, SpesNode
 from node.algorithms.spes.partition import ModelPartition, spes_average
 from node.train.data import Corpus, embedded_corpus, peer_shard
 from node.train.models import DEFAULT, ModelConfig, build_model
 from node.train.trainer import Trainer, TrainerConfig, average_tensors
-from topology import MembershipView, PeerRound, build_topology, peer_round
 
 NODES = 4
 IDS = [f"peer{i}" for i in range(NODES)]
@@ -44,24 +44,6 @@ SETTINGS = ExchangeSettings(swarm="bench", config_hash="spes", codec=get_codec("
 # the loss curves use the tests' small MoE, so that three runs fit in a few minutes on two cores
 SMALL = ModelConfig(context=32, layers=2, width=32, heads=4, experts=8, top_k=2, expert_hidden=64)
 TARGET_TRAFFIC_RATIO = 0.4
-
-
-class Lockstep:
-    """Every peer's round r starts together, and records are published before anyone reads them."""
-
-    def __init__(self, ids: list[str], topology: str) -> None:
-        self.view = MembershipView.of(ids)
-        self.topology = build_topology(topology, self.view.n)
-        self.barrier = asyncio.Barrier(len(ids))
-
-    def plan_for(self, peer_id: str) -> Callable[[int], object]:
-        async def plan(round_index: int) -> PeerRound:
-            await self.barrier.wait()
-            return peer_round(self.topology, self.view, peer_id, round_index)
-        return plan
-
-    async def published(self, sync_index: int) -> None:
-        await self.barrier.wait()
 
 
 def trainer_config(optimizer: OptimizerConfig, model: ModelConfig) -> TrainerConfig:
@@ -201,9 +183,7 @@ async def measure_traffic(corpus: Corpus, setup: TrafficSetup, syncs: int) -> Tr
     lockstep = Lockstep(IDS, topology)
 
     async def run(steps: int) -> None:
-        async with asyncio.TaskGroup() as group:
-            for node in nodes:
-                group.create_task(node.run(steps, lockstep.plan_for(node.peer_id), lockstep.published))
+        await drive(nodes, steps, lockstep)
 
     await run(1)  # the first sync also carries the first refreshes; steady state from the second on
     before = sum(n.bytes_sent + n.bytes_received for n in nodes)
@@ -235,9 +215,7 @@ async def dense_curve(corpus: Corpus, optimizer: OptimizerConfig, steps: int, ev
     lockstep = Lockstep(IDS, "ring")
     curve = [(0, await nodes[0].trainer.evaluate())]
     for done in range(every, steps + 1, every):
-        async with asyncio.TaskGroup() as group:
-            for node in nodes:
-                group.create_task(node.run(every, lockstep.plan_for(node.peer.peer_id)))
+        await drive(nodes, every, lockstep)
         average = average_tensors([await n.trainer.tensors() for n in nodes])
         curve.append((done, await nodes[0].trainer.evaluate(average)))
     for node in nodes:
@@ -251,9 +229,7 @@ async def spes_curve(corpus: Corpus, optimizer: OptimizerConfig, config: SpesCon
     lockstep = Lockstep(IDS, "ring")
     curve = [(0, await nodes[0].trainer.evaluate())]
     for done in range(every, steps + 1, every):
-        async with asyncio.TaskGroup() as group:
-            for node in nodes:
-                group.create_task(node.run(every, lockstep.plan_for(node.peer_id), lockstep.published))
+        await drive(nodes, every, lockstep)
         members = {n.peer_id: await n.trainer.tensors() for n in nodes}
         average = spes_average(members, nodes[0].ownership, nodes[0].partition)
         curve.append((done, await nodes[0].trainer.evaluate(average)))

@@ -35,14 +35,15 @@ import torch
 from bench.bench_exchange import _run_async, _show_exchange_logs, connect_all, p2pd_daemons, transports_on
 from gossip.codecs import get_codec
 from gossip.exchange import ExchangeSettings, GossipPeer
+from gossip.lockstep import Lockstep
 from gossip.memory import InMemoryNetwork
 from gossip.optimizers import OptimizerConfig
 from node.algorithms.dsgd import GossipTrainer
+from node.algorithms.lockstep import drive
 from node.swarm.algorithm import PlanFor
 from node.train.data import Corpus, embedded_corpus, peer_shard
 from node.train.models import ModelConfig, build_model, build_named_model
 from node.train.trainer import Trainer, TrainerConfig, average_tensors
-from topology import MembershipView, PeerRound, build_topology, peer_round
 
 # The tests' (tests/test_trainer.py) tiny model, per-node batch and tuned schedules.
 TINY = ModelConfig(context=32, layers=2, width=64, heads=4, experts=0, expert_hidden=128)
@@ -62,21 +63,6 @@ EXCHANGE_TIMEOUT_S = 60.0
 def _settings() -> ExchangeSettings:
     return ExchangeSettings(swarm="bench", config_hash="0" * 64, codec=get_codec("fp32"),
                             exchange_timeout_s=EXCHANGE_TIMEOUT_S)
-
-
-def barrier_planner(topology: str, ids: Sequence[str]):
-    """plan_for per peer: every peer's round r starts together, as the daemon's round clock makes it."""
-    view = MembershipView.of(ids)
-    topo = build_topology(topology, view.n)
-    barrier = asyncio.Barrier(len(ids))
-
-    def plan_for(peer_id: str) -> PlanFor:
-        async def plan(round_index: int) -> PeerRound:
-            await barrier.wait()
-            return peer_round(topo, view, peer_id, round_index)
-        return plan
-
-    return plan_for
 
 
 async def gossip_nodes(transports: Sequence, trainers: Sequence[Trainer]) -> list[GossipTrainer]:
@@ -143,14 +129,13 @@ async def swarm_curve(corpus: Corpus, optimizer: OptimizerConfig, seed: int, max
     trainers = [tiny_trainer(corpus, optimizer, pid, seed, batch, peer_shard(corpus, pid)) for pid in ids]
     try:
         nodes = await gossip_nodes([net.transport(pid) for pid in ids], trainers)
-        plan_for = barrier_planner("one-peer-exp", ids)
+        lockstep = Lockstep(ids, "one-peer-exp")
         evaluator = trainers[0]
         points, losses = [0], [await evaluator.evaluate(average_tensors([await t.tensors() for t in trainers]))]
         while trainers[0].step < max_steps and (losses[-1] > stop_below or trainers[0].step < min_steps):
             chunk = min(every, max_steps - trainers[0].step)
-            async with asyncio.timeout(ROUND_TIMEOUT_S), asyncio.TaskGroup() as group:
-                for node in nodes:
-                    group.create_task(node.run(chunk, plan_for(node.peer.peer_id)))
+            async with asyncio.timeout(ROUND_TIMEOUT_S):
+                await drive(nodes, chunk, lockstep)
             points.append(trainers[0].step)
             losses.append(await evaluator.evaluate(average_tensors([await t.tensors() for t in trainers])))
     finally:
@@ -289,7 +274,7 @@ async def overlap_times(model: str, peers: int, batch: int, context: int, blocks
         numel = sum(p.numel() for p in trainers[0].model.parameters())
         try:
             nodes = await gossip_nodes(transports, trainers)
-            plan_for = barrier_planner("one-peer-exp", [t.peer_id for t in transports])
+            plan_for = Lockstep([t.peer_id for t in transports], "one-peer-exp").plan_for
             next_round = 0
 
             async def one_step(node: GossipTrainer, mode: str,

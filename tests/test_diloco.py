@@ -27,13 +27,14 @@ from gossip.diloco import (
     run_bytes,
 )
 from gossip.exchange import ExchangeSettings
+from gossip.lockstep import Lockstep
 from gossip.memory import InMemoryNetwork
 from gossip.optimizers import LRSchedule, OptimizerConfig
 from node.algorithms.diloco.trainer import DilocoTrainer
+from node.algorithms.lockstep import drive
 from node.train.data import Corpus, peer_shard
 from node.train.models import ModelConfig, build_model
 from node.train.trainer import Trainer, TrainerConfig, average_tensors
-from support.lockstep import Lockstep
 from topology import MembershipView, build_topology, peer_round
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
@@ -194,15 +195,9 @@ async def diloco_swarm(corpus: Corpus, ids: list[str], optimizer: OptimizerConfi
     return nodes
 
 
-async def run(nodes: list[DilocoTrainer], steps: int, plan_for, last: int | None = None) -> None:
-    async def one(node: DilocoTrainer) -> None:
-        plan = plan_for(node.trainer.peer_id)
-        for _ in range(steps):
-            await node.step(plan, final=node.trainer.step + 1 == last)
-
-    async with asyncio.timeout(300), asyncio.TaskGroup() as group:
-        for node in nodes:
-            group.create_task(one(node))
+async def run(nodes: list[DilocoTrainer], steps: int, lockstep: Lockstep, last: int | None = None) -> None:
+    async with asyncio.timeout(300):
+        await drive(nodes, steps, lockstep, last=last)
 
 
 def numpy_outer(anchor: dict, momentum: dict, mixed: dict, lr: float, mu: float) -> None:
@@ -226,7 +221,7 @@ def test_two_nodes_take_the_outer_step_of_an_independent_computation(corpus: Cor
     async def main() -> None:
         nodes = await diloco_swarm(corpus, ids, optimizer, config)
         apart = [make_trainer(corpus, optimizer, pid) for pid in ids]
-        await run(nodes, H * phases, Lockstep(ids).fragment_plan_for, last=H * phases)
+        await run(nodes, H * phases, Lockstep(ids), last=H * phases)
         anchor = {n: v.astype(np.float64) for n, v in (await apart[0].tensors()).items()}
         momentum: dict = {}
         start = [dict(anchor), dict(anchor)]
@@ -271,7 +266,7 @@ def test_a_restored_node_continues_with_its_anchor_momentum_and_residuals(corpus
 
     async def main() -> None:
         nodes = await diloco_swarm(corpus, ids, optimizer, config, codec="int8")
-        await run(nodes, 5, Lockstep(ids, "ring").fragment_plan_for)
+        await run(nodes, 5, Lockstep(ids, "ring"))
         saved = nodes[0].state()
         names = set(nodes[0].anchor)
         assert {k.split("/", 2)[2] for k in saved if k.startswith("diloco/anchor/")} == names
@@ -304,7 +299,7 @@ def test_a_joiner_takes_a_peers_momentum_only_within_bounds(corpus: Corpus) -> N
 
     async def main() -> None:
         nodes = await diloco_swarm(corpus, ids, optimizer, DilocoConfig())
-        await run(nodes, 4, Lockstep(ids).fragment_plan_for)
+        await run(nodes, 4, Lockstep(ids))
         got = await nodes[1].fetch_momentum("peer-a")
         assert got is not None
         for n, b in nodes[0].momentum.items():

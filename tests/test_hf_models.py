@@ -19,13 +19,14 @@ import torch
 
 from gossip.codecs import get_codec
 from gossip.exchange import ExchangeSettings, GossipPeer
+from gossip.lockstep import Lockstep
 from gossip.memory import InMemoryNetwork
 from gossip.optimizers import OptimizerConfig
 from gossip.spes import SpesConfig, assign_experts
 from node.algorithms.dsgd import GossipTrainer
+from node.algorithms.lockstep import drive
 from node.train.data import Corpus, peer_shard
 from node.train.trainer import Trainer, TrainerConfig, average_tensors
-from support.lockstep import Lockstep
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -181,9 +182,8 @@ def test_spes_on_hf_tiny_mixtral_trains_shared_and_owned_experts_within_5_percen
             nodes.append(GossipTrainer(trainer, peer))
         initial = await nodes[0].trainer.evaluate()
         lockstep = Lockstep(IDS, "ring")
-        async with asyncio.timeout(600), asyncio.TaskGroup() as group:
-            for node in nodes:
-                group.create_task(node.run(STEPS, lockstep.plan_for(node.peer.peer_id)))
+        async with asyncio.timeout(600):
+            await drive(nodes, STEPS, lockstep)
         loss = await nodes[0].trainer.evaluate(average_tensors([await n.trainer.tensors() for n in nodes]))
         for node in nodes:
             node.trainer.close()
@@ -198,9 +198,8 @@ def test_spes_on_hf_tiny_mixtral_trains_shared_and_owned_experts_within_5_percen
         for node in nodes:
             await node.start()
         lockstep = Lockstep(IDS, "ring")
-        async with asyncio.timeout(600), asyncio.TaskGroup() as group:
-            for node in nodes:
-                group.create_task(node.run(STEPS, lockstep.plan_for(node.peer_id), lockstep.published))
+        async with asyncio.timeout(600):
+            await drive(nodes, STEPS, lockstep)
         members = {n.peer_id: await n.trainer.tensors() for n in nodes}
         loss = await nodes[0].trainer.evaluate(spes_average(members, nodes[0].ownership, nodes[0].partition))
         for node in nodes:

@@ -15,6 +15,7 @@ import pytest
 from gossip.choco import ChocoSettings, ChocoState, typical_meta
 from gossip.codecs import Int8Codec, TopKCodec, get_codec
 from gossip.exchange import ExchangeSettings, GossipPeer
+from gossip.lockstep import Lockstep
 from gossip.memory import InMemoryNetwork
 from gossip.plan import (
     Algorithm,
@@ -35,7 +36,6 @@ from gossip.plan import (
     specs_for_vectors,
 )
 from gossip.wire import encode_message
-from support.lockstep import Lockstep
 from topology import MembershipView, TopologySpec, build_topology, peer_round
 
 pytestmark = pytest.mark.unit

@@ -13,6 +13,7 @@ import torch
 
 from gossip.codecs import get_codec
 from gossip.exchange import ExchangeSettings, GossipPeer
+from gossip.lockstep import Lockstep
 from gossip.memory import InMemoryNetwork, LinkModel
 from gossip.optimizers import OptimizerConfig
 from gossip.spes import (
@@ -29,12 +30,12 @@ from gossip.spes import (
 from gossip.transport import Stream
 from gossip.wire import Expectation, encode_message, message_nbytes, read_message
 from node.algorithms.dsgd import GossipTrainer
+from node.algorithms.lockstep import drive
 from node.algorithms.spes.node import InMemoryExpertDirectory, SpesNode
 from node.algorithms.spes.partition import ModelPartition, spes_average, tensor_manifest
 from node.train.data import Corpus, peer_shard
 from node.train.models import ModelConfig, build_model
 from node.train.trainer import Trainer, TrainerConfig, average_tensors
-from support.lockstep import Lockstep
 from topology import PeerRound
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
@@ -69,9 +70,8 @@ async def spes_swarm(corpus: Corpus, config: SpesConfig, capacity: int, net: InM
 
 
 async def run_lockstep(nodes: list[SpesNode], steps: int, lockstep: Lockstep):
-    async with asyncio.timeout(900), asyncio.TaskGroup() as group:
-        tasks = [group.create_task(n.run(steps, lockstep.plan_for(n.peer_id), lockstep.published)) for n in nodes]
-    return [task.result() for task in tasks]
+    async with asyncio.timeout(900):
+        return await drive(nodes, steps, lockstep)
 
 
 def close(nodes: list[SpesNode]) -> None:
@@ -112,9 +112,8 @@ def dense(corpus: Corpus) -> DenseRun:
             nodes.append(GossipTrainer(trainer, peer))
         initial = await nodes[0].trainer.evaluate()
         lockstep = Lockstep(IDS, TOPOLOGY)
-        async with asyncio.timeout(900), asyncio.TaskGroup() as group:
-            for node in nodes:
-                group.create_task(node.run(STEPS, lockstep.plan_for(node.peer.peer_id)))
+        async with asyncio.timeout(900):
+            await drive(nodes, STEPS, lockstep)
         average = average_tensors([await n.trainer.tensors() for n in nodes])
         loss = await nodes[0].trainer.evaluate(average)
         state_bytes = nodes[0].trainer.optimizer_state_bytes

@@ -16,6 +16,7 @@ from torch.optim.sgd import sgd
 
 from gossip.codecs import get_codec
 from gossip.exchange import ExchangeSettings, GossipPeer
+from gossip.lockstep import Lockstep
 from gossip.memory import InMemoryNetwork, LinkModel
 from gossip.mixing import mix
 from gossip.optimizers import (
@@ -27,11 +28,11 @@ from gossip.optimizers import (
     global_norm,
 )
 from node.algorithms.dsgd import GossipTrainer
+from node.algorithms.lockstep import drive
 from node.swarm.algorithm import StepReport
 from node.train.data import Corpus, peer_shard, training_batch
 from node.train.models import ModelConfig, build_model
 from node.train.trainer import Trainer, TrainerConfig, average_tensors, train_alone
-from support.lockstep import Lockstep
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -231,10 +232,8 @@ async def make_swarm(net: InMemoryNetwork, trainers: list[Trainer]) -> list[Goss
 
 
 async def run_swarm(nodes: list[GossipTrainer], steps: int, topology: str):
-    plan_for = Lockstep([node.peer.peer_id for node in nodes], topology).plan_for
-    async with asyncio.timeout(600), asyncio.TaskGroup() as group:
-        tasks = [group.create_task(node.run(steps, plan_for(node.peer.peer_id))) for node in nodes]
-    return [task.result() for task in tasks]
+    async with asyncio.timeout(600):
+        return await drive(nodes, steps, Lockstep([node.peer.peer_id for node in nodes], topology))
 
 
 def test_dsgd_takes_local_steps_then_mixes_the_results(corpus: Corpus) -> None:

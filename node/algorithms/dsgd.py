@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
 from gossip.exchange import GossipPeer
@@ -59,6 +58,12 @@ class GossipTrainer:
             await self.trainer.load_tensors(self.peer.tensors)
         return StepReport(stats, time.perf_counter() - started, report)
 
+    async def next_step(self, plan_for: PlanFor) -> StepReport:
+        """The next step of the schedule: a round after every `local_steps`-th, numbered step // local_steps
+        (every node of a swarm that starts together agrees on the numbering)."""
+        step, optimizer = self.trainer.step, self.trainer.config.optimizer
+        return await self.step(step // optimizer.local_steps if optimizer.mixes_after(step) else None, plan_for)
+
     async def _offer(self) -> None:
         """Make the current parameters the peer's tensors: what this round sends and mixes."""
         self.peer.set_tensors(await self.trainer.tensors(), step=self.trainer.step)
@@ -71,25 +76,6 @@ class GossipTrainer:
         distance = await asyncio.to_thread(consensus_distance, own, self.peer.tensors, plan.self_weight,
                                            plan.in_weights, outcome.mixed_with)
         return RoundReport(round_index, outcome, distance)
-
-    async def run(self, steps: int, plan_for: PlanFor,
-                  on_report: Callable[[StepReport], None] | None = None) -> list[StepReport]:
-        """`steps` steps with a round after every `local_steps`-th, numbered step // local_steps
-        (every node of a swarm that starts together agrees on the numbering); the local model is
-        evaluated after every `eval_every_rounds`-th round (StepReport.val_loss)."""
-        config = self.trainer.config
-        reports = []
-        for _ in range(steps):
-            step = self.trainer.step
-            round_index = step // config.optimizer.local_steps if config.optimizer.mixes_after(step) else None
-            report = await self.step(round_index, plan_for)
-            every = config.eval_every_rounds
-            if round_index is not None and every is not None and (round_index + 1) % every == 0:
-                report = replace(report, val_loss=await self.trainer.evaluate())
-            reports.append(report)
-            if on_report is not None:
-                on_report(report)
-        return reports
 
 
 class DsgdAlgorithm:
@@ -112,11 +98,8 @@ class DsgdAlgorithm:
         yield
 
     async def step(self, plan_for: PlanFor) -> StepReport:
-        """One step, with a gossip round after every H-th."""
-        step = self.trainer.step
-        optimizer = self.recipe.optimizer
-        round_index = step // optimizer.local_steps if optimizer.mixes_after(step) else None
-        return await self.gossip.step(round_index, plan_for)
+        """One step, with a gossip round after every H-th (the trainer steps with the recipe's optimizer)."""
+        return await self.gossip.next_step(plan_for)
 
     async def rejoin(self, swarm_step: int, margin: int, catch_up: Callable[[], Awaitable[None]]) -> None:
         await catch_up()

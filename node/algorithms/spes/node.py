@@ -338,10 +338,6 @@ class SpesNode:
         sync_index = self.trainer.step // self.config.sync_every
         return SpesStepReport(stats, await self.sync(sync_index, await plan_for(sync_index), published))
 
-    async def run(self, steps: int, plan_for: PlanFor,
-                  published: Callable[[int], Awaitable[None]] | None = None) -> list[SpesStepReport]:
-        return [await self.step(plan_for, published) for _ in range(steps)]
-
     async def sync(self, sync_index: int, shared_plan: PeerRound,
                    published: Callable[[int], Awaitable[None]] | None = None) -> SyncReport:
         """Mix shared weights (round `sync_index` of `shared_plan`) and owned experts with their

@@ -1,6 +1,7 @@
-"""A lock-step round planner for in-process swarms.
+"""A lock-step round planner for in-process swarms (the tests and the benchmarks, over gossip.memory).
 
-Round r of every peer starts together, as a shared round clock makes it, over one fixed membership view."""
+Round r of every peer starts together, as the daemon's shared round clock makes it, over one fixed
+membership view. node.algorithms.lockstep drives nodes' steps with it."""
 
 from __future__ import annotations
 
