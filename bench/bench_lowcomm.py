@@ -120,7 +120,7 @@ EXTRA_SETUPS: dict[str, Callable[[Corpus, int, int], Awaitable[Result]]] = {}
 def tiny_trainer(corpus: Corpus, optimizer: OptimizerConfig, peer_id: str, seed: int, batch: int,
                  tokens: torch.Tensor) -> Trainer:
     config = TrainerConfig(optimizer=optimizer, batch_size=batch, context=TINY.context, device="cpu",
-                           precision="fp32", eval_batch_size=64, eval_batches=8, eval_every_rounds=None)
+                           precision="fp32", eval_batch_size=64, eval_batches=8)
     return Trainer(build_model(TINY, seed=seed), config, peer_id=peer_id, train_tokens=tokens, val_tokens=corpus.val)
 
 

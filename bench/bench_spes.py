@@ -48,7 +48,7 @@ TARGET_TRAFFIC_RATIO = 0.4
 
 def trainer_config(optimizer: OptimizerConfig, model: ModelConfig) -> TrainerConfig:
     return TrainerConfig(optimizer=optimizer, batch_size=8, context=model.context, device="cpu", precision="fp32",
-                         eval_batch_size=64, eval_batches=8, eval_every_rounds=None)
+                         eval_batch_size=64, eval_batches=8)
 
 
 def make_trainer(corpus: Corpus, model: ModelConfig, optimizer: OptimizerConfig, peer_id: str) -> Trainer:

@@ -104,7 +104,7 @@ class TargetResult:
 def tiny_trainer(corpus: Corpus, optimizer: OptimizerConfig, peer_id: str, seed: int, batch: int,
                  tokens: torch.Tensor, model: ModelConfig = TINY) -> Trainer:
     config = TrainerConfig(optimizer=optimizer, batch_size=batch, context=model.context, device="cpu",
-                           precision="fp32", eval_batch_size=64, eval_batches=8, eval_every_rounds=None)
+                           precision="fp32", eval_batch_size=64, eval_batches=8)
     return Trainer(build_model(model, seed=seed), config, peer_id=peer_id, train_tokens=tokens, val_tokens=corpus.val)
 
 
@@ -264,8 +264,7 @@ async def overlap_times(model: str, peers: int, batch: int, context: int, blocks
     finished it."""
     corpus = embedded_corpus(size_bytes=CORPUS_BYTES)
     optimizer = OptimizerConfig(algorithm="dadam", lr=1e-3)
-    config = TrainerConfig(optimizer=optimizer, batch_size=batch, context=context, device="cpu", precision="fp32",
-                           eval_every_rounds=None)
+    config = TrainerConfig(optimizer=optimizer, batch_size=batch, context=context, device="cpu", precision="fp32")
     times = OverlapTimes(*({m: [] for m in MODES} for _ in range(4)), skipped=[])
     async with p2pd_daemons(peers, workdir) as p2ps, transports_on(p2ps) as transports:
         await connect_all(transports)

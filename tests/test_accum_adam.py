@@ -126,7 +126,7 @@ def test_bad_accumulation_settings_are_refused(bad: dict) -> None:
 
 def make_trainer(corpus: Corpus, optimizer: OptimizerConfig, *, seed: int = 0) -> Trainer:
     config = TrainerConfig(optimizer=optimizer, batch_size=2, context=TINY.context, device="cpu", precision="fp32",
-                           eval_batch_size=16, eval_batches=2, eval_every_rounds=None)
+                           eval_batch_size=16, eval_batches=2)
     return Trainer(build_model(TINY, seed=seed), config, peer_id="peer-a", train_tokens=peer_shard(corpus, "peer-a"),
                    val_tokens=corpus.val)
 

@@ -177,7 +177,7 @@ def test_the_analytic_bytes_of_a_round_follow_the_messages_of_the_exchange() -> 
 
 def make_trainer(corpus: Corpus, optimizer: OptimizerConfig, peer_id: str) -> Trainer:
     config = TrainerConfig(optimizer=optimizer, batch_size=4, context=TINY.context, device="cpu", precision="fp32",
-                           eval_batch_size=16, eval_batches=2, eval_every_rounds=None)
+                           eval_batch_size=16, eval_batches=2)
     return Trainer(build_model(TINY, seed=0), config, peer_id=peer_id, train_tokens=peer_shard(corpus, peer_id),
                    val_tokens=corpus.val)
 

@@ -161,7 +161,7 @@ def mixtral_trainer(corpus: Corpus, peer_id: str) -> Trainer:
     from node.train.models.hf import build_hf_model
 
     config = TrainerConfig(optimizer=OPTIMIZER, batch_size=8, context=CONTEXT, device="cpu", precision="fp32",
-                           eval_batch_size=64, eval_batches=6, eval_every_rounds=None)
+                           eval_batch_size=64, eval_batches=6)
     return Trainer(build_hf_model(mixtral_doc(), seed=0), config, peer_id=peer_id,
                    train_tokens=peer_shard(corpus, peer_id), val_tokens=corpus.val)
 

@@ -53,7 +53,7 @@ TOPOLOGY = "ring"
 
 def make_trainer(corpus: Corpus, peer_id: str, optimizer: OptimizerConfig = OPTIMIZER) -> Trainer:
     config = TrainerConfig(optimizer=optimizer, batch_size=8, context=MOE.context, device="cpu", precision="fp32",
-                           eval_batch_size=64, eval_batches=8, eval_every_rounds=None)
+                           eval_batch_size=64, eval_batches=8)
     return Trainer(build_model(MOE), config, peer_id=peer_id, train_tokens=peer_shard(corpus, peer_id),
                    val_tokens=corpus.val)
 

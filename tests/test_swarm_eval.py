@@ -46,7 +46,7 @@ class Record:
 
 def make_trainer(corpus: Corpus, peer_id: str = "me") -> Trainer:
     config = TrainerConfig(optimizer=OptimizerConfig(), batch_size=4, context=TINY.context, device="cpu",
-                           precision="fp32", eval_batch_size=16, eval_batches=2, eval_every_rounds=None)
+                           precision="fp32", eval_batch_size=16, eval_batches=2)
     return Trainer(build_model(TINY, seed=0), config, peer_id=peer_id, train_tokens=corpus.train, val_tokens=corpus.val)
 
 

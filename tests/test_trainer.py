@@ -45,8 +45,7 @@ NODES = 4
 
 def trainer_config(optimizer: OptimizerConfig, batch_size: int = BATCH, **kw: object) -> TrainerConfig:
     return TrainerConfig(**{"optimizer": optimizer, "batch_size": batch_size, "context": TINY.context,
-                            "device": "cpu", "precision": "fp32", "eval_batch_size": 64, "eval_batches": 8,
-                            "eval_every_rounds": None, **kw})
+                            "device": "cpu", "precision": "fp32", "eval_batch_size": 64, "eval_batches": 8, **kw})
 
 
 def make_trainer(corpus: Corpus, optimizer: OptimizerConfig, peer_id: str, *, seed: int = 0, shard: bool = True,

@@ -148,7 +148,7 @@ def build_trainer(settings: TrainingSettings, recipe: TrainingRecipe, peer_id: s
     try:
         trainer_config = TrainerConfig(optimizer=recipe.inner_optimizer, batch_size=recipe.batch_size, context=recipe.context,
                                        device=settings.device, precision=settings.precision,
-                                       eval_batch_size=EVAL_BATCH_SIZE, eval_batches=EVAL_BATCHES, eval_every_rounds=None)
+                                       eval_batch_size=EVAL_BATCH_SIZE, eval_batches=EVAL_BATCHES)
         return Trainer(model, trainer_config, peer_id=peer_id, train_tokens=train_tokens, val_tokens=val_tokens,
                        stream=stream)
     except ValueError as exc:

@@ -66,15 +66,13 @@ class TrainerConfig:
     precision: Precision = "auto"  # auto: bf16 (else fp16) autocast on CUDA, fp32 on CPU
     eval_batch_size: int = 32
     eval_batches: int | None = 8  # validation batches per evaluation; None: the whole validation split
-    eval_every_rounds: int | None = 1  # node.algorithms.dsgd.GossipTrainer.run evaluates after every this many rounds; None: never
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "context", "eval_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer config: {name} must be >= 1, got {getattr(self, name)!r}")
-        for name in ("eval_batches", "eval_every_rounds"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"trainer config: {name} must be >= 1 or None, got {getattr(self, name)!r}")
+        if self.eval_batches is not None and self.eval_batches < 1:
+            raise ValueError(f"trainer config: eval_batches must be >= 1 or None, got {self.eval_batches!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"trainer config: precision must be one of {PRECISIONS}, got {self.precision!r}")
 
