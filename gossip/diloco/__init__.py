@@ -8,7 +8,16 @@ and the analytic traffic (`traffic`).
 docs/training.md ("Gossip DiLoCo") explains the scheme.
 """
 
-from gossip.diloco.config import ANCHOR_CODECS, DILOCO_DEFAULTS, INNER_OPTIMIZERS, DilocoConfig
+from gossip.diloco.config import (
+    ANCHOR_CODECS,
+    DILOCO_DEFAULTS,
+    INNER_OPTIMIZERS,
+    MAX_ANCHOR_EVERY,
+    MAX_OUTER_LR,
+    MAX_QSR_ALPHA,
+    DilocoConfig,
+    DilocoSettings,
+)
 from gossip.diloco.fragments import fragment_partition
 from gossip.diloco.outer import OuterNesterov
 from gossip.diloco.schedule import MAX_PHASE, SyncSchedule, qsr_period
@@ -18,8 +27,12 @@ __all__ = [
     "ANCHOR_CODECS",
     "DILOCO_DEFAULTS",
     "INNER_OPTIMIZERS",
+    "MAX_ANCHOR_EVERY",
+    "MAX_OUTER_LR",
     "MAX_PHASE",
+    "MAX_QSR_ALPHA",
     "DilocoConfig",
+    "DilocoSettings",
     "OuterNesterov",
     "RoundMessages",
     "SyncSchedule",

@@ -7,10 +7,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Annotated, Any, Literal, get_args, get_origin
+
+import msgspec
 
 from gossip.choco import DENSE_GAMMA, MAX_TOPK_GAMMA, TOPK_GAMMA_PER_RATIO
 from gossip.codecs import STATE_CODECS, TopKCodec
-from gossip.diloco import INNER_OPTIMIZERS, DilocoConfig
+from gossip.diloco import DilocoSettings
 from gossip.mixing import MIXING_KINDS
 from gossip.optimizers import ALGORITHMS
 from node.config.kinds import Boolean, Choice, EdgeList, Integer, Kind, Multiaddrs, Named, Number, PathKind, Text
@@ -102,6 +105,49 @@ class Setting:
     @property
     def metavar(self) -> str:
         return self.kind.metavar
+
+
+def struct_settings(struct: type[msgspec.Struct], prefix: str, commands: frozenset[Command]) -> tuple[Setting, ...]:
+    """The settings of an algorithm's knobs, declared once as the fields of a msgspec Struct in gossip/
+    (gossip.diloco.DilocoSettings): each field becomes the setting `<prefix><name>` with the flag
+    `--<name>` and the variable `MURMUR_<NAME>`, where `name` is the field's or its `Meta.extra["setting"]`;
+    its kind carries the field's bounds (or `Meta.extra["setting_bounds"]` where a node's own setting is
+    bounded otherwise than the swarm document) and the extra's `metavar` and `noun`; its help is the
+    field's description. A field whose type must stay bare has its Meta in the Struct's FIELD_META."""
+    field_meta: Mapping[str, msgspec.Meta] = getattr(struct, "FIELD_META", {})
+    return tuple(_struct_setting(field, field_meta.get(field.name), prefix, commands)
+                 for field in msgspec.structs.fields(struct))
+
+
+def _struct_setting(field: msgspec.structs.FieldInfo, meta: msgspec.Meta | None, prefix: str,
+                    commands: frozenset[Command]) -> Setting:
+    base = field.type
+    if get_origin(field.type) is Annotated:
+        base, *metas = get_args(field.type)
+        meta = next(m for m in metas if isinstance(m, msgspec.Meta))
+    if meta is None:
+        raise TypeError(f"{field.name}: an algorithm's knob carries its msgspec.Meta (help, bounds)")
+    extra: dict[str, Any] = dict(meta.extra or {})
+    bounds = {"ge": meta.ge, "gt": meta.gt, "le": meta.le, "lt": meta.lt, **extra.get("setting_bounds", {})}
+    named = {k: extra[k] for k in ("metavar", "noun") if k in extra}
+    kind: Kind
+    if base is bool:
+        kind = Boolean(**named)
+    elif base is int:
+        low = bounds["ge"] if bounds["gt"] is None else bounds["gt"] + 1
+        high = bounds["le"] if bounds["lt"] is None else bounds["lt"] - 1
+        kind = Integer(low, high, **named)
+    elif base is float:
+        kind = Number(bounds["ge"] if bounds["gt"] is None else bounds["gt"], lo_open=bounds["gt"] is not None,
+                      hi=bounds["le"] if bounds["lt"] is None else bounds["lt"], hi_open=bounds["lt"] is not None,
+                      **named)
+    elif get_origin(base) is Literal:
+        kind = Choice(choices=get_args(base), **named)
+    else:
+        raise TypeError(f"{field.name}: no setting kind for {base!r}")
+    name = extra.get("setting", field.name)
+    return Setting(prefix + name, kind, f"MURMUR_{name.upper()}", "--" + name.replace("_", "-"), meta.description or "",
+                   commands)
 
 
 _NONNEG = Integer(0)
@@ -258,30 +304,7 @@ SETTINGS: tuple[Setting, ...] = (
             "keeps serving its parameters until stopped (the swarm's)", NODE),
     Setting("training.local_steps", Integer(1, noun="local steps"), "MURMUR_LOCAL_STEPS", "--local-steps",
             "H: optimizer steps between gossip rounds (the swarm's)", NODE),
-    Setting("training.outer_lr", Number(0.0, lo_open=True, hi=10.0, metavar="LR"), "MURMUR_OUTER_LR", "--outer-lr",
-            "diloco: outer learning rate of the Nesterov step on the mixed pseudo-gradient (the swarm's)", NODE),
-    Setting("training.outer_momentum", Number(0.0, hi=1.0, hi_open=True, metavar="MU"), "MURMUR_OUTER_MOMENTUM",
-            "--outer-momentum", "diloco: Nesterov momentum of the outer step; each node keeps its own buffer "
-            "(the swarm's)", NODE),
-    Setting("training.fragments", Integer(1, DilocoConfig.MAX_FRAGMENTS, noun="fragments"), "MURMUR_FRAGMENTS", "--fragments",
-            "diloco: P, fragments of the model synced at staggered inner steps, so about 1/P of it is in "
-            "flight at a time; at most --local-steps (the swarm's)", NODE),
-    Setting("training.overlap", Boolean(), "MURMUR_OVERLAP", "--overlap",
-            "diloco: run each outer exchange while the next phase computes and apply its outer step one "
-            "phase late, so a slow link hides behind compute (the swarm's)", NODE),
-    Setting("training.qsr_alpha", Number(0.0, metavar="ALPHA"), "MURMUR_QSR_ALPHA", "--qsr-alpha",
-            "diloco: grow the sync period as the learning rate decays, H = max(--local-steps, "
-            "floor((ALPHA / lr)^2)) after the warm-up (quadratic synchronisation rule); 0: constant H "
-            "(the swarm's)", NODE),
-    Setting("training.anchor_every", _NONNEG, "MURMUR_ANCHOR_EVERY", "--anchor-every",
-            "diloco: mix the anchors (the models as of the last outer step) with the neighbours at every "
-            "this-many-th sync too, which keeps the nodes together; 0: never (the swarm's)", NODE),
-    Setting("training.anchor_codec", Choice("anchor codec", STATE_CODECS, metavar="CODEC"), "MURMUR_ANCHOR_CODEC",
-            "--anchor-codec", "diloco: codec the anchors travel in, with error feedback (the swarm's)", NODE),
-    Setting("training.inner_optimizer", Choice("inner optimizer", INNER_OPTIMIZERS, metavar="OPTIMIZER"),
-            "MURMUR_INNER_OPTIMIZER", "--inner-optimizer",
-            "diloco: the inner steps' optimizer, adam (AdamW, DiLoCo's) or sgd (local SGD; --lr as dsgd's) "
-            "(the swarm's)", NODE),
+    *struct_settings(DilocoSettings, "training.", NODE),
     Setting("training.final_merge", Choice("final merge", FINAL_MERGE, metavar="WHEN"), "MURMUR_FINAL_MERGE",
             "--final-merge", "at the end of the step budget every node averages the final models of all live "
             "peers once, so the swarm ends on one model; auto: on for diloco, off otherwise (the swarm's)", NODE),
