@@ -11,7 +11,8 @@ from typing import Annotated, Any, get_args, get_origin
 import msgspec
 import pytest
 
-from gossip.diloco import DILOCO_DEFAULTS, MAX_ANCHOR_EVERY, MAX_QSR_ALPHA, DilocoSettings
+from gossip.diloco import DILOCO_DEFAULTS, MAX_ANCHOR_EVERY, MAX_QSR_ALPHA, DilocoConfig, DilocoSettings
+from gossip.knobs import knobs
 from node.cli.main import build_parser
 from node.config import DEFAULTS, SETTINGS, SETTINGS_BY_KEY, setting_value
 from node.config.kinds import Boolean, Choice, Integer, Number
@@ -86,6 +87,20 @@ def test_the_document_caps_what_a_node_need_not() -> None:
 
 # `murmur plan`'s DiLoCo flags that take the node's setting (--fragments models more than a node takes)
 PLAN_FLAGS = ("outer_lr", "outer_momentum", "overlap", "anchor_every", "anchor_codec")
+
+
+@pytest.mark.parametrize(("field", "bad"), [("outer_lr", 0.0), ("outer_lr", 10.5), ("outer_momentum", 1.0),
+                                            ("fragments", 65), ("qsr_alpha", -1.0), ("anchor_every", -1),
+                                            ("anchor_codec", "topk"), ("inner", "lion")])
+def test_the_config_holds_a_node_to_the_settings_bounds(field: str, bad: object) -> None:
+    """DilocoConfig refuses what the node's setting refuses, with the same knob named."""
+    setting = DERIVED[field]
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        DilocoConfig(**{field: bad})
+    with pytest.raises(ValueError):
+        setting.kind.check(bad)
+    for knob in knobs(DilocoSettings):
+        knob.check(knob.default)
 
 
 @pytest.mark.parametrize("name", PLAN_FLAGS)

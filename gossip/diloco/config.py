@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Literal, get_args
@@ -10,6 +9,7 @@ from typing import Annotated, ClassVar, Literal, get_args
 import msgspec
 
 from gossip.codecs.registry import STATE_CODECS
+from gossip.knobs import knobs
 
 ANCHOR_CODECS = STATE_CODECS  # anchors are whole parameters
 INNER_OPTIMIZERS = ("adam", "sgd")
@@ -26,16 +26,17 @@ MAX_ANCHOR_EVERY = 10**6
 
 
 class DilocoSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
-    """DiLoCo's knobs, each declared once: its type, default, bounds (`msgspec.Meta`: the swarm document's)
-    and help (the description; a field whose type must stay bare has its Meta in FIELD_META). Everything else derives from here: the swarm document's part
-    (node.swarm.recipe.DilocoDoc subclasses this Struct), the node's settings table rows `training.<field>`
-    with their flag `--<field>` and variable `MURMUR_<FIELD>` (node.config.table), docs/cli.md's table and
-    `murmur plan`'s DiLoCo flags (node.cli.plan, from the table) and DilocoConfig's defaults.
+    """DiLoCo's knobs, each declared once (gossip.knobs): its type, default, bounds (`msgspec.Meta`: the
+    swarm document's) and help (the description). Everything else derives from here: the swarm document's
+    part (node.swarm.recipe.DilocoDoc subclasses this Struct), the node's settings table rows
+    `training.<field>` with their flag `--<field>` and variable `MURMUR_<FIELD>` (node.config.table),
+    docs/cli.md's table, `murmur plan`'s DiLoCo flags (node.cli.plan, from the table), and DilocoConfig's
+    defaults and checks (a node's own bounds).
 
-    `Meta.extra` carries what only the settings table uses: `metavar`, `noun` (the word its errors use),
-    `setting` (the setting's name where it is not the field's) and `setting_bounds` (where a node's own
-    setting is bounded otherwise than the document, which a founder may not stretch). The help names the
-    node's flags: it is the settings table's text, user-visible byte for byte.
+    `Meta.extra` carries what the settings table and DilocoConfig's errors use besides: `metavar`, `noun`,
+    `setting` (the setting's name where it is not the field's), `setting_bounds` (where a node's own
+    setting is bounded otherwise than the document, which a founder may not stretch) and `why`. The help
+    names the node's flags: it is the settings table's text, user-visible byte for byte.
     """
 
     outer_lr: Annotated[float, msgspec.Meta(
@@ -68,7 +69,8 @@ class DilocoSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
         "this-many-th sync too, which keeps the nodes together; 0: never (the swarm's)",
     )] = 1
     anchor_codec: Annotated[AnchorCodecName, msgspec.Meta(
-        extra={"metavar": "CODEC", "noun": "anchor codec"},
+        extra={"metavar": "CODEC", "noun": "anchor codec",
+               "why": "a whole-parameter codec; top-k is sound only on differences"},
         description="diloco: codec the anchors travel in, with error feedback (the swarm's)",
     )] = "int8"
     # the type stays the bare Literal (the names are checked against INNER_OPTIMIZERS as written), so its
@@ -82,6 +84,7 @@ class DilocoSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     )}
 
 _SETTINGS = DilocoSettings()  # the defaults
+_KNOBS = knobs(DilocoSettings)
 
 
 @dataclass(frozen=True)
@@ -116,21 +119,8 @@ class DilocoConfig:
     MAX_FRAGMENTS = MAX_FRAGMENTS
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.outer_lr) and 0.0 < self.outer_lr <= MAX_OUTER_LR):
-            raise ValueError(f"outer_lr must be in (0, 10], got {self.outer_lr!r}")
-        if not 0.0 <= self.outer_momentum < 1.0:
-            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum!r}")
-        if type(self.fragments) is not int or not 1 <= self.fragments <= self.MAX_FRAGMENTS:
-            raise ValueError(f"fragments must be an integer in [1, {self.MAX_FRAGMENTS}], got {self.fragments!r}")
-        if not (math.isfinite(self.qsr_alpha) and self.qsr_alpha >= 0.0):
-            raise ValueError(f"qsr_alpha must be >= 0, got {self.qsr_alpha!r}")
-        if type(self.anchor_every) is not int or self.anchor_every < 0:
-            raise ValueError(f"anchor_every must be an integer >= 0, got {self.anchor_every!r}")
-        if self.inner not in INNER_OPTIMIZERS:
-            raise ValueError(f"inner must be one of {', '.join(INNER_OPTIMIZERS)}, got {self.inner!r}")
-        if self.anchor_codec not in ANCHOR_CODECS:
-            raise ValueError(f"anchor_codec must be one of {', '.join(ANCHOR_CODECS)} (a whole-parameter codec; "
-                             f"top-k is sound only on differences), got {self.anchor_codec!r}")
+        for knob in _KNOBS:  # a node's own bounds, as DilocoSettings declares them
+            knob.check(getattr(self, knob.name))
 
     @property
     def inner_algorithm(self) -> str:

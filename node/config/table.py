@@ -7,13 +7,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Annotated, Any, Literal, get_args, get_origin
 
 import msgspec
 
 from gossip.choco import DENSE_GAMMA, MAX_TOPK_GAMMA, TOPK_GAMMA_PER_RATIO
 from gossip.codecs import STATE_CODECS, TopKCodec
 from gossip.diloco import DilocoSettings
+from gossip.knobs import Knob, knobs
 from gossip.mixing import MIXING_KINDS
 from gossip.optimizers import ALGORITHMS
 from node.config.kinds import Boolean, Choice, EdgeList, Integer, Kind, Multiaddrs, Named, Number, PathKind, Text
@@ -109,46 +109,32 @@ class Setting:
 
 def struct_settings(struct: type[msgspec.Struct], prefix: str, commands: frozenset[Command]) -> tuple[Setting, ...]:
     """The settings of an algorithm's knobs, declared once as the fields of a msgspec Struct in gossip/
-    (gossip.diloco.DilocoSettings): each field becomes the setting `<prefix><name>` with the flag
-    `--<name>` and the variable `MURMUR_<NAME>`, where `name` is the field's or its `Meta.extra["setting"]`;
-    its kind carries the field's bounds (or `Meta.extra["setting_bounds"]` where a node's own setting is
-    bounded otherwise than the swarm document) and the extra's `metavar` and `noun`; its help is the
-    field's description. A field whose type must stay bare has its Meta in the Struct's FIELD_META."""
-    field_meta: Mapping[str, msgspec.Meta] = getattr(struct, "FIELD_META", {})
-    return tuple(_struct_setting(field, field_meta.get(field.name), prefix, commands)
-                 for field in msgspec.structs.fields(struct))
+    (gossip.knobs; gossip.diloco.DilocoSettings): each knob becomes the setting `<prefix><name>` with the
+    flag `--<name>` and the variable `MURMUR_<NAME>` (`name`: the field's or `Meta.extra["setting"]`),
+    its kind carries a node's own bounds and the extra's `metavar` and `noun`, its help is the field's
+    description."""
+    return tuple(_knob_setting(knob, prefix, commands) for knob in knobs(struct))
 
 
-def _struct_setting(field: msgspec.structs.FieldInfo, meta: msgspec.Meta | None, prefix: str,
-                    commands: frozenset[Command]) -> Setting:
-    base = field.type
-    if get_origin(field.type) is Annotated:
-        base, *metas = get_args(field.type)
-        meta = next(m for m in metas if isinstance(m, msgspec.Meta))
-    if meta is None:
-        raise TypeError(f"{field.name}: an algorithm's knob carries its msgspec.Meta (help, bounds)")
-    extra: dict[str, Any] = dict(meta.extra or {})
-    bounds = {"ge": meta.ge, "gt": meta.gt, "le": meta.le, "lt": meta.lt, **extra.get("setting_bounds", {})}
-    named = {k: extra[k] for k in ("metavar", "noun") if k in extra}
+def _knob_setting(knob: Knob, prefix: str, commands: frozenset[Command]) -> Setting:
+    bounds, named = knob.bounds, {k: knob.extra[k] for k in ("metavar", "noun") if k in knob.extra}
     kind: Kind
-    if base is bool:
+    if knob.type is bool:
         kind = Boolean(**named)
-    elif base is int:
+    elif knob.type is int:
         low = bounds["ge"] if bounds["gt"] is None else bounds["gt"] + 1
         high = bounds["le"] if bounds["lt"] is None else bounds["lt"] - 1
         kind = Integer(low, high, **named)
-    elif base is float:
+    elif knob.type is float:
         kind = Number(bounds["ge"] if bounds["gt"] is None else bounds["gt"], lo_open=bounds["gt"] is not None,
                       hi=bounds["le"] if bounds["lt"] is None else bounds["lt"], hi_open=bounds["lt"] is not None,
                       **named)
-    elif get_origin(base) is Literal:
-        kind = Choice(choices=get_args(base), **named)
+    elif knob.choices:
+        kind = Choice(choices=knob.choices, **named)
     else:
-        raise TypeError(f"{field.name}: no setting kind for {base!r}")
-    name = extra.get("setting", field.name)
-    return Setting(prefix + name, kind, f"MURMUR_{name.upper()}", "--" + name.replace("_", "-"), meta.description or "",
-                   commands)
-
+        raise TypeError(f"{knob.name}: no setting kind for {knob.type!r}")
+    name = knob.setting_name
+    return Setting(prefix + name, kind, f"MURMUR_{name.upper()}", "--" + name.replace("_", "-"), knob.help, commands)
 
 _NONNEG = Integer(0)
 
