@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 import msgspec
 
 _BOUNDS = ("ge", "gt", "le", "lt")
+MAX_OUTER_LR = 10.0  # an outer step's learning rate (DiLoCo's, SPES's syncs')
 
 
 @dataclass(frozen=True)

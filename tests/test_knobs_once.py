@@ -119,3 +119,24 @@ def test_the_plan_flags_are_the_declaration(name: str) -> None:
                 parse(str(top * 2))  # type: ignore[operator]
         with pytest.raises(argparse.ArgumentTypeError):
             parse(str(setting.kind.lo - 1))  # type: ignore[operator]
+
+
+def test_spes_sync_settings_are_declared_once() -> None:
+    """SPES's sync knobs: the document's part is the Struct, the table's rows derive from it (prefix spes_)."""
+    from gossip.spes import SpesConfig, SpesSyncSettings
+    from node.swarm.recipe import SpesSyncDoc
+
+    assert issubclass(SpesSyncDoc, SpesSyncSettings)
+    assert msgspec.structs.fields(SpesSyncDoc) == msgspec.structs.fields(SpesSyncSettings)
+    for knob, setting in zip(knobs(SpesSyncSettings), struct_settings(SpesSyncSettings, "training.spes_", NODE),
+                             strict=True):
+        assert SETTINGS_BY_KEY[setting.key] == setting and setting.help == knob.help
+        assert setting.flag == "--spes-" + knob.name.replace("_", "-")
+        assert setting.env == "MURMUR_SPES_" + knob.name.upper()
+    # the outer step's defaults are the node's too; the codec and delta_refresh defaults are what documents
+    # written before those fields meant, and a node's own differ (SpesConfig's)
+    for name in ("outer_lr", "outer_momentum", "anchor_every"):
+        assert getattr(SpesConfig(), name) is getattr(SpesSyncSettings(), name)
+    assert SETTINGS_BY_KEY["training.spes_anchor_every"].kind.hi is None  # type: ignore[attr-defined]
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"anchor_every": 10**7}, SpesSyncDoc)

@@ -13,7 +13,6 @@ from gossip.diloco.config import (
     DILOCO_DEFAULTS,
     INNER_OPTIMIZERS,
     MAX_ANCHOR_EVERY,
-    MAX_OUTER_LR,
     MAX_QSR_ALPHA,
     DilocoConfig,
     DilocoSettings,
@@ -22,6 +21,7 @@ from gossip.diloco.fragments import fragment_partition
 from gossip.diloco.outer import OuterNesterov
 from gossip.diloco.schedule import MAX_PHASE, SyncSchedule, qsr_period
 from gossip.diloco.traffic import RoundMessages, Traffic, round_bytes, run_bytes
+from gossip.knobs import MAX_OUTER_LR
 
 __all__ = [
     "ANCHOR_CODECS",

@@ -9,7 +9,7 @@ from typing import Annotated, ClassVar, Literal, get_args
 import msgspec
 
 from gossip.codecs.registry import STATE_CODECS
-from gossip.knobs import knobs
+from gossip.knobs import MAX_OUTER_LR, knobs
 
 ANCHOR_CODECS = STATE_CODECS  # anchors are whole parameters
 INNER_OPTIMIZERS = ("adam", "sgd")
@@ -17,7 +17,6 @@ AnchorCodecName = Literal["fp32", "fp16", "bf16", "int8"]  # ANCHOR_CODECS, in t
 InnerOptimizerName = Literal["adam", "sgd"]  # INNER_OPTIMIZERS
 assert get_args(AnchorCodecName) == ANCHOR_CODECS and get_args(InnerOptimizerName) == INNER_OPTIMIZERS
 
-MAX_OUTER_LR = 10.0
 MAX_FRAGMENTS = 64
 # The swarm document's extra caps (a node's own setting has none): they keep a hostile or mistaken founder
 # from making every node sync after an absurd period; a node may set anything >= 0 for itself.

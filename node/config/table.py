@@ -16,6 +16,7 @@ from gossip.diloco import DilocoSettings
 from gossip.knobs import Knob, knobs
 from gossip.mixing import MIXING_KINDS
 from gossip.optimizers import ALGORITHMS
+from gossip.spes import SpesSyncSettings
 from node.config.kinds import Boolean, Choice, EdgeList, Integer, Kind, Multiaddrs, Named, Number, PathKind, Text
 from node.net.reach_mode import ReachMode
 from node.train.model_names import HF_PRESET_NAMES, MODEL_NAME_PATTERN
@@ -109,8 +110,9 @@ class Setting:
 
 def struct_settings(struct: type[msgspec.Struct], prefix: str, commands: frozenset[Command]) -> tuple[Setting, ...]:
     """The settings of an algorithm's knobs, declared once as the fields of a msgspec Struct in gossip/
-    (gossip.knobs; gossip.diloco.DilocoSettings): each knob becomes the setting `<prefix><name>` with the
-    flag `--<name>` and the variable `MURMUR_<NAME>` (`name`: the field's or `Meta.extra["setting"]`),
+    (gossip.knobs; gossip.diloco.DilocoSettings): each knob becomes the setting `<prefix><field>`, `field`
+    the field's name or `Meta.extra["setting"]`, with the flag `--<name>` and the variable `MURMUR_<NAME>`
+    (`name`: the key after its last dot, training.spes_outer_lr: --spes-outer-lr, MURMUR_SPES_OUTER_LR),
     its kind carries a node's own bounds and the extra's `metavar` and `noun`, its help is the field's
     description."""
     return tuple(_knob_setting(knob, prefix, commands) for knob in knobs(struct))
@@ -133,8 +135,9 @@ def _knob_setting(knob: Knob, prefix: str, commands: frozenset[Command]) -> Sett
         kind = Choice(choices=knob.choices, **named)
     else:
         raise TypeError(f"{knob.name}: no setting kind for {knob.type!r}")
-    name = knob.setting_name
-    return Setting(prefix + name, kind, f"MURMUR_{name.upper()}", "--" + name.replace("_", "-"), knob.help, commands)
+    key = prefix + knob.setting_name
+    name = key.rpartition(".")[2]  # training.spes_outer_lr: --spes-outer-lr, MURMUR_SPES_OUTER_LR
+    return Setting(key, kind, f"MURMUR_{name.upper()}", "--" + name.replace("_", "-"), knob.help, commands)
 
 _NONNEG = Integer(0)
 
@@ -346,21 +349,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("training.spes_expert_codec", Choice("expert codec", SPES_EXPERT_CODECS, metavar="CODEC"),
             "MURMUR_SPES_EXPERT_CODEC", "--spes-expert-codec",
             "codec co-owners mix their experts in, with error feedback (the swarm's)", NODE),
-    Setting("training.spes_shared_codec", Choice("shared codec", SPES_EXPERT_CODECS, metavar="CODEC"),
-            "MURMUR_SPES_SHARED_CODEC", "--spes-shared-codec",
-            "codec topology neighbours mix the shared weights in, with error feedback (the swarm's; SPES "
-            "ignores --codec)", NODE),
-    Setting("training.spes_delta_refresh", Boolean(), "MURMUR_SPES_DELTA_REFRESH", "--spes-delta-refresh",
-            "refresh frozen copies with the owner's compressed delta (in --spes-refresh-codec) since the copy "
-            "held; off: whole copies in --spes-refresh-codec (the swarm's)", NODE),
-    Setting("training.spes_outer_lr", Number(0.0, lo_open=True, hi=10.0, metavar="LR"), "MURMUR_SPES_OUTER_LR",
-            "--spes-outer-lr", "outer learning rate of each sync's step on the mixed pseudo-gradients; 1 with "
-            "no momentum is plain mixing (the swarm's)", NODE),
-    Setting("training.spes_outer_momentum", Number(0.0, hi=1.0, hi_open=True, metavar="MU"),
-            "MURMUR_SPES_OUTER_MOMENTUM", "--spes-outer-momentum",
-            "Nesterov momentum of each sync's outer step (the swarm's)", NODE),
-    Setting("training.spes_anchor_every", _NONNEG, "MURMUR_SPES_ANCHOR_EVERY", "--spes-anchor-every",
-            "mix the anchors at every this-many-th sync (0: never) (the swarm's)", NODE),
+    *struct_settings(SpesSyncSettings, "training.spes_", NODE),
     Setting("training.experts", Integer(1, noun="experts"), "MURMUR_EXPERTS", "--experts",
             "SPES capacity: experts per MoE layer this node trains (this node's own)", NODE, optional=True,
             default_text="all on CPU; on CUDA as many as fit in half the free GPU memory (docs/spes.md)"),

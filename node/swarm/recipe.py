@@ -25,7 +25,7 @@ from gossip.diloco import DilocoConfig, DilocoSettings
 from gossip.mixing import MixingKind, MixingRule
 from gossip.optimizers import Algorithm, OptimizerConfig
 from gossip.rules import Knobs, Rule, broken_rules
-from gossip.spes import SpesConfig
+from gossip.spes import SpesConfig, SpesSyncSettings
 from node.swarm.rounds import RoundClock
 from node.train.model_names import EMBEDDED_MODEL_NAMES, HF_PRESET_NAMES, MODEL_NAME_PATTERN, VECTOR_MODEL
 from node.train.tokenizer import TokenizerSpec
@@ -138,16 +138,11 @@ class SpesDoc(_Doc, frozen=True, omit_defaults=False):
     expert_codec: StateCodecName = "fp32"
 
 
-class SpesSyncDoc(_Doc, frozen=True):
+class SpesSyncDoc(SpesSyncSettings, _Doc, frozen=True):
     """SPES syncs at internet bandwidth (issue 15): the shared weights' codec, deltas for frozen-copy
     refreshes, the outer step. Beside `spes` rather than in it, so that SPES documents written before
-    keep their hash; its defaults (and its absence) are what those documents mean."""
-
-    shared_codec: StateCodecName = "fp32"
-    delta_refresh: bool = False
-    outer_lr: Annotated[float, msgspec.Meta(gt=0.0, le=MAX_LR)] = 1.0
-    outer_momentum: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.0
-    anchor_every: Annotated[int, msgspec.Meta(ge=0, le=MAX_SPES_EVERY)] = 1
+    keep their hash; its defaults (and its absence) are what those documents mean. Its fields, bounds and
+    defaults are gossip.spes.SpesSyncSettings's, declared once there."""
 
 
 class ModelPayload(_Doc, frozen=True, tag_field="kind", tag="model"):
