@@ -8,18 +8,31 @@ and the analytic traffic (`traffic`).
 docs/training.md ("Gossip DiLoCo") explains the scheme.
 """
 
-from gossip.diloco.config import ANCHOR_CODECS, DILOCO_DEFAULTS, INNER_OPTIMIZERS, DilocoConfig
+from gossip.diloco.config import (
+    ANCHOR_CODECS,
+    DILOCO_DEFAULTS,
+    INNER_OPTIMIZERS,
+    MAX_ANCHOR_EVERY,
+    MAX_QSR_ALPHA,
+    DilocoConfig,
+    DilocoSettings,
+)
 from gossip.diloco.fragments import fragment_partition
 from gossip.diloco.outer import OuterNesterov
 from gossip.diloco.schedule import MAX_PHASE, SyncSchedule, qsr_period
 from gossip.diloco.traffic import RoundMessages, Traffic, round_bytes, run_bytes
+from gossip.knobs import MAX_OUTER_LR
 
 __all__ = [
     "ANCHOR_CODECS",
     "DILOCO_DEFAULTS",
     "INNER_OPTIMIZERS",
+    "MAX_ANCHOR_EVERY",
+    "MAX_OUTER_LR",
     "MAX_PHASE",
+    "MAX_QSR_ALPHA",
     "DilocoConfig",
+    "DilocoSettings",
     "OuterNesterov",
     "RoundMessages",
     "SyncSchedule",

@@ -2,13 +2,88 @@
 
 from __future__ import annotations
 
-import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Annotated, ClassVar, Literal, get_args
+
+import msgspec
 
 from gossip.codecs.registry import STATE_CODECS
+from gossip.knobs import MAX_OUTER_LR, knobs
 
 ANCHOR_CODECS = STATE_CODECS  # anchors are whole parameters
 INNER_OPTIMIZERS = ("adam", "sgd")
+AnchorCodecName = Literal["fp32", "fp16", "bf16", "int8"]  # ANCHOR_CODECS, in their order
+InnerOptimizerName = Literal["adam", "sgd"]  # INNER_OPTIMIZERS
+assert get_args(AnchorCodecName) == ANCHOR_CODECS and get_args(InnerOptimizerName) == INNER_OPTIMIZERS
+
+MAX_FRAGMENTS = 64
+# The swarm document's extra caps (a node's own setting has none): they keep a hostile or mistaken founder
+# from making every node sync after an absurd period; a node may set anything >= 0 for itself.
+MAX_QSR_ALPHA = 1e3
+MAX_ANCHOR_EVERY = 10**6
+
+
+class DilocoSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """DiLoCo's knobs, each declared once (gossip.knobs): its type, default, bounds (`msgspec.Meta`: the
+    swarm document's) and help (the description). Everything else derives from here: the swarm document's
+    part (node.swarm.recipe.DilocoDoc subclasses this Struct), the node's settings table rows
+    `training.<field>` with their flag `--<field>` and variable `MURMUR_<FIELD>` (node.config.table),
+    docs/cli.md's table, `murmur plan`'s DiLoCo flags (node.cli.plan, from the table), and DilocoConfig's
+    defaults and checks (a node's own bounds).
+
+    `Meta.extra` carries what the settings table and DilocoConfig's errors use besides: `metavar`, `noun`,
+    `setting` (the setting's name where it is not the field's), `setting_bounds` (where a node's own
+    setting is bounded otherwise than the document, which a founder may not stretch) and `why`. The help
+    names the node's flags: it is the settings table's text, user-visible byte for byte.
+    """
+
+    outer_lr: Annotated[float, msgspec.Meta(
+        gt=0.0, le=MAX_OUTER_LR, extra={"metavar": "LR"},
+        description="diloco: outer learning rate of the Nesterov step on the mixed pseudo-gradient (the swarm's)",
+    )] = 0.7
+    outer_momentum: Annotated[float, msgspec.Meta(
+        ge=0.0, lt=1.0, extra={"metavar": "MU"},
+        description="diloco: Nesterov momentum of the outer step; each node keeps its own buffer (the swarm's)",
+    )] = 0.9
+    fragments: Annotated[int, msgspec.Meta(
+        ge=1, le=MAX_FRAGMENTS, extra={"noun": "fragments"},
+        description="diloco: P, fragments of the model synced at staggered inner steps, so about 1/P of it is in "
+        "flight at a time; at most --local-steps (the swarm's)",
+    )] = 1
+    overlap: Annotated[bool, msgspec.Meta(
+        description="diloco: run each outer exchange while the next phase computes and apply its outer step one "
+        "phase late, so a slow link hides behind compute (the swarm's)",
+    )] = False
+    # the document caps ALPHA (MAX_QSR_ALPHA); a node's own setting does not
+    qsr_alpha: Annotated[float, msgspec.Meta(
+        ge=0.0, le=MAX_QSR_ALPHA, extra={"metavar": "ALPHA", "setting_bounds": {"le": None}},
+        description="diloco: grow the sync period as the learning rate decays, H = max(--local-steps, "
+        "floor((ALPHA / lr)^2)) after the warm-up (quadratic synchronisation rule); 0: constant H (the swarm's)",
+    )] = 0.0
+    # the document caps the period (MAX_ANCHOR_EVERY); a node's own setting does not
+    anchor_every: Annotated[int, msgspec.Meta(
+        ge=0, le=MAX_ANCHOR_EVERY, extra={"setting_bounds": {"le": None}},
+        description="diloco: mix the anchors (the models as of the last outer step) with the neighbours at every "
+        "this-many-th sync too, which keeps the nodes together; 0: never (the swarm's)",
+    )] = 1
+    anchor_codec: Annotated[AnchorCodecName, msgspec.Meta(
+        extra={"metavar": "CODEC", "noun": "anchor codec",
+               "why": "a whole-parameter codec; top-k is sound only on differences"},
+        description="diloco: codec the anchors travel in, with error feedback (the swarm's)",
+    )] = "int8"
+    # the type stays the bare Literal (the names are checked against INNER_OPTIMIZERS as written), so its
+    # Meta (help, and its setting's name: the flag says which optimizer, --inner-optimizer) is in FIELD_META
+    inner: InnerOptimizerName = "adam"
+
+    FIELD_META: ClassVar[Mapping[str, msgspec.Meta]] = {"inner": msgspec.Meta(
+        extra={"metavar": "OPTIMIZER", "noun": "inner optimizer", "setting": "inner_optimizer"},
+        description="diloco: the inner steps' optimizer, adam (AdamW, DiLoCo's) or sgd (local SGD; --lr as "
+        "dsgd's) (the swarm's)",
+    )}
+
+_SETTINGS = DilocoSettings()  # the defaults
+_KNOBS = knobs(DilocoSettings)
 
 
 @dataclass(frozen=True)
@@ -31,33 +106,20 @@ class DilocoConfig:
       (`sgd`, dsgd's: with outer lr 1 and no momentum, local SGD with periodic gossip averaging).
     """
 
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    fragments: int = 1
-    overlap: bool = False
-    qsr_alpha: float = 0.0
-    anchor_every: int = 1
-    anchor_codec: str = "int8"
-    inner: str = "adam"  # the inner optimizer: "adam" (AdamW, DiLoCo's) or "sgd" (local SGD)
+    outer_lr: float = _SETTINGS.outer_lr
+    outer_momentum: float = _SETTINGS.outer_momentum
+    fragments: int = _SETTINGS.fragments
+    overlap: bool = _SETTINGS.overlap
+    qsr_alpha: float = _SETTINGS.qsr_alpha
+    anchor_every: int = _SETTINGS.anchor_every
+    anchor_codec: str = _SETTINGS.anchor_codec
+    inner: str = _SETTINGS.inner  # the inner optimizer: "adam" (AdamW, DiLoCo's) or "sgd" (local SGD)
 
-    MAX_FRAGMENTS = 64
+    MAX_FRAGMENTS = MAX_FRAGMENTS
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.outer_lr) and 0.0 < self.outer_lr <= 10.0):
-            raise ValueError(f"outer_lr must be in (0, 10], got {self.outer_lr!r}")
-        if not 0.0 <= self.outer_momentum < 1.0:
-            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum!r}")
-        if type(self.fragments) is not int or not 1 <= self.fragments <= self.MAX_FRAGMENTS:
-            raise ValueError(f"fragments must be an integer in [1, {self.MAX_FRAGMENTS}], got {self.fragments!r}")
-        if not (math.isfinite(self.qsr_alpha) and self.qsr_alpha >= 0.0):
-            raise ValueError(f"qsr_alpha must be >= 0, got {self.qsr_alpha!r}")
-        if type(self.anchor_every) is not int or self.anchor_every < 0:
-            raise ValueError(f"anchor_every must be an integer >= 0, got {self.anchor_every!r}")
-        if self.inner not in INNER_OPTIMIZERS:
-            raise ValueError(f"inner must be one of {', '.join(INNER_OPTIMIZERS)}, got {self.inner!r}")
-        if self.anchor_codec not in ANCHOR_CODECS:
-            raise ValueError(f"anchor_codec must be one of {', '.join(ANCHOR_CODECS)} (a whole-parameter codec; "
-                             f"top-k is sound only on differences), got {self.anchor_codec!r}")
+        for knob in _KNOBS:  # a node's own bounds, as DilocoSettings declares them
+            knob.check(getattr(self, knob.name))
 
     @property
     def inner_algorithm(self) -> str:
@@ -69,6 +131,6 @@ class DilocoConfig:
         return self.anchor_every > 0 and (round_index + 1) % self.anchor_every == 0
 
 
-# The one place DiLoCo's defaults are written: the node's settings, the swarm document, `murmur plan` and
+# DiLoCo's defaults (declared in DilocoSettings): the node's settings, the swarm document, `murmur plan` and
 # its model read them from here, so a founder, a joiner and a prediction cannot disagree on what "unset" means.
 DILOCO_DEFAULTS = DilocoConfig()

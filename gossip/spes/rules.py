@@ -9,13 +9,14 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 import numpy as np
 
 from gossip.codecs import CODEC_TYPES, get_codec
 from gossip.errors import WireError
+from gossip.knobs import MAX_OUTER_LR
 
 ExpertKey = tuple[int, int]  # (MoE layer, expert index within the layer)
 # peer id -> the records it published (or holds), one per expert
@@ -45,6 +46,46 @@ def parse_expert_label(label: str) -> ExpertKey:
 # ---- configuration ----------------------------------------------------------------------------------
 
 
+MAX_SYNC_ANCHOR_EVERY = 10**6  # the swarm document's cap on anchor_every (a node's own setting has none)
+
+
+class SpesSyncSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """SPES's sync knobs (issue 15), each declared once (gossip.knobs, as gossip.diloco.DilocoSettings):
+    type, bounds (the swarm document's), help, and the default a swarm document that leaves the field
+    out means. The document's part (node.swarm.recipe.SpesSyncDoc) subclasses it and the settings table's
+    rows `training.spes_<field>` (`--spes-<field>`, `MURMUR_SPES_<FIELD>`) derive from it.
+
+    `shared_codec` and `delta_refresh` default otherwise for a node (SpesConfig's int8 and on): these
+    defaults are what SPES documents written before the fields existed mean, which keeps their hash."""
+
+    shared_codec: Annotated[Literal["fp32", "fp16", "bf16", "int8"], msgspec.Meta(
+        extra={"metavar": "CODEC", "noun": "shared codec"},
+        description="codec topology neighbours mix the shared weights in, with error feedback (the swarm's; SPES "
+        "ignores --codec)",
+    )] = "fp32"
+    delta_refresh: Annotated[bool, msgspec.Meta(
+        description="refresh frozen copies with the owner's compressed delta (in --spes-refresh-codec) since the "
+        "copy held; off: whole copies in --spes-refresh-codec (the swarm's)",
+    )] = False
+    outer_lr: Annotated[float, msgspec.Meta(
+        gt=0.0, le=MAX_OUTER_LR, extra={"metavar": "LR"},
+        description="outer learning rate of each sync's step on the mixed pseudo-gradients; 1 with no momentum "
+        "is plain mixing (the swarm's)",
+    )] = 1.0
+    outer_momentum: Annotated[float, msgspec.Meta(
+        ge=0.0, lt=1.0, extra={"metavar": "MU"},
+        description="Nesterov momentum of each sync's outer step (the swarm's)",
+    )] = 0.0
+    # the document caps the period (MAX_SYNC_ANCHOR_EVERY); a node's own setting does not
+    anchor_every: Annotated[int, msgspec.Meta(
+        ge=0, le=MAX_SYNC_ANCHOR_EVERY, extra={"setting_bounds": {"le": None}},
+        description="mix the anchors at every this-many-th sync (0: never) (the swarm's)",
+    )] = 1
+
+
+_SYNC = SpesSyncSettings()
+
+
 @dataclass(frozen=True)
 class SpesConfig:
     """The SPES knobs. Steps count completed optimizer steps (the trainer's `step` after a step)."""
@@ -60,9 +101,9 @@ class SpesConfig:
     # message per group per sync, the weights themselves, as plain SPES mixes them.
     shared_codec: str = "int8"  # the shared weights travel in this codec
     expert_codec: str = "int8"  # co-owners mix their expert in this codec
-    outer_lr: float = 1.0
-    outer_momentum: float = 0.0
-    anchor_every: int = 1
+    outer_lr: float = _SYNC.outer_lr
+    outer_momentum: float = _SYNC.outer_momentum
+    anchor_every: int = _SYNC.anchor_every
     # delta_refresh: frozen copies are refreshed with the owner's delta in refresh_codec since the copy
     # the asker holds (the owner's published copy is the sum of its deltas, so the asker's sum hashes the
     # same); a whole copy travels in fp32. Off: whole copies travel (and are hashed) in refresh_codec.
@@ -85,7 +126,7 @@ class SpesConfig:
         for name in ("shared_codec", "expert_codec"):
             if getattr(self, name) not in CODEC_TYPES or getattr(self, name) == "topk":
                 raise ValueError(f"spes config: {name} must be one of {REFRESH_CODECS}, got {getattr(self, name)!r}")
-        if not (math.isfinite(self.outer_lr) and 0.0 < self.outer_lr <= 10.0):
+        if not (math.isfinite(self.outer_lr) and 0.0 < self.outer_lr <= MAX_OUTER_LR):
             raise ValueError(f"spes config: outer_lr must be in (0, 10], got {self.outer_lr!r}")
         if not 0.0 <= self.outer_momentum < 1.0:
             raise ValueError(f"spes config: outer_momentum must be in [0, 1), got {self.outer_momentum!r}")

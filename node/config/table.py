@@ -8,11 +8,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
+import msgspec
+
 from gossip.choco import DENSE_GAMMA, MAX_TOPK_GAMMA, TOPK_GAMMA_PER_RATIO
 from gossip.codecs import STATE_CODECS, TopKCodec
-from gossip.diloco import INNER_OPTIMIZERS, DilocoConfig
+from gossip.diloco import DilocoSettings
+from gossip.knobs import Knob, knobs
 from gossip.mixing import MIXING_KINDS
 from gossip.optimizers import ALGORITHMS
+from gossip.spes import SpesSyncSettings
 from node.config.kinds import Boolean, Choice, EdgeList, Integer, Kind, Multiaddrs, Named, Number, PathKind, Text
 from node.net.reach_mode import ReachMode
 from node.train.model_names import HF_PRESET_NAMES, MODEL_NAME_PATTERN
@@ -103,6 +107,37 @@ class Setting:
     def metavar(self) -> str:
         return self.kind.metavar
 
+
+def struct_settings(struct: type[msgspec.Struct], prefix: str, commands: frozenset[Command]) -> tuple[Setting, ...]:
+    """The settings of an algorithm's knobs, declared once as the fields of a msgspec Struct in gossip/
+    (gossip.knobs; gossip.diloco.DilocoSettings): each knob becomes the setting `<prefix><field>`, `field`
+    the field's name or `Meta.extra["setting"]`, with the flag `--<name>` and the variable `MURMUR_<NAME>`
+    (`name`: the key after its last dot, training.spes_outer_lr: --spes-outer-lr, MURMUR_SPES_OUTER_LR),
+    its kind carries a node's own bounds and the extra's `metavar` and `noun`, its help is the field's
+    description."""
+    return tuple(_knob_setting(knob, prefix, commands) for knob in knobs(struct))
+
+
+def _knob_setting(knob: Knob, prefix: str, commands: frozenset[Command]) -> Setting:
+    bounds, named = knob.bounds, {k: knob.extra[k] for k in ("metavar", "noun") if k in knob.extra}
+    kind: Kind
+    if knob.type is bool:
+        kind = Boolean(**named)
+    elif knob.type is int:
+        low = bounds["ge"] if bounds["gt"] is None else bounds["gt"] + 1
+        high = bounds["le"] if bounds["lt"] is None else bounds["lt"] - 1
+        kind = Integer(low, high, **named)
+    elif knob.type is float:
+        kind = Number(bounds["ge"] if bounds["gt"] is None else bounds["gt"], lo_open=bounds["gt"] is not None,
+                      hi=bounds["le"] if bounds["lt"] is None else bounds["lt"], hi_open=bounds["lt"] is not None,
+                      **named)
+    elif knob.choices:
+        kind = Choice(choices=knob.choices, **named)
+    else:
+        raise TypeError(f"{knob.name}: no setting kind for {knob.type!r}")
+    key = prefix + knob.setting_name
+    name = key.rpartition(".")[2]  # training.spes_outer_lr: --spes-outer-lr, MURMUR_SPES_OUTER_LR
+    return Setting(key, kind, f"MURMUR_{name.upper()}", "--" + name.replace("_", "-"), knob.help, commands)
 
 _NONNEG = Integer(0)
 
@@ -258,30 +293,7 @@ SETTINGS: tuple[Setting, ...] = (
             "keeps serving its parameters until stopped (the swarm's)", NODE),
     Setting("training.local_steps", Integer(1, noun="local steps"), "MURMUR_LOCAL_STEPS", "--local-steps",
             "H: optimizer steps between gossip rounds (the swarm's)", NODE),
-    Setting("training.outer_lr", Number(0.0, lo_open=True, hi=10.0, metavar="LR"), "MURMUR_OUTER_LR", "--outer-lr",
-            "diloco: outer learning rate of the Nesterov step on the mixed pseudo-gradient (the swarm's)", NODE),
-    Setting("training.outer_momentum", Number(0.0, hi=1.0, hi_open=True, metavar="MU"), "MURMUR_OUTER_MOMENTUM",
-            "--outer-momentum", "diloco: Nesterov momentum of the outer step; each node keeps its own buffer "
-            "(the swarm's)", NODE),
-    Setting("training.fragments", Integer(1, DilocoConfig.MAX_FRAGMENTS, noun="fragments"), "MURMUR_FRAGMENTS", "--fragments",
-            "diloco: P, fragments of the model synced at staggered inner steps, so about 1/P of it is in "
-            "flight at a time; at most --local-steps (the swarm's)", NODE),
-    Setting("training.overlap", Boolean(), "MURMUR_OVERLAP", "--overlap",
-            "diloco: run each outer exchange while the next phase computes and apply its outer step one "
-            "phase late, so a slow link hides behind compute (the swarm's)", NODE),
-    Setting("training.qsr_alpha", Number(0.0, metavar="ALPHA"), "MURMUR_QSR_ALPHA", "--qsr-alpha",
-            "diloco: grow the sync period as the learning rate decays, H = max(--local-steps, "
-            "floor((ALPHA / lr)^2)) after the warm-up (quadratic synchronisation rule); 0: constant H "
-            "(the swarm's)", NODE),
-    Setting("training.anchor_every", _NONNEG, "MURMUR_ANCHOR_EVERY", "--anchor-every",
-            "diloco: mix the anchors (the models as of the last outer step) with the neighbours at every "
-            "this-many-th sync too, which keeps the nodes together; 0: never (the swarm's)", NODE),
-    Setting("training.anchor_codec", Choice("anchor codec", STATE_CODECS, metavar="CODEC"), "MURMUR_ANCHOR_CODEC",
-            "--anchor-codec", "diloco: codec the anchors travel in, with error feedback (the swarm's)", NODE),
-    Setting("training.inner_optimizer", Choice("inner optimizer", INNER_OPTIMIZERS, metavar="OPTIMIZER"),
-            "MURMUR_INNER_OPTIMIZER", "--inner-optimizer",
-            "diloco: the inner steps' optimizer, adam (AdamW, DiLoCo's) or sgd (local SGD; --lr as dsgd's) "
-            "(the swarm's)", NODE),
+    *struct_settings(DilocoSettings, "training.", NODE),
     Setting("training.final_merge", Choice("final merge", FINAL_MERGE, metavar="WHEN"), "MURMUR_FINAL_MERGE",
             "--final-merge", "at the end of the step budget every node averages the final models of all live "
             "peers once, so the swarm ends on one model; auto: on for diloco, off otherwise (the swarm's)", NODE),
@@ -341,21 +353,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("training.spes_expert_codec", Choice("expert codec", SPES_EXPERT_CODECS, metavar="CODEC"),
             "MURMUR_SPES_EXPERT_CODEC", "--spes-expert-codec",
             "codec co-owners mix their experts in, with error feedback (the swarm's)", NODE),
-    Setting("training.spes_shared_codec", Choice("shared codec", SPES_EXPERT_CODECS, metavar="CODEC"),
-            "MURMUR_SPES_SHARED_CODEC", "--spes-shared-codec",
-            "codec topology neighbours mix the shared weights in, with error feedback (the swarm's; SPES "
-            "ignores --codec)", NODE),
-    Setting("training.spes_delta_refresh", Boolean(), "MURMUR_SPES_DELTA_REFRESH", "--spes-delta-refresh",
-            "refresh frozen copies with the owner's compressed delta (in --spes-refresh-codec) since the copy "
-            "held; off: whole copies in --spes-refresh-codec (the swarm's)", NODE),
-    Setting("training.spes_outer_lr", Number(0.0, lo_open=True, hi=10.0, metavar="LR"), "MURMUR_SPES_OUTER_LR",
-            "--spes-outer-lr", "outer learning rate of each sync's step on the mixed pseudo-gradients; 1 with "
-            "no momentum is plain mixing (the swarm's)", NODE),
-    Setting("training.spes_outer_momentum", Number(0.0, hi=1.0, hi_open=True, metavar="MU"),
-            "MURMUR_SPES_OUTER_MOMENTUM", "--spes-outer-momentum",
-            "Nesterov momentum of each sync's outer step (the swarm's)", NODE),
-    Setting("training.spes_anchor_every", _NONNEG, "MURMUR_SPES_ANCHOR_EVERY", "--spes-anchor-every",
-            "mix the anchors at every this-many-th sync (0: never) (the swarm's)", NODE),
+    *struct_settings(SpesSyncSettings, "training.spes_", NODE),
     Setting("training.experts", Integer(1, noun="experts"), "MURMUR_EXPERTS", "--experts",
             "SPES capacity: experts per MoE layer this node trains (this node's own)", NODE, optional=True,
             default_text="all on CPU; on CUDA as many as fit in half the free GPU memory (docs/spes.md)"),

@@ -21,11 +21,11 @@ import msgspec
 
 from gossip.choco import ChocoSettings, check_topology, default_gamma
 from gossip.codecs import DEFAULT_TOPK_RATIO, Codec, Fp32Codec, get_codec
-from gossip.diloco import DILOCO_DEFAULTS, DilocoConfig
+from gossip.diloco import DilocoConfig, DilocoSettings
 from gossip.mixing import MixingKind, MixingRule
 from gossip.optimizers import Algorithm, OptimizerConfig
 from gossip.rules import Knobs, Rule, broken_rules
-from gossip.spes import SpesConfig
+from gossip.spes import SpesConfig, SpesSyncSettings
 from node.swarm.rounds import RoundClock
 from node.train.model_names import EMBEDDED_MODEL_NAMES, HF_PRESET_NAMES, MODEL_NAME_PATTERN, VECTOR_MODEL
 from node.train.tokenizer import TokenizerSpec
@@ -72,8 +72,6 @@ CodecName = Literal["fp32", "fp16", "bf16", "int8", "topk"]
 # whole parameter vectors (anchors, SPES's groups): top-k is sound only on differences
 StateCodecName = Literal["fp32", "fp16", "bf16", "int8"]
 RefreshCodecName = Literal["fp32", "fp16", "bf16", "int8"]
-MAX_FRAGMENTS = DilocoConfig.MAX_FRAGMENTS
-MAX_QSR_ALPHA = 1e3
 ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_MODEL_NAME, pattern=f"^(?:{MODEL_NAME_PATTERN})$")]
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
 Sha256Hex = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
@@ -111,20 +109,12 @@ class _Doc(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_default
 _D = TypeVar("_D", bound=_Doc)
 
 
-class DilocoDoc(_Doc, frozen=True):
+class DilocoDoc(DilocoSettings, _Doc, frozen=True):
     """Gossip DiLoCo's outer loop (gossip.diloco.DilocoConfig); present exactly with algorithm diloco.
 
-    A field left out means DiLoCo's default (gossip.diloco.DILOCO_DEFAULTS): changing one of those
-    changes what published documents mean, so it takes a new SWARM_CONFIG_VERSION."""
-
-    outer_lr: Annotated[float, msgspec.Meta(gt=0.0, le=MAX_LR)] = DILOCO_DEFAULTS.outer_lr
-    outer_momentum: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = DILOCO_DEFAULTS.outer_momentum
-    fragments: Annotated[int, msgspec.Meta(ge=1, le=MAX_FRAGMENTS)] = DILOCO_DEFAULTS.fragments
-    overlap: bool = DILOCO_DEFAULTS.overlap
-    qsr_alpha: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_QSR_ALPHA)] = DILOCO_DEFAULTS.qsr_alpha
-    anchor_every: Annotated[int, msgspec.Meta(ge=0, le=MAX_SPES_EVERY)] = DILOCO_DEFAULTS.anchor_every
-    anchor_codec: StateCodecName = cast(StateCodecName, DILOCO_DEFAULTS.anchor_codec)
-    inner: Literal["adam", "sgd"] = cast(Literal["adam", "sgd"], DILOCO_DEFAULTS.inner)
+    Its fields, their bounds and defaults are gossip.diloco.DilocoSettings's, declared once there. A field
+    left out means DiLoCo's default: changing one of those changes what published documents mean, so it
+    takes a new SWARM_CONFIG_VERSION."""
 
 
 class OptimizerDoc(_Doc, frozen=True):
@@ -151,16 +141,11 @@ class SpesDoc(_Doc, frozen=True, omit_defaults=False):
     expert_codec: StateCodecName = "fp32"
 
 
-class SpesSyncDoc(_Doc, frozen=True):
+class SpesSyncDoc(SpesSyncSettings, _Doc, frozen=True):
     """SPES syncs at internet bandwidth (issue 15): the shared weights' codec, deltas for frozen-copy
     refreshes, the outer step. Beside `spes` rather than in it, so that SPES documents written before
-    keep their hash; its defaults (and its absence) are what those documents mean."""
-
-    shared_codec: StateCodecName = "fp32"
-    delta_refresh: bool = False
-    outer_lr: Annotated[float, msgspec.Meta(gt=0.0, le=MAX_LR)] = 1.0
-    outer_momentum: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.0
-    anchor_every: Annotated[int, msgspec.Meta(ge=0, le=MAX_SPES_EVERY)] = 1
+    keep their hash; its defaults (and its absence) are what those documents mean. Its fields, bounds and
+    defaults are gossip.spes.SpesSyncSettings's, declared once there."""
 
 
 class ModelPayload(_Doc, frozen=True, tag_field="kind", tag="model"):

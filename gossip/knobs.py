@@ -1,0 +1,101 @@
+"""An algorithm's knobs, declared once as the fields of a msgspec Struct (as gossip.diloco.DilocoSettings):
+each field's type, default, bounds (`msgspec.Meta`: the swarm document's) and help (its description).
+
+`Meta.extra` carries what the node's settings table needs besides: `metavar`, `noun` (the word its
+errors use), `setting` (the setting's name where it is not the field's), `setting_bounds` (a node's
+own bounds where they differ from the document's, which a founder may not stretch) and `why` (said
+when a choice is refused). A field whose type must stay bare (a Literal read as it is) has its Meta in
+the Struct's `FIELD_META`.
+
+`knobs()` reads them for the layers above (node.config.table makes the settings from them) and
+`Knob.check` holds an algorithm's config to a node's own bounds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, get_args, get_origin
+
+import msgspec
+
+_BOUNDS = ("ge", "gt", "le", "lt")
+MAX_OUTER_LR = 10.0  # an outer step's learning rate (DiLoCo's, SPES's syncs')
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One field of an algorithm's settings Struct."""
+
+    name: str  # the field's
+    type: Any  # the field's type without its Meta: float, int, bool or a Literal
+    default: Any
+    meta: msgspec.Meta
+
+    @property
+    def extra(self) -> Mapping[str, Any]:
+        return self.meta.extra or {}
+
+    @property
+    def help(self) -> str:
+        return self.meta.description or ""
+
+    @property
+    def setting_name(self) -> str:
+        """The name of the node's setting (`training.<name>`, `--<name>`, `MURMUR_<NAME>`)."""
+        name: str = self.extra.get("setting", self.name)
+        return name
+
+    @property
+    def bounds(self) -> dict[str, Any]:
+        """A node's own bounds on its setting: the document's, but where `setting_bounds` says otherwise."""
+        own = {b: getattr(self.meta, b) for b in _BOUNDS}
+        return {**own, **self.extra.get("setting_bounds", {})}
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return get_args(self.type) if get_origin(self.type) is Literal else ()
+
+    def check(self, value: object) -> None:
+        """ValueError naming the knob unless `value` is within a node's own bounds (or one of the choices)."""
+        b = self.bounds
+        lo, hi = (b["gt"] if b["gt"] is not None else b["ge"]), (b["lt"] if b["lt"] is not None else b["le"])
+        if self.type is float:
+            ok = math.isfinite(value) and _within(value, b)  # type: ignore[arg-type]
+            if not ok:
+                raise ValueError(f"{self.name} must be {_range(b, lo, hi)}, got {value!r}")
+        elif self.type is int:
+            if type(value) is not int or not _within(value, b):
+                raise ValueError(f"{self.name} must be an integer {_range(b, lo, hi)}, got {value!r}")
+        elif self.choices and value not in self.choices:
+            why = f" ({self.extra['why']})" if "why" in self.extra else ""
+            raise ValueError(f"{self.name} must be one of {', '.join(self.choices)}{why}, got {value!r}")
+
+
+def knobs(struct: type[msgspec.Struct]) -> tuple[Knob, ...]:
+    """The knobs of an algorithm's settings Struct, in field order."""
+    field_meta: Mapping[str, msgspec.Meta] = getattr(struct, "FIELD_META", {})
+    found = []
+    for field in msgspec.structs.fields(struct):
+        base, meta = field.type, field_meta.get(field.name)
+        if get_origin(field.type) is Annotated:
+            base, *metas = get_args(field.type)
+            meta = next(m for m in metas if isinstance(m, msgspec.Meta))
+        if meta is None:
+            raise TypeError(f"{field.name}: an algorithm's knob carries its msgspec.Meta (help, bounds)")
+        found.append(Knob(field.name, base, field.default, meta))
+    return tuple(found)
+
+
+def _within(value: Any, b: Mapping[str, Any]) -> bool:
+    return ((b["ge"] is None or value >= b["ge"]) and (b["gt"] is None or value > b["gt"])
+            and (b["le"] is None or value <= b["le"]) and (b["lt"] is None or value < b["lt"]))
+
+
+def _range(b: Mapping[str, Any], lo: Any, hi: Any) -> str:
+    if lo is None:
+        return f"{'<' if b['lt'] is not None else '<='} {hi:g}"
+    if hi is None:
+        return f"{'>' if b['gt'] is not None else '>='} {lo:g}"
+    return f"in {'(' if b['gt'] is not None else '['}{lo:g}, {hi:g}{')' if b['lt'] is not None else ']'}"
