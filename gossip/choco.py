@@ -29,7 +29,9 @@ import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Annotated
 
+import msgspec
 import numpy as np
 
 from gossip.codecs import Codec
@@ -56,6 +58,24 @@ SYMMETRIC_TOPOLOGIES = ("ring", "torus", "complete", "star", "hypercube", "rando
 _REGULAR_TOPOLOGIES = ("ring", "torus", "complete", "hypercube", "random-regular")
 
 Tensors = Mapping[str, np.ndarray]
+
+
+class ChocoKnobs(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Compressed gossip's knobs, each declared once (gossip.knobs, as gossip.diloco.DilocoSettings): the
+    swarm document's part (node.swarm.recipe.CompressionDoc subclasses this Struct and adds its `kind`) and
+    the node's settings table rows `gossip.<setting>` with their flags and variables (node.config.table),
+    hence docs/cli.md's table. ChocoSettings is the running config (codec, gamma resolved, max_edges).
+
+    `gamma` left out (None) means default_gamma(codec), which `default_text` says in words; the help names
+    the node's flags: it is the settings table's text, user-visible byte for byte."""
+
+    gamma: Annotated[float, msgspec.Meta(
+        gt=0.0, le=1.0,
+        extra={"metavar": "GAMMA", "setting": "choco_gamma",
+               "default_text": f"{DENSE_GAMMA:g} for fp32/fp16/bf16/int8; for topk {TOPK_GAMMA_PER_RATIO:g} x "
+               f"--topk-ratio, at most {MAX_TOPK_GAMMA:g}"},
+        description="consensus step of --gossip-compression choco (the swarm's)",
+    )] | None = None
 
 
 def check_topology(spec: TopologySpec) -> None:

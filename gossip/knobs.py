@@ -3,8 +3,9 @@ each field's type, default, bounds (`msgspec.Meta`: the swarm document's) and he
 
 `Meta.extra` carries what the node's settings table needs besides: `metavar`, `noun` (the word its
 errors use), `setting` (the setting's name where it is not the field's), `setting_bounds` (a node's
-own bounds where they differ from the document's, which a founder may not stretch) and `why` (said
-when a choice is refused). A field whose type must stay bare (a Literal read as it is) has its Meta in
+own bounds where they differ from the document's, which a founder may not stretch), `why` (said
+when a choice is refused) and `default_text` (the default in words, for a knob that may be left out:
+`Annotated[...] | None = None`, its value then computed). A field whose type must stay bare (a Literal read as it is) has its Meta in
 the Struct's `FIELD_META`.
 
 `knobs()` reads them for the layers above (node.config.table makes the settings from them) and
@@ -14,9 +15,10 @@ the Struct's `FIELD_META`.
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import msgspec
 
@@ -32,6 +34,7 @@ class Knob:
     type: Any  # the field's type without its Meta: float, int, bool or a Literal
     default: Any
     meta: msgspec.Meta
+    optional: bool = False  # None is a value too (the knob left out: its value computed)
 
     @property
     def extra(self) -> Mapping[str, Any]:
@@ -59,6 +62,8 @@ class Knob:
 
     def check(self, value: object) -> None:
         """ValueError naming the knob unless `value` is within a node's own bounds (or one of the choices)."""
+        if value is None and self.optional:
+            return
         b = self.bounds
         lo, hi = (b["gt"] if b["gt"] is not None else b["ge"]), (b["lt"] if b["lt"] is not None else b["le"])
         if self.type is float:
@@ -78,13 +83,15 @@ def knobs(struct: type[msgspec.Struct]) -> tuple[Knob, ...]:
     field_meta: Mapping[str, msgspec.Meta] = getattr(struct, "FIELD_META", {})
     found = []
     for field in msgspec.structs.fields(struct):
-        base, meta = field.type, field_meta.get(field.name)
-        if get_origin(field.type) is Annotated:
-            base, *metas = get_args(field.type)
+        base, meta, optional = field.type, field_meta.get(field.name), False
+        if get_origin(base) in (Union, types.UnionType) and type(None) in get_args(base):
+            base, optional = next(a for a in get_args(base) if a is not type(None)), True
+        if get_origin(base) is Annotated:
+            base, *metas = get_args(base)
             meta = next(m for m in metas if isinstance(m, msgspec.Meta))
         if meta is None:
             raise TypeError(f"{field.name}: an algorithm's knob carries its msgspec.Meta (help, bounds)")
-        found.append(Knob(field.name, base, field.default, meta))
+        found.append(Knob(field.name, base, field.default, meta, optional))
     return tuple(found)
 
 

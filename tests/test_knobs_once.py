@@ -140,3 +140,30 @@ def test_spes_sync_settings_are_declared_once() -> None:
     assert SETTINGS_BY_KEY["training.spes_anchor_every"].kind.hi is None  # type: ignore[attr-defined]
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"anchor_every": 10**7}, SpesSyncDoc)
+
+
+def test_choco_settings_are_declared_once() -> None:
+    """Compressed gossip's gamma: the document's part is gossip.choco.ChocoKnobs (CompressionDoc adds only its
+    kind), the table's row derives from it (gossip.choco_gamma, optional, its default in words computed)."""
+    from gossip.choco import DENSE_GAMMA, MAX_TOPK_GAMMA, TOPK_GAMMA_PER_RATIO, ChocoKnobs
+    from node.swarm.recipe import CompressionDoc
+
+    assert issubclass(CompressionDoc, ChocoKnobs)
+    assert [f for f in msgspec.structs.fields(CompressionDoc) if f.name != "kind"] == list(
+        msgspec.structs.fields(ChocoKnobs))
+    (knob,) = knobs(ChocoKnobs)
+    (setting,) = struct_settings(ChocoKnobs, "gossip.", NODE)
+    assert SETTINGS_BY_KEY["gossip.choco_gamma"] == setting and setting.help == knob.help
+    assert (setting.flag, setting.env, setting.optional) == ("--choco-gamma", "MURMUR_CHOCO_GAMMA", True)
+    assert setting_value(DEFAULTS, setting.key) is None is ChocoKnobs().gamma
+    assert setting.default_text == (f"{DENSE_GAMMA:g} for fp32/fp16/bf16/int8; for topk {TOPK_GAMMA_PER_RATIO:g} x "
+                                    f"--topk-ratio, at most {MAX_TOPK_GAMMA:g}")
+    assert isinstance(setting.kind, Number)
+    assert (setting.kind.lo, setting.kind.lo_open, setting.kind.hi, setting.kind.hi_open) == (0.0, True, 1.0, False)
+    for bad in (0.0, 1.5):
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.convert({"kind": "choco", "gamma": bad}, CompressionDoc)
+        with pytest.raises(ValueError):
+            knob.check(bad)
+    knob.check(None)
+    assert setting.flag not in _plan_actions()  # murmur plan resolves gamma from the codec (default_gamma)

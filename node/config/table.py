@@ -10,7 +10,7 @@ from enum import StrEnum
 
 import msgspec
 
-from gossip.choco import DENSE_GAMMA, MAX_TOPK_GAMMA, TOPK_GAMMA_PER_RATIO
+from gossip.choco import ChocoKnobs
 from gossip.codecs import STATE_CODECS, TopKCodec
 from gossip.diloco import DilocoSettings
 from gossip.knobs import Knob, knobs
@@ -114,7 +114,8 @@ def struct_settings(struct: type[msgspec.Struct], prefix: str, commands: frozens
     the field's name or `Meta.extra["setting"]`, with the flag `--<name>` and the variable `MURMUR_<NAME>`
     (`name`: the key after its last dot, training.spes_outer_lr: --spes-outer-lr, MURMUR_SPES_OUTER_LR),
     its kind carries a node's own bounds and the extra's `metavar` and `noun`, its help is the field's
-    description."""
+    description; a knob that may be None is an optional setting, its default in words the extra's
+    `default_text`."""
     return tuple(_knob_setting(knob, prefix, commands) for knob in knobs(struct))
 
 
@@ -137,7 +138,8 @@ def _knob_setting(knob: Knob, prefix: str, commands: frozenset[Command]) -> Sett
         raise TypeError(f"{knob.name}: no setting kind for {knob.type!r}")
     key = prefix + knob.setting_name
     name = key.rpartition(".")[2]  # training.spes_outer_lr: --spes-outer-lr, MURMUR_SPES_OUTER_LR
-    return Setting(key, kind, f"MURMUR_{name.upper()}", "--" + name.replace("_", "-"), knob.help, commands)
+    return Setting(key, kind, f"MURMUR_{name.upper()}", "--" + name.replace("_", "-"), knob.help, commands,
+                   optional=knob.optional, default_text=knob.extra.get("default_text"))
 
 _NONNEG = Integer(0)
 
@@ -237,10 +239,7 @@ SETTINGS: tuple[Setting, ...] = (
             "MURMUR_GOSSIP_COMPRESSION", "--gossip-compression",
             "choco: dsgd/dadam rounds send --codec-compressed differences against per-neighbour estimates "
             "(CHOCO-SGD) instead of whole parameters; symmetric topologies only (the swarm's)", NODE),
-    Setting("gossip.choco_gamma", Number(0.0, hi=1.0, lo_open=True, metavar="GAMMA"), "MURMUR_CHOCO_GAMMA",
-            "--choco-gamma", "consensus step of --gossip-compression choco (the swarm's)", NODE, optional=True,
-            default_text=f"{DENSE_GAMMA:g} for fp32/fp16/bf16/int8; for topk {TOPK_GAMMA_PER_RATIO:g} x --topk-ratio, "
-            f"at most {MAX_TOPK_GAMMA:g}"),
+    *struct_settings(ChocoKnobs, "gossip.", NODE),
     Setting("gossip.round_interval_s", Number(0.0, lo_open=True, metavar="S"), "MURMUR_ROUND_INTERVAL",
             "--round-interval", "seconds between the starts of two gossip rounds", NODE),
     Setting("gossip.exchange_timeout_s", Number(0.0, lo_open=True, metavar="S"), "MURMUR_EXCHANGE_TIMEOUT",

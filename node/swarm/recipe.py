@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal, TypeVar, cast
 
 import msgspec
 
-from gossip.choco import ChocoSettings, check_topology, default_gamma
+from gossip.choco import ChocoKnobs, ChocoSettings, check_topology, default_gamma
 from gossip.codecs import DEFAULT_TOPK_RATIO, Codec, Fp32Codec, get_codec
 from gossip.diloco import DilocoConfig, DilocoSettings
 from gossip.mixing import MixingKind, MixingRule
@@ -190,11 +190,13 @@ class MixingDoc(_Doc, frozen=True):
     trim: Annotated[float, msgspec.Meta(ge=0.0, lt=0.5)]
 
 
-class CompressionDoc(_Doc, frozen=True):
-    """Compressed gossip of differences (gossip/choco.py); gamma absent: gossip.choco.default_gamma."""
+class CompressionDoc(ChocoKnobs, _Doc, frozen=True, kw_only=True):
+    """Compressed gossip of differences (gossip/choco.py); gamma absent: gossip.choco.default_gamma.
+
+    Its knobs (gamma) are gossip.choco.ChocoKnobs's, declared once there; `kind` is the document's own
+    (keyword-only, since it has no default and follows them: the config hash sorts the keys)."""
 
     kind: Literal["choco"]
-    gamma: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
 
 
 class GossipDoc(_Doc, frozen=True):
