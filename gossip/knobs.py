@@ -4,7 +4,8 @@ each field's type, default, bounds (`msgspec.Meta`: the swarm document's) and he
 `Meta.extra` carries what the node's settings table needs besides: `metavar`, `noun` (the word its
 errors use), `setting` (the setting's name where it is not the field's), `setting_bounds` (a node's
 own bounds where they differ from the document's, which a founder may not stretch), `why` (said
-when a choice is refused) and `default_text` (the default in words, for a knob that may be left out:
+when a choice is refused), `env` (the variable's name where it is older than the derived one) and
+`default_text` (the default in words, for a knob that may be left out:
 `Annotated[...] | None = None`, its value then computed). A field whose type must stay bare (a Literal read as it is) has its Meta in
 the Struct's `FIELD_META`.
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
+import msgspec
 import numpy as np
 
 from gossip.mixing import effective_weights
@@ -123,6 +124,63 @@ class OptimizerConfig:
     def mixes_after(self, step: int) -> bool:
         """Whether step `step` (0-based) ends with a gossip round: every `local_steps`-th step."""
         return (step + 1) % self.local_steps == 0
+
+
+# The swarm document's caps (a node's own settings have none): they keep a hostile or mistaken founder from
+# making every node step absurdly far, sync after an absurd period or hold absurdly many gradients.
+MAX_STEPS = 10**9  # any step count a swarm document names
+MAX_LR = 10.0
+MAX_LOCAL_STEPS = 10_000
+MAX_MICRO_BATCHES = 1024
+MAX_ADAM_ACCUMULATE = 1024
+_NO_CAP = {"le": None}  # a node's own setting: `setting_bounds` without the document's cap
+
+
+class OptimizerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """The optimizer's knobs every node of a swarm shares (D-SGD, DAdam; DiLoCo's inner loop), each declared
+    once (gossip.knobs, as gossip.diloco.DilocoSettings): the swarm document's part
+    (node.swarm.recipe.OptimizerDoc subclasses this Struct and adds `diloco`) and the node's settings table
+    rows `training.<setting>` with their flags and variables (node.config.table, which places each row
+    where it stands in `--help`), hence docs/cli.md's table and `murmur plan`'s flags (add_knob_flag).
+
+    Only adam_accumulate has a document default: the others are written in every document (a default
+    would leave them out and change the config hash), and a node's defaults are OptimizerConfig's and
+    node.config's. The document caps each count and the lr; a node's own setting is not capped
+    (`setting_bounds`). OptimizerConfig keeps its own checks and messages."""
+
+    # the type stays the bare Literal (ALGORITHMS, checked as written), so its Meta is in FIELD_META
+    algorithm: Algorithm
+    lr: Annotated[float, msgspec.Meta(
+        gt=0.0, le=MAX_LR, extra={"metavar": "LR", "setting_bounds": _NO_CAP},
+        description="peak learning rate (the swarm's)",
+    )]
+    # the variable's name is older than the derived MURMUR_WARMUP_STEPS
+    warmup_steps: Annotated[int, msgspec.Meta(
+        ge=0, le=MAX_STEPS, extra={"env": "MURMUR_WARMUP", "setting_bounds": _NO_CAP},
+        description="linear learning-rate warm-up steps (the swarm's)",
+    )]
+    local_steps: Annotated[int, msgspec.Meta(
+        ge=1, le=MAX_LOCAL_STEPS, extra={"noun": "local steps", "setting_bounds": _NO_CAP},
+        description="H: optimizer steps between gossip rounds (the swarm's)",
+    )]
+    micro_batches: Annotated[int, msgspec.Meta(
+        ge=1, le=MAX_MICRO_BATCHES, extra={"noun": "micro-batches", "setting_bounds": _NO_CAP},
+        description="k: micro-batches accumulated per step (the swarm's)",
+    )]
+    # dadam's AccumAdam block length K (accum_adam_step); absent from a document: 1, plain DAdam
+    adam_accumulate: Annotated[int, msgspec.Meta(
+        ge=1, le=MAX_ADAM_ACCUMULATE, extra={"noun": "AccumAdam steps", "metavar": "K", "setting_bounds": _NO_CAP},
+        description="dadam: AccumAdam (Decent-DP) - the Adam moments advance once per K steps on the K steps' "
+        "mean gradient, for small local batches; one more parameter-sized buffer of optimizer state; 1: plain "
+        "DAdam (the swarm's)",
+    )] = OptimizerConfig.adam_accumulate
+
+    FIELD_META: ClassVar[Mapping[str, msgspec.Meta]] = {"algorithm": msgspec.Meta(
+        extra={"metavar": "OPTIMIZER", "noun": "optimizer", "setting": "optimizer"},
+        description="dsgd (adapt-then-combine), dadam (decentralized Adam, exchange overlapped with compute) or "
+        "diloco (gossip DiLoCo: --local-steps of local AdamW, then an outer Nesterov step on the "
+        "pseudo-gradients mixed with the neighbours); a joiner takes the swarm's",
+    )}
 
 
 # ---- gradient clipping ---------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Each algorithm's knobs are declared once, as the fields of a msgspec Struct in gossip/ (type, default,
 bounds, help): the swarm document's part, the node's settings (flags, `MURMUR_*`, docs/cli.md's table),
 `murmur plan`'s flags and the algorithm's config all derive from it. Checked here for gossip DiLoCo's
-DilocoSettings, so a knob retyped in any of those places fails as soon as it drifts."""
+DilocoSettings, SPES's SpesSyncSettings, compressed gossip's ChocoKnobs and the optimizer's
+OptimizerSettings, so a knob retyped in any of those places fails as soon as it drifts."""
 
 from __future__ import annotations
 
@@ -167,3 +168,39 @@ def test_choco_settings_are_declared_once() -> None:
             knob.check(bad)
     knob.check(None)
     assert setting.flag not in _plan_actions()  # murmur plan resolves gamma from the codec (default_gamma)
+
+
+def test_optimizer_settings_are_declared_once() -> None:
+    """The optimizer's knobs: the document's part is gossip.optimizers.OptimizerSettings (OptimizerDoc adds only
+    diloco), the table's rows derive from it where the table places them, and so do murmur plan's flags."""
+    from gossip.optimizers import OptimizerConfig, OptimizerSettings
+    from node.swarm.recipe import OptimizerDoc
+
+    assert issubclass(OptimizerDoc, OptimizerSettings)
+    assert [f for f in msgspec.structs.fields(OptimizerDoc) if f.name != "diloco"] == list(
+        msgspec.structs.fields(OptimizerSettings))
+    declared = knobs(OptimizerSettings)
+    rows = struct_settings(OptimizerSettings, "training.", NODE)
+    plan = _plan_actions()
+    for knob, setting in zip(declared, rows, strict=True):
+        assert SETTINGS_BY_KEY[setting.key] == setting and sum(s.key == setting.key for s in SETTINGS) == 1
+        assert setting.help == knob.help and setting.key == "training." + knob.setting_name
+        assert setting.flag == "--" + knob.setting_name.replace("_", "-")
+        if isinstance(setting.kind, Integer | Number):
+            assert setting.kind.hi is None and knob.meta.le is not None  # the document caps, a node does not
+            assert setting.kind.lo == (knob.meta.ge if knob.meta.ge is not None else knob.meta.gt)
+        else:
+            assert isinstance(setting.kind, Choice) and setting.kind.choices == knob.choices
+        if setting.flag in plan and setting.key != "training.local_steps":  # plan's H default depends on diloco
+            assert plan[setting.flag].default == setting_value(DEFAULTS, setting.key)
+    by_name = {s.key.removeprefix("training."): s for s in rows}
+    assert by_name["warmup_steps"].env == "MURMUR_WARMUP"  # older than the derived name
+    assert [s.env for n, s in by_name.items() if n != "warmup_steps"] == [
+        "MURMUR_" + n.upper() for n in by_name if n != "warmup_steps"]
+    assert {"--optimizer", "--local-steps", "--micro-batches"} <= set(plan)
+    assert tuple(plan["--optimizer"].choices or ()) == by_name["optimizer"].kind.choices  # type: ignore[attr-defined]
+    assert OptimizerSettings.__struct_defaults__ == (OptimizerConfig.adam_accumulate,)  # the others always written
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"algorithm": "dadam", "lr": 11.0, "warmup_steps": 0, "local_steps": 1, "micro_batches": 1},
+                        OptimizerDoc)
+    assert by_name["lr"].kind.from_text("11") == 11.0  # type: ignore[attr-defined]

@@ -131,6 +131,8 @@ def _with(doc: dict, path: Path, value: object) -> dict:
 
 def _constrained(info: msgspec.inspect.Type, value: object, path: Path) -> Iterator[tuple[Path, msgspec.inspect.Type]]:
     """Every constrained leaf of the schema along the document `value` (unions follow the member present)."""
+    if isinstance(info, msgspec.inspect.Metadata):  # a knob declared with its help (gossip.knobs)
+        info = info.type
     if isinstance(info, msgspec.inspect.UnionType):
         for member in info.types:
             if isinstance(member, msgspec.inspect.StructType) and isinstance(value, dict):

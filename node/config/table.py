@@ -15,7 +15,7 @@ from gossip.codecs import STATE_CODECS, TopKCodec
 from gossip.diloco import DilocoSettings
 from gossip.knobs import Knob, knobs
 from gossip.mixing import MIXING_KINDS
-from gossip.optimizers import ALGORITHMS
+from gossip.optimizers import ALGORITHMS, OptimizerSettings
 from gossip.spes import SpesSyncSettings
 from node.config.kinds import Boolean, Choice, EdgeList, Integer, Kind, Multiaddrs, Named, Number, PathKind, Text
 from node.net.reach_mode import ReachMode
@@ -108,15 +108,18 @@ class Setting:
         return self.kind.metavar
 
 
-def struct_settings(struct: type[msgspec.Struct], prefix: str, commands: frozenset[Command]) -> tuple[Setting, ...]:
+def struct_settings(struct: type[msgspec.Struct], prefix: str, commands: frozenset[Command],
+                    *names: str) -> tuple[Setting, ...]:
     """The settings of an algorithm's knobs, declared once as the fields of a msgspec Struct in gossip/
     (gossip.knobs; gossip.diloco.DilocoSettings): each knob becomes the setting `<prefix><field>`, `field`
     the field's name or `Meta.extra["setting"]`, with the flag `--<name>` and the variable `MURMUR_<NAME>`
     (`name`: the key after its last dot, training.spes_outer_lr: --spes-outer-lr, MURMUR_SPES_OUTER_LR),
     its kind carries a node's own bounds and the extra's `metavar` and `noun`, its help is the field's
     description; a knob that may be None is an optional setting, its default in words the extra's
-    `default_text`."""
-    return tuple(_knob_setting(knob, prefix, commands) for knob in knobs(struct))
+    `default_text`; the extra's `env` names a variable older than the derived one. With `names`, the
+    settings of those fields only, in that order (where the table places a Struct's rows apart)."""
+    found = {knob.name: knob for knob in knobs(struct)}
+    return tuple(_knob_setting(found[name], prefix, commands) for name in (names or found))
 
 
 def _knob_setting(knob: Knob, prefix: str, commands: frozenset[Command]) -> Setting:
@@ -138,7 +141,7 @@ def _knob_setting(knob: Knob, prefix: str, commands: frozenset[Command]) -> Sett
         raise TypeError(f"{knob.name}: no setting kind for {knob.type!r}")
     key = prefix + knob.setting_name
     name = key.rpartition(".")[2]  # training.spes_outer_lr: --spes-outer-lr, MURMUR_SPES_OUTER_LR
-    return Setting(key, kind, f"MURMUR_{name.upper()}", "--" + name.replace("_", "-"), knob.help, commands,
+    return Setting(key, kind, knob.extra.get("env", f"MURMUR_{name.upper()}"), "--" + name.replace("_", "-"), knob.help, commands,
                    optional=knob.optional, default_text=knob.extra.get("default_text"))
 
 _NONNEG = Integer(0)
@@ -279,29 +282,16 @@ SETTINGS: tuple[Setting, ...] = (
             "pretrained checkpoint: the swarm config carries the config, so joiners need no path), or a builder "
             "by import path; a joiner takes the swarm's, and runs a builder only if its own --model names the "
             "same one", NODE),
-    Setting("training.optimizer", Choice("optimizer", OPTIMIZERS, metavar="OPTIMIZER"), "MURMUR_OPTIMIZER",
-            "--optimizer", "dsgd (adapt-then-combine), dadam (decentralized Adam, exchange overlapped "
-            "with compute) or diloco (gossip DiLoCo: --local-steps of local AdamW, then an outer Nesterov "
-            "step on the pseudo-gradients mixed with the neighbours); a joiner takes the swarm's", NODE),
-    Setting("training.lr", Number(0.0, lo_open=True, metavar="LR"), "MURMUR_LR", "--lr",
-            "peak learning rate (the swarm's)", NODE),
-    Setting("training.warmup_steps", _NONNEG, "MURMUR_WARMUP", "--warmup-steps",
-            "linear learning-rate warm-up steps (the swarm's)", NODE),
+    *struct_settings(OptimizerSettings, "training.", NODE, "algorithm", "lr", "warmup_steps"),
     Setting("training.steps", _NONNEG, "MURMUR_STEPS", "--steps",
             "steps to train, where the cosine schedule ends; 0 trains until stopped. A node that is done "
             "keeps serving its parameters until stopped (the swarm's)", NODE),
-    Setting("training.local_steps", Integer(1, noun="local steps"), "MURMUR_LOCAL_STEPS", "--local-steps",
-            "H: optimizer steps between gossip rounds (the swarm's)", NODE),
+    *struct_settings(OptimizerSettings, "training.", NODE, "local_steps"),
     *struct_settings(DilocoSettings, "training.", NODE),
     Setting("training.final_merge", Choice("final merge", FINAL_MERGE, metavar="WHEN"), "MURMUR_FINAL_MERGE",
             "--final-merge", "at the end of the step budget every node averages the final models of all live "
             "peers once, so the swarm ends on one model; auto: on for diloco, off otherwise (the swarm's)", NODE),
-    Setting("training.micro_batches", Integer(1, noun="micro-batches"), "MURMUR_MICRO_BATCHES",
-            "--micro-batches", "k: micro-batches accumulated per step (the swarm's)", NODE),
-    Setting("training.adam_accumulate", Integer(1, noun="AccumAdam steps", metavar="K"), "MURMUR_ADAM_ACCUMULATE",
-            "--adam-accumulate", "dadam: AccumAdam (Decent-DP) - the Adam moments advance once per K steps on "
-            "the K steps' mean gradient, for small local batches; one more parameter-sized buffer of "
-            "optimizer state; 1: plain DAdam (the swarm's)", NODE),
+    *struct_settings(OptimizerSettings, "training.", NODE, "micro_batches", "adam_accumulate"),
     Setting("training.batch_size", Integer(1, noun="batch size"), "MURMUR_BATCH_SIZE", "--batch-size",
             "sequences per micro-batch on each node (the swarm's)", NODE),
     Setting("training.context", Integer(2, noun="context"), "MURMUR_CONTEXT", "--context",

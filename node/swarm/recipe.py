@@ -23,7 +23,7 @@ from gossip.choco import ChocoKnobs, ChocoSettings, check_topology, default_gamm
 from gossip.codecs import DEFAULT_TOPK_RATIO, Codec, Fp32Codec, get_codec
 from gossip.diloco import DilocoConfig, DilocoSettings
 from gossip.mixing import MixingKind, MixingRule
-from gossip.optimizers import Algorithm, OptimizerConfig
+from gossip.optimizers import MAX_STEPS, Algorithm, OptimizerConfig, OptimizerSettings
 from gossip.rules import Knobs, Rule, broken_rules
 from gossip.spes import SpesConfig, SpesSyncSettings
 from node.swarm.rounds import RoundClock
@@ -37,14 +37,9 @@ SWARM_CONFIG_VERSION = 2
 # Bounds a swarm document is held to. They keep a hostile or mistaken founder from making a node
 # allocate without limit (max_staleness_rounds keeps that many copies of the model), divide by zero
 # (round_interval_s) or spin (tiny intervals), while leaving every sane recipe possible.
-MAX_STEPS = 10**9
 MAX_SEED = 2**63 - 1
 MAX_BATCH_SIZE = 4096
 MAX_CONTEXT = 1 << 17
-MAX_LR = 10.0
-MAX_LOCAL_STEPS = 10_000
-MAX_MICRO_BATCHES = 1024
-MAX_ADAM_ACCUMULATE = 1024
 MAX_VECTOR_DIM = 1 << 27  # 512 MiB of float32
 MAX_STALENESS_ROUNDS = 16
 MIN_ROUND_INTERVAL_S = 1e-3
@@ -117,15 +112,11 @@ class DilocoDoc(DilocoSettings, _Doc, frozen=True):
     takes a new SWARM_CONFIG_VERSION."""
 
 
-class OptimizerDoc(_Doc, frozen=True):
-    algorithm: Literal["dsgd", "dadam", "diloco"]
-    lr: Annotated[float, msgspec.Meta(gt=0.0, le=MAX_LR)]
-    warmup_steps: Steps
-    local_steps: Annotated[int, msgspec.Meta(ge=1, le=MAX_LOCAL_STEPS)]
-    micro_batches: Annotated[int, msgspec.Meta(ge=1, le=MAX_MICRO_BATCHES)]
+class OptimizerDoc(OptimizerSettings, _Doc, frozen=True):
+    """The optimizer's knobs (gossip.optimizers.OptimizerSettings's fields, bounds and defaults, declared once
+    there) and gossip DiLoCo's. adam_accumulate absent: 1, plain DAdam."""
+
     diloco: DilocoDoc | None = None  # gossip DiLoCo's knobs; absent unless algorithm is diloco
-    # dadam's AccumAdam block length K (gossip.optimizers.accum_adam_step); absent: 1, plain DAdam
-    adam_accumulate: Annotated[int, msgspec.Meta(ge=1, le=MAX_ADAM_ACCUMULATE)] = OptimizerConfig.adam_accumulate
 
 
 class SpesDoc(_Doc, frozen=True, omit_defaults=False):
