@@ -4,7 +4,8 @@ each field's type, default, bounds (`msgspec.Meta`: the swarm document's) and he
 `Meta.extra` carries what the node's settings table needs besides: `metavar`, `noun` (the word its
 errors use), `setting` (the setting's name where it is not the field's), `setting_bounds` (a node's
 own bounds where they differ from the document's, which a founder may not stretch), `why` (said
-when a choice is refused), `env` (the variable's name where it is older than the derived one) and
+when a choice is refused), `setting_choices` (a node's own choices where they are fewer than the
+document's), `env` (the variable's name where it is older than the derived one) and
 `default_text` (the default in words, for a knob that may be left out:
 `Annotated[...] | None = None`, its value then computed). A field whose type must stay bare (a Literal read as it is) has its Meta in
 the Struct's `FIELD_META`.
@@ -25,6 +26,7 @@ import msgspec
 
 _BOUNDS = ("ge", "gt", "le", "lt")
 MAX_OUTER_LR = 10.0  # an outer step's learning rate (DiLoCo's, SPES's syncs')
+MAX_STEPS = 10**9  # any step count a swarm document names (the optimizer's, SPES's)
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,10 @@ class Knob:
 
     @property
     def choices(self) -> tuple[str, ...]:
-        return get_args(self.type) if get_origin(self.type) is Literal else ()
+        """A node's own choices: the Literal's, but where `setting_choices` says fewer."""
+        if get_origin(self.type) is not Literal:
+            return ()
+        return tuple(self.extra.get("setting_choices", get_args(self.type)))
 
     def check(self, value: object) -> None:
         """ValueError naming the knob unless `value` is within a node's own bounds (or one of the choices)."""

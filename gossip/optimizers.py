@@ -16,6 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 import numpy as np
 
+from gossip.knobs import MAX_STEPS
 from gossip.mixing import effective_weights
 
 Algorithm = Literal["dsgd", "dadam", "diloco"]
@@ -128,7 +129,6 @@ class OptimizerConfig:
 
 # The swarm document's caps (a node's own settings have none): they keep a hostile or mistaken founder from
 # making every node step absurdly far, sync after an absurd period or hold absurdly many gradients.
-MAX_STEPS = 10**9  # any step count a swarm document names
 MAX_LR = 10.0
 MAX_LOCAL_STEPS = 10_000
 MAX_MICRO_BATCHES = 1024

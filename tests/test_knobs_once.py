@@ -204,3 +204,29 @@ def test_optimizer_settings_are_declared_once() -> None:
         msgspec.convert({"algorithm": "dadam", "lr": 11.0, "warmup_steps": 0, "local_steps": 1, "micro_batches": 1},
                         OptimizerDoc)
     assert by_name["lr"].kind.from_text("11") == 11.0  # type: ignore[attr-defined]
+
+
+def test_spes_settings_are_declared_once() -> None:
+    """SPES's swarm-wide knobs: the document's part (SpesDoc, written with every field) is gossip.spes.SpesSettings,
+    the table's training.spes_* rows derive from it; a node is not capped and offers fewer refresh codecs."""
+    from gossip.spes import NODE_REFRESH_CODECS, REFRESH_CODECS, SpesSettings
+    from node.swarm.recipe import SpesDoc
+
+    assert issubclass(SpesDoc, SpesSettings)
+    assert msgspec.structs.fields(SpesDoc) == msgspec.structs.fields(SpesSettings)
+    assert SpesDoc.__struct_config__.omit_defaults is False  # every field written: the SPES documents' hashes
+    assert SpesSettings.__struct_defaults__ == ("fp32",)  # expert_codec: what documents before it meant
+    for knob, setting in zip(knobs(SpesSettings), struct_settings(SpesSettings, "training.spes_", NODE), strict=True):
+        assert SETTINGS_BY_KEY[setting.key] == setting and sum(s.key == setting.key for s in SETTINGS) == 1
+        assert setting.help == knob.help and setting.key == "training.spes_" + knob.name
+        assert (setting.flag, setting.env) == ("--spes-" + knob.name.replace("_", "-"), "MURMUR_SPES_" + knob.name.upper())
+        if isinstance(setting.kind, Integer):
+            assert setting.kind.hi is None and knob.meta.le is not None  # the document caps, a node does not
+            assert setting.kind.lo == knob.meta.ge
+        elif isinstance(setting.kind, Number):
+            assert (setting.kind.lo, setting.kind.hi) == (knob.meta.ge, knob.meta.le)
+        else:
+            assert isinstance(setting.kind, Choice) and setting.kind.choices == knob.choices
+    (refresh,) = (k for k in knobs(SpesSettings) if k.name == "refresh_codec")
+    assert get_args(refresh.type) == REFRESH_CODECS and refresh.choices == NODE_REFRESH_CODECS
+    assert SETTINGS_BY_KEY["training.spes_refresh_codec"].kind.choices == NODE_REFRESH_CODECS  # type: ignore[attr-defined]

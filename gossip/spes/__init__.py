@@ -22,6 +22,9 @@ from gossip.spes.fetch import (
 )
 from gossip.spes.merge import MERGE_NEIGHBOURS, expert_similarity, merge_layer, merge_partners
 from gossip.spes.rules import (
+    MAX_REPLICATION,
+    MAX_SPES_EVERY,
+    NODE_REFRESH_CODECS,
     REFRESH_CODECS,
     ExpertHashMismatch,
     ExpertKey,
@@ -29,6 +32,7 @@ from gossip.spes.rules import (
     Ownership,
     RecordsByPeer,
     SpesConfig,
+    SpesSettings,
     SpesSyncSettings,
     WireRecord,
     WireRecords,
@@ -56,7 +60,10 @@ __all__ = [
     "EXPERT",
     "FETCH",
     "FETCH_PROTOCOL",
+    "MAX_REPLICATION",
+    "MAX_SPES_EVERY",
     "MERGE_NEIGHBOURS",
+    "NODE_REFRESH_CODECS",
     "REFRESH_CODECS",
     "REQUEST_LIMITS",
     "ExpertFetch",
@@ -71,6 +78,7 @@ __all__ = [
     "RefreshFailed",
     "ServedCopy",
     "SpesConfig",
+    "SpesSettings",
     "SpesSyncSettings",
     "SyncTraffic",
     "TrainingMemory",

@@ -16,7 +16,7 @@ import numpy as np
 
 from gossip.codecs import CODEC_TYPES, get_codec
 from gossip.errors import WireError
-from gossip.knobs import MAX_OUTER_LR
+from gossip.knobs import MAX_OUTER_LR, MAX_STEPS
 
 ExpertKey = tuple[int, int]  # (MoE layer, expert index within the layer)
 # peer id -> the records it published (or holds), one per expert
@@ -47,6 +47,53 @@ def parse_expert_label(label: str) -> ExpertKey:
 
 
 MAX_SYNC_ANCHOR_EVERY = 10**6  # the swarm document's cap on anchor_every (a node's own setting has none)
+# The swarm document's caps on S, M and r (a node's own settings have none)
+MAX_SPES_EVERY = 10**6
+MAX_REPLICATION = 64
+NODE_REFRESH_CODECS = ("fp16", "bf16", "int8")  # what a node's --spes-refresh-codec offers (a document: fp32 too)
+_NO_CAP = {"le": None}
+
+
+class SpesSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """SPES's swarm-wide knobs, each declared once (gossip.knobs, as gossip.diloco.DilocoSettings): type,
+    bounds (the swarm document's), help. The document's part (node.swarm.recipe.SpesDoc, written with every
+    field) subclasses it and the settings table's rows `training.spes_<field>` (`--spes-<field>`,
+    `MURMUR_SPES_<FIELD>`) derive from it.
+
+    Only expert_codec has a default, the one documents written before it existed mean; a node's defaults
+    are SpesConfig's and node.config's. SpesConfig keeps its own checks and messages (S | M, ...). A node's
+    own settings are not capped (`setting_bounds`), and it offers the refresh codecs NODE_REFRESH_CODECS
+    (`setting_choices`: fp32 copies are a document's, not a flag's)."""
+
+    sync_every: Annotated[int, msgspec.Meta(
+        ge=1, le=MAX_SPES_EVERY, extra={"noun": "steps", "setting_bounds": _NO_CAP},
+        description="S: steps between SPES syncs (the swarm's)",
+    )]
+    merge_every: Annotated[int, msgspec.Meta(
+        ge=1, le=MAX_SPES_EVERY, extra={"noun": "steps", "setting_bounds": _NO_CAP},
+        description="M: steps between expert-merging warm-up merges, a multiple of S (the swarm's)",
+    )]
+    merge_until: Annotated[int, msgspec.Meta(
+        ge=0, le=MAX_STEPS, extra={"setting_bounds": _NO_CAP},
+        description="D: no warm-up merge from this step on; 0 turns the warm-up off (the swarm's)",
+    )]
+    alpha0: Annotated[float, msgspec.Meta(
+        ge=0.0, le=1.0, extra={"metavar": "ALPHA"},
+        description="warm-up merge strength at step 0, falling linearly to 0 at D (the swarm's)",
+    )]
+    replication: Annotated[int, msgspec.Meta(
+        ge=1, le=MAX_REPLICATION, extra={"noun": "replication", "setting_bounds": _NO_CAP},
+        description="r: owners per expert where peers and capacities allow (the swarm's)",
+    )]
+    refresh_codec: Annotated[Literal["fp32", "fp16", "bf16", "int8"], msgspec.Meta(
+        extra={"metavar": "CODEC", "noun": "refresh codec", "setting_choices": NODE_REFRESH_CODECS},
+        description="codec of the deltas frozen expert copies are refreshed with (without delta refresh: of the "
+        "copies, which are hashed in it) (the swarm's)",
+    )]
+    expert_codec: Annotated[Literal["fp32", "fp16", "bf16", "int8"], msgspec.Meta(
+        extra={"metavar": "CODEC", "noun": "expert codec"},
+        description="codec co-owners mix their experts in, with error feedback (the swarm's)",
+    )] = "fp32"
 
 
 class SpesSyncSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):

@@ -16,7 +16,7 @@ from gossip.diloco import DilocoSettings
 from gossip.knobs import Knob, knobs
 from gossip.mixing import MIXING_KINDS
 from gossip.optimizers import ALGORITHMS, OptimizerSettings
-from gossip.spes import SpesSyncSettings
+from gossip.spes import NODE_REFRESH_CODECS, SpesSettings, SpesSyncSettings
 from node.config.kinds import Boolean, Choice, EdgeList, Integer, Kind, Multiaddrs, Named, Number, PathKind, Text
 from node.net.reach_mode import ReachMode
 from node.train.model_names import HF_PRESET_NAMES, MODEL_NAME_PATTERN
@@ -63,7 +63,7 @@ class Transport(StrEnum):
 TRANSPORTS = tuple(Transport)
 NODE_CODECS = (*STATE_CODECS, TopKCodec.name)
 GOSSIP_COMPRESSIONS = ("none", "choco")
-SPES_REFRESH_CODECS = ("fp16", "bf16", "int8")  # what --spes-refresh-codec offers (gossip.spes takes fp32 too)
+SPES_REFRESH_CODECS = NODE_REFRESH_CODECS  # what --spes-refresh-codec offers (gossip.spes takes fp32 too)
 SPES_EXPERT_CODECS = STATE_CODECS  # what --spes-expert-codec offers
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 ADMISSION_MODES = ("open", "key", "allowlist")  # node.swarm.recipe.AdmissionMode
@@ -325,23 +325,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("training.spes", Boolean(), "MURMUR_SPES", "--spes",
             "SPES: each node trains the shared weights and the experts it owns of the MoE model, and syncs "
             "experts sparsely (docs/spes.md); needs --model moe or an MoE builder (the swarm's)", NODE),
-    Setting("training.spes_sync_every", Integer(1, noun="steps"), "MURMUR_SPES_SYNC_EVERY", "--spes-sync-every",
-            "S: steps between SPES syncs (the swarm's)", NODE),
-    Setting("training.spes_merge_every", Integer(1, noun="steps"), "MURMUR_SPES_MERGE_EVERY", "--spes-merge-every",
-            "M: steps between expert-merging warm-up merges, a multiple of S (the swarm's)", NODE),
-    Setting("training.spes_merge_until", _NONNEG, "MURMUR_SPES_MERGE_UNTIL", "--spes-merge-until",
-            "D: no warm-up merge from this step on; 0 turns the warm-up off (the swarm's)", NODE),
-    Setting("training.spes_alpha0", Number(0.0, hi=1.0, metavar="ALPHA"), "MURMUR_SPES_ALPHA0", "--spes-alpha0",
-            "warm-up merge strength at step 0, falling linearly to 0 at D (the swarm's)", NODE),
-    Setting("training.spes_replication", Integer(1, noun="replication"), "MURMUR_SPES_REPLICATION",
-            "--spes-replication", "r: owners per expert where peers and capacities allow (the swarm's)", NODE),
-    Setting("training.spes_refresh_codec", Choice("refresh codec", SPES_REFRESH_CODECS, metavar="CODEC"),
-            "MURMUR_SPES_REFRESH_CODEC", "--spes-refresh-codec",
-            "codec of the deltas frozen expert copies are refreshed with (without delta refresh: of the "
-            "copies, which are hashed in it) (the swarm's)", NODE),
-    Setting("training.spes_expert_codec", Choice("expert codec", SPES_EXPERT_CODECS, metavar="CODEC"),
-            "MURMUR_SPES_EXPERT_CODEC", "--spes-expert-codec",
-            "codec co-owners mix their experts in, with error feedback (the swarm's)", NODE),
+    *struct_settings(SpesSettings, "training.spes_", NODE),
     *struct_settings(SpesSyncSettings, "training.spes_", NODE),
     Setting("training.experts", Integer(1, noun="experts"), "MURMUR_EXPERTS", "--experts",
             "SPES capacity: experts per MoE layer this node trains (this node's own)", NODE, optional=True,

@@ -22,10 +22,11 @@ import msgspec
 from gossip.choco import ChocoKnobs, ChocoSettings, check_topology, default_gamma
 from gossip.codecs import DEFAULT_TOPK_RATIO, Codec, Fp32Codec, get_codec
 from gossip.diloco import DilocoConfig, DilocoSettings
+from gossip.knobs import MAX_STEPS
 from gossip.mixing import MixingKind, MixingRule
-from gossip.optimizers import MAX_STEPS, Algorithm, OptimizerConfig, OptimizerSettings
+from gossip.optimizers import Algorithm, OptimizerConfig, OptimizerSettings
 from gossip.rules import Knobs, Rule, broken_rules
-from gossip.spes import SpesConfig, SpesSyncSettings
+from gossip.spes import SpesConfig, SpesSettings, SpesSyncSettings
 from node.swarm.rounds import RoundClock
 from node.train.model_names import EMBEDDED_MODEL_NAMES, HF_PRESET_NAMES, MODEL_NAME_PATTERN, VECTOR_MODEL
 from node.train.tokenizer import TokenizerSpec
@@ -49,8 +50,6 @@ MAX_RANKS = 1 << 16  # ranks a custom edge list may name
 MAX_EDGES = 1 << 16
 MAX_DEGREE = 256
 MAX_ROWS = 1 << 16
-MAX_SPES_EVERY = 10**6
-MAX_REPLICATION = 64
 MAX_MODEL_NAME = 256
 MAX_KEY_CHECK = 128
 # A Hugging Face model config (node.train.models.hf bounds its size and the fields that decide memory)
@@ -60,8 +59,6 @@ MAX_MODEL_CONFIG_KEY = 128
 _FINITE_MAX = sys.float_info.max
 Steps = Annotated[int, msgspec.Meta(ge=0, le=MAX_STEPS)]
 Seed = Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)]
-PositiveSteps = Annotated[int, msgspec.Meta(ge=1, le=MAX_SPES_EVERY)]
-Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 # --codec; topk only on differences (compressed gossip's, gossip DiLoCo's pseudo-gradients)
 CodecName = Literal["fp32", "fp16", "bf16", "int8", "topk"]
 # whole parameter vectors (anchors, SPES's groups): top-k is sound only on differences
@@ -119,17 +116,10 @@ class OptimizerDoc(OptimizerSettings, _Doc, frozen=True):
     diloco: DilocoDoc | None = None  # gossip DiLoCo's knobs; absent unless algorithm is diloco
 
 
-class SpesDoc(_Doc, frozen=True, omit_defaults=False):
-    """SPES's swarm-wide knobs. Written with every field: documents carried `expert_codec` before
-    defaults were left out, and their hash must not change (a new field here changes SPES swarms' hash)."""
-
-    sync_every: PositiveSteps
-    merge_every: PositiveSteps
-    merge_until: Steps
-    alpha0: Fraction
-    replication: Annotated[int, msgspec.Meta(ge=1, le=MAX_REPLICATION)]
-    refresh_codec: RefreshCodecName
-    expert_codec: StateCodecName = "fp32"
+class SpesDoc(SpesSettings, _Doc, frozen=True, omit_defaults=False):
+    """SPES's swarm-wide knobs, gossip.spes.SpesSettings's fields, bounds and defaults, declared once there.
+    Written with every field: documents carried `expert_codec` before defaults were left out, and their
+    hash must not change (a new field here changes SPES swarms' hash)."""
 
 
 class SpesSyncDoc(SpesSyncSettings, _Doc, frozen=True):
