@@ -125,12 +125,16 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
         except CheckpointUnreadable as exc:
             logger.warning("%s; starting fresh", exc)
             checkpoint = None
+        if settings.training is not None:
+            # before entering the swarm's view: a node that cannot train the model must not be counted
+            # in a quorum or paired in rounds, and the gap between a record in the view and the gossip
+            # protocol served (neighbours' rounds to it fail at once meanwhile) stays start_training's
+            runtime.memory = await asyncio.to_thread(preflight, settings.training, settings,
+                                                   config.training.device, config.training.experts)
         await discovery.enter(swarm, admission, watch_config=not founding)
         exchange = dataclasses.replace(exchange_settings(config, swarm.config_hash, settings), admission=admission)
         training = None
         if settings.training is not None:
-            runtime.memory = await asyncio.to_thread(preflight, settings.training, settings,
-                                                   config.training.device, config.training.experts)
             training = await start_training(runtime, settings.training, settings, exchange, checkpoint, stack)
             peer = training.peer
         else:
