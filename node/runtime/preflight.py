@@ -19,6 +19,7 @@ from typing import Any
 from gossip.footprint import Footprint, MemoryInputs, Where, footprint
 from node.runtime.errors import StartupError
 from node.swarm.recipe import SwarmSettings, TrainingRecipe
+from node.train.machine import available_ram
 from topology import TopologySpec, build_topology
 
 logger = logging.getLogger("murmur.node")
@@ -47,17 +48,6 @@ def parse_mock(text: str) -> Machine:
     if "ram" not in values:
         raise ValueError(f"{MOCK_ENV}: ram=SIZE is required, got {text!r}")
     return Machine(values["ram"], values.get("vram") or None)
-
-
-def available_ram() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
 
 def this_machine(device: str) -> Machine:

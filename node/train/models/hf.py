@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from node.train.machine import available_ram
 from node.train.models.experts import split_fused_experts
 from node.train.models.seeded_init import seeded_uniform
 
@@ -193,14 +193,7 @@ def available_memory(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+    return available_ram()
 
 
 def check_fits(doc: Mapping[str, Any], device: torch.device) -> int:
