@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from node.swarm.progress import ProgressRecord
+
 
 class PeerRecordLike(Protocol):
     """A peer as its record names it: enough to dial it and pull its parameters."""
@@ -18,17 +20,9 @@ class PeerRecordLike(Protocol):
     def maddrs(self) -> tuple[str, ...]: ...
 
 
-class SwarmRecord(PeerRecordLike, Protocol):
-    """What the loop, a joiner and the algorithms read of a membership record (node.net.records.PeerRecord)."""
-
-    @property
-    def step(self) -> int: ...
-
-    @property
-    def round(self) -> int: ...
-
-    @property
-    def gossip_from(self) -> int: ...
+class SwarmRecord(PeerRecordLike, ProgressRecord, Protocol):
+    """What the loop, a joiner and the algorithms read of a membership record (node.net.records.PeerRecord):
+    how to reach the peer, its progress, and its capacity."""
 
     @property
     def capacity(self) -> int: ...
