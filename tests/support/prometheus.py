@@ -155,10 +155,10 @@ class Prometheus:
             assert self.process is not None
             if self.process.poll() is not None:
                 raise AssertionError(f"prometheus exited with {self.process.returncode}:\n{self.log_tail()}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=REQUEST_TIMEOUT_S) as response:
-                    if response.status == 200:
-                        return
+            with contextlib.suppress(OSError), \
+                    urllib.request.urlopen(f"{self.url}/-/ready", timeout=REQUEST_TIMEOUT_S) as response:
+                if response.status == 200:
+                    return
             time.sleep(0.5)
         raise AssertionError(f"prometheus not ready within {READY_TIMEOUT_S:g} s:\n{self.log_tail()}")
 
