@@ -151,7 +151,8 @@ def test_the_profiles_prometheus_scrapes_every_node_service():
 def test_grafana_is_provisioned_with_the_prometheus_service_and_the_dashboard():
     grafana = profile_services(compose_document())["grafana"]
     mounts = {volume.split(":")[1]: (DOCKER / volume.split(":")[0]).resolve() for volume in grafana["volumes"]}
-    assert mounts["/etc/grafana/provisioning"] == GRAFANA_PROVISIONING.resolve()
+    for kind in ("datasources", "dashboards"):
+        assert mounts[f"/etc/grafana/provisioning/{kind}"] == (GRAFANA_PROVISIONING / kind).resolve()
     assert mounts["/etc/grafana/dashboards"] == DASHBOARD.parent.resolve()
     source = yaml.safe_load((GRAFANA_PROVISIONING / "datasources" / "prometheus.yaml").read_text())["datasources"]
     assert [(s["type"], s["url"], s["isDefault"]) for s in source] == [("prometheus", "http://prometheus:9090", True)]
