@@ -35,6 +35,7 @@ class Membership(Protocol):
         """Live peers (this one included), sorted by peer id."""
         ...
 
-    def update(self, *, step: int | None = None, round: int | None = None, loss: float | None = None) -> None:
-        """Change what the next heartbeat publishes about this peer."""
+    def update(self, *, step: int | None = None, round: int | None = None, loss: float | None = None,
+               tokens: int | None = None, tokens_per_s: float | None = None) -> None:
+        """Change what the next heartbeat publishes about this peer (tokens: processed so far, over restarts)."""
         ...
