@@ -22,10 +22,15 @@ class PeerRecordLike(Protocol):
 
 class SwarmRecord(PeerRecordLike, ProgressRecord, Protocol):
     """What the loop, a joiner and the algorithms read of a membership record (node.net.records.PeerRecord):
-    how to reach the peer, its progress, and its capacity."""
+    how to reach the peer, its progress, its capacity and its tokens processed."""
 
     @property
     def capacity(self) -> int: ...
+
+    @property
+    def tokens(self) -> int:
+        """Training tokens the peer says it processed (clipped to its step by node.net.discovery)."""
+        ...
 
 
 class Membership(Protocol):
