@@ -151,6 +151,8 @@ function renderSwarm() {
   for (const p of w.peers) {
     const row = document.createElement("tr");
     row.dataset.peerId = p.peer_id;
+    row.dataset.step = p.step;
+    row.dataset.tokens = p.tokens;
     if (p.self) row.className = "self";
     const link = p.self ? "—" : (p.connection || "none");
     const score = p.score === null ? "–" : fmt(p.score, 3);
