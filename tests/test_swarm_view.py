@@ -23,7 +23,13 @@ from node.monitor.swarm_view import SwarmHistory, swarm_peers
 from node.net.discovery import Discovery, DiscoverySettings
 from node.net.identity import Identity, create_identity
 from node.net.records import PeerRecord, ReachedVia, decode_peer_entry, encode_peer_record, peers_key
-from node.swarm.contributors import MAX_TOKENS, ContributorTable, parse_contributors, plausible_tokens
+from node.swarm.contributors import (
+    MAX_TOKENS,
+    ContributorTable,
+    parse_contributors,
+    plausible_tokens,
+    tokens_from_meta,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -116,6 +122,9 @@ def test_a_view_read_clips_tokens_beyond_step_times_tokens_per_step_and_counts_t
     assert tokens[boaster.peer_id] == 640  # a trillion after 10 steps: held to what 10 steps allow
     assert discovery.errors.get("peer_record_tokens_clipped") == 1
     assert plausible_tokens(100, 0, 64) == 0 and plausible_tokens(10**20, 10**18, 64) == MAX_TOKENS
+    # a restarted node takes its own count back from its checkpoint, held to its step the same way
+    assert tokens_from_meta("640", 10, 64) == 640 and tokens_from_meta(10**9, 10, 64) == 640
+    assert tokens_from_meta(None, 10, 64) == 0 and tokens_from_meta("lots", 10, 64) == 0
 
 
 # ---- the contributor table ---------------------------------------------------------------------------
