@@ -451,6 +451,7 @@ class SwarmLoop:
             await self._final_merge(merge, stop, save)
         if self.finished:
             self.peer.park()
+            self.discovery.update(tokens_per_s=0.0)  # it trains no more: the swarm's throughput leaves it out
             self.status.done = True
             logger.info("training done at step %d (val loss %s); serving parameters until stopped",
                         self.trainer.step, _fmt(self.status.val_loss))
