@@ -35,6 +35,7 @@ class Membership(Protocol):
         """Live peers (this one included), sorted by peer id."""
         ...
 
-    def update(self, *, step: int | None = None, round: int | None = None, loss: float | None = None) -> None:
+    def update(self, *, step: int | None = None, round: int | None = None, loss: float | None = None,
+               gossip_from: int | None = None) -> None:
         """Change what the next heartbeat publishes about this peer."""
         ...
