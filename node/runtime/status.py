@@ -173,12 +173,12 @@ class NodeRuntime:
 
     def _graph_inputs(self) -> tuple[list[str], MembershipView, TopologySpec | None, str, int]:
         """What the current round's graph depends on: the view, the round's members (as the round loop
-        takes them: everyone in view when training, else the peers with 0 < gossip_from <= round), the
-        swarm's topology, this node and the round."""
+        takes them: when training, the peers in view that serve their rounds and have steps left, else the
+        peers with 0 < gossip_from <= round), the swarm's topology, this node and the round."""
         view, me = self._view(), self._me()
         round_index = self.peer.round if self.peer else 0
-        if self.training is not None:  # a trained swarm's rounds mix over everyone in view (SwarmLoop.plan_for)
-            members = MembershipView.of(p.peer_id for p in view)
+        if self.training is not None:
+            members = self.training.round_members(view)
         else:
             timings = [PeerTiming(p.peer_id, p.gossip_from) for p in view if p.peer_id != me]
             members = participants([*timings, PeerTiming(me, self.gossip_from)], round_index)

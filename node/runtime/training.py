@@ -145,6 +145,7 @@ async def train_until(stop: asyncio.Event, runtime: NodeRuntime, training: Swarm
         raise StartupError(f"the swarm starts from pretrained weights (sha256 {training.recipe.weights_sha256}) that "
                            "this node does not have, and no peer served the swarm's parameters; start it with "
                            "--model hf:PATH of that checkpoint")
+    await training.serve_rounds()  # before the quorum: the quorum counts the peers that serve theirs
     if training.trainer.step == 0:
         await training.wait_for_quorum(stop)
     try:

@@ -26,6 +26,7 @@ from node.swarm.joining import JoinOutcome, join_swarm, judge_steps, plausible_s
 from node.swarm.peers import Membership, SwarmRecord
 from node.swarm.progress import PeerProgress, leave_out_stalled
 from node.swarm.recipe import TrainingRecipe, embedded_options
+from node.swarm.rounds import serving_members
 from node.train.checkpoint import Checkpoint
 from node.train.data import load_corpus, peer_shard
 from node.train.models import build_named_model, model_context, model_vocab_size
@@ -229,6 +230,7 @@ class SwarmLoop:
         self._catch_up_with: tuple[int, float | None] | None = None  # margin and epoch of the first catch-up
         self._stop: asyncio.Event | None = None
         self._checked_at = 0.0
+        self._serving = False
         algorithm.show(self.status)
 
     @property
@@ -244,7 +246,7 @@ class SwarmLoop:
         view = self.discovery.view()
         self.progress.observe(view)
         # peers whose step budget is spent no longer run rounds: leave them out rather than wait for them
-        members = MembershipView.of(p.peer_id for p in view if p.peer_id == self.peer.peer_id or not self._done(p.step))
+        members = self.round_members(view)
         self._share_data(members.peer_ids)
         plan = peer_round(self._topology_for(members.n), members, self.peer.peer_id, round_index)
         await self._wait_for_laggards(plan)
@@ -253,6 +255,9 @@ class SwarmLoop:
         for _ in stalled:
             self.peer.stats.skipped["stalled"] += 1
         return plan
+
+    def round_members(self, view: Sequence[SwarmRecord]) -> MembershipView:
+        return serving_members(((p.peer_id, p.gossip_from, p.step) for p in view), self.peer.peer_id, self._done)
 
     def _share_data(self, members: Sequence[str]) -> None:
         """--data: the training peers the next epoch's shard plan divides the units among."""
@@ -401,13 +406,26 @@ class SwarmLoop:
             return
         await self.algorithm.rejoin(judged, margin, lambda: self._catch_up(stop, margin, False, epoch))
 
+    async def serve_rounds(self) -> None:
+        """Serve the algorithm's round protocols, then say so in this peer's record (its `gossip_from`):
+        neighbours pair with a peer only from then on (node.swarm.rounds.serving_members)."""
+        if self._serving:
+            return
+        await self.algorithm.start()
+        self._serving = True
+        self.discovery.update(step=self.trainer.step, round=self.peer.round, gossip_from=max(1, self.peer.round + 1))
+
     async def wait_for_quorum(self, stop: asyncio.Event) -> None:
-        """A fresh swarm starts together: wait until `min_peers` peers are in the view."""
+        """A fresh swarm starts together: wait until `min_peers` peers serve their rounds (this one included)."""
         wanted = self.settings.min_peers
+
+        def serving() -> int:
+            return self.round_members(self.discovery.view()).n
+
         logged = False
-        while not stop.is_set() and len(self.discovery.view()) < wanted:
+        while not stop.is_set() and serving() < wanted:
             if not logged:
-                logger.info("waiting for %d peers before training (have %d)", wanted, len(self.discovery.view()))
+                logger.info("waiting for %d peers before training (have %d)", wanted, serving())
                 logged = True
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(0.5):
@@ -418,7 +436,7 @@ class SwarmLoop:
         """Train until the recipe's step budget is spent or `stop` is set; `save` writes a checkpoint;
         `average` starts writing the swarm average every `average_every` steps and at the end (0: never);
         `merge` averages every live peer's final model with ours (the recipe's final merge)."""
-        await self.algorithm.start()
+        await self.serve_rounds()
         self._stop = stop
         async with self.algorithm.running():
             await self._train(stop, save, average, merge)
@@ -427,8 +445,7 @@ class SwarmLoop:
                      average: Callable[[], None] | None, merge: Merge | None) -> None:
         every_eval, every_ckpt = self.settings.eval_every, self.settings.checkpoint_every
         every_average = self.settings.average_every
-        view = self.discovery.view()
-        self._share_data([p.peer_id for p in view if p.peer_id == self.peer.peer_id or not self._done(p.step)])
+        self._share_data(self.round_members(self.discovery.view()).peer_ids)
         # where we start (restored or downloaded) must show in our record before the first round, or
         # neighbours would hold their rounds for us as if we were far behind
         self.discovery.update(step=self.trainer.step, round=self.peer.round)

@@ -41,6 +41,7 @@ class Membership(Protocol):
         ...
 
     def update(self, *, step: int | None = None, round: int | None = None, loss: float | None = None,
-               tokens: int | None = None, tokens_per_s: float | None = None) -> None:
+               tokens: int | None = None, tokens_per_s: float | None = None,
+               gossip_from: int | None = None) -> None:
         """Change what the next heartbeat publishes about this peer (tokens: processed so far, over restarts)."""
         ...

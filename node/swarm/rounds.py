@@ -5,12 +5,16 @@ the round without messages and a node that was frozen or slow simply continues a
 A peer announces `gossip_from`, the first round it will take part in, in its DHT record; round r's
 participants are the peers in the view with 0 < gossip_from <= r. Peers that see the same records
 therefore build the same graph, which is what keeps the mixing doubly stochastic.
+
+A training swarm's rounds follow each peer's steps rather than the clock: there `gossip_from` only says
+that the peer serves its round protocols (0 until it does), so a peer whose record entered the view
+while it was still loading or downloading is not paired yet (`serving_members`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from topology import MembershipView
@@ -68,3 +72,11 @@ def start_round(peers: Iterable[PeerTiming], own_announced: int) -> int | None:
 def participants(peers: Iterable[PeerTiming], round_index: int) -> MembershipView:
     """The peers that gossip in `round_index`: those that announced a start at or before it."""
     return MembershipView.of(p.peer_id for p in peers if 0 < p.gossip_from <= round_index)
+
+
+def serving_members(peers: Iterable[tuple[str, int, int]], me: str, done: Callable[[int], bool]) -> MembershipView:
+    """A training round's members: this peer and every peer in view (`(peer_id, gossip_from, step)`) that
+    serves its round protocols and has steps left. Pairing a peer before it serves fails the round at once
+    (the protocol is not there yet), and a node whose every neighbour is still loading would train alone."""
+    return MembershipView.of(peer_id for peer_id, gossip_from, step in peers
+                             if peer_id == me or (gossip_from > 0 and not done(step)))
