@@ -375,7 +375,7 @@ class Trainer:
         average) without touching the trained model."""
         return await self._on_worker(self._evaluate_now, tensors)
 
-    def _evaluate_now(self, tensors: Tensors | None) -> float:
+    def _evaluate_now(self, tensors: Tensors | None, batches: int | None = None) -> float:
         model = self.model
         if tensors is not None:
             if self._eval_model is None:
@@ -385,10 +385,29 @@ class Trainer:
             with torch.no_grad():
                 for name, p in params.items():
                     p.copy_(_as_torch(tensors[name], name, p))
-        batches = validation_batches(self._val_tokens, self.config.eval_batch_size, self.config.context,
-                                     self.config.eval_batches)
+        held_out = validation_batches(self._val_tokens, self.config.eval_batch_size, self.config.context,
+                                      self.config.eval_batches if batches is None else batches)
         with self._autocast():
-            return mean_cross_entropy(model, batches)
+            return mean_cross_entropy(model, held_out)
+
+    async def moved_losses(self, own: Tensors, toward: Mapping[str, tuple[Tensors, float]], batches: int,
+                           budget_s: float) -> tuple[float, dict[str, float]]:
+        """Held-out loss (the first `batches` validation batches) of `own` and, per peer of `toward`, of
+        own + w (theirs - own) with that peer's (tensors, w): contribution scoring's measurements
+        (node.swarm.contribution). Peers not reached within `budget_s` of work are left out of the answer."""
+        return await self._on_worker(self._moved_losses_now, own, toward, batches, budget_s)
+
+    def _moved_losses_now(self, own: Tensors, toward: Mapping[str, tuple[Tensors, float]], batches: int,
+                          budget_s: float) -> tuple[float, dict[str, float]]:
+        deadline = time.monotonic() + budget_s
+        base = self._evaluate_now(own, batches)
+        losses = {}
+        for peer, (theirs, weight) in toward.items():
+            if time.monotonic() > deadline:
+                break
+            moved = {name: x + np.float32(weight) * (np.asarray(theirs[name], np.float32) - x) for name, x in own.items()}
+            losses[peer] = self._evaluate_now(moved, batches)
+        return base, losses
 
     # ---- checkpoints -----------------------------------------------------------------------------
 
