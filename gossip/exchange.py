@@ -108,9 +108,10 @@ class Judge(Protocol):
     """What a node's contribution scoring (gossip.scoring; node.swarm.contribution) says of a round's
     neighbours: called on the event loop once their values arrived and passed the screen, it may start
     scoring them in the background, and returns the factor each one's mixing weight is scaled by (0:
-    not mixed, as a skipped neighbour; a peer left out keeps its weight)."""
+    not mixed, as a skipped neighbour; a peer left out keeps its weight). `base` is what the node's
+    tensors were after the last round's mix (`own - base`: its own update since; None: unknown)."""
 
-    def weigh(self, round_index: int, own: Tensors, received: Mapping[str, Tensors],
+    def weigh(self, round_index: int, own: Tensors, base: Tensors | None, received: Mapping[str, Tensors],
               weights: Mapping[str, float]) -> Mapping[str, float]: ...
 
 
@@ -389,7 +390,7 @@ class GossipPeer:
                 skip(peer, exc.kind)
                 del received[peer]
         if received and self.judge is not None and self._choco is None:
-            factors = self.judge.weigh(round_index, own_snapshot, {p: r.tensors for p, r in received.items()},
+            factors = self.judge.weigh(round_index, own_snapshot, base, {p: r.tensors for p, r in received.items()},
                                        plan.in_weights)
             plan, running = _weighed(plan, factors, running)
             for peer in [p for p in received if p not in plan.in_weights]:

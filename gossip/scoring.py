@@ -1,9 +1,9 @@
-"""Contribution scoring of neighbours (Gauntlet-style): the rating math. Each scored round a node measures
-how much each neighbour's value would lower its held-out loss (the measuring is node.swarm.contribution's);
-`ContributionRatings` turns those improvements into per-round samples, rates each peer over time, and
-says how much of its mixing weight a peer keeps: all, `score_down_weight` of it, or none (excluded).
+"""Contribution scoring of neighbours (Gauntlet-style): the rating math. Every scored round a node measures
+how much each neighbour's update lowers its held-out loss, against its own update (node.swarm.contribution
+measures); `samples` turns those gains into one sample per neighbour, and `ContributionRatings` rates each
+peer over time and says how much of its mixing weight it keeps: all, `score_down_weight` of it, or none.
 
-docs/threat-model.md ("Useless updates") says what this bounds; docs/training.md the knobs.
+docs/threat-model.md ("Useless updates") says what this bounds; docs/training.md the knobs and the cost.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import Annotated
 import msgspec
 import numpy as np
 
-SAMPLE_CLIP = 4.0  # a sample is at most this many spreads from the median, either way
-WINDOW = 64  # recent improvements (over every neighbour rated) the median and spread come from
+SAMPLE_CLIP = 4.0  # a sample is at most this many times the yardstick, either way
+CONFIDENCE = 2.0  # standard errors a low score must be below score_low by (ContributionRatings._upper)
+WINDOW = 8  # scored rounds whose own gains the yardstick is the median of
 TRACKED = 1024  # peers rated at most; the one rated least recently is forgotten first
-MAD_TO_SIGMA = 1.4826  # the median absolute deviation of a normal distribution, in standard deviations
 
 
 class ScoreState(StrEnum):
@@ -44,16 +44,16 @@ class ScoringSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     score_alpha: Annotated[float, msgspec.Meta(
         gt=0.0, le=1.0, extra={"metavar": "ALPHA"},
         description="weight of the newest sample in a peer's contribution rating (an exponential moving average)",
-    )] = 0.2
+    )] = 0.1
     score_min_rated: Annotated[int, msgspec.Meta(
         ge=1, le=10**6, extra={"metavar": "N", "noun": "rating count"},
         description="ratings a peer needs before its score changes its mixing weight",
     )] = 4
     score_low: Annotated[float, msgspec.Meta(
-        ge=-SAMPLE_CLIP, le=0.0, extra={"metavar": "SCORE"},
-        description="a contribution rating below this (in spreads of recent improvements from their median) "
-                    "down-weights the peer",
-    )] = -1.0
+        ge=-SAMPLE_CLIP, le=SAMPLE_CLIP, extra={"metavar": "SCORE"},
+        description="a contribution rating below this down-weights the peer (1: its updates lower this node's "
+                    "held-out loss as much as its own do; 0: not at all, as noise)",
+    )] = 0.25
     score_down_weight: Annotated[float, msgspec.Meta(
         ge=0.0, le=1.0, extra={"metavar": "FACTOR"},
         description="the factor a down-weighted peer's mixing weight is scaled by",
@@ -63,6 +63,13 @@ class ScoringSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         description="a peer rated below --score-low this many times in a row is excluded (not mixed) until its "
                     "rating recovers",
     )] = 3
+
+    score_batches: Annotated[int, msgspec.Meta(
+        ge=1, le=64, extra={"metavar": "N", "noun": "batch count"},
+        description="held-out batches (of the evaluation's batch size, drawn across the validation split with "
+                    "a fixed seed) each loss of a scored round is measured on: 2 + neighbours forward passes over "
+                    "them per scored round",
+    )] = 2
 
     @property
     def enabled(self) -> bool:
@@ -76,37 +83,43 @@ class ScoringSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class PeerScore(msgspec.Struct, frozen=True):
     """One peer's entry in the status document's `contribution` (schemas/status.json)."""
 
-    score: float  # the rating: an average of samples, each in [-SAMPLE_CLIP, SAMPLE_CLIP]
+    score: float  # the rating: an average of samples, each in [-SAMPLE_CLIP, SAMPLE_CLIP] (1: as good as own updates)
     rated_rounds: int
     state: ScoreState
 
 
-def samples(improvements: Mapping[str, float], window: collections.deque[float]) -> dict[str, float]:
-    """Each neighbour's sample of one scored round: its improvement (held-out loss before minus after moving
-    toward its value) as a robust z-score, (d - median) / (1.4826 x median absolute deviation), over the
-    recent improvements of every neighbour rated, this round's appended to `window` first; clipped to
-    +-SAMPLE_CLIP. A non-finite improvement (the move made the loss inf or nan) samples -SAMPLE_CLIP; while
-    the spread is 0 (identical values: a fresh swarm from one seed) every sample is 0, since nothing tells
-    the neighbours apart."""
-    finite = {peer: d for peer, d in improvements.items() if math.isfinite(d)}
-    window.extend(finite[peer] for peer in sorted(finite))
-    out = dict.fromkeys(improvements, -SAMPLE_CLIP)
-    if not finite:
-        return out
-    recent = np.fromiter(window, dtype=np.float64)
-    median = float(np.median(recent))
-    spread = MAD_TO_SIGMA * float(np.median(np.abs(recent - median)))
-    for peer, d in finite.items():
-        z = (d - median) / spread if spread > 0.0 else 0.0
+def samples(own_gain: float, gains: Mapping[str, float], weights: Mapping[str, float], own_weight: float,
+            window: collections.deque[float]) -> dict[str, float]:
+    """Each neighbour's sample of one scored round. A gain is how much moving the node's base (its value
+    after the last round's mix, before its own update) toward a value lowers the held-out loss: toward
+    neighbour j's value by j's weight w_j (`gains`), toward the node's own updated value by `own_weight`
+    (`own_gain`). The yardstick is the median of |own_gain| over the last `window` scored rounds (this
+    round's appended first): the node's own updates, which no peer sends, so no peer can inflate it. Then
+
+        sample_j = clip(gain_j / ((w_j / own_weight) * yardstick), -SAMPLE_CLIP, SAMPLE_CLIP):
+
+    about 1 for a neighbour whose update helps as the node's own do, about 0 for one whose update is noise
+    (a random direction barely moves the loss), below 0 for one that undoes training. A non-finite gain
+    samples -SAMPLE_CLIP. Nothing is sampled (an empty answer) while the yardstick is 0 or unknown."""
+    if math.isfinite(own_gain):
+        window.append(abs(own_gain))
+    yardstick = float(np.median(np.fromiter(window, dtype=np.float64))) if window else 0.0
+    if not yardstick > 0.0:
+        return {}
+    out = {}
+    for peer, gain in gains.items():
+        relative = weights[peer] / own_weight if own_weight > 0.0 else 1.0
+        z = gain / (relative * yardstick) if math.isfinite(gain) and relative > 0.0 else -SAMPLE_CLIP
         out[peer] = min(SAMPLE_CLIP, max(-SAMPLE_CLIP, z))
     return out
 
 
 class _Rating:
-    __slots__ = ("low_run", "rated", "score", "state")
+    __slots__ = ("average", "low_run", "rated", "square", "state")
 
     def __init__(self) -> None:
-        self.score = 0.0  # the moving average starts neutral: a new peer is neither good nor bad
+        self.average = 0.0  # the moving average, before its correction for its start at 0
+        self.square = 0.0  # the moving average of the squared samples, likewise
         self.rated = 0
         self.low_run = 0  # ratings in a row below score_low (counted once score_min_rated are in)
         self.state = ScoreState.RATED
@@ -124,10 +137,11 @@ class ContributionRatings:
         self._ratings: collections.OrderedDict[str, _Rating] = collections.OrderedDict()
         self.exclusions = 0  # times a peer became excluded
 
-    def rate(self, improvements: Mapping[str, float]) -> dict[str, float]:
-        """Rate one scored round's neighbours by their improvements; returns their samples."""
+    def rate(self, own_gain: float, gains: Mapping[str, float], weights: Mapping[str, float],
+             own_weight: float) -> dict[str, float]:
+        """Rate one scored round's neighbours by their gains (see `samples`); returns their samples."""
         s = self.settings
-        drawn = samples(improvements, self._window)
+        drawn = samples(own_gain, gains, weights, own_weight, self._window)
         for peer in sorted(drawn):
             rating = self._ratings.get(peer)
             if rating is None:
@@ -135,9 +149,10 @@ class ContributionRatings:
                 while len(self._ratings) > self._tracked:
                     self._ratings.popitem(last=False)
             self._ratings.move_to_end(peer)
-            rating.score = (1.0 - s.score_alpha) * rating.score + s.score_alpha * drawn[peer]
+            rating.average = (1.0 - s.score_alpha) * rating.average + s.score_alpha * drawn[peer]
+            rating.square = (1.0 - s.score_alpha) * rating.square + s.score_alpha * drawn[peer] ** 2
             rating.rated += 1
-            low = rating.rated >= s.score_min_rated and rating.score < s.score_low
+            low = rating.rated >= s.score_min_rated and self._upper(rating) < s.score_low
             rating.low_run = rating.low_run + 1 if low else 0
             before = rating.state
             if not low:
@@ -149,6 +164,27 @@ class ContributionRatings:
             if rating.state is ScoreState.EXCLUDED and before is not ScoreState.EXCLUDED:
                 self.exclusions += 1
         return drawn
+
+    def _score(self, rating: _Rating) -> float:
+        """The moving average corrected for its start at 0 (as Adam's moments): the plain mean of the
+        samples at first, an exponential average later."""
+        return rating.average / (1.0 - (1.0 - self.settings.score_alpha) ** rating.rated)
+
+    def _upper(self, rating: _Rating) -> float:
+        """The score plus CONFIDENCE standard errors: a peer counts as low only when even this is below
+        score_low, so an honest peer whose samples are noisy (late in training one update's gain on a
+        held-out batch is mostly noise) is not taken for a useless one, whose samples sit near 0.
+
+        The samples' variance is the corrected moving average of their squares less the score's square;
+        the average's effective sample count is 1 / sum of its weights squared,
+        (1 - b^n)^2 (1 - b^2) / (a^2 (1 - b^2n)) with a = score_alpha, b = 1 - a, n = ratings."""
+        a, n = self.settings.score_alpha, rating.rated
+        b = 1.0 - a
+        corrected = 1.0 - b**n
+        mean = rating.average / corrected
+        variance = max(0.0, rating.square / corrected - mean * mean)
+        effective = corrected**2 * (1.0 - b * b) / (a * a * (1.0 - b ** (2 * n))) if a < 1.0 else 1.0
+        return mean + CONFIDENCE * math.sqrt(variance / effective)
 
     def state(self, peer: str) -> ScoreState:
         rating = self._ratings.get(peer)
@@ -162,4 +198,4 @@ class ContributionRatings:
         return self.settings.score_down_weight if state is ScoreState.DOWN_WEIGHTED else 1.0
 
     def scores(self) -> dict[str, PeerScore]:
-        return {peer: PeerScore(r.score, r.rated, r.state) for peer, r in sorted(self._ratings.items())}
+        return {peer: PeerScore(self._score(r), r.rated, r.state) for peer, r in sorted(self._ratings.items())}

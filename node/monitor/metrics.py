@@ -125,7 +125,7 @@ class NodeCollector(Collector):
 def _contribution(s: dict[str, Any]) -> Iterator[Metric]:
     """Contribution scoring (gossip.scoring): each rated peer's score, and how often one was excluded."""
     scores = GaugeMetricFamily("murmur_peer_contribution_score", "each rated neighbour's contribution rating "
-                               "(spreads of recent held-out loss improvements from their median)",
+                               "(1: its updates lower this node's held-out loss as much as its own do; 0: as noise)",
                                labels=["peer_id"])
     for peer, entry in sorted((s.get("contribution") or {}).items()):
         scores.add_metric([peer], entry["score"])
