@@ -152,3 +152,59 @@ def test_a_round_scales_a_down_weighted_neighbour_and_leaves_an_excluded_one_out
         assert judge.seen == [(0, {"b", "c"}, False)]  # no own update yet: nothing to compare with
 
     asyncio.run(main())
+
+
+# ---- real trainers ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_with_real_trainers_random_updates_of_honest_norm_rate_below_every_honest_peer(corpus):
+    """Five tiny-model trainers on their own shards mix uniformly every step (as a complete graph); "e" serves
+    its last mix plus a random update of its honest update's norm. Node "a" scores its four neighbours
+    every round: within 12 rounds e's score is below every honest peer's, e is excluded, and no honest
+    peer is excluded or down-weighted."""
+    from gossip.optimizers import OptimizerConfig
+    from node.swarm.contribution import ContributionScorer
+    from node.train.data import peer_shard
+    from node.train.models import build_model
+    from node.train.trainer import Trainer, TrainerConfig
+    from support.hostile import random_of_norm
+    from support.tiny_model import TINY
+
+    ids = ["a", "b", "c", "d", "e"]
+    config = TrainerConfig(optimizer=OptimizerConfig(algorithm="dadam", lr=1.5e-2, warmup_steps=8), batch_size=8,
+                           context=TINY.context, device="cpu", precision="fp32", eval_batch_size=16, eval_batches=2)
+    rng = np.random.default_rng(0)
+
+    async def main():
+        trainers = {p: Trainer(build_model(TINY, seed=0), config, peer_id=p, train_tokens=peer_shard(corpus, p),
+                               val_tokens=corpus.val) for p in ids}
+        try:
+            scorer = ContributionScorer(trainers["a"], ScoringSettings(score_every=1))
+            last_mix = await trainers["a"].tensors()
+            below = None
+            for r in range(12):
+                served = {}
+                for p, trainer in trainers.items():
+                    await trainer.train_step()
+                    served[p] = await trainer.tensors()
+                served["e"] = {n: last_mix[n] + random_of_norm(rng, t.shape, float(np.linalg.norm(t - last_mix[n])))
+                               for n, t in served["e"].items()}
+                scorer.weigh(r, served["a"], last_mix, {p: served[p] for p in "bcde"}, dict.fromkeys("bcde", 0.2))
+                await scorer.wait_idle()
+                last_mix = {n: np.mean([served[p][n] for p in ids], axis=0) for n in served["a"]}
+                for trainer in trainers.values():
+                    await trainer.load_tensors(last_mix)
+                scores = scorer.status()
+                assert all(scores[p]["state"] == "rated" for p in "bcd"), scores
+                if below is None and all(scores["e"]["score"] < scores[p]["score"] for p in "bcd"):
+                    below = r
+            assert below is not None and below <= 3, scores
+            assert scores["e"]["state"] == "excluded" and scores["e"]["rated_rounds"] == 12, scores
+            assert scorer.ratings.exclusions == 1 and scorer.scored_rounds == 12
+            assert all(scores["e"]["score"] < scores[p]["score"] for p in "bcd"), scores
+        finally:
+            for trainer in trainers.values():
+                trainer.close()
+
+    asyncio.run(main())
