@@ -40,7 +40,7 @@ class ScoringSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         description="score what each neighbour's value does to this node's held-out loss every K-th round "
                     "(dsgd and dadam without --gossip-compression), rate peers over time, and down-weight, then "
                     "exclude, those whose updates do not help; 0: off",
-    )] = 4
+    )] = 8
     score_alpha: Annotated[float, msgspec.Meta(
         gt=0.0, le=1.0, extra={"metavar": "ALPHA"},
         description="weight of the newest sample in a peer's contribution rating (an exponential moving average)",
@@ -64,12 +64,12 @@ class ScoringSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                     "rating recovers",
     )] = 3
 
-    score_batches: Annotated[int, msgspec.Meta(
-        ge=1, le=64, extra={"metavar": "N", "noun": "batch count"},
-        description="held-out batches (of the evaluation's batch size, drawn across the validation split with "
-                    "a fixed seed) each loss of a scored round is measured on: 2 + neighbours forward passes over "
-                    "them per scored round",
-    )] = 2
+    score_sequences: Annotated[int, msgspec.Meta(
+        ge=1, le=4096, extra={"metavar": "N", "noun": "sequence count"},
+        description="held-out sequences (of the swarm's context, drawn across the validation split with a fixed "
+                    "seed) each loss of a scored round is measured on; a scored round costs 2 + neighbours forward "
+                    "passes over them",
+    )] = 16
 
     @property
     def enabled(self) -> bool:

@@ -109,7 +109,7 @@ class GossipConfig:
     score_low: float = _SCORING.score_low
     score_down_weight: float = _SCORING.score_down_weight
     score_exclude_after: int = _SCORING.score_exclude_after
-    score_batches: int = _SCORING.score_batches
+    score_sequences: int = _SCORING.score_sequences
 
     @property
     def scoring(self) -> ScoringSettings:

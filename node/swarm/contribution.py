@@ -30,7 +30,7 @@ MAX_SCORED = 16  # neighbours scored in one round at most (the first by id): bou
 class MovedLosses(Protocol):
     """node.train.trainer.Trainer.moved_losses."""
 
-    async def moved_losses(self, own: Tensors, toward: Sequence[tuple[Tensors, float]], batches: int,
+    async def moved_losses(self, own: Tensors, toward: Sequence[tuple[Tensors, float]], sequences: int,
                            budget_s: float) -> tuple[float, list[float]]: ...
 
 
@@ -44,7 +44,7 @@ class ContributionScorer:
         self._trainer = trainer
         self.settings = settings
         self.ratings = ContributionRatings(settings)
-        self._batches = settings.score_batches
+        self._sequences = settings.score_sequences
         self._budget_s = budget_s
         self._running: asyncio.Task[None] | None = None
         self.scored_rounds = 0
@@ -75,7 +75,7 @@ class ContributionScorer:
         limit = self._budget_s * 2 + 10.0  # the worker may be in a step first
         try:
             async with asyncio.timeout(limit):
-                loss, losses = await self._trainer.moved_losses(base, toward, self._batches, self._budget_s)
+                loss, losses = await self._trainer.moved_losses(base, toward, self._sequences, self._budget_s)
         except TimeoutError:
             logger.warning("contribution scoring of round %d took over %g s; not rated", round_index, limit)
             return

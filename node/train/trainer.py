@@ -393,26 +393,28 @@ class Trainer:
         with self._autocast():
             return mean_cross_entropy(model, held_out)
 
-    def _held_out(self, batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """`batches` batches of windows drawn across the whole validation split with a fixed seed: the same
-        on every call and every node, and wider than the split's first windows (one stretch of text)."""
-        if len(self._held_out_batches) != batches:
+    def _held_out(self, sequences: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`sequences` windows drawn across the whole validation split with a fixed seed, in batches of at
+        most the evaluation's batch size: the same on every call and every node, and wider than the split's
+        first windows (one stretch of text)."""
+        if sum(len(x) for x, _ in self._held_out_batches) != sequences:
             generator = torch.Generator().manual_seed(HELD_OUT_SEED)
-            self._held_out_batches = [sample_batch(self._val_tokens, self.config.eval_batch_size, self.config.context,
-                                                   generator) for _ in range(batches)]
+            size = self.config.eval_batch_size
+            self._held_out_batches = [sample_batch(self._val_tokens, min(size, sequences - start), self.config.context,
+                                                   generator) for start in range(0, sequences, size)]
         return self._held_out_batches
 
-    async def moved_losses(self, own: Tensors, toward: Sequence[tuple[Tensors, float]], batches: int,
+    async def moved_losses(self, own: Tensors, toward: Sequence[tuple[Tensors, float]], sequences: int,
                            budget_s: float) -> tuple[float, list[float]]:
-        """Held-out loss (on `batches` fixed batches drawn across the validation split) of `own` and, for each (tensors, w) of
-        `toward` in order, of own + w (tensors - own): contribution scoring's measurements
-        (node.swarm.contribution). Those not reached within `budget_s` of work are left off the answer."""
-        return await self._on_worker(self._moved_losses_now, own, toward, batches, budget_s)
+        """Held-out loss (on `sequences` fixed windows drawn across the validation split) of `own` and, for
+        each (tensors, w) of `toward` in order, of own + w (tensors - own): contribution scoring's
+        measurements (node.swarm.contribution). Those not reached within `budget_s` of work are left off."""
+        return await self._on_worker(self._moved_losses_now, own, toward, sequences, budget_s)
 
-    def _moved_losses_now(self, own: Tensors, toward: Sequence[tuple[Tensors, float]], batches: int,
+    def _moved_losses_now(self, own: Tensors, toward: Sequence[tuple[Tensors, float]], sequences: int,
                           budget_s: float) -> tuple[float, list[float]]:
         deadline = time.monotonic() + budget_s
-        held_out = self._held_out(batches)
+        held_out = self._held_out(sequences)
         base = self._evaluate_now(own, held_out)
         losses = []
         for theirs, weight in toward:
