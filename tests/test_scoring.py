@@ -118,6 +118,56 @@ def test_noise_never_excludes_an_honest_peer_and_a_useless_one_is_excluded_withi
     assert ratings.exclusions == 1
 
 
+# ---- the knobs, the status and the metrics -----------------------------------------------------------
+
+
+def test_the_knobs_are_flags_and_variables_and_make_the_scoring_settings(tmp_path, monkeypatch):
+    from node.cli import main as cli
+    from node.config import SETTINGS_BY_KEY
+
+    monkeypatch.chdir(tmp_path)
+    for field in ScoringSettings.__struct_fields__:
+        setting = SETTINGS_BY_KEY[f"gossip.{field}"]
+        assert setting.flag == "--" + field.replace("_", "-") and setting.env == "MURMUR_" + field.upper()
+    config = cli.parse_node_config(["node", "--score-every", "0", "--score-low", "-0.5", "--score-sequences", "8"], {})
+    assert config.gossip.scoring == ScoringSettings(score_every=0, score_low=-0.5, score_sequences=8)
+    assert not config.gossip.scoring.enabled
+    assert cli.parse_node_config(["node"], {"MURMUR_SCORE_ALPHA": "0.3"}).gossip.scoring.score_alpha == 0.3
+    from node.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--score-down-weight: 1.5 is out of range"):
+        cli.parse_node_config(["node", "--score-down-weight", "1.5"], {})
+
+
+def test_the_scores_are_in_the_status_murmur_status_and_metrics():
+    from test_monitor_node import schema_errors
+
+    from node.cli.status import format_status
+    from node.monitor.metrics import _contribution
+    from node.monitor.schemas import schema
+    from node.swarm.contribution import ContributionScorer
+
+    scorer = ContributionScorer(None, ScoringSettings(score_min_rated=1, score_exclude_after=1))  # type: ignore[arg-type]
+    scorer.ratings.rate(1.0, {"QmGood": 1.0, "QmUseless": 0.0}, {"QmGood": 0.5, "QmUseless": 0.5}, 0.5)
+    contribution = scorer.status()
+    assert contribution == {"QmGood": {"score": pytest.approx(1.0), "rated_rounds": 1, "state": "rated"},
+                            "QmUseless": {"score": 0.0, "rated_rounds": 1, "state": "excluded"}}
+    properties = schema("status")["properties"]
+    assert schema_errors(contribution, properties["contribution"]) == []
+    assert schema_errors({"p": {"score": 1.0, "rated_rounds": 1, "state": "trusted"}}, properties["contribution"])
+    assert schema_errors(scorer.ratings.exclusions, properties["contribution_exclusions"]) == []
+    status = {"peer_id": "QmMe", "swarm": "s", "maddrs": [], "round": 0, "step": 0, "peers": [], "bytes_sent": 0,
+              "bytes_received": 0, "errors": {}, "contribution": contribution}
+    lines = [line for line in format_status(status).splitlines() if line.startswith("score")]
+    assert lines == ["score    QmGood   +1.00 over 1 rounds   rated",
+                     "score    QmUseless   +0.00 over 1 rounds   excluded"]
+
+    families = {f.name: f for f in _contribution({"contribution": contribution, "contribution_exclusions": 1})}
+    scores = {s.labels["peer_id"]: s.value for s in families["murmur_peer_contribution_score"].samples}
+    assert scores == {"QmGood": pytest.approx(1.0), "QmUseless": 0.0}
+    assert families["murmur_peer_exclusions"].samples[0].value == 1
+
+
 # ---- the exchange applies the factors ---------------------------------------------------------------
 
 
