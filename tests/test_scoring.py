@@ -258,3 +258,29 @@ def test_with_real_trainers_random_updates_of_honest_norm_rate_below_every_hones
                 trainer.close()
 
     asyncio.run(main())
+
+
+def test_a_round_with_many_neighbours_scores_a_few_in_turns():
+    from node.swarm.contribution import MAX_SCORED, ContributionScorer
+
+    class Losses:
+        def __init__(self) -> None:
+            self.scored: list[int] = []
+
+        async def moved_losses(self, own, toward, sequences, budget_s):
+            self.scored.append(len(toward) - 1)
+            return 1.0, [0.5] * len(toward)
+
+    async def main():
+        trainer = Losses()
+        scorer = ContributionScorer(trainer, ScoringSettings(score_every=1))
+        x = {"w": np.zeros(2, np.float32)}
+        received = {f"p{i:02d}": x for i in range(3 * MAX_SCORED)}
+        for r in range(3):
+            scorer.weigh(r, x, x, received, dict.fromkeys(received, 0.05))
+            await scorer.wait_idle()
+        assert trainer.scored == [MAX_SCORED] * 3
+        assert set(scorer.status()) == set(received)  # three rounds rated each of the twelve once
+        assert all(s["rated_rounds"] == 1 for s in scorer.status().values())
+
+    asyncio.run(main())

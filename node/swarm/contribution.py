@@ -24,7 +24,9 @@ logger = logging.getLogger("murmur.scoring")
 Tensors = Mapping[str, np.ndarray]
 
 BUDGET_S = 30.0  # the most worker time one scored round takes; neighbours not reached by then go unrated
-MAX_SCORED = 16  # neighbours scored in one round at most (the first by id): bounds the work per round
+# neighbours scored in one round at most: bounds the work, and the copies of their values held until it is
+# done (with the node's own and its base, MAX_SCORED + 2 copies of the parameters)
+MAX_SCORED = 4
 
 
 class MovedLosses(Protocol):
@@ -57,7 +59,10 @@ class ContributionScorer:
     def weigh(self, round_index: int, own: Tensors, base: Tensors | None, received: Mapping[str, Tensors],
               weights: Mapping[str, float]) -> dict[str, float]:
         if self.settings.scored(round_index) and base is not None and not self.busy:
-            peers = [p for p in sorted(received) if weights.get(p, 0.0) > 0.0][:MAX_SCORED]
+            peers = [p for p in sorted(received) if weights.get(p, 0.0) > 0.0]
+            if len(peers) > MAX_SCORED:  # a different few each scored round, so every neighbour is rated in turn
+                turn = (round_index // self.settings.score_every) * MAX_SCORED % len(peers)
+                peers = (peers[turn:] + peers[:turn])[:MAX_SCORED]
             if peers:
                 self._running = asyncio.create_task(
                     self._score(round_index, own, base, {p: received[p] for p in peers}, {p: float(weights[p]) for p in peers}),
