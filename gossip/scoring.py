@@ -37,7 +37,7 @@ class ScoringSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     score_every: Annotated[int, msgspec.Meta(
         ge=0, le=10**6, extra={"metavar": "K", "noun": "round count"},
-        description="score what each neighbour's value does to this node's held-out loss every K-th round "
+        description="score what each neighbour's update does to this node's held-out loss every K-th round "
                     "(dsgd and dadam without --gossip-compression), rate peers over time, and down-weight, then "
                     "exclude, those whose updates do not help; 0: off",
     )] = 8
@@ -63,7 +63,6 @@ class ScoringSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         description="a peer rated below --score-low this many times in a row is excluded (not mixed) until its "
                     "rating recovers",
     )] = 3
-
     score_sequences: Annotated[int, msgspec.Meta(
         ge=1, le=4096, extra={"metavar": "N", "noun": "sequence count"},
         description="held-out sequences (of the swarm's context, drawn across the validation split with a fixed "
