@@ -10,7 +10,9 @@ import os
 import time
 
 import pytest
+from test_monitor_node import schema_errors
 
+from node.monitor.schemas import schema
 from support.attacks import fetch_metrics, metric, with_support_path
 from support.hostile import Mode, hostile_argv, hostile_counts
 from support.swarm_harness import Swarm, wait_for
@@ -81,6 +83,7 @@ def test_a_useless_updater_is_rated_below_every_honest_peer_and_excluded(tmp_pat
     assert counts.get("useless: tampered exchange", 0) + counts.get("useless: tampered reply", 0) >= 1, counts
     for name, status in statuses.items():
         scores = status["contribution"]
+        assert schema_errors(status, schema("status")) == [], name  # the declared shape the swarm page reads
         # within a bounded number of ratings (the status was read a moment after the exclusion)
         assert scores[hostile]["rated_rounds"] <= MAX_RATINGS + 5, (name, scores)
         assert status["contribution_exclusions"] >= 1 and status["skipped"].get("excluded", 0) >= 1, (name, status)
