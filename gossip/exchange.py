@@ -32,6 +32,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum, StrEnum
+from typing import Protocol
 
 import numpy as np
 
@@ -98,8 +99,20 @@ class Skip(StrEnum):
     DESYNC = "desync"  # compressed gossip: the partner's edge estimates differ from ours; both reset the edge
     DIRECTED = "directed"  # compressed gossip: a directed edge (a pull), which it does not use
     FAILED = "failed"  # an error of no declared kind (a transport's bug, say): this neighbour's loss, not the round's
+    EXCLUDED = "excluded"  # its contribution rating is too low (GossipPeer.judge; gossip.scoring)
 
 Tensors = Mapping[str, np.ndarray]
+
+
+class Judge(Protocol):
+    """What a node's contribution scoring (gossip.scoring; node.swarm.contribution) says of a round's
+    neighbours: called on the event loop once their values arrived and passed the screen, it may start
+    scoring them in the background, and returns the factor each one's mixing weight is scaled by (0:
+    not mixed, as a skipped neighbour; a peer left out keeps its weight). `base` is what the node's
+    tensors were after the last round's mix (`own - base`: its own update since; None: unknown)."""
+
+    def weigh(self, round_index: int, own: Tensors, base: Tensors | None, received: Mapping[str, Tensors],
+              weights: Mapping[str, float]) -> Mapping[str, float]: ...
 
 
 @dataclass(frozen=True)
@@ -239,6 +252,7 @@ class GossipPeer:
         self._tensors_are_base = True
         self._base: dict[str, np.ndarray] | None = None
         self._parked = False  # see park()
+        self.judge: Judge | None = None  # contribution scoring: set by the daemon (dense gossip only)
         self._begun = -1  # the latest round whose run_round has begun
         # round -> our tensors as that round began, for the last max_staleness + 1 rounds (see _pull_answer);
         # they are the values the rounds replaced, so this holds up to that many extra copies
@@ -374,6 +388,13 @@ class GossipPeer:
             for peer, exc in refused.items():
                 self._accounting.count_refused(exc, peer)
                 skip(peer, exc.kind)
+                del received[peer]
+        if received and self.judge is not None and self._choco is None:
+            factors = self.judge.weigh(round_index, own_snapshot, base, {p: r.tensors for p, r in received.items()},
+                                       plan.in_weights)
+            plan, running = _weighed(plan, factors, running)
+            for peer in [p for p in received if p not in plan.in_weights]:
+                skip(peer, Skip.EXCLUDED)
                 del received[peer]
         mixed = running.result() if running is not None and received.keys() == set(plan.in_weights) else None
         clipped: tuple[str, ...] = ()
@@ -779,6 +800,20 @@ class GossipPeer:
         proof = self._settings.admission.credentials(fields)
         return iter_message(tensors, codec or self._settings.codec, meta={**(meta or {}), **proof},
                             limits=self._settings.limits, **fields)
+
+
+def _weighed(plan: PeerRound, factors: Mapping[str, float],
+             running: IncrementalMix | None) -> tuple[PeerRound, IncrementalMix | None]:
+    """The round's plan with each neighbour's weight scaled by its factor in [0, 1] (the rest moved onto
+    this node's own value; a factor of 0 leaves the neighbour out), and whether the mix that ran as the
+    values arrived still holds (only if nothing changed)."""
+    scaled = {p: min(1.0, max(0.0, float(factors.get(p, 1.0)))) for p in plan.in_weights}
+    if all(f == 1.0 for f in scaled.values()):
+        return plan, running
+    plan = plan.without(p for p, f in scaled.items() if f == 0.0)
+    moved = sum(w * (1.0 - scaled[p]) for p, w in plan.in_weights.items())
+    weights = {p: w * scaled[p] for p, w in plan.in_weights.items()}
+    return PeerRound(plan.self_weight + moved, weights, plan.out_peers), None
 
 
 def _check_manifest(header: Header, specs: tuple[TensorSpec, ...]) -> None:

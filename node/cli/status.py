@@ -93,6 +93,8 @@ def format_status(status: dict[str, Any]) -> str:
             goodput = peer.get("goodput_mbit_s")
             rate = f"   goodput {goodput:.3g} Mbit/s" if goodput is not None else ""
             lines.append(f"link     {peer['peer_id']}   {peer['connection']}{rate}")
+    for peer, entry in sorted((status.get("contribution") or {}).items()):
+        lines.append(f"score    {peer}   {entry['score']:+.2f} over {entry['rated_rounds']} rounds   {entry['state']}")
     lines.append(f"traffic  {status['bytes_sent']:,} bytes sent, {status['bytes_received']:,} received")
     errors = ", ".join(f"{kind}: {n}" for kind, n in sorted(status["errors"].items())) or "none"
     lines.append(f"errors   {errors}")

@@ -10,6 +10,7 @@ from gossip.codecs import DEFAULT_TOPK_RATIO
 from gossip.diloco import DILOCO_DEFAULTS
 from gossip.mixing import MixingKind, MixingRule
 from gossip.optimizers import OptimizerConfig
+from gossip.scoring import ScoringSettings
 from gossip.spes import SpesConfig
 from node.config.kinds import LOOPBACK_LISTEN
 from node.config.table import SETTINGS
@@ -29,6 +30,7 @@ DEFAULT_MIXING = MixingRule(MixingKind.ADAPTIVE_CLIP)
 _OPTIMIZER = OptimizerConfig()
 _DILOCO = DILOCO_DEFAULTS
 _SPES = SpesConfig()
+_SCORING = ScoringSettings()
 
 
 class ConfigError(ValueError):
@@ -100,6 +102,18 @@ class GossipConfig:
     max_staleness_rounds: int = 2  # a neighbour's parameters at most this many rounds old are mixed
     min_peers: int = 1  # gossip starts once this many peers (this one included) are in the view
     mixing: MixingRule = DEFAULT_MIXING
+    # contribution scoring of neighbours (gossip.scoring.ScoringSettings, each node's own)
+    score_every: int = _SCORING.score_every
+    score_alpha: float = _SCORING.score_alpha
+    score_min_rated: int = _SCORING.score_min_rated
+    score_low: float = _SCORING.score_low
+    score_down_weight: float = _SCORING.score_down_weight
+    score_exclude_after: int = _SCORING.score_exclude_after
+    score_sequences: int = _SCORING.score_sequences
+
+    @property
+    def scoring(self) -> ScoringSettings:
+        return ScoringSettings(**{f: getattr(self, f) for f in ScoringSettings.__struct_fields__})
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from gossip.diloco import DilocoSettings
 from gossip.knobs import Knob, knobs
 from gossip.mixing import MIXING_KINDS
 from gossip.optimizers import ALGORITHMS, OptimizerSettings
+from gossip.scoring import ScoringSettings
 from gossip.spes import NODE_REFRESH_CODECS, SpesSettings, SpesSyncSettings
 from node.config.kinds import Boolean, Choice, EdgeList, Integer, Kind, Multiaddrs, Named, Number, PathKind, Text
 from node.net.reach_mode import ReachMode
@@ -276,6 +277,7 @@ SETTINGS: tuple[Setting, ...] = (
             "node's own choice (a joiner keeps its own, not the swarm's)", NODE),
     Setting("gossip.mixing.tau", Number(0.0, lo_open=True, metavar="TAU"), "MURMUR_TAU", "--tau",
             "clipping radius of --mixing clipped", NODE, optional=True),
+    *struct_settings(ScoringSettings, "gossip.", NODE),
     Setting("training.model", MODEL_NAME, "MURMUR_MODEL", "--model",
             "what the swarm trains: the embedded MoE or dense GPT, `vector` (no model: gossip a random vector "
             "of --dim floats), a tiny Hugging Face preset, hf:PATH (a transformers config directory or local "

@@ -51,6 +51,8 @@ METRIC_NAMES = (
     "murmur_reachability_info",
     "murmur_relays_held",
     "murmur_relay_service_limits_in_force",
+    "murmur_peer_contribution_score",
+    "murmur_peer_exclusions_total",
 )
 CONNECTION_KINDS = ("direct", "relayed", "holepunched")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -122,6 +124,19 @@ class NodeCollector(Collector):
         yield GaugeMetricFamily("murmur_view_overflow", "live peer records left out of the view by its cap",
                                 value=limits.get("view_overflow", 0))
         yield from _reachability(s)
+        yield from _contribution(s)
+
+
+def _contribution(s: dict[str, Any]) -> Iterator[Metric]:
+    """Contribution scoring (gossip.scoring): each rated peer's score, and how often one was excluded."""
+    scores = GaugeMetricFamily("murmur_peer_contribution_score", "each rated neighbour's contribution rating "
+                               "(1: its updates lower this node's held-out loss as much as its own do; 0: as noise)",
+                               labels=["peer_id"])
+    for peer, entry in sorted((s.get("contribution") or {}).items()):
+        scores.add_metric([peer], entry["score"])
+    yield scores
+    yield CounterMetricFamily("murmur_peer_exclusions", "times a neighbour was excluded from mixing for a low "
+                              "contribution rating", value=s.get("contribution_exclusions", 0))
 
 
 def _reachability(s: dict[str, Any]) -> Iterator[Metric]:

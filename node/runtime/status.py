@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from node.net.records import PeerRecord
     from node.net.relays import NodeReachability
     from node.runtime.data_plane import DataPlane
+    from node.swarm.contribution import ContributionScorer
     from node.swarm.loop import SwarmLoop
     from node.swarm.swarm_eval import SwarmEvaluator
 
@@ -58,6 +59,7 @@ class NodeRuntime:
         self.gossip_from = 0
         self.training: SwarmLoop | None = None  # while a model is trained
         self.swarm_eval: SwarmEvaluator | None = None  # while a model is trained
+        self.contribution: ContributionScorer | None = None  # while neighbours' contributions are scored
         self.history = HistoryRecorder()  # the monitor's charts; the trainer feeds it through record()
         self.events = EventLog()  # the monitor's recent events and errors
         self._mixing_step = MixingStepEstimate()
@@ -289,6 +291,8 @@ class NodeRuntime:
                         "norm": float(np.linalg.norm(vector))},
             "training": self.training.status_dict() if self.training is not None else None,
             "spes": self.training.spes_status() if self.training is not None else None,
+            "contribution": self.contribution.status() if self.contribution is not None else {},
+            "contribution_exclusions": self.contribution.ratings.exclusions if self.contribution is not None else 0,
             **self._training_figures(),
             "version": discovery.local_record.version if discovery else "",
             "experts": list(discovery.local_record.experts) if discovery else [],

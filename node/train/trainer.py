@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from gossip.optimizers import LocalOptimizer, OptimizerConfig, clip_factor, global_norm
-from node.train.data import training_batch, validation_batches
+from node.train.data import sample_batch, training_batch, validation_batches
 from node.train.models import mean_cross_entropy, model_vocab_size
 from node.train.staging import HostStaging
 
@@ -43,6 +43,7 @@ LOSS_SCALE_GROWTH_INTERVAL = 1000
 # Checkpoint entry prefixes of Trainer.state().
 _PARAM, _OPT, _COUNT = "param/", "optimizer/", "optimizer_count/"
 _STEP, _SCALE = "trainer/step", "trainer/loss_scale"
+HELD_OUT_SEED = 20_251_206  # contribution scoring's held-out batches (Trainer._held_out)
 
 
 class TrainBatches(Protocol):
@@ -142,6 +143,7 @@ class Trainer:
         self._pending: StepStats | None = None  # computed by compute_update, not yet applied
         self._state_bytes = 0
         self._eval_model: nn.Module | None = None
+        self._held_out_batches: list[tuple[torch.Tensor, torch.Tensor]] = []  # contribution scoring's (_held_out)
         # a CUDA model's gossip tensors go through pinned host buffers (node.train.staging)
         self._staging = HostStaging(pin=True) if self.device.type == "cuda" else None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"trainer-{peer_id}")
@@ -375,7 +377,8 @@ class Trainer:
         average) without touching the trained model."""
         return await self._on_worker(self._evaluate_now, tensors)
 
-    def _evaluate_now(self, tensors: Tensors | None) -> float:
+    def _evaluate_now(self, tensors: Tensors | None,
+                      batches: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None) -> float:
         model = self.model
         if tensors is not None:
             if self._eval_model is None:
@@ -385,10 +388,42 @@ class Trainer:
             with torch.no_grad():
                 for name, p in params.items():
                     p.copy_(_as_torch(tensors[name], name, p))
-        batches = validation_batches(self._val_tokens, self.config.eval_batch_size, self.config.context,
-                                     self.config.eval_batches)
+        held_out = batches if batches is not None else validation_batches(
+            self._val_tokens, self.config.eval_batch_size, self.config.context, self.config.eval_batches)
         with self._autocast():
-            return mean_cross_entropy(model, batches)
+            return mean_cross_entropy(model, held_out)
+
+    def _held_out(self, sequences: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`sequences` windows drawn across the whole validation split with a fixed seed, in batches of at
+        most the evaluation's batch size: the same on every call and every node, and wider than the split's
+        first windows (one stretch of text)."""
+        if sum(len(x) for x, _ in self._held_out_batches) != sequences:
+            generator = torch.Generator().manual_seed(HELD_OUT_SEED)
+            size = self.config.eval_batch_size
+            self._held_out_batches = [sample_batch(self._val_tokens, min(size, sequences - start), self.config.context,
+                                                   generator) for start in range(0, sequences, size)]
+        return self._held_out_batches
+
+    async def moved_losses(self, own: Tensors, toward: Sequence[tuple[Tensors, float]], sequences: int,
+                           budget_s: float) -> tuple[float, list[float]]:
+        """Held-out loss (on `sequences` fixed windows drawn across the validation split) of `own` and, for
+        each (tensors, w) of `toward` in order, of own + w (tensors - own): contribution scoring's
+        measurements (node.swarm.contribution). Those not reached within `budget_s` of work are left off."""
+        return await self._on_worker(self._moved_losses_now, own, toward, sequences, budget_s)
+
+    def _moved_losses_now(self, own: Tensors, toward: Sequence[tuple[Tensors, float]], sequences: int,
+                          budget_s: float) -> tuple[float, list[float]]:
+        deadline = time.monotonic() + budget_s
+        held_out = self._held_out(sequences)
+        base = self._evaluate_now(own, held_out)
+        losses = []
+        for theirs, weight in toward:
+            if time.monotonic() > deadline:
+                break
+            w = np.float32(weight)
+            losses.append(self._evaluate_now({name: x + w * (np.asarray(theirs[name], np.float32) - x)
+                                              for name, x in own.items()}, held_out))
+        return base, losses
 
     # ---- checkpoints -----------------------------------------------------------------------------
 

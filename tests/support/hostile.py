@@ -20,6 +20,8 @@ Everything before `--` configures the attack; everything after it is a `murmur` 
   k = 10 (SIGN_FLIP_FACTOR, `--option sign-flip-factor=K`).
 - stale-replay: it serves, forever, the first tensors it ever served (its seeded initial parameters,
   or whatever it downloaded on joining).
+- useless: plausible but useless updates: with x_prev and x as for sign-flip, it serves x_prev + r, r a
+  random direction of the honest update's norm ||x - x_prev|| per tensor (its own training is honest).
 - spes-capacity: its peer record claims SPES capacity 2^62, and its expert records (and expert fetch
   replies) claim version 2^62 for every expert it holds, as their owner.
 
@@ -102,6 +104,7 @@ class Mode(enum.StrEnum):
     SCALED = "scaled"
     SIGN_FLIP = "sign-flip"
     STALE_REPLAY = "stale-replay"
+    USELESS = "useless"
     SPES_CAPACITY = "spes-capacity"
     # the attacks of hostile_dht.py, hostile_flood.py and hostile_intruder.py, from inside a real node
     FORGE_CONFIG = "forge-config"
@@ -115,7 +118,7 @@ class Mode(enum.StrEnum):
 
 
 # the modes that replace the tensors a node serves (they take turns under --cycle-rounds)
-TENSOR_MODES = (Mode.NOISE, Mode.SCALED, Mode.SIGN_FLIP, Mode.STALE_REPLAY)
+TENSOR_MODES = (Mode.NOISE, Mode.SCALED, Mode.SIGN_FLIP, Mode.STALE_REPLAY, Mode.USELESS)
 
 
 @dataclass
@@ -218,10 +221,21 @@ def tampered(ctx: HostileContext, served: Served, mode: Mode, tensors: Mapping[s
         out = {n: (before[n] - k * (t - before[n])).astype(np.float32) for n, t in honest.items()}
     elif mode is Mode.STALE_REPLAY:
         out = dict(served.first)
+    elif mode is Mode.USELESS:
+        before = served.previous or honest
+        out = {n: (before[n] + random_of_norm(ctx.rng, t.shape, float(np.linalg.norm(t - before[n])))).astype(np.float32)
+               for n, t in honest.items()}
     else:
         raise ValueError(f"{mode} does not replace tensors")
     served.cache[key] = out
     return out
+
+
+def random_of_norm(rng: np.random.Generator, shape: tuple[int, ...], norm: float) -> np.ndarray:
+    """A random direction (Gaussian, normalised) of length `norm`."""
+    direction = rng.standard_normal(shape)
+    length = float(np.linalg.norm(direction))
+    return direction * (norm / length) if length > 0.0 else direction * 0.0
 
 
 def install_tensor_modes(ctx: HostileContext) -> None:
@@ -519,6 +533,7 @@ BEHAVIOURS: dict[Mode, Behaviour] = {
     Mode.SCALED: Behaviour("serves its tensors x 1000", install_tensor_modes),
     Mode.SIGN_FLIP: Behaviour("serves its update reversed, x_prev - k (x - x_prev)", install_tensor_modes),
     Mode.STALE_REPLAY: Behaviour("serves the first tensors it ever served, forever", install_tensor_modes),
+    Mode.USELESS: Behaviour("serves x_prev plus a random update of the honest update's norm", install_tensor_modes),
     Mode.SPES_CAPACITY: Behaviour("claims SPES capacity 2^62 and expert versions 2^62", install_spes_capacity),
     Mode.FORGE_CONFIG: Behaviour("forges <swarm>.config: plain, self-signed with a far expiration, claiming "
                                  "the founder's key, oversized", install_dht_attacks),
