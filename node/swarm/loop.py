@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,7 +22,15 @@ import torch
 
 from gossip.exchange import GossipPeer
 from node.swarm.algorithm import Algorithm, StepReport
-from node.swarm.joining import JoinOutcome, join_swarm, judge_steps, plausible_steps, swarm_left_behind
+from node.swarm.joining import (
+    DownloadWatch,
+    JoinOutcome,
+    JoinProgress,
+    join_swarm,
+    judge_steps,
+    plausible_steps,
+    swarm_left_behind,
+)
 from node.swarm.peers import Membership, SwarmRecord
 from node.swarm.progress import PeerProgress, leave_out_stalled
 from node.swarm.recipe import TrainingRecipe, embedded_options
@@ -47,6 +56,7 @@ MERGE_WAIT_S = 120.0  # longest the final merge waits for the peers in view to f
 # How often a node whose algorithm re-joins when left behind (DiLoCo) looks whether the swarm left it
 # behind (SwarmLoop._rejoin_if_left_behind)
 LAGGARD_CHECK_S = 5.0
+DOWNLOAD_REPORT_S = 3.0  # how often a running catch-up's download progress is shown on the command line
 
 
 class TrainingSetupError(ValueError):
@@ -223,6 +233,7 @@ class SwarmLoop:
         self._catch_up_with: tuple[int, float | None] | None = None  # margin and epoch of the first catch-up
         self._stop: asyncio.Event | None = None
         self._checked_at = 0.0
+        self.downloads: DownloadWatch | None = None  # a catch-up's downloads while they run
         algorithm.show(self.status)
 
     @property
@@ -340,7 +351,16 @@ class SwarmLoop:
             self.status.joined = JoinOutcome(judgement.reference, refused=judgement.refusals()).as_dict()
             return
         await self._connect(judgement.candidates)
-        outcome = await join_swarm(judgement, self.peer.fetch, self.trainer.evaluate, self.peer.tensors)
+        watch = self.downloads = DownloadWatch()
+        reporter = asyncio.create_task(_report_downloads(watch))
+        try:
+            outcome = await join_swarm(judgement, self.peer.fetch, self.trainer.evaluate, self.peer.tensors,
+                                       watch=watch)
+        finally:
+            self.downloads = None
+            reporter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reporter
         self.status.joined = outcome.as_dict()
         if outcome.tensors is None:
             logger.warning("no download was good enough to join the swarm at step %d (%s); continuing from step %d",
@@ -503,6 +523,10 @@ class SwarmLoop:
         """What the checkpoint holds: the trainer's state and the algorithm's (DiLoCo's outer state)."""
         return await self.algorithm.state()
 
+    def join_progress(self) -> JoinProgress | None:
+        """The running catch-up's downloads (the status document's `join`); None when none runs."""
+        return self.downloads.snapshot() if self.downloads is not None else None
+
     def status_dict(self) -> dict[str, Any]:
         """The `training` section of the node's status, as of now."""
         # read at status time, not at the last _record: a SPES table change or a step that has not
@@ -555,3 +579,26 @@ def _reasons(refused: Mapping[str, str]) -> str:
 
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
+
+
+async def _report_downloads(watch: DownloadWatch, every_s: float = DOWNLOAD_REPORT_S) -> None:
+    """Show a catch-up's download progress on the command line every `every_s` until cancelled: a line
+    rewritten in place when stdout is a terminal, else a log line."""
+    tty = sys.stdout.isatty()
+    shown = False
+    try:
+        while True:
+            await asyncio.sleep(every_s)
+            progress = watch.snapshot()
+            if progress is None:
+                continue
+            if tty:
+                sys.stdout.write(f"\r{progress.line()}\x1b[K")
+                sys.stdout.flush()
+                shown = True
+            else:
+                logger.info("%s", progress.line())
+    finally:
+        if shown:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
