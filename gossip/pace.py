@@ -16,6 +16,9 @@ import msgspec
 # How much slower than its measured goodput a peer may be before the whole-transfer bound cuts it: links
 # share their capacity with other streams and the measurement is a moving average.
 GOODPUT_SLACK = 4.0
+# A paced transfer reads the stream in pieces of at most this many bytes: the stall timeout applies to each,
+# and progress moves with each (a payload frame is up to 4 MiB, which a slow link takes long to deliver).
+PIECE_BYTES = 64 << 10
 
 
 class TransferStalled(TimeoutError):
@@ -31,7 +34,7 @@ class TransferPace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     stall_timeout_s: Annotated[float, msgspec.Meta(
         gt=0.0, le=600.0, extra={"metavar": "S", "setting": "stall_timeout"},
         description="seconds a whole-model transfer (a join's download, the pulls of the swarm average and the "
-                    "final merge) may go without a piece (a frame of at most 4 MiB) arriving before it is cut as stalled",
+                    "final merge) may go without a piece (64 KiB) arriving before it is cut as stalled",
     )] = 20.0
     goodput_floor_mbit_s: Annotated[float, msgspec.Meta(
         gt=0.0, le=100_000.0, extra={"metavar": "MBIT_S", "setting": "goodput_floor"},

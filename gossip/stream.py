@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol, TypeVar
 
 from gossip.errors import BadSchema, WireError
-from gossip.pace import TransferStalled
+from gossip.pace import PIECE_BYTES, TransferStalled
 from gossip.transport import Stream
 from gossip.wire import Expectation, Header, Message, MessageReader, ValuesSink, WireLimits
 
@@ -106,20 +106,26 @@ class MessageStream:
         """One message's header, checked (BadSchema if it names another sender than the stream's
         peer), and not a byte of its payload: the caller decides whether to read the rest.
 
-        With `stall_s`, every frame (header or payload chunk) must arrive within that long, else
-        TransferStalled (gossip.pace): a deadline on progress, which the caller's on the whole bounds.
-        `on_bytes` sees the size of every read, header included."""
-        async def read_exactly(n: int) -> bytes:
-            if stall_s is None:
-                data = await self._stream.read_exactly(n)
-            else:
-                data = await _within_stall(self._stream.read_exactly(n), stall_s, "reading a frame from",
-                                           self.remote_peer)
+        With `stall_s`, the stream is read in pieces of at most PIECE_BYTES, each of which must arrive
+        within that long, else TransferStalled (gossip.pace): a deadline on progress, which the
+        caller's on the whole bounds. `on_bytes` sees the size of every piece read, header included."""
+        def count(data: bytes) -> bytes:
             self._accounting.counts.bytes_received += len(data)
             self.received += len(data)
             if on_bytes is not None:
                 on_bytes(len(data))
             return data
+
+        async def read_exactly(n: int) -> bytes:
+            if stall_s is None:
+                return count(await self._stream.read_exactly(n))
+            pieces = []
+            while n:
+                piece = await _within_stall(self._stream.read_exactly(min(n, PIECE_BYTES)), stall_s,
+                                            "reading from", self.remote_peer)
+                pieces.append(count(piece))
+                n -= len(piece)
+            return pieces[0] if len(pieces) == 1 else b"".join(pieces)  # no piece: n was 0
 
         # the sender is checked with the header, before any payload (and before the sender's admission)
         checked = replace(expected, sender=self.remote_peer) if expected is not None else None
