@@ -15,10 +15,12 @@ from gossip.codecs import get_codec
 from gossip.exchange import ExchangeSettings, GossipPeer
 from gossip.memory import InMemoryNetwork, LinkModel
 from gossip.pace import TransferPace, TransferProgress, TransferStalled
+from gossip.plan import Algorithm, LinkSpec, PlanConfig, make_plan, specs_for_vectors
 from gossip.transport import GOSSIP_PROTOCOL, Stream
 from gossip.wire import encode_message
 from gossip.wire.frames import PREFIX_BYTES, read_prefix
 from node.swarm.joining import DownloadWatch
+from topology import TopologySpec
 
 pytestmark = pytest.mark.unit
 
@@ -142,3 +144,19 @@ def test_the_whole_bound_follows_the_measured_goodput_within_its_slack_and_never
     assert pace.whole_s(size) == pytest.approx(20 + 1600)  # no measurement: the floor
     assert pace.whole_s(size, 400.0) == pytest.approx(20 + 32)  # measured 400 Mbit/s: 4 x slower still fits
     assert pace.whole_s(size, 1.0) == pace.whole_s(size)  # a measurement below the floor is the floor
+
+
+def test_murmur_plan_predicts_a_joiners_download_in_the_codec_a_donor_serves_and_its_bound() -> None:
+    specs = specs_for_vectors({"w": 100_000_000})  # a 100M-parameter model
+    link = LinkSpec(50.0)
+
+    def download(**kw: object):
+        return make_plan(PlanConfig(specs, 1.0, link, 4, TopologySpec("ring"), **kw)).download
+
+    fp32 = download()
+    assert 400 * MB <= fp32.nbytes < 400 * MB + 10_000
+    assert fp32.seconds == pytest.approx(fp32.nbytes / link.bytes_per_s, rel=1e-3)  # about 69 s at 50 Mbit/s
+    assert fp32.bound_s == pytest.approx(TransferPace().whole_s(fp32.nbytes)) and fp32.bound_s > 20 * fp32.seconds
+    # dadam serves its int8 state as it gossips it; DiLoCo's main peer serves whole models in fp32
+    assert download(codec=get_codec("int8")).nbytes < 0.3 * fp32.nbytes
+    assert download(codec=get_codec("int8"), algorithm=Algorithm.DILOCO).nbytes == fp32.nbytes
