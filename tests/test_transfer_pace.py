@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 import pytest
@@ -77,27 +78,39 @@ def test_a_slow_but_moving_download_finishes_past_its_old_whole_deadline() -> No
     asyncio.run(main())
 
 
-async def hostile(net: InMemoryNetwork, then: float | None) -> None:
-    """A donor that answers with a valid reply header for the joiner's model and then sends nothing
-    (`then` None) or the payload at `then` bytes per second through the link."""
-    buffers = [bytes(b) for b in encode_message(
-        TENSORS, get_codec("fp32"), swarm="t", config_hash="h", sender="donor", round=0, step=9, kind="reply")]
-    message = b"".join(buffers)
+def reply_bytes(sender: str) -> tuple[bytes, bytes]:
+    """A valid reply carrying TENSORS from `sender`: its header (with the prefix) and its payload frames."""
+    message = b"".join(bytes(b) for b in encode_message(
+        TENSORS, get_codec("fp32"), swarm="t", config_hash="h", sender=sender, round=0, step=9, kind="reply"))
     header_end = PREFIX_BYTES + read_prefix(message[:PREFIX_BYTES])
-    payload = message[header_end:]
+    return message[:header_end], message[header_end:]
+
+
+def hostile_answer(sender: str, then: float | None, *, piece: int | None = None) -> Callable[[Stream], Awaitable[None]]:
+    """A donor's answer to any request: a valid reply header for the joiner's model, then nothing (`then`
+    None) or the payload at `then` bytes per second, written `piece` bytes at a time with a pause after
+    each (the sender throttled), or frame by frame (`piece` None: a shaped link paces the writes)."""
+    header, payload = reply_bytes(sender)
 
     async def answer(stream: Stream) -> None:
-        await stream.write(message[:header_end])
-        if then is not None:  # frame by frame (prefix and chunk), the shaped link pacing each
+        await stream.write(header)
+        if then is not None:
             at = 0
             while at < len(payload):
-                length = read_prefix(payload[at:at + PREFIX_BYTES])
-                await stream.write(payload[at:at + PREFIX_BYTES + length])
-                at += PREFIX_BYTES + length
+                size = piece or PREFIX_BYTES + read_prefix(payload[at:at + PREFIX_BYTES])
+                await stream.write(payload[at:at + size])
+                at += size
+                if piece:
+                    await asyncio.sleep(size / then)
         await asyncio.sleep(3600)
 
+    return answer
+
+
+async def hostile(net: InMemoryNetwork, then: float | None) -> None:
+    """The hostile donor "donor" on the in-memory network, its link to the joiner shaped to `then` bytes/s."""
     transport = net.transport("donor")
-    await transport.serve(GOSSIP_PROTOCOL, answer)
+    await transport.serve(GOSSIP_PROTOCOL, hostile_answer("donor", then))
     if then is not None:
         net.set_link("donor", "joiner", LinkModel(bandwidth_bytes_per_s=then))
 
