@@ -22,8 +22,9 @@ SUPPORT = Path(__file__).parent / "support"  # the nodes import the tiny model f
 RATE = 25_000  # bytes/s each donor serves a download at: the tiny model's ~400 KB take ~16 s
 FLAGS = {"model": "tiny_model:build", "context": TINY.context, "batch_size": 8, "optimizer": "dadam", "lr": 1e-2,
          "steps": 0, "threads": 1, "eval_every": 5, "checkpoint_every": 1000, "exchange_timeout": 2,
-         "stall_timeout": 10}
+         "stall_timeout": 10, "goodput_floor": 0.05}  # a floor below RATE: at 2 Mbit/s it would cut these downloads
 SLOW = hostile_argv([Mode.SLOW_SERVE], options={"rate": RATE})
+BROKEN_OFF = ("truncated", "unreachable", "stalled", "timeout")  # how a download from a killed donor ends
 
 
 def joined(node: Node) -> dict | None:
@@ -44,7 +45,8 @@ def ahead(swarm: Swarm, donors: list[Node], steps: int = 10) -> None:
 @pytest.mark.usefixtures("support_path")
 def test_a_slow_download_shows_its_progress_and_completes_from_the_donor_left_when_one_is_killed(tmp_path) -> None:
     """One swarm for both: what a user relies on while a join downloads (progress in the status and on
-    the command line, no cut for being slow) and when a donor dies mid-download (the other one serves)."""
+    the command line, no cut for being slow) and when a donor dies mid-download (the other one serves,
+    whether the joiner was downloading from both or, seeing one in its first view, tries the other next)."""
     with Swarm(tmp_path, **FLAGS) as swarm:
         founder = swarm.spawn("n0", seed=0, join=None, hostile=SLOW)
         swarm.wait_ready([founder])
@@ -53,25 +55,30 @@ def test_a_slow_download_shows_its_progress_and_completes_from_the_donor_left_wh
         ahead(swarm, [founder, second])
         joiner = swarm.spawn("n2", seed=2, join=founder)
         swarm.wait_ready([joiner])
-        # both donors are downloaded from at once
-        progress = wait_for(lambda: _both_under_way(joiner), 120, "downloads from both donors under way")
-        second.signal(signal.SIGKILL)  # ... and the second dies while its download runs
-        outcome = wait_for(lambda: joined(joiner), 120, "the joiner's catch-up to end")
+        progress = wait_for(lambda: _under_way(joiner), 120, "the joiner's download under way")
+        donors = {founder.peer_id: founder, second.peer_id: second}
+        victim = donors[second.peer_id if second.peer_id in progress["donors"] else progress["donors"][0]]
+        survivor = next(node for node in donors.values() if node is not victim)
+        victim.signal(signal.SIGKILL)  # while its download runs
+        outcome = wait_for(lambda: joined(joiner), 180, "the joiner's catch-up to end")
         after = joiner.status()
         log = joiner.stderr()
-    assert sorted(progress["donors"]) == sorted([founder.peer_id, second.peer_id]), progress
-    # both payloads' sizes are known, neither is complete
-    assert 0 < progress["bytes_done"] < progress["bytes_total"] and progress["bytes_total"] >= 2 * 4 * 100_000, progress
+        tail = joiner.log_tail(40)
+    assert set(progress["donors"]) <= set(donors) and victim.peer_id in progress["donors"], progress
+    # the payload's size is known and not all of it arrived
+    assert 0 < progress["bytes_done"] < progress["bytes_total"], progress
+    assert progress["bytes_total"] >= len(progress["donors"]) * 4 * 100_000, progress
     assert progress["rate_bps"] > 0 and (progress["eta_s"] is None or progress["eta_s"] >= 0), progress
     # at RATE one download outlasts the whole-download deadline of 4 exchange timeouts it used to have
-    assert progress["bytes_total"] / 2 / RATE > 4 * FLAGS["exchange_timeout"]
-    assert outcome["sources"] == [founder.peer_id], outcome
-    assert second.peer_id in outcome["refused"] and second.peer_id not in outcome["losses"], outcome
+    assert progress["bytes_total"] / len(progress["donors"]) / RATE > 4 * FLAGS["exchange_timeout"]
+    assert outcome["sources"] == [survivor.peer_id], f"{outcome}\n{tail}"
+    assert outcome["refused"].get(victim.peer_id) in BROKEN_OFF and victim.peer_id not in outcome["losses"], outcome
     training = after["training"]
-    assert after["join"] is None and training["started_from"] == f"peer {founder.peer_id} at step {outcome['step']}"
+    assert after["join"] is None and training["started_from"] == f"peer {survivor.peer_id} at step {outcome['step']}"
     assert "downloading the swarm's parameters: " in log and " MB/s" in log  # the command line's progress lines
 
 
-def _both_under_way(joiner: Node) -> dict | None:
+def _under_way(joiner: Node) -> dict | None:
+    """The joiner's download progress once bytes arrive, from both donors if it downloads from both."""
     progress = joiner.status().get("join")
-    return progress if progress and len(progress["donors"]) == 2 and progress["bytes_done"] > 0 else None
+    return progress if progress and progress["bytes_done"] > 0 else None
