@@ -20,6 +20,7 @@ from gossip.plan import Algorithm, LinkSpec, PlanConfig, make_plan, specs_for_ve
 from gossip.transport import GOSSIP_PROTOCOL, Stream
 from gossip.wire import encode_message
 from gossip.wire.frames import PREFIX_BYTES, read_prefix
+from node.cli.status import format_status
 from node.swarm.joining import DownloadWatch
 from topology import TopologySpec
 
@@ -173,3 +174,13 @@ def test_murmur_plan_predicts_a_joiners_download_in_the_codec_a_donor_serves_and
     # dadam serves its int8 state as it gossips it; DiLoCo's main peer serves whole models in fp32
     assert download(codec=get_codec("int8")).nbytes < 0.3 * fp32.nbytes
     assert download(codec=get_codec("int8"), algorithm=Algorithm.DILOCO).nbytes == fp32.nbytes
+
+
+def test_murmur_status_shows_a_running_download_and_nothing_once_it_is_over() -> None:
+    status = {"peer_id": "me", "swarm": "s", "maddrs": [], "round": 0, "step": 0, "peers": [], "bytes_sent": 0,
+              "bytes_received": 0, "errors": {}, "training": {"step": 0}, "loss": None, "val_loss": None,
+              "join": {"bytes_done": 120_000_000, "bytes_total": 400_000_000, "rate_bps": 2_000_000.0, "eta_s": 140.0,
+                       "donors": ["donor-a"]}}
+    lines = format_status(status).splitlines()
+    assert "download 120.0 / 400.0 MB (30%) at 2.00 MB/s, 2 min 20 s left from donor-a" in lines
+    assert not any(line.startswith("download") for line in format_status({**status, "join": None}).splitlines())
