@@ -495,16 +495,14 @@ class GossipPeer:
             stream = MessageStream(await self._transport.open_stream(peer, self._protocol), self._accounting)
             try:
                 await stream.send(self._frames({}, 0, PULL, {CURRENT: True}))
-                counting: list[TransferProgress] = []  # the progress, once the payload's size is known
-                incoming = await self._read_reply_header(
-                    stream, pace.stall_timeout_s, lambda n: counting[0].add(n) if counting else None)
+                incoming = await self._read_reply_header(stream, pace.stall_timeout_s,
+                                                         progress.add if progress is not None else None)
                 header = incoming.header
                 if header.kind == REPLY:
                     _check_manifest(header, self._specs)
                     deadline.reschedule(loop.time() + pace.whole_s(header.payload_nbytes, self._goodput(peer)))
                     if progress is not None:
                         progress.begin(peer, header.payload_nbytes)
-                        counting.append(progress)
                 reply = await incoming.rest()
             finally:
                 await stream.close()
@@ -594,7 +592,7 @@ class GossipPeer:
             raise
 
     async def _read_reply_header(self, stream: MessageStream, stall_s: float,
-                                 on_bytes: Callable[[int], None]) -> IncomingMessage:
+                                 on_bytes: Callable[[int], None] | None) -> IncomingMessage:
         """The answer's header, as `_read_reply` reads the whole answer, every frame within `stall_s`."""
         before = stream.received
         try:

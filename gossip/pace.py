@@ -71,6 +71,7 @@ class TransferProgress:
         self.peer, self.bytes_total, self.bytes_done, self.started = peer, bytes_total, 0, time.monotonic()
 
     def add(self, nbytes: int) -> None:
+        """`nbytes` more arrived; before `begin` (the header, whose size is not the payload's) none count."""
         self.bytes_done = min(self.bytes_total, self.bytes_done + nbytes)
 
     @property
