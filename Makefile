@@ -28,12 +28,21 @@ CHROMIUM := /usr/bin/chromium
 $(CHROMIUM):
 	apt-get update -q && apt-get install -y -q chromium
 
+# tests/test_swarm_prometheus.py scrapes a swarm with a real Prometheus, Debian's, which it starts
+# itself on a free loopback port: the package's own service is not wanted (where systemd starts
+# it, it is stopped and disabled again).
+PROMETHEUS := /usr/bin/prometheus
+
+$(PROMETHEUS):
+	apt-get update -q && apt-get install -y -q --no-install-recommends prometheus
+	if command -v systemctl >/dev/null; then systemctl disable --now prometheus.service >/dev/null 2>&1 || true; fi
+
 # Lint and types first: a finding fails `make test` before pytest starts.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-test: lint $(CHROMIUM)
+test: lint $(CHROMIUM) $(PROMETHEUS)
 	$(PY) -m pytest
 
 # The fast tier: in-process unit and property tests, about a minute in all (the in-process

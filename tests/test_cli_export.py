@@ -21,6 +21,8 @@ from node.train.data import Corpus
 pytestmark = [pytest.mark.unit, pytest.mark.slow]  # builds models and runs the command (seconds)
 
 MURMUR = str(Path(sys.executable).with_name("murmur"))
+# the contributor table a node keeps in its checkpoint (node.swarm.contributors): peer id -> tokens processed
+CONTRIBUTORS = {"QmPeerB": 1152, "QmPeerA": 3456}
 
 
 def write_node_checkpoint(data_dir: Path, model_name: str, corpus: Corpus, tokenizer: Path | None = None) -> torch.nn.Module:
@@ -58,7 +60,8 @@ def write_node_checkpoint(data_dir: Path, model_name: str, corpus: Corpus, token
     assert all(not np.array_equal(state[f"param/{n}"], p.detach().numpy().reshape(-1))
                for n, p in fresh.named_parameters() if p.dim() > 1 and "experts" not in n)
     save_checkpoint(data_dir / CHECKPOINT_FILE, state, {"round": 2, "step": 3, "swarm": "exported",
-                                                        "config_hash": "cafe", "swarm_config": json.dumps(doc)})
+                                                        "config_hash": "cafe", "swarm_config": json.dumps(doc),
+                                                        "contributors": json.dumps(CONTRIBUTORS)})
     return model
 
 
@@ -172,8 +175,13 @@ def test_a_byte_vocabulary_hf_export_carries_a_tokenizer_and_a_model_card(tmp_pa
     for wanted in ("# hf-tiny-llama, trained by the murmur swarm `exported`", "LlamaForCausalLM",
                    "## Data", "- optimizer: `dadam`", "- topology: `one-peer-exp`", "- steps: 3",
                    f"- tokens: {3 * 16 * 128:,} per node", "- config hash: `cafe`", "## Contributors",
-                   "This node only", "bytes (256 ids"):
+                   "one node's own checkpoint", "bytes (256 ids",
+                   # the contributors the node saw, most tokens first, with their shares
+                   "2 contributor(s) processed 4,608 training tokens", "| `QmPeerA` | 3,456 | 75.0% |",
+                   "| `QmPeerB` | 1,152 | 25.0% |"):
         assert wanted in card.body, wanted
+    assert card.body.index("QmPeerA") < card.body.index("QmPeerB")
+    assert json.loads((out / "murmur.json").read_text())["contributors"] == CONTRIBUTORS
     # deterministic: the same inputs give the same card
     again = murmur_export(tmp_path / "node", tmp_path / "again")
     assert again.returncode == 0 and (tmp_path / "again" / "README.md").read_text() == (out / "README.md").read_text()

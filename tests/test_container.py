@@ -147,6 +147,8 @@ def compose_services() -> dict[str, Service]:
     document = yaml.safe_load(COMPOSE_FILE.read_text())
     services = {}
     for name, spec in document["services"].items():
+        if spec.get("profiles"):
+            continue  # an optional profile's (observability): a plain `compose up` does not start it
         assert spec["volumes"] == [f"{name}:/data"], f"{name}: its volume must be {name}:/data"
         ports = spec.get("ports", [])
         assert ports in ([], [f"127.0.0.1:{MONITOR_PORT}:{MONITOR_PORT}"]), f"{name}: only the monitor, on loopback"

@@ -37,7 +37,8 @@ def test_a_swarm_averages_card_names_its_peers_with_equal_shares_and_the_recipe(
     manifest = {"kind": "average", "model": "moe", "swarm": "lab", "config_hash": "abc", "min_step": 90,
                 "max_step": 100, "peers": ["peer-b", "peer-a", "peer-c", "peer-d"], "val_loss": 2.5,
                 "written_by": "peer-b", "source": "/somewhere",
-                "peer_steps": {"peer-a": 100, "peer-b": 95, "peer-c": 90, "peer-d": 99}}
+                "peer_steps": {"peer-a": 100, "peer-b": 95, "peer-c": 90, "peer-d": 99},
+                "contributors": {"peer-a": 3000, "peer-b": 1000, "peer-c": 1000, "peer-d": 5000}}
     facts = ModelFacts("murmur's `moe`", 1234567, False, "bytes (256 ids, id = UTF-8 byte)")
     text = model_card(recipe, manifest, facts, doc)
     assert text == model_card(recipe, dict(manifest), facts, doc)  # deterministic
@@ -48,9 +49,15 @@ def test_a_swarm_averages_card_names_its_peers_with_equal_shares_and_the_recipe(
                    "- topology: `ring`", "- DiLoCo: inner", "- steps: 90-100 (the averaged peers' steps) of a budget of 500",
                    f"- tokens: {100 * 8 * 64 * 2:,} per node", "- config hash: `abc`", "- validation loss: 2.5000",
                    "The swarm average over 4 peer(s), taken by `peer-b`", "| `peer-a` | 100 | 25.0% |", "| `peer-c` | 90 | 25.0% |",
-                   "murmur records no per-peer token counts"):
+                   "| `peer-d` | 5,000 | 50.0% |", "| `peer-a` | 3,000 | 30.0% |", "| `peer-b` | 1,000 | 10.0% |",
+                   "4 contributor(s) processed 10,000 training tokens", "held to its step times the tokens per step"):
         assert wanted in body, wanted
     assert "/somewhere" not in text  # where the export was read from is not the model's business
+    # most tokens first; equal counts in peer id order, whatever order the file gave
+    assert body.index("| `peer-d` | 5,000") < body.index("| `peer-a` | 3,000") < body.index("| `peer-b` | 1,000") \
+        < body.index("| `peer-c` | 1,000")
+    reordered = {**manifest, "contributors": dict(reversed(list(manifest["contributors"].items())))}
+    assert model_card(recipe, reordered, facts, doc) == text
 
 
 def test_the_periodic_swarm_average_kind_is_an_average_too() -> None:
@@ -62,7 +69,8 @@ def test_the_periodic_swarm_average_kind_is_an_average_too() -> None:
                                                  "peers": ["x"], "swarm": "s", "config_hash": "h"}, facts, doc))
     assert front["library_name"] == "transformers" and "| `x` | not recorded | 100.0% |" in body and "- steps: 5 (no step budget)" in body
     _, body = split_card(model_card(recipe, {"kind": "checkpoint", "step": None}, facts, None))
-    assert "- tokens: unknown" in body and "This node only" in body
+    assert "- tokens: unknown" in body and "one node's own checkpoint" in body
+    assert "No tokens per peer were recorded" in body
 
 
 def test_the_byte_tokenizer_json_gives_murmurs_byte_ids_and_decodes_back() -> None:

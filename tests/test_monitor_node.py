@@ -128,9 +128,13 @@ def test_json_endpoints_match_their_documented_schemas(pair):
     assert {n["peer_id"] for n in topology["nodes"]} == {n.peer_id for n in nodes}
     assert topology["topology"] == "one-peer-exp" and topology["rho"] == 0.0  # n = 2 averages in one round
     assert topology["edges"] and all(e["weight"] == 0.5 for e in topology["edges"])
-    history = get_json(url + "/api/history")
+    def sampled_traffic() -> dict | None:  # samples come at the history's own pace, not the rounds'
+        history = get_json(url + "/api/history")
+        last = history["samples"][-1] if history["samples"] else {}
+        return history if last.get("bytes_sent", 0) > 0 and last.get("peers_alive") == 2 else None
+
+    history = wait_for(sampled_traffic, 30, "a history sample with the rounds' bytes and both peers")
     assert len(history["samples"]) >= 2
-    assert history["samples"][-1]["bytes_sent"] > 0 and history["samples"][-1]["peers_alive"] == 2
     assert any(s["consensus_distance"] is not None for s in history["samples"])
     log = get_json(url + "/api/log")
     assert any(e["kind"] == "gossip_started" for e in log["entries"])

@@ -11,6 +11,7 @@ import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,7 @@ from node.config import NodeConfig
 from node.monitor import Counters, EventLog, HistoryRecorder, start_monitor
 from node.monitor.schemas import schema
 from node.runtime.status import NodeRuntime
+from node.swarm.contributors import ContributorTable
 from node.swarm.swarm_eval import EvalBusy, EvalUnavailable, SwarmEvaluator
 from node.train.checkpoint import load_checkpoint
 from node.train.data import Corpus
@@ -202,6 +204,9 @@ def test_a_saved_average_is_the_model_evaluated_and_a_failed_write_is_reported(c
         counted: list[str] = []
         runtime = NodeRuntime(NodeConfig(data_dir=tmp_path, swarm="test"), founding=True)
         runtime.config_hash, runtime.swarm_doc = "c0ffee", {"version": 1}
+        # the contributors the training loop saw (node.swarm.contributors), for the export's card
+        seen = ContributorTable(initial={"peer-a": 800, "me": 1600})
+        runtime.training = SimpleNamespace(contributors=seen, observe_contributors=lambda: None)
         async with make_trainer(corpus) as trainer:
             mine, members = await swarm(net, trainer, {"peer-a": 1, "peer-b": 2})
             evaluator = SwarmEvaluator(trainer, mine, view_of("me", "peer-a", "peer-b"), count=counted.append,
@@ -225,6 +230,7 @@ def test_a_saved_average_is_the_model_evaluated_and_a_failed_write_is_reported(c
         assert json.loads(written.meta["peers"]) == ["me", "peer-a", "peer-b"]
         steps = json.loads(written.meta["peer_steps"])  # each peer's step as pulled (the export's model card)
         assert list(steps) == ["me", "peer-a", "peer-b"] and (min(steps.values()), max(steps.values())) == (7, 12)
+        assert json.loads(written.meta["contributors"]) == {"me": 1600, "peer-a": 800}
         assert failed.saved is None and "a-file" in failed.save_error  # mkdir: it exists, as a file
         assert failed.loss == pytest.approx(result.loss, rel=1e-6)  # the evaluation itself still answered
         assert counted == ["swarm_average_save_failed"]

@@ -151,6 +151,8 @@ def test_restart_resumes_from_checkpoint_and_survives_a_corrupt_one(swarm):
     final = load_checkpoint(node.data_dir / "checkpoint.safetensors")
     stopped_at = int(final.meta["step"])
     assert stopped_at >= 15 and final.tensors["trainer/step"].item() == stopped_at
+    per_step = BATCH * TINY.context  # tokens one step processes (one micro-batch): what the record claims
+    assert int(final.meta["tokens"]) == stopped_at * per_step
 
     again = swarm.spawn("n0", seed=0, join=None, data_dir=node.data_dir, **flags)
     swarm.wait_ready([again])
@@ -158,6 +160,10 @@ def test_restart_resumes_from_checkpoint_and_survives_a_corrupt_one(swarm):
     assert training(again)["step"] >= stopped_at
     wait_for(lambda: training(again)["step"] >= stopped_at + 5, 120, "5 more steps")
     assert swarm.stop_all([again]) == [0]
+    # the tokens went on from the checkpoint's count, and its contributor table names this node
+    resumed = load_checkpoint(node.data_dir / "checkpoint.safetensors")
+    assert int(resumed.meta["tokens"]) == int(resumed.meta["step"]) * per_step
+    assert json.loads(resumed.meta["contributors"]) == {node.peer_id: int(resumed.meta["tokens"])}
 
     # a torn write of the newest checkpoint: the node falls back to the previous one and loses nothing else
     path = node.data_dir / "checkpoint.safetensors"

@@ -3,7 +3,9 @@ scrape (a collector on a registry of the server's own, so nothing is module-leve
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -16,6 +18,7 @@ from node.monitor.source import MonitorSource
 METRIC_NAMES = (
     "murmur_node_info",
     "murmur_uptime_seconds",
+    "murmur_resident_memory_bytes",
     "murmur_step",
     "murmur_round",
     "murmur_rounds_total",
@@ -67,6 +70,8 @@ class NodeCollector(Collector):
                                 value={"peer_id": s["peer_id"], "swarm": s["swarm"], "version": s["version"]})
         yield info
         yield GaugeMetricFamily("murmur_uptime_seconds", "seconds since the node started", value=s["uptime_s"])
+        yield _optional(GaugeMetricFamily("murmur_resident_memory_bytes", "resident memory of the node's process "
+                                          "(absent where /proc is not)", labels=[]), resident_memory_bytes())
         yield GaugeMetricFamily("murmur_step", "training step (optimizer steps taken)", value=s["step"])
         yield GaugeMetricFamily("murmur_round", "current gossip round", value=s["round"])
         yield CounterMetricFamily("murmur_rounds", "gossip rounds run", value=s["rounds_run"])
@@ -145,6 +150,14 @@ def _reachability(s: dict[str, Any]) -> Iterator[Metric]:
                                       "a circuit of this node's relay service at start, 0 if it was cut; absent "
                                       "without a relay service", labels=[]),
                     None if in_force is None else int(in_force))
+
+
+def resident_memory_bytes(statm: Path = Path("/proc/self/statm")) -> int | None:
+    """This process's resident set in bytes (the second field of statm, in pages); None without /proc."""
+    try:
+        return int(statm.read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _labelled(family: CounterMetricFamily, counts: dict[str, int]) -> CounterMetricFamily:

@@ -8,7 +8,7 @@ import json
 from importlib import resources
 from typing import Any
 
-SCHEMA_NAMES = ("status", "peers", "topology", "history", "log", "swarm_eval", "doctor", "error")
+SCHEMA_NAMES = ("status", "peers", "topology", "history", "log", "swarm", "swarm_eval", "doctor", "error")
 
 # path -> (schema name, summary, query parameters: name -> (JSON type, description))
 JSON_ENDPOINTS: dict[str, tuple[str, str, dict[str, tuple[str, str]]]] = {
@@ -18,6 +18,10 @@ JSON_ENDPOINTS: dict[str, tuple[str, str, dict[str, tuple[str, str]]]] = {
     "/api/history": ("history", "time series for the charts", {
         "since": ("number", "only samples taken after this unix time"),
         "limit": ("integer", "only the last N samples (N >= 1)"),
+    }),
+    "/api/swarm": ("swarm", "the swarm page: every peer's step, loss, tokens, uptime, reach and contribution, "
+                   "and the swarm's loss and throughput over time", {
+        "limit": ("integer", "only the last N points of the history (N >= 1)"),
     }),
     "/api/log": ("log", "recent events and errors", {
         "after": ("integer", "only entries with a larger id"),
@@ -52,7 +56,7 @@ def openapi_document() -> dict[str, Any]:
         }}
     paths["/api/events"] = {"get": {
         "summary": "server-sent events: an `update` event each sampling interval with "
-                   "{status, peers, topology, sample, log}",
+                   "{status, peers, topology, sample, log, swarm} (swarm's history: the newest point)",
         "responses": {"200": {"description": "an event stream", "content": {"text/event-stream": {}}}}}}
     paths["/api/eval/average"] = {"post": {
         "summary": "evaluate the swarm-average model: pull every live peer's parameters, average them with "

@@ -25,6 +25,7 @@ from node.monitor.eventlog import LogCapture, Snapshot, log_changes
 from node.monitor.metrics import CONTENT_TYPE, exposition, metrics_registry
 from node.monitor.schemas import openapi_document
 from node.monitor.source import DoctorUnavailable, MonitorSource
+from node.monitor.swarm_view import SwarmHistory, swarm_document, swarm_peers
 from node.swarm.swarm_eval import EvalBusy, EvalUnavailable
 
 logger = logging.getLogger("murmur.monitor")
@@ -106,6 +107,7 @@ class Sampler:
         self._tick = asyncio.Event()
         self._snapshot: Snapshot | None = None
         self._log_seen = 0
+        self.swarm = SwarmHistory()  # the swarm page's loss and throughput over time
 
     @property
     def tick(self) -> asyncio.Event:
@@ -124,8 +126,13 @@ class Sampler:
         if fresh:
             self._log_seen = fresh[-1].id
         self.seq += 1
-        self.message = _dumps({"seq": self.seq, "status": status, "peers": source.peers(), "topology": source.topology(),
-                               "sample": sample.as_json(), "log": [e.as_json() for e in fresh]})
+        peers = source.peers()
+        rows = swarm_peers(peers, status.get("contribution"))
+        point = self.swarm.tick(rows, now)
+        swarm = swarm_document(rows, [point], me=status["peer_id"], interval_s=self.interval_s,
+                               capacity=self.swarm.capacity, now=now)
+        self.message = _dumps({"seq": self.seq, "status": status, "peers": peers, "topology": source.topology(),
+                               "sample": sample.as_json(), "log": [e.as_json() for e in fresh], "swarm": swarm})
         self._publish()
 
     def _publish(self) -> None:
@@ -256,6 +263,12 @@ def build_app(source: MonitorSource, sampler: Sampler, *, host: str = "127.0.0.1
         me = next((p["peer_id"] for p in view if p["self"]), source.status()["peer_id"])
         return {"self": me, "now": time.time(), "record_ttl_s": source.record_ttl_s, "peers": view}
 
+    def swarm(q: dict[str, Any]) -> dict[str, Any]:
+        status = source.status()
+        return swarm_document(swarm_peers(source.peers(), status.get("contribution")),
+                              sampler.swarm.points(limit=q.get("limit")), me=status["peer_id"],
+                              interval_s=sampler.interval_s, capacity=sampler.swarm.capacity, now=time.time())
+
     async def metrics(request: web.Request) -> web.Response:
         _parse_query(request.query, {})
         await sampler.refresh_safely()
@@ -333,6 +346,7 @@ def build_app(source: MonitorSource, sampler: Sampler, *, host: str = "127.0.0.1
     app.router.add_get("/api/peers", endpoint(peers, {}))
     app.router.add_get("/api/topology", topology)
     app.router.add_get("/api/history", endpoint(history, {"since": _finite_float, "limit": _positive_int}))
+    app.router.add_get("/api/swarm", endpoint(swarm, {"limit": _positive_int}))
     app.router.add_get("/api/log", endpoint(
         lambda q: {"entries": [e.as_json() for e in source.events.entries(q.get("after", 0), q.get("limit"))]},
         {"after": _non_negative_int, "limit": _positive_int}))

@@ -21,6 +21,7 @@ import dataclasses
 import importlib.metadata
 import logging
 import math
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,8 @@ from node.net.hivemind_adapter import guard_dht_node
 from node.net.identity import Identity
 from node.net.records import (
     MAX_MADDRS,
+    MAX_TOKEN_RATE,
+    MAX_UPTIME_S,
     BadAddress,
     DiscoveryError,
     PeerRecord,
@@ -62,7 +65,8 @@ from node.net.validation import (
     make_record_validator,
 )
 from node.net.view import MAX_VIEW, cap_view
-from node.swarm.recipe import RecipeInvalid, parse_document
+from node.swarm.contributors import MAX_TOKENS, plausible_tokens, tokens_per_step
+from node.swarm.recipe import RecipeInvalid, SwarmSettings, parse_document
 
 logger = logging.getLogger(__name__)
 
@@ -211,6 +215,8 @@ class Discovery:
         self._refreshed_at = -math.inf  # loop time the latest read of the view began
         self._last_read_began = -math.inf  # ... of the latest read that has ended
         self._read_done = asyncio.Condition()  # notified as each read ends
+        self._started = time.monotonic()  # the record's uptime_s counts from here
+        self._tokens_per_step = 0  # the recipe's, once entered: the most tokens a step may claim
 
     @property
     def peer_id(self) -> str:
@@ -294,6 +300,10 @@ class Discovery:
         self._membership.admission = admission
         self._watch_config = watch_config
         self._local = msgspec.structs.replace(self._local, config_hash=config.config_hash)
+        try:
+            self._tokens_per_step = tokens_per_step(SwarmSettings.from_doc(config.config).training)
+        except (RecipeInvalid, ValueError):  # a config this node runs has parsed before; never 0 tokens for it
+            self._tokens_per_step = 0
         if config.signed and self._config_refreshed_at == -math.inf:  # a founder has just stored it
             await self._store_config(config)
         await self._begin()
@@ -361,9 +371,18 @@ class Discovery:
         capacity: int | None = None,
         gossip_from: int | None = None,
         loss: float | None = None,
+        tokens: int | None = None,
+        tokens_per_s: float | None = None,
+        reach: str | None = None,
     ) -> None:
         """Change what the next heartbeat publishes about this peer. Call from the event loop's thread."""
         changes: dict[str, Any] = {}
+        if tokens is not None:
+            changes["tokens"] = max(0, min(int(tokens), MAX_TOKENS))
+        if tokens_per_s is not None and math.isfinite(tokens_per_s):
+            changes["tokens_per_s"] = max(0.0, min(float(tokens_per_s), MAX_TOKEN_RATE))
+        if reach is not None:
+            changes["reach"] = reach
         if loss is not None and math.isfinite(loss):
             changes["loss"] = float(loss)
         if gossip_from is not None:
@@ -516,7 +535,8 @@ class Discovery:
         dht = self._require_started()
         now = get_dht_time()
         self._local = msgspec.structs.replace(self._local, heartbeat=now,
-                                              credential=self._admission.record_credential(self.peer_id, now))
+                                              credential=self._admission.record_credential(self.peer_id, now),
+                                              uptime_s=min(time.monotonic() - self._started, MAX_UPTIME_S))
         expiration = now + self._settings.ttl_s
         # Remember before storing: a store that times out may still have reached some replicas,
         # and the withdrawal must outrank every record that might be out there.
@@ -659,6 +679,11 @@ class Discovery:
             return None
         if not isinstance(entry, PeerRecord):
             return None
+        tokens = plausible_tokens(entry.tokens, entry.step, self._tokens_per_step)
+        if tokens != entry.tokens:
+            # more than its steps could have processed (or any, in a swarm without a model): clipped
+            self._errors["peer_record_tokens_clipped"] += 1
+            entry = msgspec.structs.replace(entry, tokens=tokens)
         own_hash = self._local.config_hash
         if own_hash and entry.config_hash != own_hash:
             self._errors["peer_record_other_config"] += 1  # a peer of another config (or founder) of this name

@@ -12,6 +12,7 @@ import json
 import re
 import sys
 from collections.abc import Mapping
+from enum import StrEnum
 from typing import Annotated, Any
 
 import msgpack
@@ -21,6 +22,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 
 from gossip.spes import ExpertKey, ExpertRecord, records_from_wire
 from node.net.identity import owner_key_bits, peer_id_of_ssh_key
+from node.swarm.contributors import MAX_TOKENS
 
 _SWARM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _OWNER_KEY = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
@@ -48,6 +50,36 @@ Experts = Annotated[tuple[Count, ...], msgspec.Meta(max_length=_MAX_EXPERTS)]
 Version = Annotated[str, msgspec.Meta(max_length=_MAX_VERSION_CHARS)]
 Credential = Annotated[str, msgspec.Meta(max_length=MAX_CREDENTIAL_CHARS)]
 ConfigHash = Annotated[str, msgspec.Meta(max_length=64)]
+# The work summary a peer publishes (the swarm page, the export's contributors): bounded here, and its
+# tokens clipped to what its step allows where the recipe is known (node.net.discovery).
+MAX_TOKEN_RATE = 1e9
+MAX_UPTIME_S = 20 * 365 * 86400.0
+Tokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
+TokenRate = Annotated[float, msgspec.Meta(ge=0, le=MAX_TOKEN_RATE)]
+Uptime = Annotated[float, msgspec.Meta(ge=0, le=MAX_UPTIME_S)]
+# a free word rather than the enum: a newer peer's new kind must not make older peers drop its record
+ReachWord = Annotated[str, msgspec.Meta(max_length=16, pattern="^[a-z]*$")]
+
+
+class ReachedVia(StrEnum):
+    """How a peer says the swarm reaches it (its record's `reach`): what its reachability check found."""
+
+    DIRECT = "direct"  # dialled back by a peer, or --reachability public
+    RELAYED = "relayed"  # behind NAT: dialled through relays' circuits
+    UNKNOWN = "unknown"  # nobody answered its dial-back request (or an older peer that does not say)
+
+    @classmethod
+    def from_reach(cls, reach: str) -> ReachedVia:
+        """What a reachability check's verdict (node.net.reachability.Reach) tells peers."""
+        return {"public": cls.DIRECT, "private": cls.RELAYED}.get(reach, cls.UNKNOWN)
+
+    @classmethod
+    def of(cls, word: str) -> ReachedVia:
+        """A record's word as a kind; an unknown word is UNKNOWN."""
+        try:
+            return cls(word)
+        except ValueError:
+            return cls.UNKNOWN
 
 
 # What a peer record's address may be made of: the protocols p2pd and py-libp2p dial. Anything else
@@ -111,6 +143,10 @@ class PeerRecord(msgspec.Struct, frozen=True):
     loss: Finite | None = None  # the peer's latest training loss, for the monitors of its peers
     config_hash: ConfigHash = ""  # the swarm config this peer runs; peers of another config are not in a view
     credential: Credential = ""  # proof of membership in a key or allowlist swarm (node.net.admission)
+    tokens: Tokens = 0  # training tokens this peer processed itself (not adopted by a download), over restarts
+    tokens_per_s: TokenRate = 0.0  # its latest step's training throughput
+    uptime_s: Uptime = 0.0  # how long its node process has run
+    reach: ReachWord = ""  # a ReachedVia; "" from peers older than the field
 
 
 class Withdrawal(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -38,6 +38,15 @@ def swarm_meta(runtime: NodeRuntime) -> dict[str, str | int]:
             "founder": swarm.founder if swarm else ""}
 
 
+def contributors_meta(runtime: NodeRuntime) -> dict[str, str]:
+    """The peers' tokens this node has seen (node.swarm.contributors), for the export's model card."""
+    training = runtime.training
+    if training is None:
+        return {}
+    training.observe_contributors()
+    return {"contributors": training.contributors.to_meta()}
+
+
 async def write_checkpoint(runtime: NodeRuntime, path: Path) -> None:
     """The trainer's state (or the vector), with the round and step; OSError is counted as
     `checkpoint_failed` and the previous checkpoint is kept."""
@@ -67,7 +76,8 @@ async def save_swarm_average(runtime: NodeRuntime, tensors: Mapping[str, np.ndar
         "kind": "swarm-average", **swarm_meta(runtime), "written_by": result.self_id, "written_at": time.time(),
         "val_loss": result.loss, "min_step": result.min_step, "max_step": result.max_step,
         "peers": json.dumps([p.peer_id for p in result.included]),
-        "peer_steps": json.dumps({p.peer_id: p.step for p in result.included})}  # each peer's step as pulled
+        "peer_steps": json.dumps({p.peer_id: p.step for p in result.included}),  # each peer's step as pulled
+        **contributors_meta(runtime)}
     await asyncio.to_thread(save_checkpoint, path, tensors, meta)
     await _export_hf_average(runtime, tensors, meta)
     return str(path)
@@ -77,6 +87,7 @@ async def _export_hf_average(runtime: NodeRuntime, tensors: Mapping[str, np.ndar
                              meta: Mapping[str, str | int | float]) -> None:
     """A Hugging Face model's swarm average is also written as a save_pretrained directory beside it
     (the previous one kept as .prev). A failure is logged and counted; the safetensors file stands."""
+    from node.swarm.contributors import parse_contributors
     from node.swarm.export import recipe_of, replace_directory, swarm_doc_of, tokenizer_bytes, write_export
 
     try:
@@ -88,7 +99,8 @@ async def _export_hf_average(runtime: NodeRuntime, tensors: Mapping[str, np.ndar
         manifest = {**{k: meta[k] for k in ("kind", "swarm", "config_hash", "min_step", "max_step", "val_loss",
                                              "written_by")},
                     "model": recipe.model, "peers": json.loads(str(meta["peers"])),
-                    "peer_steps": json.loads(str(meta["peer_steps"]))}
+                    "peer_steps": json.loads(str(meta["peer_steps"])),
+                    "contributors": parse_contributors(meta.get("contributors"))}
         swarm_doc = swarm_doc_of(meta)
         await asyncio.to_thread(replace_directory, data_dir / SWARM_AVERAGE_HF_DIR,
                                 lambda d: write_export(d, recipe, tensors, tokenizer, manifest, swarm_doc), True)

@@ -70,6 +70,7 @@ class SessionEnd(enum.Enum):
 
 async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, runtime: NodeRuntime) -> SessionEnd:
     from node.net.discovery import BootstrapFailed, Discovery, DiscoverySettings
+    from node.net.records import ReachedVia
 
     def data_plane_died() -> None:
         runtime.count("data_plane_died")
@@ -95,6 +96,7 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
         except BootstrapFailed as exc:
             raise StartupError(str(exc)) from None
         runtime.discovery = discovery
+        discovery.update(reach=ReachedVia.from_reach(host.reach.detection.reach).value)  # the swarm page shows it
         stack.push_async_callback(close, discovery, "discovery")
         gate.membership = ViewMembership(discovery)
         runtime.dialer = await start_dialer(transport, discovery, stack, runtime.count)

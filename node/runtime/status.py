@@ -160,13 +160,16 @@ class NodeRuntime:
         return self.reach.status() if self.reach is not None else None
 
     def peers(self) -> list[dict[str, Any]]:
-        """The membership view for the monitor: each peer's last record (its loss validated finite by
-        node.net.discovery) and this node's link to it."""
+        """The membership view for the monitor: each peer's last record (its loss validated finite, its
+        tokens clipped to its step by node.net.discovery) and this node's link to it."""
+        from node.net.records import ReachedVia  # imported by the running daemon already
         me, now, links = self._me(), time.time(), self.links()
         return [{"peer_id": p.peer_id, "self": p.peer_id == me, "address": _address(p.maddrs), "maddrs": list(p.maddrs),
                  "step": p.step, "round": p.round, "loss": p.loss, "experts": list(p.experts),
                  "capacity": p.capacity, "version": p.version, "last_seen": p.heartbeat, "age_s": now - p.heartbeat,
-                 "gossip_from": p.gossip_from, **links.get(p.peer_id, {"connection": None, "goodput_mbit_s": None})}
+                 "gossip_from": p.gossip_from, "tokens": p.tokens, "tokens_per_s": p.tokens_per_s,
+                 "uptime_s": p.uptime_s, "reach": ReachedVia.of(p.reach).value,
+                 **links.get(p.peer_id, {"connection": None, "goodput_mbit_s": None})}
                 for p in self._view()]
 
     def _graph_inputs(self) -> tuple[list[str], MembershipView, TopologySpec | None, str, int]:

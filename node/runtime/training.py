@@ -22,6 +22,7 @@ from node.runtime.saving import save_swarm_average, write_checkpoint
 from node.runtime.shutdown import close_in_thread
 from node.runtime.status import NodeRuntime
 from node.runtime.tokenizer import obtain_tokenizer
+from node.swarm.contributors import ContributorTable, tokens_from_meta, tokens_per_step
 from node.swarm.progress import PeerProgress, stalled_after
 from node.swarm.recipe import SwarmSettings, TrainingRecipe
 from node.train.checkpoint import Checkpoint
@@ -116,6 +117,9 @@ async def start_training(runtime: NodeRuntime, recipe: TrainingRecipe, settings:
     training = SwarmLoop(trainer, peer, discovery, recipe, local, topology_for, connect, lag_window, algorithm,
                          record=runtime.record)
     training.status.started_from = StartedFrom.CHECKPOINT if resumed else StartedFrom.INIT
+    if checkpoint is not None and resumed:  # the work done before this start, and the contributors seen
+        training.tokens_processed = tokens_from_meta(checkpoint.meta.get("tokens"), trainer.step, tokens_per_step(recipe))
+        training.contributors = ContributorTable.from_meta(checkpoint.meta.get("contributors"))
     training.progress = PeerProgress(stalled_after(config.heartbeat_s, config.gossip.exchange_timeout_s))
     runtime.training = training
     training.must_download = (recipe.weights_sha256 is not None and not resumed

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from node.swarm.contributors import parse_contributors
 from node.swarm.model_card import CARD_FILE, ModelFacts, model_card
 from node.swarm.recipe import SwarmSettings, TrainingRecipe, embedded_options
 from node.train.checkpoint import CHECKPOINT_FILE, SWARM_AVERAGE_FILE, Checkpoint, load_checkpoint
@@ -206,6 +207,7 @@ def export_data_dir(data_dir: Path, destination: Path, source: ExportSource | No
                 "min_step": meta.get("min_step"), "max_step": meta.get("max_step"),
                 "peers": json.loads(str(meta["peers"])) if "peers" in meta else None,
                 "peer_steps": json.loads(str(meta["peer_steps"])) if "peer_steps" in meta else None,
+                "contributors": parse_contributors(meta.get("contributors")),
                 "val_loss": meta.get("val_loss"), "written_by": meta.get("written_by"),
                 "source": str(data_dir.absolute())}
     tensors = parameters_of(kind, checkpoint)

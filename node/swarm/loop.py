@@ -23,6 +23,7 @@ import torch
 from gossip.errors import Truncated
 from gossip.exchange import GossipPeer
 from node.swarm.algorithm import Algorithm, StepReport
+from node.swarm.contributors import ContributorTable, tokens_per_step
 from node.swarm.joining import (
     DownloadWatch,
     JoinOutcome,
@@ -236,6 +237,11 @@ class SwarmLoop:
         self.must_download = False
         trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
         self._tokens = 0  # trained since this process started, for bytes_per_token
+        # trained by this node itself since it first started (the start_training restores it from the
+        # checkpoint): what its record claims, and the export's card credits
+        self.tokens_processed = 0
+        self.contributors = ContributorTable()  # every peer's tokens seen in the view (node.swarm.contributors)
+        self._observed_view: object = None
         self.status = TrainingStatus(model=recipe.model, optimizer=recipe.optimizer.algorithm, steps_target=recipe.steps,
                                      trainable_params=trainable, step=trainer.step)
         self._catch_up_with: tuple[int, float | None] | None = None  # margin and epoch of the first catch-up
@@ -504,6 +510,7 @@ class SwarmLoop:
             await self._final_merge(merge, stop, save)
         if self.finished:
             self.peer.park()
+            self.discovery.update(tokens_per_s=0.0)  # it trains no more: the swarm's throughput leaves it out
             self.status.done = True
             logger.info("training done at step %d (val loss %s); serving parameters until stopped",
                         self.trainer.step, _fmt(self.status.val_loss))
@@ -584,8 +591,19 @@ class SwarmLoop:
         return self.algorithm.errors()
 
     def checkpoint_meta(self) -> dict[str, str]:
-        """What the checkpoint carries beyond its tensors (SPES: the expert records)."""
-        return self.algorithm.checkpoint_meta()
+        """What the checkpoint carries beyond its tensors (SPES: the expert records; the tokens this node
+        processed and the contributors it saw)."""
+        self.observe_contributors()
+        return {**self.algorithm.checkpoint_meta(), "tokens": str(self.tokens_processed),
+                "contributors": self.contributors.to_meta()}
+
+    def observe_contributors(self) -> None:
+        """Take the view's tokens (clipped by discovery) into the contributor table, once per view read."""
+        view = self.discovery.view()
+        if view is not self._observed_view:  # discovery replaces the tuple on every read
+            self._observed_view = view
+            self.contributors.observe_view(view)
+        self.contributors.observe(self.peer.peer_id, self.tokens_processed)
 
     def spes_status(self) -> dict[str, Any] | None:
         """The `spes` section of the node's status; None without SPES."""
@@ -595,15 +613,18 @@ class SwarmLoop:
         s = self.status
         s.step = self.trainer.step
         s.loss, s.lr = report.stats.loss, report.stats.lr
-        tokens = self.recipe.batch_size * self.recipe.context * self.recipe.optimizer.micro_batches
+        tokens = tokens_per_step(self.recipe)
         s.tokens_per_s = tokens / report.step_s if report.step_s > 0 else 0.0
         self._tokens += tokens
+        self.tokens_processed += tokens
         sent, received = self.extra_traffic()
         moved = sent + received + self.peer.stats.bytes_sent + self.peer.stats.bytes_received
         s.bytes_per_token = moved / self._tokens
         if report.round is not None:
             s.consensus_distance = report.round.consensus_distance
-        self.discovery.update(step=self.trainer.step, round=self.peer.round, loss=s.loss)
+        self.discovery.update(step=self.trainer.step, round=self.peer.round, loss=s.loss,
+                              tokens=self.tokens_processed, tokens_per_s=s.tokens_per_s)
+        self.observe_contributors()
         if self._record_sample is not None:
             self._record_sample(step=s.step, loss=s.loss, tokens=tokens,
                                 consensus_distance=report.round.consensus_distance if report.round else None)

@@ -3,9 +3,10 @@ model was made — model, data, algorithm, training, contributors — from the e
 swarm's config document and what the exported file records), so the same inputs give the same card
 (docs/training.md, "Export").
 
-Contributors: a swarm average names the peers it averaged (each weighs 1/N in the uniform average)
-and, when written by this murmur, each one's step as pulled;
-a node's checkpoint names no peer. No file records per-peer tokens, so the card says so.
+Contributors: the tokens each peer processed, as the exporting node saw them in the peers' records
+(clipped to what their steps allow, node.swarm.contributors) and kept in the checkpoint's or swarm
+average's `contributors`; a swarm average also names the peers it averaged (each weighs 1/N in the
+uniform average) and, when written by this murmur, each one's step as pulled.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from node.swarm.contributors import MAX_CONTRIBUTORS, parse_contributors, ranked
 from node.swarm.recipe import TrainingRecipe
 
 CARD_FILE = "README.md"
@@ -83,6 +85,20 @@ def _algorithm_lines(recipe: TrainingRecipe, gossip: Mapping[str, Any]) -> list[
     return lines
 
 
+def _token_shares(manifest: Mapping[str, Any]) -> list[str]:
+    """The contributors by tokens processed, most first, with their share of the swarm's tokens."""
+    people = ranked(parse_contributors(manifest.get("contributors")))
+    if not people:
+        return ["No tokens per peer were recorded (a file written by an older murmur, or by a node that "
+                "trained no step)."]
+    total = sum(c.tokens for c in people)
+    lines = [f"{len(people)} contributor(s) processed {total:,} training tokens, as the exporting node saw them in "
+             "their peer records:", "",
+             "| peer | tokens processed | share of the tokens |", "| --- | --- | --- |"]
+    lines += [f"| `{c.peer_id}` | {c.tokens:,} | {100 * c.share:.1f}% |" for c in people]
+    return lines
+
+
 def _contributors(manifest: Mapping[str, Any]) -> list[str]:
     peers = manifest.get("peers")
     if manifest.get("kind") in AVERAGE_KINDS and isinstance(peers, Sequence) and not isinstance(peers, str) and peers:
@@ -93,15 +109,14 @@ def _contributors(manifest: Mapping[str, Any]) -> list[str]:
         steps = {str(k): v for k, v in raw_steps.items()} if isinstance(raw_steps, Mapping) else {}
         lines = [f"The swarm average over {len(ids)} peer(s), taken by "
                  + (f"`{writer}`" if writer else "the exporting node") + ":", "",
-                 "| peer | step when averaged | share of the average |", "| --- | --- | --- |"]
+                 "| peer | step when averaged | weight in the average |", "| --- | --- | --- |"]
         lines += [f"| `{p}` | {_int(steps.get(p)) if _int(steps.get(p)) is not None else 'not recorded'} | {share:.1f}% |"
                   for p in ids]
         lines += ["", "Each peer's parameters weigh 1/N in the uniform average (with SPES, the shared weights; "
                   "each expert is averaged over its owners)."]
         return lines
-    return ["This node only: the export is one node's own checkpoint, which does not name its peer id. "
-            "Its parameters also carry what it mixed in from its neighbours by gossip, in proportions no "
-            "file records."]
+    return ["The export is one node's own checkpoint. Its parameters also carry what it mixed in from its "
+            "neighbours by gossip, in proportions no file records."]
 
 
 def model_card(recipe: TrainingRecipe, manifest: Mapping[str, Any], facts: ModelFacts,
@@ -154,10 +169,12 @@ def model_card(recipe: TrainingRecipe, manifest: Mapping[str, Any], facts: Model
     if manifest.get("val_loss") is not None:
         body.append(f"- validation loss: {float(manifest['val_loss']):.4f} (nats per token, on the exporting node's "
                     "validation split)")
-    body += ["", "## Contributors", "", *_contributors(manifest), "",
-             "Limitation: murmur records no per-peer token counts. A peer's step is its place in the shared "
-             "schedule, not the work it did (a node that joins adopts the swarm's step), so a share here is a "
-             "weight in the exported model, not a share of the tokens trained on.", ""]
+    body += ["", "## Contributors", "", *_token_shares(manifest), "", *_contributors(manifest), "",
+             "Limitation: a peer's tokens are what its own records claimed, held to its step times the tokens "
+             "per step (a node that joins adopts the swarm's step but counts only the tokens it trained itself); "
+             "peers the exporting node never saw are missing, and it keeps at most "
+             f"{MAX_CONTRIBUTORS} (the largest). A peer's step is its place in the shared schedule, not the work it "
+             "did, so a weight in the average is not a share of the tokens.", ""]
     return "\n".join(front + body)
 
 

@@ -22,10 +22,15 @@ class PeerRecordLike(Protocol):
 
 class SwarmRecord(PeerRecordLike, ProgressRecord, Protocol):
     """What the loop, a joiner and the algorithms read of a membership record (node.net.records.PeerRecord):
-    how to reach the peer, its progress, and its capacity."""
+    how to reach the peer, its progress, its capacity and its tokens processed."""
 
     @property
     def capacity(self) -> int: ...
+
+    @property
+    def tokens(self) -> int:
+        """Training tokens the peer says it processed (clipped to its step by node.net.discovery)."""
+        ...
 
 
 class Membership(Protocol):
@@ -35,6 +40,7 @@ class Membership(Protocol):
         """Live peers (this one included), sorted by peer id."""
         ...
 
-    def update(self, *, step: int | None = None, round: int | None = None, loss: float | None = None) -> None:
-        """Change what the next heartbeat publishes about this peer."""
+    def update(self, *, step: int | None = None, round: int | None = None, loss: float | None = None,
+               tokens: int | None = None, tokens_per_s: float | None = None) -> None:
+        """Change what the next heartbeat publishes about this peer (tokens: processed so far, over restarts)."""
         ...

@@ -7,7 +7,7 @@ const STALE_AFTER_MS = 3500; // the node pushes an update every second; silence 
 const LOG_KEEP = 100;
 
 const state = { status: null, peers: [], topology: null, samples: [], log: [], lastUpdate: 0, online: null,
-                capacity: 1800 };
+                capacity: 1800, swarm: null, swarmPoints: [] };
 
 function $(id) { return document.getElementById(id); }
 
@@ -142,6 +142,63 @@ function renderPeers() {
     body.appendChild(row);
   }
   $("peers-caption").textContent = `${state.peers.length} alive (records expire after ${fmt(state.recordTtl ?? 0, 2)} s)`;
+}
+
+// ---- swarm view ---------------------------------------------------------------------------------
+
+function fmtCount(v) { return Math.round(v).toLocaleString("en-US"); }
+
+function renderSwarm() {
+  const w = state.swarm;
+  if (!w) return;
+  $("swarm-peers-count").textContent = w.peers.length;
+  $("swarm-loss").textContent = w.loss === null ? "—" : fmt(w.loss);
+  $("swarm-throughput").textContent = fmt(w.tokens_per_s, 3);
+  $("swarm-tokens").textContent = fmtCount(w.tokens);
+  const body = $("swarm-peers");
+  body.replaceChildren();
+  for (const p of w.peers) {
+    const row = document.createElement("tr");
+    row.dataset.peerId = p.peer_id;
+    row.dataset.step = p.step;
+    row.dataset.tokens = p.tokens;
+    if (p.self) row.className = "self";
+    const link = p.self ? "—" : (p.connection || "none");
+    const score = p.score === null ? "–" : fmt(p.score, 3);
+    const cells = [
+      [shortId(p.peer_id), "mono peer", p.peer_id], [p.step, "step"], [p.loss === null ? "—" : fmt(p.loss), "loss"],
+      [fmt(p.tokens_per_s, 3), "rate"], [p.reach, "reach"], [link, `link ${link}`, LINK_TITLES[link] || ""],
+      [fmtDuration(p.uptime_s), "uptime"], [fmtCount(p.tokens), "tokens"],
+      [`${(100 * p.share).toFixed(1)}%`, "share"],
+      [score, "score", p.score_state ? `${p.score_state}, ${p.rated_rounds} rated round(s)` : "not rated by this node"],
+    ];
+    for (const [text, cls, title] of cells) {
+      const td = document.createElement("td");
+      td.textContent = text;
+      if (cls) td.className = cls;
+      if (title) td.title = title;
+      if (cls === "score" && p.score_state) td.dataset.state = p.score_state;
+      row.appendChild(td);
+    }
+    body.appendChild(row);
+  }
+  $("swarm-caption").textContent = "as this node's view of the peers' records has it";
+  const points = state.swarmPoints;
+  drawChart($("chart-swarm-loss"), [{ name: "mean loss", cls: "s0", points: pointsOf(points, "loss") }],
+            { empty: "no peer has published a loss yet" });
+  drawChart($("chart-swarm-throughput"), [{ name: "tokens/s", cls: "s2", points: pointsOf(points, "tokens_per_s") }],
+            { empty: "no points yet" });
+}
+
+function addSwarm(swarm) {
+  state.swarm = swarm;
+  const last = state.swarmPoints[state.swarmPoints.length - 1];
+  for (const p of swarm.history) {
+    if (last && p.t < last.t) state.swarmPoints = []; // the node restarted: its history began anew
+    const newest = state.swarmPoints[state.swarmPoints.length - 1];
+    if (!newest || p.t > newest.t) state.swarmPoints.push(p);
+  }
+  state.swarmPoints = state.swarmPoints.slice(-swarm.capacity);
 }
 
 // ---- topology graph -----------------------------------------------------------------------------
@@ -309,13 +366,15 @@ function renderLog() {
   }
 }
 
-function renderAll() { renderHeader(); renderPeers(); renderTopology(); renderCharts(); renderLog(); }
+function renderAll() { renderHeader(); renderSwarm(); renderPeers(); renderTopology(); renderCharts(); renderLog(); }
 
 // ---- data flow ----------------------------------------------------------------------------------
 
 async function loadAll() {
-  const [status, peers, topology, history, log] = await Promise.all(
-    ["/api/status", "/api/peers", "/api/topology", "/api/history", "/api/log"].map(getJSON));
+  const [status, peers, topology, history, log, swarm] = await Promise.all(
+    ["/api/status", "/api/peers", "/api/topology", "/api/history", "/api/log", "/api/swarm"].map(getJSON));
+  state.swarmPoints = [];
+  addSwarm(swarm);
   state.status = status;
   state.peers = peers.peers;
   state.recordTtl = peers.record_ttl_s;
@@ -334,6 +393,7 @@ function applyUpdate(msg) {
   state.status = msg.status;
   state.peers = msg.peers;
   state.topology = msg.topology;
+  if (msg.swarm) addSwarm(msg.swarm);
   addLog(msg.log);
   renderAll();
 }

@@ -1,0 +1,118 @@
+"""The swarm page's data (`GET /api/swarm`): every peer's published summary as this node's view holds it
+(its own record included), each one's share of the tokens and contribution score, and the swarm's loss and
+throughput over time in a bounded history."""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+
+DEFAULT_CAPACITY = 1800  # as the node's own history: 30 minutes at one point a second
+SCORE_STATES = ("rated", "down_weighted", "excluded")  # the contribution scores' states (`/api/status`)
+
+
+class SwarmPeer(msgspec.Struct, frozen=True):
+    """One row of the swarm table (schemas/swarm.json)."""
+
+    peer_id: str
+    self: bool
+    step: int
+    loss: float | None
+    tokens: int  # processed by the peer itself, as its record claims (clipped to its step)
+    tokens_per_s: float
+    uptime_s: float
+    reach: str  # how the swarm reaches it, as it says: direct, relayed, unknown
+    connection: str | None  # this node's connection to it (None for this node)
+    share: float  # of the tokens of every peer in view, 0..1
+    score: float | None  # its contribution score, where this node rates peers
+    rated_rounds: int | None
+    score_state: str | None
+
+
+class SwarmPoint(msgspec.Struct, frozen=True):
+    """The swarm as this node saw it at one sampling tick."""
+
+    t: float
+    peers: int
+    loss: float | None  # mean of the peers' published losses (those that published one)
+    tokens_per_s: float  # sum of the peers' throughputs
+    tokens: int  # sum of the peers' tokens processed
+
+
+def _number(value: object) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value) else None
+
+
+def _score(entry: object) -> tuple[float | None, int | None, str | None]:
+    """A `contribution` entry of `/api/status` (another module's: read defensively), as (score, rounds, state)."""
+    if not isinstance(entry, Mapping):
+        return None, None, None
+    rounds = entry.get("rated_rounds")
+    state = entry.get("state")
+    return (_number(entry.get("score")), rounds if isinstance(rounds, int) and not isinstance(rounds, bool) else None,
+            state if state in SCORE_STATES else None)
+
+
+def swarm_peers(peers: Sequence[Mapping[str, Any]], contribution: object = None) -> list[SwarmPeer]:
+    """The rows from the monitor's peers (NodeRuntime.peers) and the status's `contribution` map, if any."""
+    scores = contribution if isinstance(contribution, Mapping) else {}
+    total = sum(int(p.get("tokens") or 0) for p in peers)
+    rows = []
+    for p in peers:
+        tokens = int(p.get("tokens") or 0)
+        score, rounds, state = _score(scores.get(p["peer_id"]))
+        rows.append(SwarmPeer(
+            peer_id=p["peer_id"], self=bool(p.get("self")), step=int(p.get("step") or 0), loss=_number(p.get("loss")),
+            tokens=tokens, tokens_per_s=_number(p.get("tokens_per_s")) or 0.0,
+            uptime_s=_number(p.get("uptime_s")) or 0.0, reach=str(p.get("reach") or "unknown"),
+            connection=None if p.get("self") else p.get("connection"), share=tokens / total if total else 0.0,
+            score=score, rated_rounds=rounds, score_state=state))
+    return rows
+
+
+def swarm_point(rows: Sequence[SwarmPeer], now: float) -> SwarmPoint:
+    losses = [r.loss for r in rows if r.loss is not None]
+    return SwarmPoint(t=now, peers=len(rows), loss=sum(losses) / len(losses) if losses else None,
+                      tokens_per_s=sum(r.tokens_per_s for r in rows), tokens=sum(r.tokens for r in rows))
+
+
+class SwarmHistory:
+    """The swarm's points, one per sampling tick, the newest `capacity` of them."""
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        if capacity < 2:
+            raise ValueError(f"a swarm history holds at least 2 points, got capacity={capacity}")
+        self._points: collections.deque[SwarmPoint] = collections.deque(maxlen=capacity)
+
+    @property
+    def capacity(self) -> int:
+        return self._points.maxlen or 0
+
+    def tick(self, rows: Sequence[SwarmPeer], now: float) -> SwarmPoint:
+        point = swarm_point(rows, now)
+        self._points.append(point)
+        return point
+
+    def points(self, limit: int | None = None) -> list[SwarmPoint]:
+        """The last `limit` points (all when None), oldest first."""
+        chosen = list(self._points)
+        return chosen[-limit:] if limit is not None else chosen
+
+
+def swarm_document(rows: Sequence[SwarmPeer], points: Sequence[SwarmPoint], *, me: str, interval_s: float,
+                   capacity: int, now: float) -> dict[str, Any]:
+    """`GET /api/swarm` (schemas/swarm.json): the rows, the current totals and the history."""
+    current = swarm_point(rows, now)
+    doc: dict[str, Any] = msgspec.to_builtins({
+        "self": me, "now": now, "interval_s": interval_s, "capacity": capacity,
+        "peers": list(rows), "loss": current.loss, "tokens_per_s": current.tokens_per_s, "tokens": current.tokens,
+        "history": list(points)})
+    return doc
+
+
+__all__ = ["SwarmHistory", "SwarmPeer", "SwarmPoint", "swarm_document", "swarm_peers", "swarm_point"]

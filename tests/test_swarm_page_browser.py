@@ -1,0 +1,87 @@
+"""The swarm page in Chromium on a real 4-node training swarm (issue 27, items 3 and 5): one node's page
+lists every node of the swarm with its step and its contribution (tokens processed and share), and the
+export of that node's checkpoint names the four contributors in its model card."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_monitor_browser import CHROMIUM_ARGS, SETUP_TIMEOUT_MS, artifacts, browser, open_page  # noqa: F401
+
+from support.swarm_harness import Swarm
+
+pytestmark = pytest.mark.browser
+
+MURMUR = str(Path(sys.executable).with_name("murmur"))
+NODES = 4
+BATCH, CONTEXT = 1, 8
+TOKENS_PER_STEP = BATCH * CONTEXT  # one micro-batch
+# min_peers 4: the four start training together from step 0, so none downloads (and each one's tokens
+# are its own steps')
+TRAINING = {"model": "dense", "batch_size": BATCH, "context": CONTEXT, "threads": 1, "eval_every": 50,
+            "min_peers": NODES, "heartbeat": 2.0}
+ROWS = "[...document.querySelectorAll('#swarm-peers tr')]"
+
+
+def swarm_rows(page) -> list[dict]:
+    return page.eval_on_selector_all(
+        "#swarm-peers tr", "rows => rows.map(r => ({peer: r.dataset.peerId, step: Number(r.dataset.step), "
+        "tokens: Number(r.dataset.tokens), self: r.classList.contains('self'), "
+        "share: r.querySelector('td.share').textContent, score: r.querySelector('td.score').textContent, "
+        "reach: r.querySelector('td.reach').textContent}))")
+
+
+def test_the_swarm_page_lists_every_node_with_its_step_and_contribution_and_the_export_names_them(
+        tmp_path, browser, artifacts) -> None:  # noqa: F811
+    with Swarm(tmp_path, **TRAINING) as swarm:
+        nodes = swarm.start(NODES)
+        first = nodes[0]
+        errors: list[str] = []
+        page = open_page(browser, first, errors)
+        want = sorted(n.peer_id for n in nodes)
+        # every node in the table, each having trained and said so in its record
+        try:
+            page.wait_for_function(
+                f"want => JSON.stringify({ROWS}.map(r => r.dataset.peerId).sort()) === JSON.stringify(want)"
+                f" && {ROWS}.every(r => Number(r.dataset.step) > 0 && Number(r.dataset.tokens) > 0)",
+                arg=want, timeout=SETUP_TIMEOUT_MS * 2)
+        except Exception as exc:
+            raise AssertionError(f"the swarm table shows {swarm_rows(page)}, not all of {want} trained\n"
+                                 f"{swarm.logs()}") from exc
+        rows = swarm_rows(page)
+        statuses = {n.peer_id: n.status() for n in nodes}
+        assert [r["peer"] for r in rows if r["self"]] == [first.peer_id]
+        for row in rows:
+            # a row is one record: its tokens are the steps that peer trained itself, and the page is
+            # never ahead of the node it shows
+            assert 0 < row["tokens"] <= row["step"] * TOKENS_PER_STEP, row
+            assert row["step"] <= statuses[row["peer"]]["step"], (row, statuses[row["peer"]]["step"])
+            assert row["reach"] in ("direct", "relayed", "unknown")
+        total = sum(r["tokens"] for r in rows)
+        for row in rows:  # each share is its tokens over the table's, as shown to a tenth of a percent
+            assert row["share"] == f"{100 * row['tokens'] / total:.1f}%", (row, total)
+        # scores come from /api/status's `contribution` where a node rates peers; "–" where it does not
+        scores = statuses[first.peer_id].get("contribution") or {}
+        assert all((r["score"] == "–") == (r["peer"] not in scores) for r in rows), (rows, scores)
+        page.wait_for_function("() => Number(document.getElementById('chart-swarm-throughput').dataset.points) >= 2",
+                               timeout=SETUP_TIMEOUT_MS)
+        assert int(page.inner_text("#swarm-peers-count")) == NODES
+        page.screenshot(path=str(artifacts / "monitor-swarm.png"), full_page=True)
+        assert errors == [], errors
+
+        # a clean stop writes the final checkpoint, with the contributors this node saw
+        assert swarm.stop_all(nodes, timeout_s=60) == [0] * NODES, swarm.logs()
+    out = tmp_path / "export"
+    done = subprocess.run([MURMUR, "export", "--data-dir", str(first.data_dir), "--from", "checkpoint", "--to", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    contributors = json.loads((out / "murmur.json").read_text())["contributors"]
+    assert sorted(contributors) == want and all(n > 0 for n in contributors.values())
+    card = (out / "README.md").read_text(encoding="utf-8")
+    assert f"{NODES} contributor(s) processed" in card
+    for peer in want:
+        assert f"| `{peer}` | {contributors[peer]:,} |" in card, peer
