@@ -29,7 +29,7 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum, StrEnum
 from typing import Protocol
@@ -42,6 +42,7 @@ from gossip.codecs import Codec
 from gossip.errors import BadSchema, ManifestMismatch, Truncated, WireError
 from gossip.limits import DEFAULT_INCOMING, CountPerKey, IncomingLimits, PeerBuckets
 from gossip.mixing import IncrementalMix, MixingKind, MixingRule, effective_weights
+from gossip.pace import DEFAULT_PACE, TransferPace, TransferProgress
 from gossip.robust import ClipSettings, Mixer, ValueBound
 from gossip.stream import Accounting, Frames, IncomingMessage, MessageStream, TensorsUnsendable
 from gossip.transport import GOSSIP_PROTOCOL, Stream, Transport
@@ -56,6 +57,7 @@ from gossip.wire import (
     ValuesSink,
     WireLimits,
     iter_message,
+    message_nbytes,
     tensor_specs,
 )
 from gossip.wire.header import make_header, pack_header
@@ -129,6 +131,8 @@ class ExchangeSettings:
     incoming: IncomingLimits = DEFAULT_INCOMING
     # who may send to us, and the proof our own messages carry (key and allowlist swarms)
     admission: StreamAdmission = OPEN
+    # whole-model transfers outside rounds (fetch and its answer): deadlines on progress and size
+    pace: TransferPace = DEFAULT_PACE
 
 
 @dataclass
@@ -494,12 +498,47 @@ class GossipPeer:
             raise PartnerMissed(slot.failure)
         return slot.received
 
-    async def fetch(self, peer: str) -> tuple[dict[str, np.ndarray], int, int]:
-        """`peer`'s current tensors, round and step: a pull outside any round (a joiner's download).
-        Validated like every reply; raises WireError, PeerRejected, ConnectionError or TimeoutError."""
-        deadline = asyncio.get_running_loop().time() + 4 * self._settings.exchange_timeout_s
-        got = await self._request(peer, PULL, {}, 0, deadline, meta={CURRENT: True})
-        return got.tensors, got.round, got.step
+    async def fetch(self, peer: str, progress: TransferProgress | None = None, *,
+                    answer_timeout_s: float | None = None) -> tuple[dict[str, np.ndarray], int, int]:
+        """`peer`'s current tensors, round and step: a pull outside any round (a joiner's download, the
+        swarm-average evaluation, the final merge). Validated like every reply; raises WireError,
+        PeerRejected, ConnectionError or TimeoutError (TransferStalled when a piece stalls).
+
+        The dial, the request and the answer's header get `answer_timeout_s` (default: 4 exchange
+        deadlines); then the payload, whose
+        size the header fixes, is read frame by frame, each within the stall timeout, and all of it
+        within its size over the goodput measured for `peer` (`TransferPace.whole_s`): a slow but
+        moving link finishes, a stalled or trickling one is cut. `progress`, if given, follows the payload."""
+        loop = asyncio.get_running_loop()
+        pace = self._settings.pace
+        answer_s = 4 * self._settings.exchange_timeout_s if answer_timeout_s is None else answer_timeout_s
+        async with asyncio.timeout(answer_s) as deadline:
+            stream = MessageStream(await self._transport.open_stream(peer, self._protocol), self._accounting)
+            try:
+                await stream.send(self._frames({}, 0, PULL, {CURRENT: True}))
+                incoming = await self._read_reply_header(stream, pace.stall_timeout_s,
+                                                         progress.add if progress is not None else None)
+                header = incoming.header
+                if header.kind == REPLY:
+                    _check_manifest(header, self._specs)
+                    deadline.reschedule(loop.time() + pace.whole_s(header.payload_nbytes, self._goodput(peer)))
+                    if progress is not None:
+                        progress.begin(peer, header.payload_nbytes)
+                reply = await incoming.rest()
+            finally:
+                await stream.close()
+        if header.kind == REJECT:
+            raise PeerRejected(str(header.meta.get("error", "unspecified")))
+        if header.kind != REPLY:
+            raise BadSchema(f"expected a reply, got a {header.kind!r} message")
+        self.stats.exchanges_ok += 1
+        return reply.tensors, header.round, header.step
+
+    def _goodput(self, peer: str) -> float | None:
+        """The goodput (Mbit/s) the transport measured from `peer` lately; None if it measures none."""
+        measured = getattr(self._transport, "goodput_mbit_s", None)
+        value = measured(peer) if callable(measured) else None
+        return value if isinstance(value, float) else None
 
     def park(self) -> None:
         """This peer runs no more rounds (its training is done): answer pulls at once with the
@@ -573,6 +612,18 @@ class GossipPeer:
                 raise ConnectionError(f"{stream.remote_peer} hung up without answering") from None
             raise
 
+    async def _read_reply_header(self, stream: MessageStream, stall_s: float,
+                                 on_bytes: Callable[[int], None] | None) -> IncomingMessage:
+        """The answer's header, as `_read_reply` reads the whole answer, every frame within `stall_s`."""
+        before = stream.received
+        try:
+            return await stream.read_header(self._request_limits, self._expect_peer, stall_s=stall_s,
+                                            on_bytes=on_bytes)
+        except Truncated:
+            if stream.received == before:
+                raise ConnectionError(f"{stream.remote_peer} hung up without answering") from None
+            raise
+
     # ---- serving ---------------------------------------------------------------------------------
 
     async def _serve(self, raw: Stream) -> None:
@@ -633,7 +684,13 @@ class GossipPeer:
             return
         answer: tuple[Tensors, int]
         if header.meta.get(CURRENT) is True:
-            answer = (self._tensors, self.round)
+            # a whole model outside any round: paced like the asker's read (fetch), not cut at a round's deadline
+            tensors, pace = self._tensors, self._settings.pace
+            nbytes = message_nbytes(tensors, self._settings.codec)
+            async with asyncio.timeout(pace.whole_s(nbytes)):
+                await stream.send(self._frames(tensors, self.round, REPLY), stall_s=pace.stall_timeout_s)
+            self.stats.exchanges_ok += 1
+            return
         else:
             try:
                 async with asyncio.timeout_at(deadline):

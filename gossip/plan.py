@@ -18,6 +18,7 @@ from typing import Any
 from gossip.codecs import Codec, Fp32Codec, get_codec
 from gossip.diloco.config import DILOCO_DEFAULTS
 from gossip.optimizers import OptimizerConfig
+from gossip.pace import DEFAULT_PACE, TransferPace
 from gossip.rules import Knobs, Rule, broken_rules
 from gossip.wire import MetaValue, TensorSpec, message_nbytes
 from topology import MembershipView, Topology, TopologySpec, build_topology, peer_round
@@ -438,14 +439,41 @@ def allreduce_estimate(config: PlanConfig, *, codec: Codec | None = None, every:
 
 
 @dataclass(frozen=True)
+class Download:
+    """A joiner's download of the whole model from one donor: its bytes, the time the link takes for
+    them, and the longest the transfer deadlines allow it before any goodput is measured (gossip.pace)."""
+
+    nbytes: int
+    seconds: float
+    bound_s: float
+
+    def as_json(self) -> dict[str, Any]:
+        return {"bytes": self.nbytes, "seconds": self.seconds, "bound_s": self.bound_s}
+
+
+def download_estimate(config: PlanConfig, pace: TransferPace = DEFAULT_PACE) -> Download:
+    """The whole model as a donor serves it: in the swarm's codec for dsgd and dadam, in fp32 for DiLoCo
+    and compressed gossip (their main peer serves whole models losslessly), over the link after the
+    request's round trips (the dial, the pull)."""
+    lossless = config.algorithm == Algorithm.DILOCO or config.compression == Compression.CHOCO
+    h = config.header
+    nbytes = message_nbytes(config.specs, Fp32Codec() if lossless else config.codec, swarm=h.swarm,
+                            config_hash=h.config_hash, sender=h.sender, round=h.round, step=h.step, kind="reply")
+    seconds = config.link.transfer_s(nbytes) + 2 * PULL_ROUND_TRIPS * config.link.latency_s
+    return Download(nbytes, seconds, pace.whole_s(nbytes))
+
+
+@dataclass(frozen=True)
 class Plan:
     """The prediction for one configuration: gossip as configured, ring all-reduce with the same codec
-    and sync period, and data-parallel training (fp32 all-reduce every step) for reference."""
+    and sync period, and data-parallel training (fp32 all-reduce every step) for reference; and a
+    joiner's download."""
 
     gossip: Estimate
     allreduce: Estimate
     data_parallel: Estimate
     numel: int
+    download: Download
 
     @property
     def winner(self) -> Winner:
@@ -471,7 +499,8 @@ class Plan:
                 "vs_data_parallel": {"speedup": self.data_parallel.step_s / self.gossip.step_s
                                      if self.gossip.step_s > 0 else 1.0,
                                      "bytes_ratio": self.gossip.sent_bytes_per_step
-                                     / self.data_parallel.sent_bytes_per_step}}
+                                     / self.data_parallel.sent_bytes_per_step},
+                "download": self.download.as_json()}
 
 
 def make_plan(config: PlanConfig) -> Plan:
@@ -479,7 +508,7 @@ def make_plan(config: PlanConfig) -> Plan:
     return Plan(gossip=gossip_estimate(config), allreduce=allreduce_estimate(config),
                 data_parallel=allreduce_estimate(config, codec=Fp32Codec(), every=1,
                                                  name="data parallel (fp32 all-reduce every step)"),
-                numel=config.numel)
+                numel=config.numel, download=download_estimate(config))
 
 
 def bytes_per_node(config: PlanConfig, steps: int) -> float:

@@ -9,15 +9,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from gossip.errors import BadSchema, WireError
+from gossip.pace import PIECE_BYTES, TransferStalled
 from gossip.transport import Stream
 from gossip.wire import Expectation, Header, Message, MessageReader, ValuesSink, WireLimits
 
 Frames = Iterable[bytes | memoryview]
+T = TypeVar("T")
 
 
 class TensorsUnsendable(Exception):
@@ -73,15 +75,19 @@ class MessageStream:
     def remote_peer(self) -> str:
         return self._stream.remote_peer
 
-    async def send(self, frames: Frames) -> None:
+    async def send(self, frames: Frames, stall_s: float | None = None) -> None:
         """Write a message's buffers as they are produced (`gossip.wire.iter_message`), so the first
         are on their way while later ones are encoded. A buffer that fails its check after earlier
         ones went out (e.g. a NaN) cannot be finished, and a reject after part of a message would be
         garbage to the receiver: counted as `unsendable` and raised as TensorsUnsendable; the caller
-        closes the stream, which the receiver reads as a truncated message."""
+        closes the stream, which the receiver reads as a truncated message. With `stall_s`, a frame the
+        peer does not take within that long raises TransferStalled (gossip.pace)."""
         try:
             for frame in frames:
-                await self._stream.write(frame)
+                if stall_s is None:
+                    await self._stream.write(frame)
+                else:
+                    await _within_stall(self._stream.write(frame), stall_s, "writing a frame to", self.remote_peer)
                 self._accounting.counts.bytes_sent += len(frame)
         except WireError as exc:
             self._accounting.counts.errors["unsendable"] += 1
@@ -95,14 +101,31 @@ class MessageStream:
         return await (await self.read_header(limits, expected, on_values)).rest()
 
     async def read_header(self, limits: WireLimits, expected: Expectation | None,
-                          on_values: ValuesSink | None = None) -> IncomingMessage:
+                          on_values: ValuesSink | None = None, *, stall_s: float | None = None,
+                          on_bytes: Callable[[int], None] | None = None) -> IncomingMessage:
         """One message's header, checked (BadSchema if it names another sender than the stream's
-        peer), and not a byte of its payload: the caller decides whether to read the rest."""
-        async def read_exactly(n: int) -> bytes:
-            data = await self._stream.read_exactly(n)
+        peer), and not a byte of its payload: the caller decides whether to read the rest.
+
+        With `stall_s`, the stream is read in pieces of at most PIECE_BYTES, each of which must arrive
+        within that long, else TransferStalled (gossip.pace): a deadline on progress, which the
+        caller's on the whole bounds. `on_bytes` sees the size of every piece read, header included."""
+        def count(data: bytes) -> bytes:
             self._accounting.counts.bytes_received += len(data)
             self.received += len(data)
+            if on_bytes is not None:
+                on_bytes(len(data))
             return data
+
+        async def read_exactly(n: int) -> bytes:
+            if stall_s is None:
+                return count(await self._stream.read_exactly(n))
+            pieces = []
+            while n:
+                piece = await _within_stall(self._stream.read_exactly(min(n, PIECE_BYTES)), stall_s,
+                                            "reading from", self.remote_peer)
+                pieces.append(count(piece))
+                n -= len(piece)
+            return pieces[0] if len(pieces) == 1 else b"".join(pieces)  # no piece: n was 0
 
         # the sender is checked with the header, before any payload (and before the sender's admission)
         checked = replace(expected, sender=self.remote_peer) if expected is not None else None
@@ -137,3 +160,11 @@ class MessageStream:
 
     async def close(self) -> None:
         await self._stream.close()
+
+
+async def _within_stall(step: Awaitable[T], stall_s: float, doing: str, peer: str) -> T:
+    try:
+        async with asyncio.timeout(stall_s):
+            return await step
+    except TimeoutError:
+        raise TransferStalled(f"stalled {doing} {peer}: nothing moved for {stall_s:g} s") from None

@@ -154,7 +154,7 @@ class Swarm:
         self.asked: list[str] = []
         self.trained = np.full(16, 1.0, np.float32)
 
-    async def fetch(self, peer: str) -> tuple[dict[str, np.ndarray], int, int]:
+    async def fetch(self, peer: str, progress: object = None) -> tuple[dict[str, np.ndarray], int, int]:
         self.asked.append(peer)
         value, step = self.answers[peer]
         if isinstance(value, Exception):

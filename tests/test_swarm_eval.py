@@ -174,9 +174,9 @@ def test_a_second_request_while_one_runs_is_refused_as_busy(corpus: Corpus):
             fetches = []
             real_fetch = mine.fetch
 
-            async def counting_fetch(peer: str):
+            async def counting_fetch(peer: str, **kwargs):
                 fetches.append(peer)
-                return await real_fetch(peer)
+                return await real_fetch(peer, **kwargs)
 
             mine.fetch = counting_fetch
             evaluator = SwarmEvaluator(trainer, mine, view_of("me", "slow"), fetch_timeout_s=1.0)

@@ -14,7 +14,8 @@ from node.cli.args import PRECEDENCE, number
 from node.cli.status import add_monitor_target, monitor_token, no_node, post_monitor, print_answer, status_url
 from node.config import Command
 
-# The node pulls each peer for at most 30 s (node.swarm.swarm_eval.FETCH_TIMEOUT_S), then evaluates.
+# The node pulls every peer at once, each answer begun within 30 s (node.swarm.swarm_eval.FETCH_TIMEOUT_S) and
+# its transfer paced by its size (gossip.pace: a large model over a slow link can take longer), then evaluates.
 DEFAULT_TIMEOUT_S = 300.0
 
 

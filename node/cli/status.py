@@ -75,6 +75,12 @@ def format_status(status: dict[str, Any]) -> str:
                      f"tokens/s {_figure(status.get('tokens_per_s'), 3)}")
     else:
         lines.append("loss     n/a (vector mode: no model is trained)")
+    join = status.get("join")
+    if join:  # a catch-up's downloads are running (node.swarm.joining.JoinProgress)
+        share = join["bytes_done"] / join["bytes_total"] if join["bytes_total"] else 0.0
+        eta = f", {_duration(join['eta_s'])} left" if join.get("eta_s") is not None else ""
+        lines.append(f"download {join['bytes_done'] / 1e6:.1f} / {join['bytes_total'] / 1e6:.1f} MB ({100 * share:.0f}%) "
+                     f"at {join['rate_bps'] / 1e6:.2f} MB/s{eta} from {', '.join(join['donors'])}")
     if status.get("consensus_distance") is not None:
         lines.append(f"consensus distance {_figure(status['consensus_distance'])}")
     experts = status.get("experts") or []

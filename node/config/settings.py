@@ -10,6 +10,7 @@ from gossip.codecs import DEFAULT_TOPK_RATIO
 from gossip.diloco import DILOCO_DEFAULTS
 from gossip.mixing import MixingKind, MixingRule
 from gossip.optimizers import OptimizerConfig
+from gossip.pace import DEFAULT_PACE
 from gossip.scoring import ScoringSettings
 from gossip.spes import SpesConfig
 from node.config.kinds import LOOPBACK_LISTEN
@@ -99,6 +100,10 @@ class GossipConfig:
     choco_gamma: float | None = None  # CHOCO's consensus step; None: gossip.choco.default_gamma of the codec
     round_interval_s: float = 1.0  # time between the starts of two gossip rounds
     exchange_timeout_s: float = 5.0  # one exchange with one neighbour, after which it counts as missing
+    # whole-model transfers (downloads, evaluation pulls): cut when a piece stalls this long (s), and
+    # given time for their size at this goodput (Mbit/s) at least (gossip.pace)
+    stall_timeout: float = DEFAULT_PACE.stall_timeout_s
+    goodput_floor: float = DEFAULT_PACE.goodput_floor_mbit_s
     max_staleness_rounds: int = 2  # a neighbour's parameters at most this many rounds old are mixed
     min_peers: int = 1  # gossip starts once this many peers (this one included) are in the view
     mixing: MixingRule = DEFAULT_MIXING

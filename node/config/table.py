@@ -16,6 +16,7 @@ from gossip.diloco import DilocoSettings
 from gossip.knobs import Knob, knobs
 from gossip.mixing import MIXING_KINDS
 from gossip.optimizers import ALGORITHMS, OptimizerSettings
+from gossip.pace import TransferPace
 from gossip.scoring import ScoringSettings
 from gossip.spes import NODE_REFRESH_CODECS, SpesSettings, SpesSyncSettings
 from node.config.kinds import Boolean, Choice, EdgeList, Integer, Kind, Multiaddrs, Named, Number, PathKind, Text
@@ -249,6 +250,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("gossip.exchange_timeout_s", Number(0.0, lo_open=True, metavar="S"), "MURMUR_EXCHANGE_TIMEOUT",
             "--exchange-timeout", "seconds one exchange with one neighbour may take before it counts "
             "as missing", NODE),
+    *struct_settings(TransferPace, "gossip.", NODE),
     Setting("gossip.min_peers", Integer(1, noun="peer count"), "MURMUR_MIN_PEERS", "--min-peers",
             "gossip starts once this many peers (this one included) are in the view; all peers that see "
             "the same quorum start in the same round", NODE),

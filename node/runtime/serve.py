@@ -21,6 +21,7 @@ import numpy as np
 from gossip.choco import ChocoState
 from gossip.exchange import ExchangeSettings, GossipPeer
 from gossip.limits import IncomingGate
+from gossip.pace import TransferPace
 from node.config import NodeConfig
 from node.monitor import MonitorServer, start_monitor
 from node.monitor.access import new_token, remove_token, write_token
@@ -180,7 +181,9 @@ def exchange_settings(config: NodeConfig, config_hash: str, settings: SwarmSetti
     its own --mixing (default adaptive_clip), whatever rule the founder's config names."""
     return ExchangeSettings(swarm=config.swarm, config_hash=config_hash, codec=settings.codec,
                             exchange_timeout_s=config.gossip.exchange_timeout_s, max_staleness=settings.max_staleness,
-                            rule=config.gossip.mixing)
+                            rule=config.gossip.mixing,
+                            pace=TransferPace(stall_timeout_s=config.gossip.stall_timeout,
+                                              goodput_floor_mbit_s=config.gossip.goodput_floor))
 
 
 async def _connected_peers(p2p: P2P) -> tuple[str, ...]:

@@ -8,6 +8,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 
 from gossip.exchange import GossipPeer
@@ -290,6 +291,7 @@ class NodeRuntime:
             "payload": {"dim": int(vector.size), "mean": float(vector.mean()) if vector.size else 0.0,
                         "norm": float(np.linalg.norm(vector))},
             "training": self.training.status_dict() if self.training is not None else None,
+            "join": self._join_progress(),
             "spes": self.training.spes_status() if self.training is not None else None,
             "contribution": self.contribution.status() if self.contribution is not None else {},
             "contribution_exclusions": self.contribution.ratings.exclusions if self.contribution is not None else 0,
@@ -301,6 +303,11 @@ class NodeRuntime:
             "memory": self.memory,
         }
 
+
+    def _join_progress(self) -> dict[str, Any] | None:
+        """A running catch-up's downloads (node.swarm.joining.JoinProgress); None when none runs."""
+        progress = self.training.join_progress() if self.training is not None else None
+        return msgspec.to_builtins(progress) if progress is not None else None
 
     def _identity_status(self) -> dict[str, Any]:
         """The swarm's identity and config version: what `murmur join --invite` takes, and whether this

@@ -14,11 +14,13 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
+import msgspec
 import numpy as np
 
 from gossip.errors import OutOfRange, WireError
 from gossip.exchange import PeerRejected
 from gossip.mixing import coordinate_median
+from gossip.pace import TransferProgress, TransferStalled
 from gossip.robust import ValueBound, check_values
 from node.swarm.peers import SwarmRecord
 
@@ -40,7 +42,6 @@ class JoinRules:
     # ... or above the best download's by more than max(gap_share x (own - best), loss_share x best)
     gap_share: float = 0.25
     loss_share: float = 0.05
-    fetch_timeout_s: float = 60.0  # one download from one peer
     # no node steps faster than this (a step includes a gossip round over the network): a claim of more
     # steps than the swarm's age allows is impossible
     max_steps_per_s: float = 100.0
@@ -73,7 +74,8 @@ class Refused(StrEnum):
     # versions beyond the sync index's bound): not a download source, whatever its step
     RECORD_OUT_OF_BOUNDS = "record_out_of_bounds"
     LOSS = "loss"  # its parameters evaluate far worse than the alternatives or the node's own model
-    TIMEOUT = "timeout"
+    TIMEOUT = "timeout"  # it did not answer in time, or its download outlasted its size at the goodput floor
+    STALLED = "stalled"  # its download stopped moving for the stall timeout (gossip.pace)
     UNREACHABLE = "unreachable"
     REJECTED = "rejected"
     FAILED = "failed"  # an error of no declared kind: this peer's download failed, not the catch-up
@@ -214,28 +216,81 @@ class JoinOutcome:
 
 
 class Fetch(Protocol):
-    """A pull of a peer's current tensors, round and step (GossipPeer.fetch)."""
+    """A pull of a peer's current tensors, round and step (GossipPeer.fetch: its deadlines follow the
+    download's progress and size, gossip.pace), its payload counted in `progress`."""
 
-    def __call__(self, peer: str) -> Awaitable[tuple[dict[str, np.ndarray], int, int]]: ...
+    def __call__(self, peer: str, progress: TransferProgress | None = None) -> Awaitable[
+            tuple[dict[str, np.ndarray], int, int]]: ...
+
+
+class JoinProgress(msgspec.Struct, frozen=True):
+    """The downloads of a catch-up while they run (the status document's `join`, `murmur status`, the
+    monitor): payload bytes received and expected over the downloads whose size is known, their
+    combined rate, the time the slowest still needs at its own rate, and the peers downloaded from."""
+
+    bytes_done: int
+    bytes_total: int
+    rate_bps: float
+    eta_s: float | None
+    donors: tuple[str, ...]
+
+    def line(self) -> str:
+        """One line for the command line: "downloading 12.3 / 400.0 MB from 2 peers, 5.1 MB/s, 76 s left"."""
+        share = self.bytes_done / self.bytes_total if self.bytes_total else 0.0
+        eta = f", {self.eta_s:.0f} s left" if self.eta_s is not None else ""
+        noun = f"{len(self.donors)} peers" if len(self.donors) != 1 else self.donors[0]
+        return (f"downloading the swarm's parameters: {self.bytes_done / 1e6:.1f} / {self.bytes_total / 1e6:.1f} MB "
+                f"({100 * share:.0f}%) from {noun}, {self.rate_bps / 1e6:.2f} MB/s{eta}")
+
+
+class DownloadWatch:
+    """The downloads of one catch-up as they run, one TransferProgress per peer being downloaded from."""
+
+    def __init__(self) -> None:
+        self._running: dict[str, TransferProgress] = {}
+
+    def start(self, peer: str) -> TransferProgress:
+        progress = self._running[peer] = TransferProgress(peer)
+        return progress
+
+    def end(self, peer: str) -> None:
+        self._running.pop(peer, None)
+
+    def snapshot(self) -> JoinProgress | None:
+        """None while no download has read its header (its size unknown)."""
+        sized = [p for p in self._running.values() if p.bytes_total]
+        if not sized:
+            return None
+        etas = [p.eta_s for p in sized]
+        return JoinProgress(bytes_done=sum(p.bytes_done for p in sized), bytes_total=sum(p.bytes_total for p in sized),
+                            rate_bps=sum(p.rate_bps for p in sized),
+                            eta_s=None if any(e is None for e in etas) else max(e for e in etas if e is not None),
+                            donors=tuple(sorted(p.peer for p in sized)))
 
 
 Evaluate = Callable[[Tensors | None], Awaitable[float]]  # validation loss of tensors (None: the node's own)
 
 
 async def join_swarm(judgement: StepJudgement, fetch: Fetch, evaluate: Evaluate, own: Tensors,
-                     rules: JoinRules = DEFAULT_RULES, bound: ValueBound = DEFAULT_BOUND) -> JoinOutcome:
+                     rules: JoinRules = DEFAULT_RULES, bound: ValueBound = DEFAULT_BOUND,
+                     watch: DownloadWatch | None = None) -> JoinOutcome:
     """Download from up to `rules.sources` believable peers, check each by its values and validation
     loss (the next candidate stands in for one that fails or is refused), and combine the survivors
     (see `combine`). The combined model is evaluated too: if it is worse than the limit (copies too
     far apart to average), the best single download is taken. The step adopted is the lower median of
     the survivors' steps. `own` is the node's current parameters (the value bound's and the loss's
-    reference: the seeded initial model for a fresh node)."""
+    reference: the seeded initial model for a fresh node). `watch` follows the downloads as they run.
+
+    A donor that dies or stalls mid-download is replaced by the next candidate, whose download starts
+    over from the first byte (no resumption at an offset)."""
+    watch = watch or DownloadWatch()
     outcome = JoinOutcome(judgement.reference, refused=judgement.refusals())
     waiting = list(judgement.candidates)
     evaluated: list[Download] = []
     kept: list[Download] = []
     while waiting and len(kept) < rules.sources:
-        new, waiting = await _download(waiting, rules.sources - len(kept), judgement, fetch, own, rules, bound, outcome)
+        new, waiting = await _download(waiting, rules.sources - len(kept), judgement, fetch, own, bound, outcome,
+                                       watch)
         if not new:
             break
         if outcome.own_loss is None:
@@ -267,8 +322,8 @@ async def join_swarm(judgement: StepJudgement, fetch: Fetch, evaluate: Evaluate,
 
 
 async def _download(waiting: list[SwarmRecord], wanted: int, judgement: StepJudgement, fetch: Fetch, own: Tensors,
-                    rules: JoinRules, bound: ValueBound,
-                    outcome: JoinOutcome) -> tuple[list[Download], list[SwarmRecord]]:
+                    bound: ValueBound, outcome: JoinOutcome,
+                    watch: DownloadWatch) -> tuple[list[Download], list[SwarmRecord]]:
     """Up to `wanted` valid downloads from the first of `waiting`, asked in parallel, the next ones
     standing in for failures; returns them (by peer id) and the candidates not asked."""
     limits = bound.limits(own)
@@ -277,15 +332,18 @@ async def _download(waiting: list[SwarmRecord], wanted: int, judgement: StepJudg
     async def one(record: SwarmRecord) -> None:
         peer = record.peer_id
         try:
-            async with asyncio.timeout(rules.fetch_timeout_s):
-                tensors, _, step = await fetch(peer)
+            try:
+                tensors, _, step = await fetch(peer, watch.start(peer))
+            finally:
+                watch.end(peer)
             await asyncio.to_thread(check_values, tensors, limits)
         except OutOfRange as exc:
             outcome.refused[peer] = exc.kind
             logger.warning("parameter download from %s refused: %s", peer, exc)
             return
         except (TimeoutError, ConnectionError, WireError, PeerRejected) as exc:
-            reason = (exc.kind if isinstance(exc, WireError) else Refused.TIMEOUT if isinstance(exc, TimeoutError)
+            reason = (exc.kind if isinstance(exc, WireError) else Refused.STALLED if isinstance(exc, TransferStalled)
+                      else Refused.TIMEOUT if isinstance(exc, TimeoutError)
                       else Refused.REJECTED if isinstance(exc, PeerRejected) else Refused.UNREACHABLE)
             outcome.refused[peer] = reason
             logger.warning("parameter download from %s failed: %s", peer, exc or type(exc).__name__)

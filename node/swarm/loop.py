@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -19,10 +20,21 @@ from typing import Any, Protocol
 
 import torch
 
+from gossip.errors import Truncated
 from gossip.exchange import GossipPeer
 from node.swarm.algorithm import Algorithm, StepReport
 from node.swarm.contributors import ContributorTable, tokens_per_step
-from node.swarm.joining import JoinOutcome, join_swarm, judge_steps, plausible_steps, swarm_left_behind
+from node.swarm.joining import (
+    DownloadWatch,
+    JoinOutcome,
+    JoinProgress,
+    Refused,
+    StepJudgement,
+    join_swarm,
+    judge_steps,
+    plausible_steps,
+    swarm_left_behind,
+)
 from node.swarm.peers import Membership, SwarmRecord
 from node.swarm.progress import PeerProgress, leave_out_stalled
 from node.swarm.recipe import TrainingRecipe, embedded_options
@@ -49,6 +61,12 @@ MERGE_WAIT_S = 120.0  # longest the final merge waits for the peers in view to f
 # How often a node whose algorithm re-joins when left behind (DiLoCo) looks whether the swarm left it
 # behind (SwarmLoop._rejoin_if_left_behind)
 LAGGARD_CHECK_S = 5.0
+DOWNLOAD_REPORT_S = 3.0  # how often a running catch-up's download progress is shown on the command line
+# A catch-up whose downloads all broke off (a donor died or stalled mid-download) tries the other peers in
+# view again, after this long (records of peers that came meanwhile arrive), this many times in all
+CATCH_UP_RETRY_S = 2.0
+CATCH_UP_TRIES = 3
+_BROKEN_OFF = frozenset({Refused.TIMEOUT, Refused.STALLED, Refused.UNREACHABLE, Truncated.kind})
 
 
 class TrainingSetupError(ValueError):
@@ -231,6 +249,7 @@ class SwarmLoop:
         self._stop: asyncio.Event | None = None
         self._checked_at = 0.0
         self._serving = False
+        self.downloads: DownloadWatch | None = None  # a catch-up's downloads while they run
         algorithm.show(self.status)
 
     @property
@@ -322,7 +341,6 @@ class SwarmLoop:
         await self._catch_up(stop, margin, look, epoch)
 
     async def _catch_up(self, stop: asyncio.Event, margin: int, look: bool, epoch: float | None) -> None:
-        me = self.peer.peer_id
         if self.must_download:
             margin, look = -1, True  # any live peer's parameters beat a random init of a pretrained model
         deadline = time.monotonic() + (JOIN_LOOK_S if look else 0.0)
@@ -332,28 +350,30 @@ class SwarmLoop:
                 break
             await asyncio.sleep(0.5)
         plausible = plausible_steps(epoch, time.time()) if epoch is not None else None
-        judgement = judge_steps(view, me, self.trainer.step, margin, self.recipe.steps, plausible)
-        if judgement is None:
-            return
-        # records that claim what no honest peer does: judged again without them (their step claims too)
-        refused = await self.algorithm.record_refusals(view, judgement.reference + judgement.tolerance)
-        if refused:
-            logger.warning("not downloading from peers whose records claim what no honest peer does: %s",
-                           _reasons(refused))
-            judgement = judge_steps(view, me, self.trainer.step, margin, self.recipe.steps, plausible, refused=refused)
-            if judgement is None:
+        broken: dict[str, str] = {}  # peers whose download broke off (died, stalled): not asked again
+        for attempt in range(CATCH_UP_TRIES):
+            if attempt:
+                logger.warning("the downloads from %s broke off; trying the other peers in view (try %d of %d)",
+                               ", ".join(sorted(broken)), attempt + 1, CATCH_UP_TRIES)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(CATCH_UP_RETRY_S):
+                        await stop.wait()
+                if stop.is_set():
+                    return
+                view = self.discovery.view()
+            tried = await self._download(view, margin, plausible, broken)
+            if tried is None:
                 return
-        if judgement.ignored:
-            logger.warning("ignoring the step claims of %s: %s", ", ".join(judgement.ignored),
-                           f"far above the swarm's step {judgement.reference}" if judgement.candidates
-                           else "beyond what the swarm can have trained")
-        if not judgement.candidates:
-            self.status.joined = JoinOutcome(judgement.reference, refused=judgement.refusals()).as_dict()
-            return
-        await self._connect(judgement.candidates)
-        outcome = await join_swarm(judgement, self.peer.fetch, self.trainer.evaluate, self.peer.tensors)
-        self.status.joined = outcome.as_dict()
+            judgement, refused, outcome = tried
+            if outcome.tensors is not None or (not judgement.candidates and not attempt):
+                break
+            newly = {p: why for p, why in outcome.refused.items() if why in _BROKEN_OFF and p not in broken}
+            if not newly:
+                break
+            broken.update(newly)
         if outcome.tensors is None:
+            if not judgement.candidates and not broken:
+                return  # nobody to download from (the status's `joined` says why)
             logger.warning("no download was good enough to join the swarm at step %d (%s); continuing from step %d",
                            judgement.reference, _reasons(outcome.refused), self.trainer.step)
             return
@@ -371,6 +391,45 @@ class SwarmLoop:
                     f"; refused {_reasons(outcome.refused)}" if outcome.refused else "")
         await self.evaluate()
         logger.info("validation loss after the download: %.4f", self.status.val_loss)
+
+    async def _download(self, view: Sequence[SwarmRecord], margin: int, plausible: int | None,
+                        broken: Mapping[str, str]) -> tuple[StepJudgement, dict[str, str], JoinOutcome] | None:
+        """Judge the view's claims (without the peers in `broken`) and download from the believable
+        peers (node.swarm.joining.join_swarm): the judgement, the peers refused before downloading, and
+        the outcome; None when nobody is ahead. The downloads' progress is `self.downloads` meanwhile."""
+        me = self.peer.peer_id
+        judgement = judge_steps(view, me, self.trainer.step, margin, self.recipe.steps, plausible, refused=broken)
+        if judgement is None:
+            return None
+        # records that claim what no honest peer does: judged again without them (their step claims too)
+        refused = {**await self.algorithm.record_refusals(view, judgement.reference + judgement.tolerance), **broken}
+        if refused.keys() - broken.keys():
+            logger.warning("not downloading from peers whose records claim what no honest peer does: %s",
+                           _reasons({p: why for p, why in refused.items() if p not in broken}))
+            judgement = judge_steps(view, me, self.trainer.step, margin, self.recipe.steps, plausible, refused=refused)
+            if judgement is None:
+                return None
+        if judgement.ignored:
+            logger.warning("ignoring the step claims of %s: %s", ", ".join(judgement.ignored),
+                           f"far above the swarm's step {judgement.reference}" if judgement.candidates
+                           else "beyond what the swarm can have trained")
+        if not judgement.candidates:
+            outcome = JoinOutcome(judgement.reference, refused=judgement.refusals())
+            self.status.joined = outcome.as_dict()
+            return judgement, refused, outcome
+        await self._connect(judgement.candidates)
+        watch = self.downloads = DownloadWatch()
+        reporter = asyncio.create_task(_report_downloads(watch))
+        try:
+            outcome = await join_swarm(judgement, self.peer.fetch, self.trainer.evaluate, self.peer.tensors,
+                                       watch=watch)
+        finally:
+            self.downloads = None
+            reporter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reporter
+        self.status.joined = outcome.as_dict()
+        return judgement, refused, outcome
 
     def _step_now(self, downloaded: int, epoch: float | None, refused: Mapping[str, str] | None = None) -> int:
         """The step to continue from after a download made at step `downloaded`: the swarm trained on
@@ -527,6 +586,10 @@ class SwarmLoop:
         """What the checkpoint holds: the trainer's state and the algorithm's (DiLoCo's outer state)."""
         return await self.algorithm.state()
 
+    def join_progress(self) -> JoinProgress | None:
+        """The running catch-up's downloads (the status document's `join`); None when none runs."""
+        return self.downloads.snapshot() if self.downloads is not None else None
+
     def status_dict(self) -> dict[str, Any]:
         """The `training` section of the node's status, as of now."""
         # read at status time, not at the last _record: a SPES table change or a step that has not
@@ -593,3 +656,26 @@ def _reasons(refused: Mapping[str, str]) -> str:
 
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
+
+
+async def _report_downloads(watch: DownloadWatch, every_s: float = DOWNLOAD_REPORT_S) -> None:
+    """Show a catch-up's download progress on the command line every `every_s` until cancelled: a line
+    rewritten in place when stdout is a terminal, else a log line."""
+    tty = sys.stdout.isatty()
+    shown = False
+    try:
+        while True:
+            await asyncio.sleep(every_s)
+            progress = watch.snapshot()
+            if progress is None:
+                continue
+            if tty:
+                sys.stdout.write(f"\r{progress.line()}\x1b[K")
+                sys.stdout.flush()
+                shown = True
+            else:
+                logger.info("%s", progress.line())
+    finally:
+        if shown:
+            sys.stdout.write("\n")
+            sys.stdout.flush()

@@ -20,6 +20,7 @@ import numpy as np
 
 from gossip.errors import WireError
 from gossip.exchange import GossipPeer, PeerRejected
+from gossip.pace import TransferStalled
 from node.swarm.peers import PeerRecordLike
 
 if TYPE_CHECKING:
@@ -27,7 +28,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("murmur.eval")
 
-# One peer's pull (dial included). A frozen or far-away peer costs the caller at most this long.
+# How long one peer's pull may take to begin (the dial, the request and its answer's header): a frozen or
+# unreachable peer costs the caller at most about this long. The transfer itself is then paced by its
+# size and progress (gossip.pace), not cut at a fixed time.
 FETCH_TIMEOUT_S = 30.0
 
 Tensors = Mapping[str, np.ndarray]
@@ -206,10 +209,13 @@ class SwarmEvaluator:
         """Fetch one peer's parameters into `into`; None, or why it failed."""
         peer = record.peer_id
         try:
-            async with asyncio.timeout(self._fetch_timeout_s):
-                if self._connect is not None:
+            if self._connect is not None:
+                async with asyncio.timeout(self._fetch_timeout_s):
                     await self._connect(record)
-                tensors, _, step = await self._peer.fetch(peer)
+            tensors, _, step = await self._peer.fetch(peer, answer_timeout_s=self._fetch_timeout_s)
+        except TransferStalled as exc:
+            logger.info("swarm eval: the pull from %s was cut: %s", peer, exc)
+            return "stalled"
         except TimeoutError:
             return "timeout"
         except PeerRejected as exc:

@@ -40,6 +40,8 @@ starts `attack-after` seconds after the node's discovery started, default 5, and
   flood_pulls; the vector of `dim` floats is the swarm's own for a vector model).
 - unroutable: its record names only addresses that route nowhere (hostile_flood.UNROUTABLE_MADDRS).
 - stalled-record: its record stays at step 0 and round 0, and every gossip stream to it hangs.
+- slow-serve: it serves whole-model downloads (pulls of its current parameters) at `rate` bytes per
+  second (default 50000), frame by frame: a donor on a slow but moving link (tests of download progress).
 - wrong-key / stolen-certificate: in a key / allowlist swarm, it presents proofs under a random key, or
   the certificate file `certificate` (another peer's), and admits everyone itself
   (hostile_intruder.forge_admission).
@@ -115,6 +117,7 @@ class Mode(enum.StrEnum):
     STALLED_RECORD = "stalled-record"
     WRONG_KEY = "wrong-key"
     STOLEN_CERTIFICATE = "stolen-certificate"
+    SLOW_SERVE = "slow-serve"
 
 
 # the modes that replace the tensors a node serves (they take turns under --cycle-rounds)
@@ -466,6 +469,29 @@ def install_stalled_record(ctx: HostileContext) -> None:
     exchange.GossipPeer._serve = frozen  # type: ignore[method-assign]
 
 
+def install_slow_serve(ctx: HostileContext) -> None:
+    """Downloads served at `rate` bytes/s: the paced sends (MessageStream.send with a stall timeout) are
+    the answers to pulls of the current parameters, and only those."""
+    from gossip import stream
+
+    rate = ctx.option("rate", 50_000.0)
+    send = stream.MessageStream.send
+
+    async def slow(self: stream.MessageStream, frames: stream.Frames, stall_s: float | None = None) -> None:
+        if stall_s is None:
+            await send(self, frames)
+            return
+        ctx.count(Mode.SLOW_SERVE, "downloads served slowly")
+        for frame in frames:
+            view = memoryview(frame)
+            for at in range(0, len(view), 16 << 10):  # in small writes, so the bytes arrive steadily
+                piece = view[at:at + (16 << 10)]
+                await send(self, [piece], stall_s)
+                await asyncio.sleep(len(piece) / rate)
+
+    stream.MessageStream.send = slow  # type: ignore[method-assign]
+
+
 def install_intruder(ctx: HostileContext) -> None:
     """wrong-key / stolen-certificate: hostile_intruder's forged admission."""
     _support()
@@ -542,6 +568,7 @@ BEHAVIOURS: dict[Mode, Behaviour] = {
     Mode.FLOOD_PULLS: Behaviour("pulls parameters and far-future rounds back to back", install_floods),
     Mode.UNROUTABLE: Behaviour("its record names only unroutable addresses", install_unroutable),
     Mode.STALLED_RECORD: Behaviour("its record stays at step 0, its gossip streams hang", install_stalled_record),
+    Mode.SLOW_SERVE: Behaviour("serves downloads at `rate` bytes/s (default 50000)", install_slow_serve),
     Mode.WRONG_KEY: Behaviour("proves membership of a key swarm with a wrong key", install_intruder),
     Mode.STOLEN_CERTIFICATE: Behaviour("presents another peer's certificate (option certificate=FILE)",
                                        install_intruder),

@@ -69,6 +69,15 @@ function renderHeader() {
     $("outer-step").textContent = `${outer.outer_step} (H ${outer.sync_period})`;
     $("in-flight").textContent = `${outer.fragments_in_flight} of ${outer.fragments}`;
   }
+  const join = s.join;  // a catch-up's downloads while they run; null otherwise
+  $("download-fact").hidden = !join;
+  if (join) {
+    const pct = join.bytes_total ? Math.floor(100 * join.bytes_done / join.bytes_total) : 0;
+    const eta = join.eta_s == null ? "" : `, ${fmtDuration(join.eta_s)} left`;
+    $("download").textContent = `${fmtBytes(join.bytes_done)} / ${fmtBytes(join.bytes_total)} (${pct}%) ` +
+      `at ${fmtBytes(join.rate_bps)}/s${eta}`;
+    $("download").title = `from ${join.donors.join(", ")}`;
+  }
   $("uptime").textContent = fmtDuration(s.uptime_s);
   $("reach").textContent = reachText(s.reachability);
   $("reach").title = s.reachability ? s.reachability.detail : "";
