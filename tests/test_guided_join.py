@@ -118,6 +118,17 @@ def test_a_refusal_line_keeps_the_numbers_and_puts_the_suggestions_in_what_to_do
     assert line.advice == "dsgd would need ~70 MiB of RAM"
 
 
+@pytest.mark.unit
+def test_murmur_status_repeats_the_joins_checks():
+    from node.cli.status import format_status
+
+    status = {"peer_id": "QmMe", "swarm": "s", "maddrs": [], "round": 0, "step": 0, "peers": [], "bytes_sent": 0,
+              "bytes_received": 0, "errors": {},
+              "preflight": as_json([GuideLine(check=Check.LINK, verdict=Verdict.OK, text="...x rtt 2.0 ms")])}
+    assert "joined   link   ok: ...x rtt 2.0 ms" in format_status(status).splitlines()
+    assert not [line for line in format_status({**status, "preflight": None}).splitlines() if line.startswith("joined")]
+
+
 # ---- unit: the capacity a SPES node chooses ---------------------------------------------------------
 
 
