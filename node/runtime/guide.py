@@ -96,8 +96,14 @@ def first_peers(initial_peers: Sequence[str]) -> list[str]:
 async def measure_first_peers(reach: NodeReachability, initial_peers: Sequence[str]) -> dict[str, dict[str, Any]]:
     """Round-trip time and goodput to the first bootstrap peers, all at once (each probe bounded in bytes
     and time: node.net.probe)."""
+    async def one(peer: str) -> dict[str, Any]:
+        try:
+            return await reach.measure(peer)
+        except Exception as exc:  # p2pd busy or restarting: the line says so, the join goes on
+            return {"latency_ms": None, "goodput_mbit_s": None, "error": str(exc) or type(exc).__name__}
+
     peers = first_peers(initial_peers)
-    measured = await asyncio.gather(*(reach.measure(peer) for peer in peers))
+    measured = await asyncio.gather(*(one(peer) for peer in peers))
     return dict(zip(peers, measured, strict=True))
 
 

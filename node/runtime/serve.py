@@ -33,7 +33,7 @@ from node.runtime.data_plane import (
     start_data_plane,
     start_dialer,
 )
-from node.runtime.errors import StartupError
+from node.runtime.errors import BootstrapUnreachable, StartupError
 from node.runtime.guide import (
     GuideLine,
     bootstrap_failed_line,
@@ -91,7 +91,12 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
         stop.set()
 
     async with contextlib.AsyncExitStack() as stack:
-        host = await start_host(config, stack)
+        try:
+            host = await start_host(config, stack)
+        except BootstrapUnreachable:
+            if not founding:
+                _print_guide([bootstrap_failed_line(config.network.initial_peers, "no connection")])
+            raise
         claimed, p2p = host.claimed, host.p2p
         runtime.reach = host.reach
         identity = claimed.identity
@@ -109,7 +114,7 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
             await discovery.start(publish=False)  # this peer's record waits for the swarm's config and rules
         except BootstrapFailed as exc:
             if not founding:
-                _print_guide([bootstrap_failed_line(config.network.initial_peers, str(exc))])
+                _print_guide([bootstrap_failed_line(config.network.initial_peers, "the DHT did not answer")])
             raise StartupError(str(exc)) from None
         runtime.discovery = discovery
         # the guided join's link check runs while the swarm's config is read
