@@ -169,6 +169,29 @@ def test_a_spes_node_short_of_ram_trains_the_most_experts_that_fit_or_is_told_wh
     assert every.as_json()["spes_capacity"] == {"experts": 8, "of": 8, "choice": "all", "largest_fitting": 8}
 
 
+# ---- multiprocess: a join that reaches no one ---------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_a_join_whose_bootstrap_does_not_answer_names_the_address_and_what_to_check(tmp_path):
+    import socket
+
+    from support.swarm_harness import MURMUR, clean_env
+
+    with socket.socket() as probe:  # a loopback port nothing listens on once this closes
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    address = f"/ip4/127.0.0.1/tcp/{port}/p2p/{PEER}"
+    argv = [str(MURMUR), "join", "--peers", address, "--invite", f"s@{PEER}", "--data-dir", str(tmp_path / "d"),
+            "--monitor-port", "0", "--threads", "1"]
+    proc = subprocess.run(argv, env={**clean_env(), "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                          timeout=180, check=False, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    printed = guide_lines(proc.stdout)
+    assert len(printed) == 1 and printed[0].startswith(f"{PREFIX} link   fail: no bootstrap peer answered: {address}")
+    assert "firewall" in printed[0] and "--peers" in printed[0], printed
+
+
 # ---- multiprocess: joining a loopback swarm -----------------------------------------------------------
 
 
@@ -224,22 +247,3 @@ def test_a_joiner_whose_machine_cannot_hold_the_model_is_refused_with_the_number
     assert "ready;" not in proc.stdout  # it never entered the swarm
 
 
-
-@pytest.mark.multiprocess
-def test_a_join_whose_bootstrap_does_not_answer_names_the_address_and_what_to_check(tmp_path):
-    import socket
-
-    from support.swarm_harness import MURMUR, clean_env
-
-    with socket.socket() as probe:  # a loopback port nothing listens on once this closes
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    address = f"/ip4/127.0.0.1/tcp/{port}/p2p/{PEER}"
-    argv = [str(MURMUR), "join", "--peers", address, "--invite", f"s@{PEER}", "--data-dir", str(tmp_path / "d"),
-            "--monitor-port", "0", "--threads", "1"]
-    proc = subprocess.run(argv, env={**clean_env(), "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-                          timeout=180, check=False, cwd=tmp_path)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    printed = guide_lines(proc.stdout)
-    assert len(printed) == 1 and printed[0].startswith(f"{PREFIX} link   fail: no bootstrap peer answered: {address}")
-    assert "firewall" in printed[0] and "--peers" in printed[0], printed
