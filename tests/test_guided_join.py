@@ -238,7 +238,8 @@ def test_a_joiner_whose_machine_cannot_hold_the_model_is_refused_with_the_number
     assert proc.returncode == 2, proc.stderr[-3000:]
     printed = guide_lines(proc.stdout)
     assert [line.split()[2] for line in printed] == ["model", "memory", "link", "reach"], proc.stdout
-    memory = printed[1]
+    model, memory = printed[0], printed[1]
+    assert " ok: " in model and "trains moe (2.4M parameters) with DAdam" in model
     assert memory.startswith(f"{PREFIX} memory fail: does not fit: the swarm's model (2.4M parameters) with dadam "
                              "needs ~"), memory
     assert "64.0 MiB available" in memory and "; what to do: " in memory and "would need ~" in memory

@@ -272,7 +272,12 @@ class Fit:
 
 
 class DoesNotFit(StartupError):
-    """The swarm's model does not fit this machine; the message names the numbers and what would fit."""
+    """The swarm's model (of `parameters`) does not fit this machine; the message names the numbers and
+    what would fit."""
+
+    def __init__(self, line: str, parameters: int) -> None:
+        super().__init__(line)
+        self.parameters = parameters
 
 
 def _largest_fitting(size: ModelSize, recipe: TrainingRecipe, settings: SwarmSettings, device: str,
@@ -310,7 +315,7 @@ def check_fit(recipe: TrainingRecipe, settings: SwarmSettings, device: str,
     inputs = memory_inputs(size.parameters, size.expert_parameters, recipe, settings, kind, capacity_share=share)
     f, refusal = judge(inputs, machine, hints)
     if refusal is not None:
-        raise DoesNotFit(refusal)
+        raise DoesNotFit(refusal, size.parameters)
     logger.info("preflight: %s parameters need ~%s of RAM (%.0f B/param) and ~%s of GPU memory (%.0f B/param); "
                 "%s of RAM%s available", f"{size.parameters:,}", bytes_text(f.host_bytes), f.host_per_parameter,
                 bytes_text(f.device_bytes), f.device_per_parameter, bytes_text(machine.ram),

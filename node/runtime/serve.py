@@ -230,7 +230,8 @@ async def _preflight(runtime: NodeRuntime, swarm: SwarmConfig, settings: SwarmSe
         memory = refusal_line(str(refused))
     else:
         memory = memory_line(fit) if fit is not None else memory_unknown_line(recipe.model)
-    lines = [model_line(config.swarm, swarm.founder, settings, fit.footprint.parameters if fit else None), memory,
+    parameters = fit.footprint.parameters if fit else (refused.parameters if refused else None)
+    lines = [model_line(config.swarm, swarm.founder, settings, parameters), memory,
              link_line(await link), reach_line(await settled_reach(reach))]
     runtime.preflight = in_order(lines)
     _print_guide(lines)
