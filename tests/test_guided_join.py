@@ -4,9 +4,11 @@ reach it, one line each in a fixed order, each failure with what to do; the stat
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -127,6 +129,43 @@ def test_murmur_status_repeats_the_joins_checks():
               "preflight": as_json([GuideLine(check=Check.LINK, verdict=Verdict.OK, text="...x rtt 2.0 ms")])}
     assert "joined   link   ok: ...x rtt 2.0 ms" in format_status(status).splitlines()
     assert not [line for line in format_status({**status, "preflight": None}).splitlines() if line.startswith("joined")]
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.data = b""
+        self.transport = SimpleNamespace(abort=lambda: None)
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    async def drain(self) -> None:
+        return None
+
+
+@pytest.mark.unit
+def test_the_link_probe_answers_one_asker_a_burst_then_refuses_it_while_others_are_answered():
+    from node.net.probe import PROBE_BURST, ProbeServer
+
+    def asker(name: str) -> SimpleNamespace:
+        return SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: name))
+
+    async def probe(server: ProbeServer, who: str) -> bool:
+        reader = asyncio.StreamReader()
+        reader.feed_data((0).to_bytes(8, "big"))  # an empty push: the round-trip probe
+        reader.feed_eof()
+        writer = _Writer()
+        await server._answer(asker(who), reader, writer)
+        return writer.data == (0).to_bytes(8, "big")
+
+    async def run() -> tuple[list[bool], bool, int]:
+        server = ProbeServer(None)  # only its answers are exercised: no daemon
+        stranger = [await probe(server, "QmStranger") for _ in range(PROBE_BURST + 5)]
+        return stranger, await probe(server, "QmJoiner"), server.refused
+
+    stranger, joiner, refused = asyncio.run(run())
+    assert stranger == [True] * PROBE_BURST + [False] * 5 and refused == 5
+    assert joiner  # another asker still gets its answer
 
 
 # ---- unit: the capacity a SPES node chooses ---------------------------------------------------------

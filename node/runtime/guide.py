@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 PREFIX = "murmur: preflight"
 MAX_LINK_PEERS = 3  # bootstrap peers measured: the link to the swarm, not a survey
-RELAY_WAIT_S = 15.0  # a node behind NAT waits this long at most for a relay's slot before it says how it is reached
+RELAY_WAIT_S = 30.0  # a node behind NAT waits this long at most for a relay's slot before it says how it is reached
 _RELAY_POLL_S = 0.5
 RELAY_ADVICE = "a `murmur bootstrap` or a public `murmur node --relay-service`"
 
