@@ -162,10 +162,12 @@ def memory_inputs(parameters: int, experts: int, recipe: TrainingRecipe, setting
 
 
 def bytes_text(n: float) -> str:
+    """Bytes as people read them in a line: GiB from 1 GiB up, else MiB."""
     return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
 
 
 def count_text(n: float) -> str:
+    """A parameter count as people read it: 2.4M, 1.10B."""
     if n >= 1e8:
         return f"{n / 1e9:.2f}B"
     return f"{n / 1e6:.1f}M" if n >= 1e5 else f"{n / 1e3:.1f}K"
