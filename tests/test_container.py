@@ -256,6 +256,11 @@ def test_compose_swarm_forms_survives_a_loss_and_stops_cleanly(built: Built) -> 
     assert_advancing(built, [a, b, c], peers=3)
     ids = {name: status_of(podman, name)["peer_id"] for name in (a, b, c)}
     assert len(set(ids.values())) == 3
+    # the guided join (docs/cli.md): each joiner checked the four things in order and measured its link
+    for joiner in (b, c):
+        checks = status_of(podman, joiner)["preflight"]
+        assert [line["check"] for line in checks] == ["model", "memory", "link", "reach"], checks
+        assert (checks[2]["figures"]["rtt_ms"] or 0) > 0, checks
     assert published_status(built, a)["peer_id"] == ids[a]
     assert podman.run("healthcheck", "run", a, check=False).returncode == 0, "the HEALTHCHECK fails on a live node"
 

@@ -242,6 +242,10 @@ def test_doctor_says_public_for_the_public_node_and_relayed_for_the_nat_d_one(sw
     by_peer = {n["peer_id"]: n for n in nat["neighbours"]}
     assert by_peer[swarm.homes[1].peer_id]["connection"] == "relayed"
     assert all(n["latency_ms"] is not None and n["goodput_mbit_s"] for n in nat["neighbours"]), nat["neighbours"]
+    # the guided join said so at start (docs/cli.md): reached through relays, its link to the bootstraps measured
+    joined = {line["check"]: line for line in a.status()["preflight"]}
+    assert joined["reach"]["figures"]["kind"] == "relayed", joined["reach"]
+    assert (joined["link"]["figures"]["rtt_ms"] or 0) > 0, joined["link"]
 
 
 def test_killing_a_relay_is_noticed_and_the_pair_goes_on_through_the_other(swarm: NatSwarm) -> None:

@@ -26,7 +26,10 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         Command.JOIN, help="join an existing swarm through one of its peers", epilog=PRECEDENCE,
         description="Join an existing swarm: read its config from the DHT through --peers (at least one, from "
         "the flag, MURMUR_PEERS or the config file), fetch the latest parameters from a live peer, then train "
-        "and gossip with the swarm.",
+        "and gossip with the swarm. Before it trains it prints four 'murmur: preflight' lines: the swarm's model "
+        "and algorithm, whether they fit this machine's RAM and GPU (the numbers, and the SPES capacity chosen), "
+        "the round-trip time and goodput to the first --peers, and whether peers reach this node directly or "
+        "through a relay; a failed check says what to do.",
     )
     bootstrap = commands.add_parser(
         Command.BOOTSTRAP, help="run a DHT-only entry point for public swarms", epilog=PRECEDENCE,

@@ -93,6 +93,8 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append(f"memory   ~{memory['host_bytes'] / 2**30:.1f} GiB RAM ({memory['host_bytes_per_parameter']:g} B/param), "
                      f"~{memory['device_bytes'] / 2**30:.1f} GiB GPU ({memory['device_bytes_per_parameter']:g} B/param) "
                      f"for {memory['parameters']:,} parameters")
+    # a joiner's guided-join checks as it printed them at start (node.runtime.guide)
+    lines += [f"joined   {c['check']:<6} {c['verdict']}: {c['text']}" for c in status.get("preflight") or []]
     lines += _reach_lines(status.get("reachability"))
     for peer in status["peers"]:
         if peer.get("connection"):

@@ -5,7 +5,10 @@ A throwaway p2pd (a fresh identity with no connection to the node, so the push r
 pushes bytes over `/murmur/probe/1` and the node counts what arrives.
 
 `/murmur/probe/1`: the asker sends an 8-byte big-endian length N (at most MAX_PROBE_BYTES) and N
-bytes; the node answers the 8-byte count it read. N = 0 measures the round trip (latency).
+bytes; the node answers the 8-byte count it read. N = 0 measures the round trip (latency). Every node and
+bootstrap answers it, strangers included (a joiner measures its link to the bootstrap peers before it is a
+member): a few askers at a time, each push at most MAX_PROBE_BYTES within PROBE_TIMEOUT_S, and each asker
+at most PROBE_BURST probes, then one per 1/PROBE_RATE_PER_S seconds.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 from hivemind.p2p import P2P
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
+from gossip.limits import PeerBuckets
 from gossip.transport import PeerUnreachable, StreamClosed
 from node.net.hivemind_adapter import DEFAULT_SERVICE_DATA_LIMIT, circuit_maddr, peer_of
 from node.net.transport.p2pd import P2PDTransport, P2PSettings, start_p2pd
@@ -34,6 +38,11 @@ MAX_PROBE_BYTES = 1 << 20
 LIMIT_CHECK_BYTES = 3 * DEFAULT_SERVICE_DATA_LIMIT
 PROBE_TIMEOUT_S = 15.0
 _MAX_CONCURRENT_ANSWERS = 4
+# per asker: a doctor run takes 2 probes a neighbour, a guided join 2 a bootstrap peer; a stranger pushing
+# without end gets 1 MiB every 2 s at most (and the concurrency bound above holds across askers)
+PROBE_BURST = 16
+PROBE_RATE_PER_S = 0.5
+_TRACKED_ASKERS = 1024
 _CHUNK = 1 << 16
 _LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 _RESERVATION_S = 0.5
@@ -67,13 +76,14 @@ class ProbeServer:
     def __init__(self, p2p: P2P) -> None:
         self._p2p = p2p
         self._slots = asyncio.Semaphore(_MAX_CONCURRENT_ANSWERS)
-        self.refused = 0  # pushes refused: too many at once, or too large
+        self._askers = PeerBuckets(PROBE_RATE_PER_S, PROBE_BURST, _TRACKED_ASKERS)
+        self.refused = 0  # pushes refused: too many at once, too often from one asker, or too large
 
     async def start(self) -> None:
         await self._p2p.add_binary_stream_handler(PROBE_PROTOCOL, self._answer)
 
     async def _answer(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._slots.locked():
+        if self._slots.locked() or not self._askers.take(info.peer_id.to_base58()):
             self.refused += 1
             writer.transport.abort()
             return

@@ -312,6 +312,11 @@ class NodeReachability:
             await asyncio.sleep(0.3)
         await asyncio.sleep(0.3)
 
+    async def measure(self, peer: str) -> dict[str, Any]:
+        """Round-trip latency and goodput to `peer` (a peer this node's p2pd can dial), by two probes:
+        `latency_ms`, `goodput_mbit_s` and `error` (None, or why the probe failed)."""
+        return await self._measure(peer, None)
+
     async def _measure(self, peer: str, goodput: float | None) -> dict[str, Any]:
         """Round-trip latency of an empty probe, and goodput: measured on gossip traffic if there was
         some, else by a 1 MiB probe."""

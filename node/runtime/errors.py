@@ -3,3 +3,7 @@
 
 class StartupError(Exception):
     """The node cannot start (identity in use, address in use, no swarm config...): one line, exit 2."""
+
+
+class BootstrapUnreachable(StartupError):
+    """None of the bootstrap peers (--peers) answered: the guided join says which and what to check."""

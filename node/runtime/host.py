@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from node.config import NodeConfig
 from node.net.reach_mode import ReachMode
-from node.runtime.errors import StartupError
+from node.runtime.errors import BootstrapUnreachable, StartupError
 from node.runtime.shutdown import shut_down
 
 if TYPE_CHECKING:
@@ -41,6 +41,8 @@ RELAY_SERVICE_ATTEMPTS = 16
 # A dial-back nobody answered (the bootstraps start too, or restart) is asked again this many times
 DETECT_ATTEMPTS = 3
 DETECT_PAUSE_S = 2.0
+# what p2pd says when it reaches none of its bootstrap peers (it reports nothing more structured)
+P2PD_NO_BOOTSTRAP = "failed to connect to bootstrap peers"
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,9 @@ async def _start(settings: P2PSettings, stack: contextlib.AsyncExitStack) -> P2P
     try:
         p2p = await start_p2pd(settings)
     except Exception as exc:  # p2pd reports a busy port or a bad address only as its own failure
+        if settings.initial_peers and P2PD_NO_BOOTSTRAP in str(exc):
+            raise BootstrapUnreachable(f"none of the --peers answered ({', '.join(settings.initial_peers)}): "
+                                       "check each address, the firewall and that the node runs") from None
         raise StartupError(f"p2pd could not start on {', '.join(settings.host_maddrs)}: {exc}") from None
     stack.push_async_callback(shut_down, p2p, "p2pd")
     return p2p

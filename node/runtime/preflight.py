@@ -2,7 +2,9 @@
 algorithm? The memory model is gossip.footprint's; this module counts the model's parameters cheaply
 (a Hugging Face config on the meta device, an embedded model on the meta device), reads this machine's
 available RAM (/proc/meminfo) and free GPU memory, and refuses with one line that names the numbers and
-what would fit (exit status 2, as every start-up error).
+what would fit (exit status 2, as every start-up error). It also settles this node's own choices the swarm
+leaves to it: a SPES node given no --experts on a CPU trains every expert if they fit, else the most that
+fit (`choose_capacity`); the batch size is the swarm's, the same on every node.
 
 Test hook: MURMUR_MOCK_MACHINE_MEMORY="ram=2GiB,vram=0" stands in for this machine's memory (a GPU or a
 small machine cannot exist in the tests); vram > 0 makes the node count as a CUDA node. Nothing else
@@ -10,9 +12,11 @@ reads it."""
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -157,24 +161,33 @@ def memory_inputs(parameters: int, experts: int, recipe: TrainingRecipe, setting
     return MemoryInputs(algorithm=recipe.optimizer.algorithm, **common)
 
 
-def _gib(n: float) -> str:
-    return f"{n / GIB:.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
+def bytes_text(n: float) -> str:
+    """Bytes as people read them in a line: GiB from 1 GiB up, else MiB."""
+    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
 
 
-def _count(n: float) -> str:
+def count_text(n: float) -> str:
+    """A parameter count as people read it: 2.4M, 1.10B."""
     if n >= 1e8:
         return f"{n / 1e9:.2f}B"
     return f"{n / 1e6:.1f}M" if n >= 1e5 else f"{n / 1e3:.1f}K"
 
 
-def judge(inputs: MemoryInputs, machine: Machine) -> tuple[Footprint, str | None]:
-    """The footprint, and why it does not fit `machine` (one line), or None when it fits."""
-    f = footprint(inputs)
+def _shortfalls(f: Footprint, inputs: MemoryInputs, machine: Machine) -> list[tuple[str, int, int, Where]]:
+    """(what, needed, available, where) for each memory `f` exceeds on `machine`; empty when it fits."""
     short: list[tuple[str, int, int, Where]] = []
     if f.host_bytes > machine.ram:
         short.append(("RAM", f.host_bytes, machine.ram, Where.HOST))
     if inputs.device == "cuda" and machine.vram is not None and f.device_bytes > machine.vram:
         short.append(("GPU memory", f.device_bytes, machine.vram, Where.DEVICE))
+    return short
+
+
+def judge(inputs: MemoryInputs, machine: Machine, hints: Sequence[str] = ()) -> tuple[Footprint, str | None]:
+    """The footprint, and why it does not fit `machine` (one line), or None when it fits. `hints` (what
+    would fit, worked out by the caller) lead the line's suggestions."""
+    f = footprint(inputs)
+    short = _shortfalls(f, inputs, machine)
     if not short:
         return f, None
     name = "gossip DiLoCo" if inputs.algorithm == "diloco" else ("SPES" if inputs.spes else inputs.algorithm)
@@ -184,9 +197,9 @@ def judge(inputs: MemoryInputs, machine: Machine) -> tuple[Footprint, str | None
     per = f.host_per_parameter if where is Where.HOST else f.device_per_parameter
     fits = min(machine.ram / max(f.host_per_parameter, 1e-9),
                machine.vram / max(f.device_per_parameter, 1e-9) if inputs.device == "cuda" and machine.vram else 1e30)
-    line = (f"the swarm's model ({_count(inputs.parameters)} parameters) with {name} needs ~{_gib(needed)} of {what} "
+    line = (f"the swarm's model ({count_text(inputs.parameters)} parameters) with {name} needs ~{bytes_text(needed)} of {what} "
             f"here ({per:.0f} bytes per parameter: {', '.join(f.largest(where))}, ...), this machine has "
-            f"{_gib(have)} available: a node here fits up to ~{_count(fits)} parameters with this algorithm")
+            f"{bytes_text(have)} available: a node here fits up to ~{count_text(fits)} parameters with this algorithm")
     others: list[tuple[bool, int, str]] = []  # (fits, RAM needed, what)
     for algorithm in ("dsgd", "dadam", "diloco"):
         other = replace(inputs, algorithm=algorithm, choco=False, spes=False, inner="sgd" if algorithm == "dsgd" else "adam")
@@ -195,21 +208,95 @@ def judge(inputs: MemoryInputs, machine: Machine) -> tuple[Footprint, str | None
         g = footprint(other)
         ok = g.host_bytes <= machine.ram and (inputs.device != "cuda" or machine.vram is None
                                               or g.device_bytes <= machine.vram)
-        needs = f"~{_gib(g.host_bytes)} of RAM" + (f" and ~{_gib(g.device_bytes)} of GPU memory"
+        needs = f"~{bytes_text(g.host_bytes)} of RAM" + (f" and ~{bytes_text(g.device_bytes)} of GPU memory"
                                                    if inputs.device == "cuda" else "")
         others.append((ok, g.host_bytes, f"{algorithm} would need {needs}"))
     fitting = [what.replace("would need", "fits with") for ok, _, what in others if ok]
-    hints = (fitting or [min(others)[2]]) if others else []
-    if inputs.spes and inputs.expert_parameters and inputs.owned_share >= 0.5:
-        hints.append("SPES with fewer owned experts (--experts) needs less")
-    others_text = "; ".join(hints)
+    suggestions = [*hints, *((fitting or [min(others)[2]]) if others else [])]
+    if not hints and inputs.spes and inputs.expert_parameters and inputs.owned_share >= 0.5:
+        suggestions.append("SPES with fewer owned experts (--experts) needs less")
+    others_text = "; ".join(suggestions)
     return f, line + ("; " + others_text if others_text else "")
 
 
-def preflight(recipe: TrainingRecipe, settings: SwarmSettings, device: str,
-              wanted_experts: int | None = None) -> dict[str, Any] | None:
-    """Refuse (StartupError) a model that would not fit here with the swarm's algorithm; else log one
-    line and return the footprint for the status (None when the model cannot be counted cheaply)."""
+class CapacityChoice(enum.StrEnum):
+    """How a SPES node's capacity (experts per MoE layer it trains) was settled."""
+
+    GIVEN = "given"  # --experts
+    ALL = "all"  # no --experts on a CPU node: every expert, and they fit
+    LARGEST_FITTING = "largest_fitting"  # no --experts, every expert does not fit: the most that do
+    MEASURED = "measured"  # no --experts on CUDA: sized to the free GPU memory at start (the least fits)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    experts: int | None  # experts per MoE layer to train; None: sized to the free GPU memory at start
+    choice: CapacityChoice
+
+
+def choose_capacity(experts_per_layer: int, wanted: int | None, device: str, largest: int) -> Capacity:
+    """A SPES node's capacity, given --experts (`wanted`), its device kind and the most experts per layer
+    that fit this machine (`largest`, 0: not even one). The user's word stands (the preflight refuses it
+    if it does not fit); a CUDA node is sized at start by measuring (node.algorithms.spes.swarm.capacity_for);
+    a CPU node trains every expert, or the most that fit when every one does not (capacity is each
+    node's own choice in a SPES swarm: the assignment follows the capacities peers publish)."""
+    if wanted is not None:
+        return Capacity(min(wanted, experts_per_layer), CapacityChoice.GIVEN)
+    if device == "cuda":
+        return Capacity(None, CapacityChoice.MEASURED)
+    if 1 <= largest < experts_per_layer:
+        return Capacity(largest, CapacityChoice.LARGEST_FITTING)
+    return Capacity(experts_per_layer, CapacityChoice.ALL)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """What the preflight settled: the footprint on this machine, and this node's choices."""
+
+    machine: Machine
+    inputs: MemoryInputs
+    footprint: Footprint
+    batch_size: int  # the swarm's, the same on every node
+    context: int
+    experts_per_layer: int = 0  # 0: no SPES
+    capacity: Capacity | None = None  # SPES's
+    largest_fitting: int = 0  # SPES: the most experts per layer that fit here by the estimate
+
+    def as_json(self) -> dict[str, Any]:
+        """The status's `memory` object."""
+        capacity = self.capacity
+        return {**self.footprint.as_json(), "algorithm": self.inputs.algorithm, "device": self.inputs.device,
+                "ram_available": self.machine.ram, "vram_available": self.machine.vram,
+                "batch_size": self.batch_size, "context": self.context,
+                "spes_capacity": None if capacity is None else {
+                    "experts": capacity.experts, "of": self.experts_per_layer, "choice": capacity.choice.value,
+                    "largest_fitting": self.largest_fitting}}
+
+
+class DoesNotFit(StartupError):
+    """The swarm's model (of `parameters`) does not fit this machine; the message names the numbers and
+    what would fit."""
+
+    def __init__(self, line: str, parameters: int) -> None:
+        super().__init__(line)
+        self.parameters = parameters
+
+
+def _largest_fitting(size: ModelSize, recipe: TrainingRecipe, settings: SwarmSettings, device: str,
+                     machine: Machine) -> int:
+    """The most experts per layer a SPES node here can train (0: not even one)."""
+    for n in range(size.experts_per_layer, 0, -1):
+        inputs = memory_inputs(size.parameters, size.expert_parameters, recipe, settings, device,
+                               capacity_share=n / size.experts_per_layer)
+        if not _shortfalls(footprint(inputs), inputs, machine):
+            return n
+    return 0
+
+
+def check_fit(recipe: TrainingRecipe, settings: SwarmSettings, device: str,
+              wanted_experts: int | None = None) -> Fit | None:
+    """Whether the swarm's model fits this machine with the swarm's algorithm, and this node's choices
+    (SPES's capacity); DoesNotFit when it does not, None when the model cannot be counted cheaply."""
     try:
         machine = this_machine(device)
     except ValueError as exc:  # the mock's text, or a CUDA device torch does not see
@@ -218,26 +305,48 @@ def preflight(recipe: TrainingRecipe, settings: SwarmSettings, device: str,
     size = parameter_split(recipe)
     if size is None:
         return None
-    parameters = size.parameters
     kind = "cuda" if machine.vram is not None else "cpu"
-    inputs = memory_inputs(parameters, size.expert_parameters, recipe, settings, kind,
-                           capacity_share=owned_share(size, kind, wanted_experts))
-    f, refusal = judge(inputs, machine)
+    capacity, largest, hints = None, 0, []
+    share = owned_share(size, kind, wanted_experts)
+    if recipe.spes is not None and size.experts_per_layer:
+        largest = _largest_fitting(size, recipe, settings, kind, machine)
+        capacity = choose_capacity(size.experts_per_layer, wanted_experts, kind, largest)
+        share = (capacity.experts or 1) / size.experts_per_layer
+        if largest and capacity.experts is not None and capacity.experts > largest:
+            hints.append(f"SPES with --experts {largest} (of {size.experts_per_layer} per layer) fits here")
+    inputs = memory_inputs(size.parameters, size.expert_parameters, recipe, settings, kind, capacity_share=share)
+    f, refusal = judge(inputs, machine, hints)
     if refusal is not None:
-        raise StartupError(refusal)
+        raise DoesNotFit(refusal, size.parameters)
     logger.info("preflight: %s parameters need ~%s of RAM (%.0f B/param) and ~%s of GPU memory (%.0f B/param); "
-                "%s of RAM%s available", f"{parameters:,}", _gib(f.host_bytes), f.host_per_parameter,
-                _gib(f.device_bytes), f.device_per_parameter, _gib(machine.ram),
-                f", {_gib(machine.vram)} of GPU memory" if machine.vram is not None else "")
-    return {**f.as_json(), "algorithm": inputs.algorithm, "device": kind, "ram_available": machine.ram,
-            "vram_available": machine.vram}
+                "%s of RAM%s available", f"{size.parameters:,}", bytes_text(f.host_bytes), f.host_per_parameter,
+                bytes_text(f.device_bytes), f.device_per_parameter, bytes_text(machine.ram),
+                f", {bytes_text(machine.vram)} of GPU memory" if machine.vram is not None else "")
+    return Fit(machine, inputs, f, recipe.batch_size, recipe.context, size.experts_per_layer if capacity else 0,
+               capacity, largest)
+
+
+def preflight(recipe: TrainingRecipe, settings: SwarmSettings, device: str,
+              wanted_experts: int | None = None) -> dict[str, Any] | None:
+    """Refuse (DoesNotFit, a StartupError) a model that would not fit here with the swarm's algorithm; else
+    log one line and return the footprint for the status (None when the model cannot be counted cheaply)."""
+    fit = check_fit(recipe, settings, device, wanted_experts)
+    return fit.as_json() if fit is not None else None
 
 
 __all__ = [
     "MOCK_ENV",
+    "Capacity",
+    "CapacityChoice",
+    "DoesNotFit",
+    "Fit",
     "Machine",
     "ModelSize",
     "available_ram",
+    "bytes_text",
+    "check_fit",
+    "choose_capacity",
+    "count_text",
     "judge",
     "memory_inputs",
     "owned_share",

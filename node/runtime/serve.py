@@ -34,9 +34,24 @@ from node.runtime.data_plane import (
     start_data_plane,
     start_dialer,
 )
-from node.runtime.errors import StartupError
+from node.runtime.errors import BootstrapUnreachable, StartupError
+from node.runtime.guide import (
+    GuideLine,
+    bootstrap_failed_line,
+    format_line,
+    in_order,
+    link_line,
+    measure_first_peers,
+    memory_line,
+    memory_unknown_line,
+    memory_vector_line,
+    model_line,
+    reach_line,
+    refusal_line,
+    settled_reach,
+)
 from node.runtime.host import start_host
-from node.runtime.preflight import preflight
+from node.runtime.preflight import CapacityChoice, DoesNotFit, Fit, check_fit
 from node.runtime.ready_line import format_ready_line
 from node.runtime.saving import checkpoint_path, final_checkpoint
 from node.runtime.shutdown import close, install_stop_signals, shut_down
@@ -53,6 +68,7 @@ if TYPE_CHECKING:
     from node.net.discovery import Discovery
     from node.net.founder import SwarmConfig
     from node.net.identity import Identity
+    from node.net.relays import NodeReachability
     from node.net.validation import RefusalCounts
 
 logger = logging.getLogger("murmur.node")
@@ -77,7 +93,12 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
         stop.set()
 
     async with contextlib.AsyncExitStack() as stack:
-        host = await start_host(config, stack)
+        try:
+            host = await start_host(config, stack)
+        except BootstrapUnreachable:
+            if not founding:
+                _print_guide([bootstrap_failed_line(config.network.initial_peers, "no connection")])
+            raise
         claimed, p2p = host.claimed, host.p2p
         runtime.reach = host.reach
         identity = claimed.identity
@@ -94,9 +115,15 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
         try:
             await discovery.start(publish=False)  # this peer's record waits for the swarm's config and rules
         except BootstrapFailed as exc:
+            if not founding:
+                _print_guide([bootstrap_failed_line(config.network.initial_peers, "the DHT did not answer")])
             raise StartupError(str(exc)) from None
         runtime.discovery = discovery
         discovery.update(reach=ReachedVia.from_reach(host.reach.detection.reach).value)  # the swarm page shows it
+        # the guided join's link check runs while the swarm's config is read
+        link = None if founding else asyncio.create_task(measure_first_peers(host.reach, config.network.initial_peers))
+        if link is not None:
+            stack.callback(link.cancel)
         stack.push_async_callback(close, discovery, "discovery")
         gate.membership = ViewMembership(discovery)
         runtime.dialer = await start_dialer(transport, discovery, stack, runtime.count)
@@ -128,12 +155,10 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
         except CheckpointUnreadable as exc:
             logger.warning("%s; starting fresh", exc)
             checkpoint = None
-        if settings.training is not None:
-            # before entering the swarm's view: a node that cannot train the model must not be counted
-            # in a quorum or paired in rounds, and the gap between a record in the view and the gossip
-            # protocol served (neighbours' rounds to it fail at once meanwhile) stays start_training's
-            runtime.memory = await asyncio.to_thread(preflight, settings.training, settings,
-                                                   config.training.device, config.training.experts)
+        # before entering the swarm's view: a node that cannot train the model must not be counted in a
+        # quorum or paired in rounds, and the gap between a record in the view and the gossip protocol
+        # served (neighbours' rounds to it fail at once meanwhile) stays start_training's
+        await _preflight(runtime, swarm, settings, host.reach, link)
         await discovery.enter(swarm, admission, watch_config=not founding)
         exchange = dataclasses.replace(exchange_settings(config, swarm.config_hash, settings), admission=admission)
         training = None
@@ -173,6 +198,48 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
             runtime.next_initial_peers = await _connected_peers(p2p)
             return SessionEnd.NEW_CONFIG
     return SessionEnd.STOPPED
+
+
+def _print_guide(lines: list[GuideLine]) -> None:
+    for line in in_order(lines):
+        print(format_line(line), flush=True)
+
+
+async def _preflight(runtime: NodeRuntime, swarm: SwarmConfig, settings: SwarmSettings, reach: NodeReachability,
+                     link: asyncio.Task[dict[str, dict[str, Any]]] | None) -> None:
+    """Check that the swarm's model fits here (DoesNotFit otherwise) and settle this node's choices; a
+    joiner (`link` is its measurement of the bootstrap peers) also prints the guided join's lines, in
+    order, and serves them in the status (node.runtime.guide)."""
+    config, recipe = runtime.config, settings.training
+    fit: Fit | None = None
+    refused: DoesNotFit | None = None
+    if recipe is not None:
+        try:
+            fit = await asyncio.to_thread(check_fit, recipe, settings, config.training.device, config.training.experts)
+        except DoesNotFit as exc:
+            if link is None:
+                raise
+            refused = exc
+    if fit is not None:
+        runtime.memory = fit.as_json()
+        if fit.capacity is not None and fit.capacity.choice is CapacityChoice.LARGEST_FITTING:
+            runtime.config = dataclasses.replace(config, training=dataclasses.replace(
+                config.training, experts=fit.capacity.experts))
+    if link is None:  # a founder: the guide is a joiner's
+        return
+    if recipe is None:
+        memory = memory_vector_line(settings.dim)
+    elif refused is not None:
+        memory = refusal_line(str(refused))
+    else:
+        memory = memory_line(fit) if fit is not None else memory_unknown_line(recipe.model)
+    parameters = fit.footprint.parameters if fit else (refused.parameters if refused else None)
+    lines = [model_line(config.swarm, swarm.founder, settings, parameters), memory,
+             link_line(await link), reach_line(await settled_reach(reach))]
+    runtime.preflight = in_order(lines)
+    _print_guide(lines)
+    if refused is not None:
+        raise refused
 
 
 def exchange_settings(config: NodeConfig, config_hash: str, settings: SwarmSettings) -> ExchangeSettings:

@@ -15,6 +15,8 @@ from gossip.exchange import GossipPeer
 from node.config import NodeConfig
 from node.monitor import Counters, EventLog, HistoryRecorder, MixingStepEstimate, RoundGraphCache, round_graph
 from node.monitor.source import DoctorUnavailable
+from node.runtime.guide import GuideLine
+from node.runtime.guide import as_json as guide_json
 from node.swarm.recipe import SwarmSettings
 from node.swarm.rounds import PeerTiming, participants
 from topology import MembershipView, TopologySpec
@@ -68,6 +70,7 @@ class NodeRuntime:
         self._spec: tuple[str, TopologySpec] | None = None  # (config hash, its topology)
         self._doctor_running = False
         self.memory: dict[str, Any] | None = None  # the preflight's footprint (node.runtime.preflight)
+        self.preflight: list[GuideLine] | None = None  # a joiner's guided-join lines (node.runtime.guide)
 
     def count(self, kind: str) -> None:
         self.node_errors[kind] = self.node_errors.get(kind, 0) + 1
@@ -301,6 +304,7 @@ class NodeRuntime:
             "uptime_s": time.time() - self.started,
             "limits": self.limits(),
             "memory": self.memory,
+            "preflight": guide_json(self.preflight) if self.preflight is not None else None,
         }
 
 
