@@ -34,13 +34,14 @@ ATTACK = AttackSetup(RECIPE, NODE, steps=STEPS, join_at=12, hostile=hostile_argv
 LOSS_RATIO = 1.10
 
 
-def check_honest_sources(joined: dict, hostile: str) -> None:
-    """The joiner downloaded nothing from the hostile, and at least two honest copies, and kept only
-    honest ones. How many it kept is not asserted: one honest copy that lags far behind is refused for
-    its loss, and two that do not average well are replaced by the better one (node.swarm.joining);
+def check_honest_sources(joined: dict, hostile: str, evaluated: int = 2) -> None:
+    """The joiner downloaded nothing from the hostile, and at least `evaluated` honest copies, and kept
+    only honest ones. How many it kept is not asserted: one honest copy that lags far behind is refused
+    for its loss, and two that do not average well are replaced by the better one (node.swarm.joining);
     on a loaded machine either can happen to honest copies, attack or not."""
-    assert hostile not in joined["losses"] and len(joined["losses"]) >= 2, joined
+    assert hostile not in joined["losses"] and len(joined["losses"]) >= evaluated, joined
     assert joined["sources"] and hostile not in joined["sources"], joined
+    assert set(joined["sources"]) <= set(joined["losses"]), joined
 
 
 def check_no_takeover(attack: SwarmRun) -> None:
@@ -57,7 +58,7 @@ def check_no_takeover(attack: SwarmRun) -> None:
     joined = training["joined"]
     assert joined["refused"].get(hostile) == "step_out_of_bounds", joined
     check_honest_sources(joined, hostile)
-    assert training["started_from"].startswith("peers ") and joined["step"] < 10**6, training
+    assert training["started_from"].startswith("peer") and joined["step"] < 10**6, training
 
 
 def check_config_kept(attack: SwarmRun) -> None:
@@ -156,7 +157,10 @@ def test_a_hostile_spes_member_claiming_capacity_2_62_and_huge_versions_is_bound
     training = attack.statuses["n4"]["training"]
     joined = training["joined"]
     assert joined["refused"].get(hostile) == "record_out_of_bounds", joined
-    check_honest_sources(joined, hostile)
-    assert training["started_from"].startswith("peers "), training
+    # one honest copy is enough here: the SPES joiner comes at step 8, and on a loaded machine it has found
+    # a single honest peer at the swarm's step (the others not yet there); that the hostile's record is
+    # refused whatever its step is what this test is for
+    check_honest_sources(joined, hostile, evaluated=1)
+    assert training["started_from"].startswith("peer"), training
     print(f"SPES under attack: validation loss at step {SPES_STEPS}: "
           f"{ {n: round(attack.val_loss(n), 4) for n in FOUNDING_HONEST} }")

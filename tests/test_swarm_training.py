@@ -36,6 +36,7 @@ RECIPE = {"model": "tiny_model:build", "context": TINY.context, "batch_size": BA
 NODE = {"threads": 1, "eval_every": 25, "checkpoint_every": 10, "exchange_timeout": 3}
 JOINER = {"model": RECIPE["model"]}
 PARITY = 1.05
+RESTART_STEPS = 120
 
 
 @pytest.fixture
@@ -144,7 +145,8 @@ def _initial() -> dict[str, np.ndarray]:
 
 
 def test_restart_resumes_from_checkpoint_and_survives_a_corrupt_one(swarm):
-    flags = {**RECIPE, **NODE, "steps": 200, "checkpoint_every": 10}
+    # 120 steps: room for two periodic averages (every 50) before the one at the end
+    flags = {**RECIPE, **NODE, "steps": RESTART_STEPS, "checkpoint_every": 10}
     node = swarm.found(**flags)
     wait_for(lambda: training(node)["step"] >= 15, 120, "15 steps")
     assert swarm.stop_all([node]) == [0]
@@ -183,7 +185,7 @@ def test_restart_resumes_from_checkpoint_and_survives_a_corrupt_one(swarm):
             "start it with --model tiny_model:build to allow that") in refused.stderr()
     wait_for(lambda: training(third)["done"], 120, "training to finish after the fallback")
     average_path = node.data_dir / "swarm-average.safetensors"
-    wait_for(lambda: average_path.exists() and load_checkpoint(average_path).meta["max_step"] == 200, 60,
+    wait_for(lambda: average_path.exists() and load_checkpoint(average_path).meta["max_step"] == RESTART_STEPS, 60,
              "the swarm average written at the end of training")
     assert swarm.stop_all([third]) == [0]
     average = load_checkpoint(average_path)
@@ -192,7 +194,7 @@ def test_restart_resumes_from_checkpoint_and_survives_a_corrupt_one(swarm):
     assert sorted(average.tensors) == sorted(final_params)
     for name, values in final_params.items():
         np.testing.assert_array_equal(average.tensors[name].reshape(-1), values.reshape(-1), err_msg=name)
-    assert load_checkpoint(node.data_dir / "swarm-average.safetensors.prev").meta["max_step"] < 200  # an earlier periodic one
+    assert load_checkpoint(node.data_dir / "swarm-average.safetensors.prev").meta["max_step"] < RESTART_STEPS  # an earlier periodic one
 
 
 def test_a_model_that_raises_stops_training_not_the_node(swarm):

@@ -3,8 +3,8 @@ registry (debootstrap), builds the project image, and removes everything a test 
 
 Follows ../shared/ENVIRONMENT.md "Containers": runc through a containers.conf, the machine's extra CA
 certificates in the base image, the torch CPU wheel in the build context, `--init`, and a pinned
-bridge MAC. The two base images are cached between runs (see docs/deploy.md); nothing else is.
-Not a test module.
+bridge MAC. The two base images and the Dockerfile's dependency stages are cached between runs
+(see docs/deploy.md); the project's source is built into every image. Not a test module.
 """
 
 from __future__ import annotations
@@ -29,6 +29,12 @@ TORCH_VERSION = "2.13.0"
 # The debootstrapped rootfs and the Python base built on it; both are kept between runs.
 ROOTFS_IMAGE = "localhost/murmur-ci-debian:bookworm"
 PYTHON_BASE_REPO = "localhost/murmur-ci-python"
+# Tags that keep the Dockerfile's `deps` and `runtime` stages (every dependency, no project source) in
+# podman's layer cache between runs; the tag is a hash of what those stages are built from.
+CACHED_STAGES = {"deps": "localhost/murmur-ci-deps", "runtime": "localhost/murmur-ci-runtime"}
+# Fixed mtime for everything in the build context: buildah's COPY cache compares file times, and a
+# fresh clone's files are all new.
+CONTEXT_MTIME = 1_000_000_000
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 CA_DIR = Path("/usr/local/share/ca-certificates")
 # What the image build copies from the repository (the same list .dockerignore lets through).
@@ -210,20 +216,57 @@ def build_context(dest: Path, torch_wheel: Path) -> Path:
         os.link(torch_wheel, wheels / torch_wheel.name)
     except OSError:
         shutil.copy(torch_wheel, wheels / torch_wheel.name)
+    for path in (dest, *dest.rglob("*")):
+        os.utime(path, (CONTEXT_MTIME, CONTEXT_MTIME), follow_symlinks=False)
     return dest
 
 
+def stages_tag_suffix(context: Path, base: str) -> str:
+    """What the cached stages are built from: the Dockerfile, pyproject.toml, the torch wheel's name and
+    size, and the base. Only names the cache entry (buildah's layer cache decides what is rebuilt)."""
+    digest = hashlib.sha256(base.encode())
+    for name in ("docker/Dockerfile", "pyproject.toml"):
+        digest.update(b"\0" + (context / name).read_bytes())
+    for wheel in sorted((context / "docker" / "wheels").glob("*.whl")):
+        digest.update(f"\0{wheel.name}:{wheel.stat().st_size}".encode())
+    return digest.hexdigest()[:12]
+
+
 def build_image(podman: Podman, context: Path, base: str, tag: str, log_path: Path) -> float:
-    """`docker build` as CI runs it; --format docker keeps the HEALTHCHECK (OCI images drop it) and
-    --layers=false leaves no intermediate images behind. The build's output goes to `log_path`, each
-    line prefixed with the seconds since the start. Returns the CPU seconds the build used (its
-    RUN steps are podman's descendants), a load-independent measure of its cost."""
+    """`docker build` as CI runs it, with docker's layer cache (`--layers`): the `deps` and `runtime`
+    stages, which hold no project source, are tagged and kept, so a run rebuilds them only when their
+    inputs changed, while the project's source is built and installed in every run; older tags of
+    them are removed. --format docker keeps the HEALTHCHECK (OCI images drop it). The builds' output
+    goes to `log_path`, each line prefixed with the seconds since the start. Returns the CPU seconds
+    the builds used (their RUN steps are podman's descendants), a load-independent measure of their cost."""
     cpu_before = _children_cpu_s()
-    argv = ["podman", "build", "--format", "docker", "--layers=false", "--build-arg", f"BASE={base}",
-            "-f", str(context / "docker" / "Dockerfile"), "-t", tag, str(context)]
+    common = ["--format", "docker", "--layers", "--build-arg", f"BASE={base}",
+              "-f", str(context / "docker" / "Dockerfile")]
+    suffix = stages_tag_suffix(context, base)
+    # The build stage (the project's wheel) is tagged only so that its layers go with the test's image.
+    build_stage = f"{tag}-build-stage"
     started = time.monotonic()
-    with open(log_path, "w") as log, subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                      text=True, env=podman.env()) as build:
+    with open(log_path, "w") as log:
+        for stage, repo in CACHED_STAGES.items():
+            if not podman.image_exists(f"{repo}:{suffix}"):  # else the final build finds its layers cached
+                _build(podman, [*common, "--target", stage, "-t", f"{repo}:{suffix}", str(context)], log, started)
+        try:
+            _build(podman, [*common, "--target", "build", "-t", build_stage, str(context)], log, started)
+            _build(podman, [*common, "-t", tag, str(context)], log, started)
+        finally:
+            podman.run("rmi", build_stage, check=False)
+    for repo in CACHED_STAGES.values():
+        listed = podman.run("images", "--format", "{{.Repository}}:{{.Tag}}", repo).stdout.split()
+        for old in (ref for ref in listed if ref != f"{repo}:{suffix}"):
+            podman.run("rmi", old, check=False)
+    return _children_cpu_s() - cpu_before
+
+
+def _build(podman: Podman, args: list[str], log, started: float) -> None:
+    argv = ["podman", "build", *args]
+    log.write(f"{time.monotonic() - started:7.1f} $ {' '.join(argv)}\n")
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=podman.env()) as build:
         try:
             for line in build.stdout:  # type: ignore[union-attr]
                 log.write(f"{time.monotonic() - started:7.1f} {line}")
@@ -232,9 +275,9 @@ def build_image(podman: Podman, context: Path, base: str, tag: str, log_path: Pa
             if build.poll() is None:
                 build.kill()
     if build.returncode != 0:
-        tail = "".join(log_path.read_text().splitlines(keepends=True)[-40:])
-        raise PodmanFailed(f"podman build exited {build.returncode} (log: {log_path}):\n{tail}")
-    return _children_cpu_s() - cpu_before
+        log.flush()
+        tail = "".join(Path(log.name).read_text().splitlines(keepends=True)[-40:])
+        raise PodmanFailed(f"podman build exited {build.returncode} (log: {log.name}):\n{tail}")
 
 
 def _children_cpu_s() -> float:
