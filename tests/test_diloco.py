@@ -16,6 +16,7 @@ from torch.optim.sgd import sgd
 
 from gossip.codecs import ErrorFeedback, get_codec
 from gossip.diloco import (
+    DILOCO_LOCAL_STEPS,
     MAX_PHASE,
     DilocoConfig,
     OuterNesterov,
@@ -40,6 +41,23 @@ from topology import MembershipView, build_topology, peer_round
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
 TINY = ModelConfig(context=32, layers=2, width=64, heads=4, experts=0, expert_hidden=128)
+
+
+# ---- defaults that fit the link -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("given", "expected"), [({"training.optimizer": "diloco"}, DILOCO_LOCAL_STEPS),
+                                                 ({"training.optimizer": "diloco", "training.local_steps": "7"}, 7),
+                                                 ({"training.optimizer": "dadam"}, 1), ({}, 1)])
+def test_diloco_without_local_steps_syncs_every_hundred_steps(given: dict, expected: int) -> None:
+    """`--optimizer diloco` alone must not sync (two rounds and an outer step) after every inner step; an
+    explicit --local-steps stays as given, and the per-step optimizers keep H = 1."""
+    from node.config.layers import merge_layers, read_flags
+    from node.config.table import SETTINGS_BY_KEY
+
+    resolved = merge_layers(read_flags({SETTINGS_BY_KEY[k]: v for k, v in given.items()}))
+    assert resolved.config.training.local_steps == expected
+    assert 50 <= DILOCO_LOCAL_STEPS <= 100
 
 
 # ---- the outer step ----------------------------------------------------------------------------------

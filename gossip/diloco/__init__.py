@@ -21,11 +21,12 @@ from gossip.diloco.fragments import fragment_partition
 from gossip.diloco.outer import OuterNesterov
 from gossip.diloco.schedule import MAX_PHASE, SyncSchedule, qsr_period
 from gossip.diloco.traffic import RoundMessages, Traffic, round_bytes, run_bytes
-from gossip.knobs import MAX_OUTER_LR
+from gossip.knobs import DILOCO_LOCAL_STEPS, MAX_OUTER_LR
 
 __all__ = [
     "ANCHOR_CODECS",
     "DILOCO_DEFAULTS",
+    "DILOCO_LOCAL_STEPS",
     "INNER_OPTIMIZERS",
     "MAX_ANCHOR_EVERY",
     "MAX_OUTER_LR",
