@@ -26,6 +26,7 @@ from gossip.diloco import (
     qsr_period,
     round_bytes,
     run_bytes,
+    warmup_period,
 )
 from gossip.exchange import ExchangeSettings
 from gossip.lockstep import Lockstep
@@ -171,6 +172,27 @@ def test_qsr_grows_the_sync_period_as_the_learning_rate_decays() -> None:
         assert period == max(20, math.floor((0.2 / lr.lr_at(start)) ** 2 + 1e-9)), start  # 1e-9: float rounding
     assert periods[1] == 400 and periods.max() > periods[1], "(0.2 / 0.01)^2 at the peak, longer as lr decays"
     assert np.all(np.diff(periods[1:]) >= 0)
+
+
+def test_the_outer_warmup_syncs_often_first_then_every_h_steps() -> None:
+    """W = 4, H = 100: phases of 20, 40, 60, 80, then 100 steps; with 3 fragments every fragment still syncs
+    at its own step of each phase; W = 0 is the constant H of before."""
+    flat = LRSchedule(lr=0.01).lr_at
+    schedule = SyncSchedule(100, 1, flat, outer_warmup=4)
+    bounds = [0]
+    while bounds[-1] < 700:
+        bounds.append(schedule.phase_of(bounds[-1] + 1)[2])
+    assert np.diff(bounds).tolist() == [20, 40, 60, 80, 100, 100, 100, 100, 100]
+    assert [warmup_period(100, 1, 4, k) for k in range(6)] == [20, 40, 60, 80, 100, 100]
+    assert [warmup_period(5, 3, 4, k) for k in range(5)] == [3, 3, 3, 4, 5], "never fewer steps than fragments"
+    assert [warmup_period(100, 1, 0, k) for k in range(3)] == [100] * 3
+    streamed = SyncSchedule(10, 3, flat, outer_warmup=2)  # phases 4, 7, 10, ...
+    for k in range(4):
+        points = [streamed.sync_point(p, k) for p in range(3)]
+        _, start, end = streamed.phase_of(points[0])
+        assert len(set(points)) == 3 and all(start < c <= end for c in points), (k, points)
+    # QSR takes over after the outer warm-up, from the (flat) lr: (0.2 / 0.01)^2 = 400
+    assert SyncSchedule(100, 1, flat, qsr_alpha=0.2, outer_warmup=1).phase_of(51)[1:] == (50, 450)
 
 
 def test_the_analytic_bytes_of_a_round_follow_the_messages_of_the_exchange() -> None:

@@ -19,7 +19,7 @@ from gossip.diloco.config import (
 )
 from gossip.diloco.fragments import fragment_partition
 from gossip.diloco.outer import OuterNesterov
-from gossip.diloco.schedule import MAX_PHASE, SyncSchedule, qsr_period
+from gossip.diloco.schedule import MAX_PHASE, SyncSchedule, qsr_period, warmup_period
 from gossip.diloco.traffic import RoundMessages, Traffic, round_bytes, run_bytes
 from gossip.knobs import DILOCO_LOCAL_STEPS, MAX_OUTER_LR
 
@@ -42,4 +42,5 @@ __all__ = [
     "qsr_period",
     "round_bytes",
     "run_bytes",
+    "warmup_period",
 ]

@@ -22,6 +22,7 @@ MAX_FRAGMENTS = 64
 # from making every node sync after an absurd period; a node may set anything >= 0 for itself.
 MAX_QSR_ALPHA = 1e3
 MAX_ANCHOR_EVERY = 10**6
+MAX_OUTER_WARMUP = 1000
 
 
 class DilocoSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -61,6 +62,12 @@ class DilocoSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
         description="diloco: grow the sync period as the learning rate decays, H = max(--local-steps, "
         "floor((ALPHA / lr)^2)) after the warm-up (quadratic synchronisation rule); 0: constant H (the swarm's)",
     )] = 0.0
+    outer_warmup: Annotated[int, msgspec.Meta(
+        ge=0, le=MAX_OUTER_WARMUP, extra={"noun": "warm-up phases"},
+        description="diloco: W, outer warm-up - the first W phases sync more often, phase k < W lasting "
+        "ceil(H (k + 1) / (W + 1)) steps (at least --fragments), as DiLoCo's papers sync often early; 0: "
+        "every phase H (the swarm's)",
+    )] = 4
     # the document caps the period (MAX_ANCHOR_EVERY); a node's own setting does not
     anchor_every: Annotated[int, msgspec.Meta(
         ge=0, le=MAX_ANCHOR_EVERY, extra={"setting_bounds": {"le": None}},
@@ -98,6 +105,8 @@ class DilocoConfig:
       outer step is applied one phase late (the local pseudo-gradient stands in meanwhile).
     - `qsr_alpha`: 0 keeps H constant; > 0 lets H grow as the learning rate decays, by the quadratic
       synchronisation rule H = max(H_base, floor((alpha / lr)^2)) (after the warm-up).
+    - `outer_warmup`: W; phase k < W lasts ceil(H (k + 1) / (W + 1)) steps (at least P), so the
+      swarm syncs often while the models move fast, then every H (gossip.diloco.schedule).
     - `anchor_every`: every this many syncs of a fragment its anchors are mixed with the same
       neighbours too (a state, in `anchor_codec`, never top-k): mixing pseudo-gradients alone keeps
       the swarm's mean on DiLoCo's path but lets each node's anchor drift with its own data; 0: never.
@@ -111,6 +120,7 @@ class DilocoConfig:
     fragments: int = _SETTINGS.fragments
     overlap: bool = _SETTINGS.overlap
     qsr_alpha: float = _SETTINGS.qsr_alpha
+    outer_warmup: int = _SETTINGS.outer_warmup
     anchor_every: int = _SETTINGS.anchor_every
     anchor_codec: str = _SETTINGS.anchor_codec
     inner: str = _SETTINGS.inner  # the inner optimizer: "adam" (AdamW, DiLoCo's) or "sgd" (local SGD)

@@ -38,7 +38,7 @@ def sync_schedule(recipe: TrainingRecipe) -> SyncSchedule:
     assert recipe.diloco is not None, "a DiLoCo recipe"
     o = recipe.optimizer
     return SyncSchedule(o.local_steps, recipe.diloco.fragments, o.schedule.lr_at, qsr_alpha=recipe.diloco.qsr_alpha,
-                        warmup_steps=o.warmup_steps)
+                        warmup_steps=o.warmup_steps, outer_warmup=recipe.diloco.outer_warmup)
 
 
 def outer_exchange(exchange: ExchangeSettings) -> ExchangeSettings:
