@@ -82,6 +82,46 @@ def test_the_outer_step_is_torch_sgd_with_nesterov_on_the_pseudo_gradient() -> N
     assert plain.state() == {}
 
 
+def _spread(rows: np.ndarray) -> float:
+    return float(np.linalg.norm(rows - rows.mean(axis=0)))
+
+
+def test_the_gossip_outer_step_keeps_the_momentum_in_consensus() -> None:
+    """4 nodes, a fixed doubly stochastic mixing matrix W (a ring, 1/3 each), 8 syncs of random
+    pseudo-gradients G: each node mixes its next buffer mu b_i + g_i, takes the mix as its buffer and steps
+    by (1 + mu) B' - mu B, recomputed here in float64. With exact averaging (W = J / n) the anchors are
+    centralised DiLoCo's on the mean pseudo-gradient; on the ring the buffers disagree less than buffers
+    each node keeps for itself on the mixed pseudo-gradient (the rule before)."""
+    n, d, lr, mu, syncs = 4, 13, 0.7, 0.9, 8
+    rng = np.random.default_rng(3)
+    ring = np.zeros((n, n))
+    for i in range(n):
+        ring[i, [i, (i - 1) % n, (i + 1) % n]] = 1 / 3
+    for w in (ring, np.full((n, n), 1 / n)):
+        outers = [OuterNesterov(lr, mu) for _ in range(n)]
+        anchors = [np.zeros(d, np.float32) for _ in range(n)]
+        a, b = np.zeros((n, d)), np.zeros((n, d))  # the float64 recomputation
+        central, central_b = np.zeros(d), np.zeros(d)
+        own_b = np.zeros((n, d))  # each node's own buffer on the mixed pseudo-gradient
+        for _ in range(syncs):
+            g = rng.standard_normal((n, d))
+            sent = np.stack([o.message("w", g[i].astype(np.float32)) for i, o in enumerate(outers)])
+            mixed = w @ sent.astype(np.float64)
+            anchors = [o.step_mixed("w", anchors[i], mixed[i].astype(np.float32)) for i, o in enumerate(outers)]
+            b_next = w @ (mu * b + g)
+            a, b = a - lr * ((1 + mu) * b_next - mu * b), b_next
+            central_b = mu * central_b + g.mean(axis=0)
+            central = central - lr * (g.mean(axis=0) + mu * central_b)
+            own_b = mu * own_b + w @ g
+            np.testing.assert_allclose(np.stack(anchors), a, rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(np.stack([o.buffer("w") for o in outers]), b, rtol=1e-4, atol=1e-4)
+        if w is ring:
+            assert _spread(b) < 0.8 * _spread(own_b), (_spread(b), _spread(own_b))
+        else:
+            for row in np.stack(anchors):
+                np.testing.assert_allclose(row, central, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("bad", [{"outer_lr": 0.0}, {"outer_lr": math.inf}, {"outer_momentum": 1.0},
                                  {"fragments": 0}, {"fragments": 65}, {"qsr_alpha": -1.0}, {"anchor_every": -1},
                                  {"anchor_codec": "topk"}])

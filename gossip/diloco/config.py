@@ -45,7 +45,8 @@ class DilocoSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     )] = 0.7
     outer_momentum: Annotated[float, msgspec.Meta(
         ge=0.0, lt=1.0, extra={"metavar": "MU"},
-        description="diloco: Nesterov momentum of the outer step; each node keeps its own buffer (the swarm's)",
+        description="diloco: Nesterov momentum of the outer step; the nodes mix their buffers (mu b + the "
+        "pseudo-gradient), so the momentum stays in consensus at no extra bytes (the swarm's)",
     )] = 0.9
     fragments: Annotated[int, msgspec.Meta(
         ge=1, le=MAX_FRAGMENTS, extra={"noun": "fragments"},
@@ -98,7 +99,7 @@ class DilocoConfig:
     """The outer loop over H inner steps of local AdamW (H is `OptimizerConfig.local_steps`).
 
     - `outer_lr`, `outer_momentum`: the outer Nesterov step on the gossip-mixed pseudo-gradient
-      (DiLoCo's defaults 0.7 and 0.9); each node keeps its own momentum.
+      (DiLoCo's defaults 0.7 and 0.9); what is mixed is the next momentum buffer (OuterNesterov).
     - `fragments`: P; the parameters are split into P fragments synced at staggered inner steps, so
       about 1/P of the model is in flight at a time (Streaming DiLoCo). 1: the whole model at once.
     - `overlap`: the exchange of a phase's pseudo-gradient runs while the next phase computes, and its

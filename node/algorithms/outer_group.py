@@ -2,12 +2,14 @@
 one SPES expert): its anchor, the error-feedback residuals of what it sends, its outer momentum and
 the gossip peers its pseudo-gradients and anchors are mixed on.
 
-A sync of round k: the pseudo-gradient Δ = anchor - now is compressed with error feedback and mixed
-with the round's neighbours; when the anchors are mixed too (every `anchor_every`-th round) the
-anchors' compressed images are mixed on a second peer with the same plan; the new anchor is
-(mix of anchors, or our own) - outer_lr * Nesterov(mixed Δ). With outer lr 1 and no momentum that is
-the mix of (anchor - Δ) = the mix of the current weights, so such a sync sends that one message
-("fused"): exactly the gossip of D-SGD, compressed with error feedback."""
+A sync of round k: the pseudo-gradient Δ = anchor - now, folded into the next outer momentum buffer
+(mu b + Δ; Δ itself without momentum), is compressed with error feedback and mixed with the round's
+neighbours, so the buffers stay in consensus (gossip.diloco.OuterNesterov); when the anchors are mixed
+too (every `anchor_every`-th round) the anchors' compressed images are mixed on a second peer with the
+same plan; the new anchor is (mix of anchors, or our own) - outer_lr * Nesterov(mixed buffer).
+With outer lr 1 and no momentum that is the mix of (anchor - Δ) = the mix of the current weights, so
+such a sync sends that one message ("fused"): exactly the gossip of D-SGD, compressed with error
+feedback."""
 
 from __future__ import annotations
 
@@ -93,8 +95,10 @@ class OuterGroup:
             distance = await asyncio.to_thread(consensus_distance, image, self.anchor_peer.tensors, plan.self_weight,
                                                plan.in_weights, outcome.mixed_with)
             return GroupSync(round_index, None, None, outcome, distance)
+        # what is mixed is the next momentum buffer, mu b + delta (gossip.diloco.OuterNesterov): the same
+        # bytes as delta alone, and the buffers stay in consensus
         image, anchor_image = await asyncio.to_thread(
-            lambda: (_compressed(self._feedback, delta),
+            lambda: ({n: _compressed_one(self._feedback, n, self._outer.message(n, delta[n])) for n in self.names},
                      _compressed(self._anchor_feedback, {n: self.anchor[n] for n in self.names}) if anchors else None))
         self.peer.set_tensors(image, step=step)
         if anchor_image is not None:
@@ -120,9 +124,11 @@ class OuterGroup:
         if sync is not None and sync.outcome is None and sync.anchors is not None:  # fused
             self.anchor = {n: np.asarray(self.anchor_peer.tensors[n], np.float32) for n in self.names}
             return dict(self.anchor)
-        mixed = self.peer.tensors if sync is not None else delta
         base = self.anchor_peer.tensors if sync is not None and sync.anchors is not None else self.anchor
-        self.anchor = {n: self._outer.step(n, base[n], mixed[n]) for n in self.names}
+        if sync is None:  # alone: the local Nesterov step
+            self.anchor = {n: self._outer.step(n, base[n], delta[n]) for n in self.names}
+        else:
+            self.anchor = {n: self._outer.step_mixed(n, base[n], self.peer.tensors[n]) for n in self.names}
         return dict(self.anchor)
 
     def residuals(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -151,6 +157,11 @@ def _compressed(feedback: ErrorFeedback | None, tensors: Mapping[str, np.ndarray
     if feedback is None:
         return dict(tensors)
     return {n: feedback.compress(n, v) for n, v in tensors.items()}
+
+
+def _compressed_one(feedback: ErrorFeedback | None, name: str, value: np.ndarray) -> np.ndarray:
+    """One tensor's image (tensor by tensor, so a transient such as mu b + Δ is one tensor at a time)."""
+    return value if feedback is None else feedback.compress(name, value)
 
 
 __all__ = ["GroupSync", "OuterGroup"]

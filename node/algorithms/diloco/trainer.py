@@ -59,7 +59,7 @@ class OuterSync:
     fragment: int
     round: int
     outcome: RoundOutcome | None  # the pseudo-gradients' round; None when fused (see OuterGroup) or failed
-    consensus_distance: float | None  # ||own pseudo-gradient - mean of the neighbours' that arrived||_2
+    consensus_distance: float | None  # ||own mixed value (mu b + Δ) - mean of the neighbours' that arrived||_2
     anchors: RoundOutcome | None = None  # the anchors' round, when this sync mixed them
     anchor_distance: float | None = None  # ||own anchor - mean of the neighbours' anchors that arrived||_2
     failed: bool = False  # the exchange failed; the local pseudo-gradient stood in
