@@ -54,8 +54,9 @@ class DilocoSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
         "flight at a time; at most --local-steps (the swarm's)",
     )] = 1
     overlap: Annotated[bool, msgspec.Meta(
-        description="diloco: run each outer exchange while the next phase computes and apply its outer step one "
-        "phase late, so a slow link hides behind compute (the swarm's)",
+        description="diloco: delayed outer step - run each outer exchange while the next phase computes and apply "
+        "its outer step one phase late (not the eager update), so a slow link hides behind compute at some "
+        "cost in loss (the swarm's)",
     )] = False
     # the document caps ALPHA (MAX_QSR_ALPHA); a node's own setting does not
     qsr_alpha: Annotated[float, msgspec.Meta(
@@ -102,8 +103,9 @@ class DilocoConfig:
       (DiLoCo's defaults 0.7 and 0.9); what is mixed is the next momentum buffer (OuterNesterov).
     - `fragments`: P; the parameters are split into P fragments synced at staggered inner steps, so
       about 1/P of the model is in flight at a time (Streaming DiLoCo). 1: the whole model at once.
-    - `overlap`: the exchange of a phase's pseudo-gradient runs while the next phase computes, and its
-      outer step is applied one phase late (the local pseudo-gradient stands in meanwhile).
+    - `overlap`: a delayed outer step, not the eager update: the exchange of a phase's pseudo-gradient
+      runs while the next phase computes, and its outer step is applied one phase late (the raw local
+      progress carries on meanwhile, at lr 1).
     - `qsr_alpha`: 0 keeps H constant; > 0 lets H grow as the learning rate decays, by the quadratic
       synchronisation rule H = max(H_base, floor((alpha / lr)^2)) (after the warm-up).
     - `outer_warmup`: W; phase k < W lasts ceil(H (k + 1) / (W + 1)) steps (at least P), so the
