@@ -41,16 +41,19 @@ class OuterNesterov:
     def step_mixed(self, name: str, anchor: np.ndarray, mixed: np.ndarray) -> np.ndarray:
         """The new anchor of tensor `name` from the mix of the neighbours' `message`s; the mix becomes the
         buffer. The applied update is (1 + mu) m' - mu b: the mixed pseudo-gradient m' - mu b plus mu m'."""
-        m = np.asarray(mixed, np.float32)
+        m: np.ndarray = np.asarray(mixed, np.float32)
+        update: np.ndarray
         if not self.momentum:
             update = m
         else:
             mu = np.float32(self.momentum)
             previous = self._buffers.get(name)
             g = m if previous is None else m - mu * previous
-            self._buffers[name] = m
+            # a copy: the mix may be a gossip peer's array, and the buffer is served and checkpointed
+            self._buffers[name] = m.copy()
             update = g + mu * m
-        return (anchor - np.float32(self.lr) * update).astype(np.float32, copy=False)
+        new_anchor: np.ndarray = (anchor - np.float32(self.lr) * update).astype(np.float32, copy=False)
+        return new_anchor
 
     def state(self) -> dict[str, np.ndarray]:
         """The momentum buffers by tensor name (for checkpoints and for joiners)."""
