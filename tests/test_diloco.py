@@ -18,16 +18,20 @@ from gossip.codecs import ErrorFeedback, get_codec
 from gossip.diloco import (
     DILOCO_LOCAL_STEPS,
     MAX_PHASE,
+    ArrivalWindow,
     DilocoConfig,
     OuterNesterov,
     RoundMessages,
     SyncSchedule,
     fragment_partition,
+    grace_window,
     qsr_period,
     round_bytes,
     run_bytes,
+    token_weights,
     warmup_period,
 )
+from gossip.diloco.unequal import GRACE_K
 from gossip.exchange import ExchangeSettings
 from gossip.lockstep import Lockstep
 from gossip.memory import InMemoryNetwork
@@ -233,6 +237,86 @@ def test_the_outer_warmup_syncs_often_first_then_every_h_steps() -> None:
         assert len(set(points)) == 3 and all(start < c <= end for c in points), (k, points)
     # QSR takes over after the outer warm-up, from the (flat) lr: (0.2 / 0.01)^2 = 400
     assert SyncSchedule(100, 1, flat, qsr_alpha=0.2, outer_warmup=1).phase_of(51)[1:] == (50, 450)
+
+
+# ---- volunteers of unequal speed ----------------------------------------------------------------------
+
+
+def test_the_grace_window_is_median_plus_k_mad_of_the_arrival_delays_within_bounds() -> None:
+    rng = np.random.default_rng(5)
+    delays = np.concatenate([rng.uniform(1.0, 3.0, 15), [40.0]])  # one straggler
+    median = np.median(delays)
+    expected = median + GRACE_K * np.median(np.abs(delays - median))
+    assert grace_window(delays, lo=0.5, hi=60.0) == pytest.approx(expected)
+    assert grace_window(delays, lo=0.5, hi=60.0) < 10.0, "one straggler does not stretch the window"
+    assert grace_window(delays, lo=20.0, hi=60.0) == 20.0 and grace_window([50.0] * 4, lo=1.0, hi=30.0) == 30.0
+    assert grace_window([], lo=1.0, hi=30.0) == 30.0 and grace_window([math.nan, -1.0], lo=1.0, hi=30.0) == 30.0
+    with pytest.raises(ValueError):
+        grace_window([1.0], lo=2.0, hi=1.0)
+    arrivals = ArrivalWindow(lo=1.0, hi=60.0, samples=4, min_samples=3)
+    for d in (2.0, 2.5):
+        arrivals.record(d)
+    assert arrivals.window() == 60.0, "the fixed wait until enough rounds are known"
+    for d in (3.0, 2.0, 2.2):
+        arrivals.record(d)
+    assert arrivals.delays == (2.5, 3.0, 2.0, 2.2), "the recent rounds only"
+    assert arrivals.window() == pytest.approx(grace_window([2.5, 3.0, 2.0, 2.2], lo=1.0, hi=60.0))
+
+
+def test_token_weighted_mixing_of_unequal_phases_matches_numpy() -> None:
+    """Nodes whose phases covered 1x, 1x, 2x and 4x the tokens (unequal speeds): each pseudo-gradient counts by its tokens,
+    w'_ij = w_ij t_j / sum_k w_ik t_k; with exact averaging the mix is the token-weighted mean."""
+    n, d = 4, 7
+    rng = np.random.default_rng(6)
+    deltas, tokens = rng.standard_normal((n, d)), np.array([1.0, 1.0, 2.0, 4.0]) * 2048
+    ids = [f"p{i}" for i in range(n)]
+    ring = np.zeros((n, n))
+    for i in range(n):
+        ring[i, [i, (i - 1) % n, (i + 1) % n]] = 1 / 3
+    for w in (ring, np.full((n, n), 1 / n)):
+        expected = (w * tokens) @ deltas / (w @ tokens)[:, None]
+        for i in range(n):
+            own, ins = token_weights(w[i, i], {ids[j]: w[i, j] for j in range(n) if j != i and w[i, j]},
+                                     {pid: float(t) for pid, t in zip(ids, tokens, strict=True)}, float(tokens[i]))
+            mixed = own * deltas[i] + sum(v * deltas[ids.index(p)] for p, v in ins.items())
+            np.testing.assert_allclose(mixed, expected[i], rtol=1e-12)
+            assert own + sum(ins.values()) == pytest.approx(1.0)
+    np.testing.assert_allclose(expected[0], tokens @ deltas / tokens.sum(), rtol=1e-12)  # the last w: exact
+    assert token_weights(0.5, {"a": 0.5}, {"a": 3.0}, 3.0) == (0.5, {"a": 0.5}), "equal tokens: the weights"
+    assert token_weights(0.5, {"a": 0.5}, {"a": 0.0}, 0.0) == (0.5, {"a": 0.5}), "nobody trained"
+
+
+def test_an_outer_round_waits_the_window_learned_from_the_last_rounds() -> None:
+    """Two OuterGroups over the in-memory transport: every round where both came records its duration, and
+    the next round's wait (both peers') is the window those give, from the upper bound until enough are known."""
+    from gossip.codecs import Int8Codec
+    from node.algorithms.outer_group import OuterGroup
+
+    ids, sizes = ["peer-a", "peer-b"], {"w": 64}
+
+    async def main() -> None:
+        net = InMemoryNetwork()
+        settings = ExchangeSettings(swarm="g", config_hash="h" * 64, codec=Int8Codec(), exchange_timeout_s=30.0)
+        groups = []
+        for pid in ids:
+            group = OuterGroup(net.transport(pid), settings, Int8Codec(), tuple(sizes), protocol="/g/1",
+                               anchor_protocol="/g/a/1", outer=OuterNesterov(0.7, 0.9), anchor_every=1,
+                               arrivals=ArrivalWindow(lo=1.0, hi=30.0, min_samples=2))
+            await group.start({"w": np.zeros(64, np.float32)}, 0, -1)
+            groups.append(group)
+        lockstep = Lockstep(ids)
+        for r in range(3):
+            await asyncio.gather(*(g.exchange(r, {"w": np.ones(64, np.float32)}, r,
+                                              lambda pid=pid, r=r: asyncio.sleep(0, lockstep.plan(pid, r)))
+                                   for g, pid in zip(groups, ids, strict=True)))
+            for g in groups:
+                assert g.arrivals is not None and len(g.arrivals.delays) == r + 1
+                waited = {p.settings.exchange_timeout_s for p in g.peers}
+                assert waited == ({30.0} if r < 2 else {1.0}), (r, waited)  # in-memory rounds: ms, below lo
+        for g in groups:
+            assert g.arrivals is not None and g.arrivals.window() == 1.0
+
+    asyncio.run(main())
 
 
 def test_the_analytic_bytes_of_a_round_follow_the_messages_of_the_exchange() -> None:

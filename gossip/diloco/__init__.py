@@ -21,6 +21,7 @@ from gossip.diloco.fragments import fragment_partition
 from gossip.diloco.outer import OuterNesterov
 from gossip.diloco.schedule import MAX_PHASE, SyncSchedule, qsr_period, warmup_period
 from gossip.diloco.traffic import RoundMessages, Traffic, round_bytes, run_bytes
+from gossip.diloco.unequal import ArrivalWindow, grace_window, token_weights
 from gossip.knobs import DILOCO_LOCAL_STEPS, MAX_OUTER_LR
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "MAX_OUTER_LR",
     "MAX_PHASE",
     "MAX_QSR_ALPHA",
+    "ArrivalWindow",
     "DilocoConfig",
     "DilocoSettings",
     "OuterNesterov",
@@ -39,8 +41,10 @@ __all__ = [
     "SyncSchedule",
     "Traffic",
     "fragment_partition",
+    "grace_window",
     "qsr_period",
     "round_bytes",
     "run_bytes",
+    "token_weights",
     "warmup_period",
 ]

@@ -21,7 +21,8 @@ import numpy as np
 
 from gossip.codecs import Codec, ErrorFeedback
 from gossip.diloco import OuterNesterov
-from gossip.exchange import ExchangeSettings, GossipPeer, RoundOutcome
+from gossip.diloco.unequal import ArrivalWindow
+from gossip.exchange import ExchangeSettings, GossipPeer, RoundOutcome, Skip
 from gossip.optimizers import consensus_distance
 from gossip.transport import Transport
 from topology import PeerRound
@@ -42,7 +43,8 @@ class OuterGroup:
     """See the module docstring. Arrays are float32 and replaced, never modified in place."""
 
     def __init__(self, transport: Transport, settings: ExchangeSettings, anchor_codec: Codec, names: tuple[str, ...],
-                 *, protocol: str, anchor_protocol: str, outer: OuterNesterov, anchor_every: int) -> None:
+                 *, protocol: str, anchor_protocol: str, outer: OuterNesterov, anchor_every: int,
+                 arrivals: ArrivalWindow | None = None) -> None:
         self.names = names
         self._transport = transport
         self._settings = settings
@@ -50,6 +52,8 @@ class OuterGroup:
         self._anchor_settings = replace(settings, codec=anchor_codec, config_hash=f"{settings.config_hash}/anchor")
         self._outer = outer
         self._anchor_every = anchor_every
+        # how long a round waits for a neighbour, learned from the recent rounds (None: the settings' fixed wait)
+        self.arrivals = arrivals
         self._feedback = _feedback_for(settings.codec)
         self._anchor_feedback = _feedback_for(anchor_codec)
         # outer lr 1, no momentum and one codec: a sync that mixes anchors sends one message, anchor - Δ
@@ -86,12 +90,17 @@ class OuterGroup:
         the peers then hold the mixes (see `land`)."""
         assert self.peer is not None and self.anchor_peer is not None, "start() first"
         anchors = self.mixes_anchors(round_index)
+        if self.arrivals is not None:
+            window = self.arrivals.window()
+            for peer in self.peers:
+                peer.set_exchange_timeout(window)
         if anchors and self.fused:
             image = await asyncio.to_thread(
                 lambda: _compressed(self._anchor_feedback, {n: self.anchor[n] - delta[n] for n in self.names}))
             self.anchor_peer.set_tensors(image, step=step)
             plan = await plan_for()
             outcome = await self.anchor_peer.run_round(round_index, plan)
+            self._record_arrivals(outcome)
             distance = await asyncio.to_thread(consensus_distance, image, self.anchor_peer.tensors, plan.self_weight,
                                                plan.in_weights, outcome.mixed_with)
             return GroupSync(round_index, None, None, outcome, distance)
@@ -108,6 +117,7 @@ class OuterGroup:
             rounds = group.create_task(self.peer.run_round(round_index, plan))
             anchor_rounds = group.create_task(self.anchor_peer.run_round(round_index, plan)) if anchor_image else None
         outcome = rounds.result()
+        self._record_arrivals(outcome)
         distance = await asyncio.to_thread(consensus_distance, image, self.peer.tensors, plan.self_weight,
                                            plan.in_weights, outcome.mixed_with)
         if anchor_rounds is None or anchor_image is None:
@@ -116,6 +126,13 @@ class OuterGroup:
         anchor_distance = await asyncio.to_thread(consensus_distance, anchor_image, self.anchor_peer.tensors,
                                                   plan.self_weight, plan.in_weights, anchor_outcome.mixed_with)
         return GroupSync(round_index, outcome, distance, anchor_outcome, anchor_distance)
+
+    def _record_arrivals(self, outcome: RoundOutcome) -> None:
+        """A round in which every neighbour that was waited for came tells how long the last one took; a
+        round that cut one for its timeout only that it took longer (not recorded: see ArrivalWindow)."""
+        if self.arrivals is not None and outcome.mixed_with and not any(
+                reason.split(":")[0] == Skip.TIMEOUT for reason in outcome.skipped.values()):
+            self.arrivals.record(outcome.duration_s)
 
     def land(self, sync: GroupSync | None, delta: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Apply the outer step of a finished `sync` (None: it failed, and the local pseudo-gradient
