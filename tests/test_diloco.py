@@ -288,7 +288,8 @@ def test_token_weighted_mixing_of_unequal_phases_matches_numpy() -> None:
 
 def test_an_outer_round_waits_the_window_learned_from_the_last_rounds() -> None:
     """Two OuterGroups over the in-memory transport: every round where both came records its duration, and
-    the next round's wait (both peers') is the window those give, from the upper bound until enough are known."""
+    the next round's wait (both peers') is the window those give, from the upper bound until enough are known;
+    a neighbour that stalls is cut after that window, not after the fixed wait."""
     from gossip.codecs import Int8Codec
     from node.algorithms.outer_group import OuterGroup
 
@@ -315,6 +316,13 @@ def test_an_outer_round_waits_the_window_learned_from_the_last_rounds() -> None:
                 assert waited == ({30.0} if r < 2 else {1.0}), (r, waited)  # in-memory rounds: ms, below lo
         for g in groups:
             assert g.arrivals is not None and g.arrivals.window() == 1.0
+        # peer-b stalls: peer-a's next round gives up on it after the learned 1 s, not the fixed 30 s
+        async with asyncio.timeout(20):
+            sync = await groups[0].exchange(3, {"w": np.ones(64, np.float32)}, 3,
+                                            lambda: asyncio.sleep(0, lockstep.plan(ids[0], 3)))
+        assert sync.outcome is not None and sync.outcome.mixed_with == ()
+        assert sync.outcome.skipped["peer-b"].startswith("timeout") and sync.outcome.duration_s < 10.0
+        assert groups[0].arrivals is not None and len(groups[0].arrivals.delays) == 3, "a cut round is not a sample"
 
     asyncio.run(main())
 
