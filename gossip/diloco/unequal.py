@@ -32,8 +32,10 @@ def grace_window(delays: Iterable[float], *, k: float = GRACE_K, lo: float, hi: 
 class ArrivalWindow:
     """The recent rounds' arrival delays (the time the last neighbour that came took to come) and the
     grace window they give the next round: `hi` until `min_samples` rounds are known. A round that cut
-    a neighbour for its timeout says only that the delay was longer than the window (a censored sample),
-    so it is not recorded: the window then stays put rather than feeding on its own limit."""
+    a neighbour for its timeout says only that the delay was longer than the window (a censored sample):
+    it records twice the window (at most `hi`, `record_cut`), so rounds that keep being cut, say because
+    the link slowed down for good, back off towards the fixed wait instead of cutting every neighbour
+    for ever, while one cut among many fast rounds moves the median little."""
 
     def __init__(self, *, lo: float, hi: float, k: float = GRACE_K, samples: int = GRACE_SAMPLES,
                  min_samples: int = GRACE_MIN_SAMPLES) -> None:
@@ -44,6 +46,10 @@ class ArrivalWindow:
     def record(self, delay_s: float) -> None:
         if math.isfinite(delay_s) and delay_s >= 0.0:
             self._delays.append(delay_s)
+
+    def record_cut(self) -> None:
+        """A round cut a neighbour after the current window."""
+        self._delays.append(min(self.hi, 2.0 * self.window()))
 
     @property
     def delays(self) -> tuple[float, ...]:

@@ -129,9 +129,12 @@ class OuterGroup:
 
     def _record_arrivals(self, outcome: RoundOutcome) -> None:
         """A round in which every neighbour that was waited for came tells how long the last one took; a
-        round that cut one for its timeout only that it took longer (not recorded: see ArrivalWindow)."""
-        if self.arrivals is not None and outcome.mixed_with and not any(
-                reason.split(":")[0] == Skip.TIMEOUT for reason in outcome.skipped.values()):
+        round that cut one for its timeout only that it took longer (ArrivalWindow.record_cut)."""
+        if self.arrivals is None:
+            return
+        if any(reason.split(":")[0] == Skip.TIMEOUT for reason in outcome.skipped.values()):
+            self.arrivals.record_cut()
+        elif outcome.mixed_with:
             self.arrivals.record(outcome.duration_s)
 
     def land(self, sync: GroupSync | None, delta: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
