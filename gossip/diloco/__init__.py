@@ -1,8 +1,9 @@
 """Gossip DiLoCo without torch or networking.
 
 The shared knobs (`config`), the outer Nesterov step (`outer`), the split of the model into streamed
-fragments (`fragments`), when each fragment syncs (`schedule`, with the quadratic synchronisation rule)
-and the analytic traffic (`traffic`).
+fragments (`fragments`), when each fragment syncs (`schedule`, with the outer warm-up and the quadratic
+synchronisation rule), the analytic traffic (`traffic`) and volunteers of unequal speed (`unequal`: the
+learned grace window, token weights).
 
 `node/algorithms/diloco/trainer.py` runs these over a trainer and one gossip peer per fragment;
 docs/training.md ("Gossip DiLoCo") explains the scheme.
