@@ -285,6 +285,10 @@ class GossipPeer:
     def settings(self) -> ExchangeSettings:
         return self._settings
 
+    def set_exchange_timeout(self, seconds: float) -> None:
+        """Wait this long for a neighbour from the next round on (gossip DiLoCo's learned grace window)."""
+        self._settings = replace(self._settings, exchange_timeout_s=seconds)
+
     @property
     def tensors(self) -> dict[str, np.ndarray]:
         return self._tensors

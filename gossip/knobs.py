@@ -26,6 +26,10 @@ import msgspec
 
 _BOUNDS = ("ge", "gt", "le", "lt")
 MAX_OUTER_LR = 10.0  # an outer step's learning rate (DiLoCo's, SPES's syncs')
+# H when --optimizer diloco is chosen without --local-steps: an outer sync (two rounds and a Nesterov step)
+# every inner step would pay DiLoCo's cost with none of its saving; DiLoCo's papers sync every 100-500.
+# The node's settings (node.config.layers) and `murmur plan` take it from here (gossip.diloco re-exports it).
+DILOCO_LOCAL_STEPS = 100
 MAX_STEPS = 10**9  # any step count a swarm document names (the optimizer's, SPES's)
 
 

@@ -16,7 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 import numpy as np
 
-from gossip.knobs import MAX_STEPS
+from gossip.knobs import DILOCO_LOCAL_STEPS, MAX_STEPS
 from gossip.mixing import effective_weights
 
 Algorithm = Literal["dsgd", "dadam", "diloco"]
@@ -161,7 +161,8 @@ class OptimizerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     )]
     local_steps: Annotated[int, msgspec.Meta(
         ge=1, le=MAX_LOCAL_STEPS, extra={"noun": "local steps", "setting_bounds": _NO_CAP},
-        description="H: optimizer steps between gossip rounds (the swarm's)",
+        description="H: optimizer steps between gossip rounds; unset with --optimizer diloco: "
+        f"{DILOCO_LOCAL_STEPS} (the swarm's)",
     )]
     micro_batches: Annotated[int, msgspec.Meta(
         ge=1, le=MAX_MICRO_BATCHES, extra={"noun": "micro-batches", "setting_bounds": _NO_CAP},

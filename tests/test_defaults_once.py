@@ -27,6 +27,7 @@ DILOCO_KNOBS = {
     "training.fragments": "fragments",
     "training.overlap": "overlap",
     "training.qsr_alpha": "qsr_alpha",
+    "training.outer_warmup": "outer_warmup",
     "training.anchor_every": "anchor_every",
     "training.anchor_codec": "anchor_codec",
     "training.inner_optimizer": "inner",

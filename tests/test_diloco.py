@@ -16,16 +16,22 @@ from torch.optim.sgd import sgd
 
 from gossip.codecs import ErrorFeedback, get_codec
 from gossip.diloco import (
+    DILOCO_LOCAL_STEPS,
     MAX_PHASE,
+    ArrivalWindow,
     DilocoConfig,
     OuterNesterov,
     RoundMessages,
     SyncSchedule,
     fragment_partition,
+    grace_window,
     qsr_period,
     round_bytes,
     run_bytes,
+    token_weights,
+    warmup_period,
 )
+from gossip.diloco.unequal import GRACE_K
 from gossip.exchange import ExchangeSettings
 from gossip.lockstep import Lockstep
 from gossip.memory import InMemoryNetwork
@@ -40,6 +46,23 @@ from topology import MembershipView, build_topology, peer_round
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
 TINY = ModelConfig(context=32, layers=2, width=64, heads=4, experts=0, expert_hidden=128)
+
+
+# ---- defaults that fit the link -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("given", "expected"), [({"training.optimizer": "diloco"}, DILOCO_LOCAL_STEPS),
+                                                 ({"training.optimizer": "diloco", "training.local_steps": "7"}, 7),
+                                                 ({"training.optimizer": "dadam"}, 1), ({}, 1)])
+def test_diloco_without_local_steps_syncs_every_hundred_steps(given: dict, expected: int) -> None:
+    """`--optimizer diloco` alone must not sync (two rounds and an outer step) after every inner step; an
+    explicit --local-steps stays as given, and the per-step optimizers keep H = 1."""
+    from node.config.layers import merge_layers, read_flags
+    from node.config.table import SETTINGS_BY_KEY
+
+    resolved = merge_layers(read_flags({SETTINGS_BY_KEY[k]: v for k, v in given.items()}))
+    assert resolved.config.training.local_steps == expected
+    assert 50 <= DILOCO_LOCAL_STEPS <= 100
 
 
 # ---- the outer step ----------------------------------------------------------------------------------
@@ -61,6 +84,46 @@ def test_the_outer_step_is_torch_sgd_with_nesterov_on_the_pseudo_gradient() -> N
     plain = OuterNesterov(lr=1.0, momentum=0.0)
     np.testing.assert_array_equal(plain.step("w", start, start), np.zeros_like(start))
     assert plain.state() == {}
+
+
+def _spread(rows: np.ndarray) -> float:
+    return float(np.linalg.norm(rows - rows.mean(axis=0)))
+
+
+def test_the_gossip_outer_step_keeps_the_momentum_in_consensus() -> None:
+    """4 nodes, a fixed doubly stochastic mixing matrix W (a ring, 1/3 each), 8 syncs of random
+    pseudo-gradients G: each node mixes its next buffer mu b_i + g_i, takes the mix as its buffer and steps
+    by (1 + mu) B' - mu B, recomputed here in float64. With exact averaging (W = J / n) the anchors are
+    centralised DiLoCo's on the mean pseudo-gradient; on the ring the buffers disagree less than buffers
+    each node keeps for itself on the mixed pseudo-gradient (the rule before)."""
+    n, d, lr, mu, syncs = 4, 13, 0.7, 0.9, 8
+    rng = np.random.default_rng(3)
+    ring = np.zeros((n, n))
+    for i in range(n):
+        ring[i, [i, (i - 1) % n, (i + 1) % n]] = 1 / 3
+    for w in (ring, np.full((n, n), 1 / n)):
+        outers = [OuterNesterov(lr, mu) for _ in range(n)]
+        anchors = [np.zeros(d, np.float32) for _ in range(n)]
+        a, b = np.zeros((n, d)), np.zeros((n, d))  # the float64 recomputation
+        central, central_b = np.zeros(d), np.zeros(d)
+        own_b = np.zeros((n, d))  # each node's own buffer on the mixed pseudo-gradient
+        for _ in range(syncs):
+            g = rng.standard_normal((n, d))
+            sent = np.stack([o.message("w", g[i].astype(np.float32)) for i, o in enumerate(outers)])
+            mixed = w @ sent.astype(np.float64)
+            anchors = [o.step_mixed("w", anchors[i], mixed[i].astype(np.float32)) for i, o in enumerate(outers)]
+            b_next = w @ (mu * b + g)
+            a, b = a - lr * ((1 + mu) * b_next - mu * b), b_next
+            central_b = mu * central_b + g.mean(axis=0)
+            central = central - lr * (g.mean(axis=0) + mu * central_b)
+            own_b = mu * own_b + w @ g
+            np.testing.assert_allclose(np.stack(anchors), a, rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(np.stack([o.buffer("w") for o in outers]), b, rtol=1e-4, atol=1e-4)
+        if w is ring:
+            assert _spread(b) < 0.8 * _spread(own_b), (_spread(b), _spread(own_b))
+        else:
+            for row in np.stack(anchors):
+                np.testing.assert_allclose(row, central, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("bad", [{"outer_lr": 0.0}, {"outer_lr": math.inf}, {"outer_momentum": 1.0},
@@ -153,6 +216,118 @@ def test_qsr_grows_the_sync_period_as_the_learning_rate_decays() -> None:
         assert period == max(20, math.floor((0.2 / lr.lr_at(start)) ** 2 + 1e-9)), start  # 1e-9: float rounding
     assert periods[1] == 400 and periods.max() > periods[1], "(0.2 / 0.01)^2 at the peak, longer as lr decays"
     assert np.all(np.diff(periods[1:]) >= 0)
+
+
+def test_the_outer_warmup_syncs_often_first_then_every_h_steps() -> None:
+    """W = 4, H = 100: phases of 20, 40, 60, 80, then 100 steps; with 3 fragments every fragment still syncs
+    at its own step of each phase; W = 0 is the constant H of before."""
+    flat = LRSchedule(lr=0.01).lr_at
+    schedule = SyncSchedule(100, 1, flat, outer_warmup=4)
+    bounds = [0]
+    while bounds[-1] < 700:
+        bounds.append(schedule.phase_of(bounds[-1] + 1)[2])
+    assert np.diff(bounds).tolist() == [20, 40, 60, 80, 100, 100, 100, 100, 100]
+    assert [warmup_period(100, 1, 4, k) for k in range(6)] == [20, 40, 60, 80, 100, 100]
+    assert [warmup_period(5, 3, 4, k) for k in range(5)] == [3, 3, 3, 4, 5], "never fewer steps than fragments"
+    assert [warmup_period(100, 1, 0, k) for k in range(3)] == [100] * 3
+    streamed = SyncSchedule(10, 3, flat, outer_warmup=2)  # phases 4, 7, 10, ...
+    for k in range(4):
+        points = [streamed.sync_point(p, k) for p in range(3)]
+        _, start, end = streamed.phase_of(points[0])
+        assert len(set(points)) == 3 and all(start < c <= end for c in points), (k, points)
+    # QSR takes over after the outer warm-up, from the (flat) lr: (0.2 / 0.01)^2 = 400
+    assert SyncSchedule(100, 1, flat, qsr_alpha=0.2, outer_warmup=1).phase_of(51)[1:] == (50, 450)
+
+
+# ---- volunteers of unequal speed ----------------------------------------------------------------------
+
+
+def test_the_grace_window_is_median_plus_k_mad_of_the_arrival_delays_within_bounds() -> None:
+    rng = np.random.default_rng(5)
+    delays = np.concatenate([rng.uniform(1.0, 3.0, 15), [40.0]])  # one straggler
+    median = np.median(delays)
+    expected = median + GRACE_K * np.median(np.abs(delays - median))
+    assert grace_window(delays, lo=0.5, hi=60.0) == pytest.approx(expected)
+    assert grace_window(delays, lo=0.5, hi=60.0) < 10.0, "one straggler does not stretch the window"
+    assert grace_window(delays, lo=20.0, hi=60.0) == 20.0 and grace_window([50.0] * 4, lo=1.0, hi=30.0) == 30.0
+    assert grace_window([], lo=1.0, hi=30.0) == 30.0 and grace_window([math.nan, -1.0], lo=1.0, hi=30.0) == 30.0
+    with pytest.raises(ValueError):
+        grace_window([1.0], lo=2.0, hi=1.0)
+    arrivals = ArrivalWindow(lo=1.0, hi=60.0, samples=4, min_samples=3)
+    for d in (2.0, 2.5):
+        arrivals.record(d)
+    assert arrivals.window() == 60.0, "the fixed wait until enough rounds are known"
+    for d in (3.0, 2.0, 2.2):
+        arrivals.record(d)
+    assert arrivals.delays == (2.5, 3.0, 2.0, 2.2), "the recent rounds only"
+    assert arrivals.window() == pytest.approx(grace_window([2.5, 3.0, 2.0, 2.2], lo=1.0, hi=60.0))
+    for _ in range(12):  # rounds that keep being cut: the window backs off to the fixed wait, no further
+        arrivals.record_cut()
+    assert arrivals.window() == 60.0 and max(arrivals.delays) == 60.0
+
+
+def test_token_weighted_mixing_of_unequal_phases_matches_numpy() -> None:
+    """Nodes whose phases covered 1x, 1x, 2x and 4x the tokens (unequal speeds): each pseudo-gradient counts by its tokens,
+    w'_ij = w_ij t_j / sum_k w_ik t_k; with exact averaging the mix is the token-weighted mean."""
+    n, d = 4, 7
+    rng = np.random.default_rng(6)
+    deltas, tokens = rng.standard_normal((n, d)), np.array([1.0, 1.0, 2.0, 4.0]) * 2048
+    ids = [f"p{i}" for i in range(n)]
+    ring = np.zeros((n, n))
+    for i in range(n):
+        ring[i, [i, (i - 1) % n, (i + 1) % n]] = 1 / 3
+    for w in (ring, np.full((n, n), 1 / n)):
+        expected = (w * tokens) @ deltas / (w @ tokens)[:, None]
+        for i in range(n):
+            own, ins = token_weights(w[i, i], {ids[j]: w[i, j] for j in range(n) if j != i and w[i, j]},
+                                     {pid: float(t) for pid, t in zip(ids, tokens, strict=True)}, float(tokens[i]))
+            mixed = own * deltas[i] + sum(v * deltas[ids.index(p)] for p, v in ins.items())
+            np.testing.assert_allclose(mixed, expected[i], rtol=1e-12)
+            assert own + sum(ins.values()) == pytest.approx(1.0)
+    np.testing.assert_allclose(expected[0], tokens @ deltas / tokens.sum(), rtol=1e-12)  # the last w: exact
+    assert token_weights(0.5, {"a": 0.5}, {"a": 3.0}, 3.0) == (0.5, {"a": 0.5}), "equal tokens: the weights"
+    assert token_weights(0.5, {"a": 0.5}, {"a": 0.0}, 0.0) == (0.5, {"a": 0.5}), "nobody trained"
+
+
+def test_an_outer_round_waits_the_window_learned_from_the_last_rounds() -> None:
+    """Two OuterGroups over the in-memory transport: every round where both came records its duration, and
+    the next round's wait (both peers') is the window those give, from the upper bound until enough are known;
+    a neighbour that stalls is cut after that window, not after the fixed wait, and the cut backs the window off."""
+    from gossip.codecs import Int8Codec
+    from node.algorithms.outer_group import OuterGroup
+
+    ids, sizes = ["peer-a", "peer-b"], {"w": 64}
+
+    async def main() -> None:
+        net = InMemoryNetwork()
+        settings = ExchangeSettings(swarm="g", config_hash="h" * 64, codec=Int8Codec(), exchange_timeout_s=30.0)
+        groups = []
+        for pid in ids:
+            group = OuterGroup(net.transport(pid), settings, Int8Codec(), tuple(sizes), protocol="/g/1",
+                               anchor_protocol="/g/a/1", outer=OuterNesterov(0.7, 0.9), anchor_every=1,
+                               arrivals=ArrivalWindow(lo=1.0, hi=30.0, min_samples=2))
+            await group.start({"w": np.zeros(64, np.float32)}, 0, -1)
+            groups.append(group)
+        lockstep = Lockstep(ids)
+        for r in range(3):
+            await asyncio.gather(*(g.exchange(r, {"w": np.ones(64, np.float32)}, r,
+                                              lambda pid=pid, r=r: asyncio.sleep(0, lockstep.plan(pid, r)))
+                                   for g, pid in zip(groups, ids, strict=True)))
+            for g in groups:
+                assert g.arrivals is not None and len(g.arrivals.delays) == r + 1
+                waited = {p.settings.exchange_timeout_s for p in g.peers}
+                assert waited == ({30.0} if r < 2 else {1.0}), (r, waited)  # in-memory rounds: ms, below lo
+        for g in groups:
+            assert g.arrivals is not None and g.arrivals.window() == 1.0
+        # peer-b stalls: peer-a's next round gives up on it after the learned 1 s, not the fixed 30 s
+        async with asyncio.timeout(20):
+            sync = await groups[0].exchange(3, {"w": np.ones(64, np.float32)}, 3,
+                                            lambda: asyncio.sleep(0, lockstep.plan(ids[0], 3)))
+        assert sync.outcome is not None and sync.outcome.mixed_with == ()
+        assert sync.outcome.skipped["peer-b"].startswith("timeout") and sync.outcome.duration_s < 10.0
+        assert groups[0].arrivals is not None and groups[0].arrivals.delays[3:] == (2.0,), "a cut round backs off"
+
+    asyncio.run(main())
 
 
 def test_the_analytic_bytes_of_a_round_follow_the_messages_of_the_exchange() -> None:

@@ -1,8 +1,9 @@
 """Gossip DiLoCo without torch or networking.
 
 The shared knobs (`config`), the outer Nesterov step (`outer`), the split of the model into streamed
-fragments (`fragments`), when each fragment syncs (`schedule`, with the quadratic synchronisation rule)
-and the analytic traffic (`traffic`).
+fragments (`fragments`), when each fragment syncs (`schedule`, with the outer warm-up and the quadratic
+synchronisation rule), the analytic traffic (`traffic`) and volunteers of unequal speed (`unequal`: the
+learned grace window, token weights).
 
 `node/algorithms/diloco/trainer.py` runs these over a trainer and one gossip peer per fragment;
 docs/training.md ("Gossip DiLoCo") explains the scheme.
@@ -19,18 +20,21 @@ from gossip.diloco.config import (
 )
 from gossip.diloco.fragments import fragment_partition
 from gossip.diloco.outer import OuterNesterov
-from gossip.diloco.schedule import MAX_PHASE, SyncSchedule, qsr_period
+from gossip.diloco.schedule import MAX_PHASE, SyncSchedule, qsr_period, warmup_period
 from gossip.diloco.traffic import RoundMessages, Traffic, round_bytes, run_bytes
-from gossip.knobs import MAX_OUTER_LR
+from gossip.diloco.unequal import ArrivalWindow, grace_window, token_weights
+from gossip.knobs import DILOCO_LOCAL_STEPS, MAX_OUTER_LR
 
 __all__ = [
     "ANCHOR_CODECS",
     "DILOCO_DEFAULTS",
+    "DILOCO_LOCAL_STEPS",
     "INNER_OPTIMIZERS",
     "MAX_ANCHOR_EVERY",
     "MAX_OUTER_LR",
     "MAX_PHASE",
     "MAX_QSR_ALPHA",
+    "ArrivalWindow",
     "DilocoConfig",
     "DilocoSettings",
     "OuterNesterov",
@@ -38,7 +42,10 @@ __all__ = [
     "SyncSchedule",
     "Traffic",
     "fragment_partition",
+    "grace_window",
     "qsr_period",
     "round_bytes",
     "run_bytes",
+    "token_weights",
+    "warmup_period",
 ]

@@ -22,6 +22,7 @@ MAX_FRAGMENTS = 64
 # from making every node sync after an absurd period; a node may set anything >= 0 for itself.
 MAX_QSR_ALPHA = 1e3
 MAX_ANCHOR_EVERY = 10**6
+MAX_OUTER_WARMUP = 1000
 
 
 class DilocoSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -44,7 +45,8 @@ class DilocoSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     )] = 0.7
     outer_momentum: Annotated[float, msgspec.Meta(
         ge=0.0, lt=1.0, extra={"metavar": "MU"},
-        description="diloco: Nesterov momentum of the outer step; each node keeps its own buffer (the swarm's)",
+        description="diloco: Nesterov momentum of the outer step; the nodes mix their buffers (mu b + the "
+        "pseudo-gradient), so the momentum stays in consensus at no extra bytes (the swarm's)",
     )] = 0.9
     fragments: Annotated[int, msgspec.Meta(
         ge=1, le=MAX_FRAGMENTS, extra={"noun": "fragments"},
@@ -52,8 +54,9 @@ class DilocoSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
         "flight at a time; at most --local-steps (the swarm's)",
     )] = 1
     overlap: Annotated[bool, msgspec.Meta(
-        description="diloco: run each outer exchange while the next phase computes and apply its outer step one "
-        "phase late, so a slow link hides behind compute (the swarm's)",
+        description="diloco: delayed outer step - run each outer exchange while the next phase computes and apply "
+        "its outer step one phase late (not the eager update), so a slow link hides behind compute at some "
+        "cost in loss (the swarm's)",
     )] = False
     # the document caps ALPHA (MAX_QSR_ALPHA); a node's own setting does not
     qsr_alpha: Annotated[float, msgspec.Meta(
@@ -61,6 +64,12 @@ class DilocoSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
         description="diloco: grow the sync period as the learning rate decays, H = max(--local-steps, "
         "floor((ALPHA / lr)^2)) after the warm-up (quadratic synchronisation rule); 0: constant H (the swarm's)",
     )] = 0.0
+    outer_warmup: Annotated[int, msgspec.Meta(
+        ge=0, le=MAX_OUTER_WARMUP, extra={"noun": "warm-up phases"},
+        description="diloco: W, outer warm-up - the first W phases sync more often, phase k < W lasting "
+        "ceil(H (k + 1) / (W + 1)) steps (at least --fragments), as DiLoCo's papers sync often early; 0: "
+        "every phase H (the swarm's)",
+    )] = 4
     # the document caps the period (MAX_ANCHOR_EVERY); a node's own setting does not
     anchor_every: Annotated[int, msgspec.Meta(
         ge=0, le=MAX_ANCHOR_EVERY, extra={"setting_bounds": {"le": None}},
@@ -91,13 +100,16 @@ class DilocoConfig:
     """The outer loop over H inner steps of local AdamW (H is `OptimizerConfig.local_steps`).
 
     - `outer_lr`, `outer_momentum`: the outer Nesterov step on the gossip-mixed pseudo-gradient
-      (DiLoCo's defaults 0.7 and 0.9); each node keeps its own momentum.
+      (DiLoCo's defaults 0.7 and 0.9); what is mixed is the next momentum buffer (OuterNesterov).
     - `fragments`: P; the parameters are split into P fragments synced at staggered inner steps, so
       about 1/P of the model is in flight at a time (Streaming DiLoCo). 1: the whole model at once.
-    - `overlap`: the exchange of a phase's pseudo-gradient runs while the next phase computes, and its
-      outer step is applied one phase late (the local pseudo-gradient stands in meanwhile).
+    - `overlap`: a delayed outer step, not the eager update: the exchange of a phase's pseudo-gradient
+      runs while the next phase computes, and its outer step is applied one phase late (the raw local
+      progress carries on meanwhile, at lr 1).
     - `qsr_alpha`: 0 keeps H constant; > 0 lets H grow as the learning rate decays, by the quadratic
       synchronisation rule H = max(H_base, floor((alpha / lr)^2)) (after the warm-up).
+    - `outer_warmup`: W; phase k < W lasts ceil(H (k + 1) / (W + 1)) steps (at least P), so the
+      swarm syncs often while the models move fast, then every H (gossip.diloco.schedule).
     - `anchor_every`: every this many syncs of a fragment its anchors are mixed with the same
       neighbours too (a state, in `anchor_codec`, never top-k): mixing pseudo-gradients alone keeps
       the swarm's mean on DiLoCo's path but lets each node's anchor drift with its own data; 0: never.
@@ -111,6 +123,7 @@ class DilocoConfig:
     fragments: int = _SETTINGS.fragments
     overlap: bool = _SETTINGS.overlap
     qsr_alpha: float = _SETTINGS.qsr_alpha
+    outer_warmup: int = _SETTINGS.outer_warmup
     anchor_every: int = _SETTINGS.anchor_every
     anchor_codec: str = _SETTINGS.anchor_codec
     inner: str = _SETTINGS.inner  # the inner optimizer: "adam" (AdamW, DiLoCo's) or "sgd" (local SGD)

@@ -1,7 +1,7 @@
 """When gossip DiLoCo syncs: phases of H inner steps, and within a phase the staggered step at which each
 fragment syncs.
 
-H is constant, or grows as the learning rate decays by the quadratic synchronisation rule. A pure function
+The first `outer_warmup` phases ramp up to H (frequent syncs early); then H is constant, or grows as the learning rate decays by the quadratic synchronisation rule. A pure function
 of the step count and the swarm's recipe, so every node (a joiner too) agrees on it without messages."""
 
 from __future__ import annotations
@@ -11,6 +11,14 @@ import math
 from collections.abc import Callable
 
 MAX_PHASE = 1_000_000  # QSR's H at a vanishing learning rate is capped here (floats stay finite)
+
+
+def warmup_period(base: int, fragments: int, warmup: int, k: int) -> int:
+    """H of phase k under the outer warm-up: ceil(base (k + 1) / (warmup + 1)) for k < warmup, at least
+    `fragments` (each syncs at its own step) and at most base; base from phase `warmup` on."""
+    if k >= warmup:
+        return base
+    return max(fragments, min(base, -(-base * (k + 1) // (warmup + 1))))
 
 
 def qsr_period(base: int, alpha: float, lr: float) -> int:
@@ -27,11 +35,11 @@ def qsr_period(base: int, alpha: float, lr: float) -> int:
 class SyncSchedule:
     """Phase k covers steps (b_k, b_{k+1}] of the step count c (steps done); b_0 = 0 and
     b_{k+1} = b_k + H_k, H_k = qsr_period(base, alpha, lr_at(b_k)) after the warm-up, `base`
-    during it. Fragment p of P syncs once per phase, when c = b_{k+1} - floor(p H_k / P): fragment
+    during it; the first `outer_warmup` phases are shorter (warmup_period). Fragment p of P syncs once per phase, when c = b_{k+1} - floor(p H_k / P): fragment
     0 at the end of the phase, the others staggered before it. Its k-th sync is gossip round k."""
 
     def __init__(self, base: int, fragments: int, lr_at: Callable[[int], float], *, qsr_alpha: float = 0.0,
-                 warmup_steps: int = 0) -> None:
+                 warmup_steps: int = 0, outer_warmup: int = 0) -> None:
         if base < 1:
             raise ValueError(f"the sync period must be >= 1 step, got {base}")
         if not 1 <= fragments <= base:
@@ -41,18 +49,21 @@ class SyncSchedule:
         self.fragments = fragments
         self.qsr_alpha = qsr_alpha
         self.warmup_steps = warmup_steps
+        self.outer_warmup = outer_warmup
         self._lr_at = lr_at
         self._bounds = [0]  # b_0, b_1, ... as far as asked for
 
-    def period_at(self, start: int) -> int:
-        """H of the phase that begins after `start` steps."""
+    def period_at(self, start: int, k: int) -> int:
+        """H of phase k, which begins after `start` steps."""
+        if k < self.outer_warmup:
+            return warmup_period(self.base, self.fragments, self.outer_warmup, k)
         if start < self.warmup_steps:
             return self.base
         return qsr_period(self.base, self.qsr_alpha, self._lr_at(start))
 
     def _extend(self, count: int) -> None:
         while self._bounds[-1] < count:
-            self._bounds.append(self._bounds[-1] + self.period_at(self._bounds[-1]))
+            self._bounds.append(self._bounds[-1] + self.period_at(self._bounds[-1], len(self._bounds) - 1))
 
     def phase_of(self, count: int) -> tuple[int, int, int]:
         """(k, b_k, b_{k+1}) of the phase that holds step count `count` >= 1 (steps done)."""

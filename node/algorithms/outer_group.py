@@ -2,12 +2,14 @@
 one SPES expert): its anchor, the error-feedback residuals of what it sends, its outer momentum and
 the gossip peers its pseudo-gradients and anchors are mixed on.
 
-A sync of round k: the pseudo-gradient Δ = anchor - now is compressed with error feedback and mixed
-with the round's neighbours; when the anchors are mixed too (every `anchor_every`-th round) the
-anchors' compressed images are mixed on a second peer with the same plan; the new anchor is
-(mix of anchors, or our own) - outer_lr * Nesterov(mixed Δ). With outer lr 1 and no momentum that is
-the mix of (anchor - Δ) = the mix of the current weights, so such a sync sends that one message
-("fused"): exactly the gossip of D-SGD, compressed with error feedback."""
+A sync of round k: the pseudo-gradient Δ = anchor - now, folded into the next outer momentum buffer
+(mu b + Δ; Δ itself without momentum), is compressed with error feedback and mixed with the round's
+neighbours, so the buffers stay in consensus (gossip.diloco.OuterNesterov); when the anchors are mixed
+too (every `anchor_every`-th round) the anchors' compressed images are mixed on a second peer with the
+same plan; the new anchor is (mix of anchors, or our own) - outer_lr * Nesterov(mixed buffer).
+With outer lr 1 and no momentum that is the mix of (anchor - Δ) = the mix of the current weights, so
+such a sync sends that one message ("fused"): exactly the gossip of D-SGD, compressed with error
+feedback."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ import numpy as np
 
 from gossip.codecs import Codec, ErrorFeedback
 from gossip.diloco import OuterNesterov
-from gossip.exchange import ExchangeSettings, GossipPeer, RoundOutcome
+from gossip.diloco.unequal import ArrivalWindow
+from gossip.exchange import ExchangeSettings, GossipPeer, RoundOutcome, Skip
 from gossip.optimizers import consensus_distance
 from gossip.transport import Transport
 from topology import PeerRound
@@ -40,7 +43,8 @@ class OuterGroup:
     """See the module docstring. Arrays are float32 and replaced, never modified in place."""
 
     def __init__(self, transport: Transport, settings: ExchangeSettings, anchor_codec: Codec, names: tuple[str, ...],
-                 *, protocol: str, anchor_protocol: str, outer: OuterNesterov, anchor_every: int) -> None:
+                 *, protocol: str, anchor_protocol: str, outer: OuterNesterov, anchor_every: int,
+                 arrivals: ArrivalWindow | None = None) -> None:
         self.names = names
         self._transport = transport
         self._settings = settings
@@ -48,6 +52,8 @@ class OuterGroup:
         self._anchor_settings = replace(settings, codec=anchor_codec, config_hash=f"{settings.config_hash}/anchor")
         self._outer = outer
         self._anchor_every = anchor_every
+        # how long a round waits for a neighbour, learned from the recent rounds (None: the settings' fixed wait)
+        self.arrivals = arrivals
         self._feedback = _feedback_for(settings.codec)
         self._anchor_feedback = _feedback_for(anchor_codec)
         # outer lr 1, no momentum and one codec: a sync that mixes anchors sends one message, anchor - Δ
@@ -84,17 +90,24 @@ class OuterGroup:
         the peers then hold the mixes (see `land`)."""
         assert self.peer is not None and self.anchor_peer is not None, "start() first"
         anchors = self.mixes_anchors(round_index)
+        if self.arrivals is not None:
+            window = self.arrivals.window()
+            for peer in self.peers:
+                peer.set_exchange_timeout(window)
         if anchors and self.fused:
             image = await asyncio.to_thread(
                 lambda: _compressed(self._anchor_feedback, {n: self.anchor[n] - delta[n] for n in self.names}))
             self.anchor_peer.set_tensors(image, step=step)
             plan = await plan_for()
             outcome = await self.anchor_peer.run_round(round_index, plan)
+            self._record_arrivals(outcome)
             distance = await asyncio.to_thread(consensus_distance, image, self.anchor_peer.tensors, plan.self_weight,
                                                plan.in_weights, outcome.mixed_with)
             return GroupSync(round_index, None, None, outcome, distance)
+        # what is mixed is the next momentum buffer, mu b + delta (gossip.diloco.OuterNesterov): the same
+        # bytes as delta alone, and the buffers stay in consensus
         image, anchor_image = await asyncio.to_thread(
-            lambda: (_compressed(self._feedback, delta),
+            lambda: ({n: _compressed_one(self._feedback, n, self._outer.message(n, delta[n])) for n in self.names},
                      _compressed(self._anchor_feedback, {n: self.anchor[n] for n in self.names}) if anchors else None))
         self.peer.set_tensors(image, step=step)
         if anchor_image is not None:
@@ -104,6 +117,7 @@ class OuterGroup:
             rounds = group.create_task(self.peer.run_round(round_index, plan))
             anchor_rounds = group.create_task(self.anchor_peer.run_round(round_index, plan)) if anchor_image else None
         outcome = rounds.result()
+        self._record_arrivals(outcome)
         distance = await asyncio.to_thread(consensus_distance, image, self.peer.tensors, plan.self_weight,
                                            plan.in_weights, outcome.mixed_with)
         if anchor_rounds is None or anchor_image is None:
@@ -113,6 +127,16 @@ class OuterGroup:
                                                   plan.self_weight, plan.in_weights, anchor_outcome.mixed_with)
         return GroupSync(round_index, outcome, distance, anchor_outcome, anchor_distance)
 
+    def _record_arrivals(self, outcome: RoundOutcome) -> None:
+        """A round in which every neighbour that was waited for came tells how long the last one took; a
+        round that cut one for its timeout only that it took longer (ArrivalWindow.record_cut)."""
+        if self.arrivals is None:
+            return
+        if any(reason.split(":")[0] == Skip.TIMEOUT for reason in outcome.skipped.values()):
+            self.arrivals.record_cut()
+        elif outcome.mixed_with:
+            self.arrivals.record(outcome.duration_s)
+
     def land(self, sync: GroupSync | None, delta: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Apply the outer step of a finished `sync` (None: it failed, and the local pseudo-gradient
         stands in) to the anchor; returns the new anchor. CPU-heavy for a large group: run in a thread."""
@@ -120,9 +144,11 @@ class OuterGroup:
         if sync is not None and sync.outcome is None and sync.anchors is not None:  # fused
             self.anchor = {n: np.asarray(self.anchor_peer.tensors[n], np.float32) for n in self.names}
             return dict(self.anchor)
-        mixed = self.peer.tensors if sync is not None else delta
         base = self.anchor_peer.tensors if sync is not None and sync.anchors is not None else self.anchor
-        self.anchor = {n: self._outer.step(n, base[n], mixed[n]) for n in self.names}
+        if sync is None:  # alone: the local Nesterov step
+            self.anchor = {n: self._outer.step(n, base[n], delta[n]) for n in self.names}
+        else:
+            self.anchor = {n: self._outer.step_mixed(n, base[n], self.peer.tensors[n]) for n in self.names}
         return dict(self.anchor)
 
     def residuals(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -151,6 +177,11 @@ def _compressed(feedback: ErrorFeedback | None, tensors: Mapping[str, np.ndarray
     if feedback is None:
         return dict(tensors)
     return {n: feedback.compress(n, v) for n, v in tensors.items()}
+
+
+def _compressed_one(feedback: ErrorFeedback | None, name: str, value: np.ndarray) -> np.ndarray:
+    """One tensor's image (tensor by tensor, so a transient such as mu b + Δ is one tensor at a time)."""
+    return value if feedback is None else feedback.compress(name, value)
 
 
 __all__ = ["GroupSync", "OuterGroup"]

@@ -45,7 +45,7 @@ READY_TIMEOUT_S = 180.0  # a loaded 2-core machine imports torch and hivemind in
 STOP_TIMEOUT_S = 15.0
 POLL_S = 1.0
 STALL_TIMEOUT_S = 300.0  # no node made a step for this long: the demo gives up and says why
-DEMO_DILOCO_LOCAL_STEPS = 20  # --optimizer diloco without --local-steps: 5 outer steps in the default 100
+DEMO_DILOCO_LOCAL_STEPS = 20  # --optimizer diloco without --local-steps: 7 outer steps in the default 100 (4 warm-up)
 
 
 class DemoFailed(Exception):

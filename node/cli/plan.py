@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 
 from gossip.codecs import Codec, TopKCodec, get_codec
-from gossip.diloco import DILOCO_DEFAULTS
+from gossip.diloco import DILOCO_DEFAULTS, DILOCO_LOCAL_STEPS
 from gossip.plan import (
     DEFAULT_LINK_EFFICIENCY,
     Algorithm,
@@ -265,8 +265,8 @@ def flat_specs(params: int) -> Sequence[TensorSpec]:
     return (TensorSpec("params", "float32", (params,)),)
 
 
-# diloco's inner steps per outer sync when --local-steps is not given (DiLoCo's own range is 100-500)
-PLAN_DILOCO_LOCAL_STEPS = 100
+# diloco's inner steps per outer sync when --local-steps is not given: a node's own default
+PLAN_DILOCO_LOCAL_STEPS = DILOCO_LOCAL_STEPS
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

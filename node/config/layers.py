@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, TypeVar, cast
 
+from gossip.diloco import DILOCO_LOCAL_STEPS
 from gossip.rules import Knobs, Rule, broken_rules
 from node.config.kinds import toml_type
 from node.config.settings import DEFAULTS, ConfigError, NodeConfig, setting_value
@@ -128,6 +129,9 @@ def merge_layers(*layers: Layer) -> ResolvedConfig:
     merged: dict[str, Sourced] = {}
     for layer in layers:
         merged.update(layer)
+    if _current(merged, "training.optimizer") == "diloco" and "training.local_steps" not in merged:
+        # DiLoCo's H is its own (gossip.diloco.DILOCO_LOCAL_STEPS), not the per-step optimizers' 1
+        merged["training.local_steps"] = Sourced(DILOCO_LOCAL_STEPS, DILOCO_H_SOURCE)
     _check_combinations(merged)
     values = {key: item.value for key, item in merged.items()}
     for key, value in values.items():
@@ -142,9 +146,16 @@ def merge_layers(*layers: Layer) -> ResolvedConfig:
     return ResolvedConfig(config, {key: item.source for key, item in merged.items()})
 
 
+DILOCO_H_SOURCE = "--optimizer diloco's default --local-steps"
+
+
+def _current(merged: Mapping[str, Sourced], key: str) -> object:
+    return merged[key].value if key in merged else setting_value(DEFAULTS, key)
+
+
 def _check_combinations(merged: Mapping[str, Sourced]) -> None:
     def current(key: str) -> object:
-        return merged[key].value if key in merged else setting_value(DEFAULTS, key)
+        return _current(merged, key)
 
     def source(key: str) -> str:
         return merged[key].source if key in merged else default_source(key)
@@ -205,7 +216,8 @@ def _check_compression(current: Callable[[str], object], source: Callable[[str],
 
 
 DILOCO_ONLY = ("training.outer_lr", "training.outer_momentum", "training.fragments", "training.overlap",
-               "training.qsr_alpha", "training.anchor_every", "training.anchor_codec", "training.inner_optimizer")
+               "training.qsr_alpha", "training.outer_warmup", "training.anchor_every", "training.anchor_codec",
+               "training.inner_optimizer")
 
 
 def _check_codec(current: Callable[[str], object], source: Callable[[str], str], broken: Collection[Rule]) -> None:

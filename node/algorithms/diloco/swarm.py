@@ -38,12 +38,18 @@ def sync_schedule(recipe: TrainingRecipe) -> SyncSchedule:
     assert recipe.diloco is not None, "a DiLoCo recipe"
     o = recipe.optimizer
     return SyncSchedule(o.local_steps, recipe.diloco.fragments, o.schedule.lr_at, qsr_alpha=recipe.diloco.qsr_alpha,
-                        warmup_steps=o.warmup_steps)
+                        warmup_steps=o.warmup_steps, outer_warmup=recipe.diloco.outer_warmup)
 
 
 def outer_exchange(exchange: ExchangeSettings) -> ExchangeSettings:
     """The fragments' exchange settings: the swarm's codec (of pseudo-gradients), a longer deadline."""
     return replace(exchange, exchange_timeout_s=max(exchange.exchange_timeout_s, MIN_OUTER_TIMEOUT_S))
+
+
+def grace_bounds(exchange: ExchangeSettings) -> tuple[float, float]:
+    """The bounds of the outer rounds' learned grace window (gossip.diloco.ArrivalWindow): never below the
+    node's own --exchange-timeout, never above the fixed wait it replaces."""
+    return exchange.exchange_timeout_s, outer_exchange(exchange).exchange_timeout_s
 
 
 class DilocoAlgorithm:
@@ -63,7 +69,7 @@ class DilocoAlgorithm:
         self.recipe = recipe
         self.config: DilocoConfig = recipe.diloco
         self.diloco = DilocoTrainer(trainer, transport, outer_exchange(exchange), self.config, sync_schedule(recipe),
-                                    state_peer=peer, state_settings=state)
+                                    state_peer=peer, state_settings=state, grace=grace_bounds(exchange))
         self.resumed_outer_state = saved is not None and self.diloco.restore(saved)
         self._started = False
         self.skipped_ahead = 0  # times the swarm left this node behind and it caught up
@@ -158,9 +164,9 @@ class DilocoAlgorithm:
                 "overlap": c.overlap, "outer_lr": c.outer_lr, "outer_momentum": c.outer_momentum,
                 "anchor_every": c.anchor_every, "anchor_codec": c.anchor_codec,
                 "codec": d.codec_name, "outer_bytes_sent": sent, "outer_bytes_received": received,
-                "exchanges_failed": d.stats.exchanges_failed, "skipped": d.skipped(),
+                "exchanges_failed": d.stats.exchanges_failed, "grace_window_s": d.grace_window_s, "skipped": d.skipped(),
                 "rounds_run": d.rounds_run, "fragment_rounds": d.fragment_rounds,
                 "resumed_outer_state": self.resumed_outer_state, "skipped_ahead": self.skipped_ahead}
 
 
-__all__ = ["MIN_OUTER_TIMEOUT_S", "DilocoAlgorithm", "outer_exchange", "sync_schedule"]
+__all__ = ["MIN_OUTER_TIMEOUT_S", "DilocoAlgorithm", "grace_bounds", "outer_exchange", "sync_schedule"]

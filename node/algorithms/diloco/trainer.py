@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from gossip.codecs import get_codec
-from gossip.diloco import DilocoConfig, OuterNesterov, SyncSchedule, fragment_partition
+from gossip.diloco import ArrivalWindow, DilocoConfig, OuterNesterov, SyncSchedule, fragment_partition
 from gossip.errors import WireError
 from gossip.exchange import ExchangeSettings, GossipPeer, PeerRejected, RoundOutcome
 from gossip.optimizers import global_norm
@@ -59,7 +59,7 @@ class OuterSync:
     fragment: int
     round: int
     outcome: RoundOutcome | None  # the pseudo-gradients' round; None when fused (see OuterGroup) or failed
-    consensus_distance: float | None  # ||own pseudo-gradient - mean of the neighbours' that arrived||_2
+    consensus_distance: float | None  # ||own mixed value (mu b + Δ) - mean of the neighbours' that arrived||_2
     anchors: RoundOutcome | None = None  # the anchors' round, when this sync mixed them
     anchor_distance: float | None = None  # ||own anchor - mean of the neighbours' anchors that arrived||_2
     failed: bool = False  # the exchange failed; the local pseudo-gradient stood in
@@ -93,7 +93,7 @@ class DilocoTrainer:
 
     def __init__(self, trainer: Trainer, transport: Transport, settings: ExchangeSettings, config: DilocoConfig,
                  schedule: SyncSchedule, *, state_peer: GossipPeer | None = None,
-                 state_settings: ExchangeSettings | None = None) -> None:
+                 state_settings: ExchangeSettings | None = None, grace: tuple[float, float] | None = None) -> None:
         self.trainer = trainer
         self.config = config
         self.schedule = schedule
@@ -109,7 +109,8 @@ class DilocoTrainer:
         self._groups = [
             OuterGroup(transport, replace(settings, config_hash=f"{settings.config_hash}/diloco/{p}"), anchor_codec,
                        names, protocol=fragment_protocol(p), anchor_protocol=anchor_protocol(p), outer=self._outer,
-                       anchor_every=config.anchor_every)
+                       anchor_every=config.anchor_every,
+                       arrivals=ArrivalWindow(lo=grace[0], hi=grace[1]) if grace is not None else None)
             for p, names in enumerate(self.fragments)]
         self._anchor: dict[str, np.ndarray] = {}
         self._start: dict[str, np.ndarray] | None = {} if config.overlap else None  # overlap: the phase start
@@ -186,6 +187,12 @@ class DilocoTrainer:
     def peers(self) -> tuple[GossipPeer, ...]:
         """The fragments' pseudo-gradient peers."""
         return tuple(group.peer for group in self._groups if group.peer is not None)
+
+    @property
+    def grace_window_s(self) -> float | None:
+        """How long the next outer round waits for a neighbour (fragment 0's window); None: the fixed wait."""
+        arrivals = self._groups[0].arrivals
+        return arrivals.window() if arrivals is not None else None
 
     @property
     def in_flight(self) -> int:
