@@ -1,0 +1,197 @@
+"""Sybil defences in process (docs/threat-model.md, "Sybils"): an open swarm's proof of work per identity
+(node.net.work) and its check on records, the view's cap by standing and recency (node.net.view), and a
+joiner's votes and sources from distinct networks (node.swarm.prefixes). Whole processes under a flood
+of sybil records: test_sybils_swarm.py."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from node.net.records import PeerRecord, decode_peer_entry, encode_peer_record
+from node.net.view import cap_view
+from node.net.work import MAX_NONCE_CHARS, cache_path_for, cached_work, check_work, identity_work_bits, mint_work
+from node.swarm.joining import Refused, judge_steps
+from node.swarm.prefixes import address_prefix, one_per_prefix, record_prefixes
+
+pytestmark = pytest.mark.unit
+
+BITS = 10  # ~1000 hashes: fast, and a random nonce passes with probability 2^-10
+PEER = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+
+
+# ---- proof of work ----------------------------------------------------------------------------------
+
+def test_a_minted_proof_holds_for_its_swarm_and_peer_only() -> None:
+    nonce = mint_work("swarm", "QmPeer", BITS)
+    assert check_work("swarm", "QmPeer", nonce, BITS)
+    assert check_work("swarm", "QmPeer", nonce, BITS - 3)  # serves a lower difficulty too
+    assert not check_work("other", "QmPeer", nonce, BITS) or not check_work("swarm", "QmOther", nonce, BITS)
+    wrong = [check_work("other", "QmPeer", mint_work("swarm", "QmPeer", BITS), BITS) for _ in range(8)]
+    assert sum(wrong) <= 1, "a proof for one swarm works in another"
+    stolen = [check_work("swarm", "QmThief", mint_work("swarm", "QmPeer", BITS), BITS) for _ in range(8)]
+    assert sum(stolen) <= 1, "a proof for one peer id works for another"
+
+
+def test_a_missing_malformed_or_oversized_nonce_is_no_proof() -> None:
+    nonce = mint_work("swarm", PEER, BITS)
+    assert not check_work("swarm", PEER, "", BITS)
+    assert not check_work("swarm", "QmPeer", "zz" * 8, BITS)
+    assert not check_work("swarm", "QmPeer", "0" + nonce, BITS)  # odd length
+    assert not check_work("swarm", "QmPeer", nonce + "00" * 100, BITS)  # over the bound: not even hashed
+    assert check_work("swarm", "QmPeer", "", 0)  # a swarm that asks for none
+    # the record's field is bounded by its schema: a longer nonce makes the record malformed
+    record = PeerRecord(peer_id=PEER, maddrs=(f"/ip4/1.2.3.4/tcp/1/p2p/{PEER}",), step=0, round=0, experts=(),
+                        capacity=0, version="t", heartbeat=1.0, work="ab" * (MAX_NONCE_CHARS // 2 + 1))
+    with pytest.raises(ValueError, match="malformed"):
+        decode_peer_entry(encode_peer_record(record))
+    assert decode_peer_entry(encode_peer_record(msgspec.structs.replace(record, work=nonce))).work == nonce
+
+
+def test_the_proof_is_minted_once_per_identity_and_swarm(tmp_path: Path) -> None:
+    identity = tmp_path / "identity.key"
+    first = cached_work(identity, "swarm", "QmPeer", BITS)
+    assert check_work("swarm", "QmPeer", first, BITS)
+    assert cached_work(identity, "swarm", "QmPeer", BITS) == first  # a restart does not mint again
+    other = cached_work(identity, "second", "QmPeer", BITS)
+    assert check_work("second", "QmPeer", other, BITS) and cached_work(identity, "swarm", "QmPeer", BITS) == first
+    cache_path_for(identity).write_text("not json")
+    assert check_work("swarm", "QmPeer", cached_work(identity, "swarm", "QmPeer", BITS), BITS)
+
+
+def test_the_config_says_how_much_work_and_a_bad_value_asks_none() -> None:
+    assert identity_work_bits({"identity_work": 12}) == 12
+    assert identity_work_bits({}) == 0
+    assert identity_work_bits({"identity_work": True}) == 0
+    assert identity_work_bits({"identity_work": 99}) == 0
+
+
+def test_an_old_document_without_the_field_keeps_its_hash_and_asks_no_work() -> None:
+    from node.net.records import config_hash
+    from node.swarm.recipe import RecipeInvalid, document_dict, parse_document
+    from tests.test_recipe import MODEL_DOC
+
+    assert "identity_work" not in MODEL_DOC and parse_document(MODEL_DOC).identity_work == 0
+    assert config_hash(document_dict(parse_document(MODEL_DOC))) == config_hash(MODEL_DOC)
+
+    with pytest.raises(RecipeInvalid, match="identity_work"):
+        parse_document({**MODEL_DOC, "identity_work": 33})
+
+
+def test_discovery_leaves_records_without_the_swarms_proof_out_of_the_view_and_counts_them(tmp_path: Path) -> None:
+    from hivemind.dht.crypto import RSASignatureValidator
+
+    from node.net.discovery import Discovery, DiscoverySettings
+    from node.net.identity import create_identity
+
+    me = create_identity(tmp_path / "me.key")
+    peer = create_identity(tmp_path / "peer.key")
+    discovery = Discovery(None, me, DiscoverySettings("sybils"),  # type: ignore[arg-type]
+                          data_maddrs=(f"/ip4/127.0.0.1/tcp/1/p2p/{me.peer_id}",))
+    discovery._work_bits = BITS
+    subkey = RSASignatureValidator(peer.signing_key).local_public_key
+    record = PeerRecord(peer_id=peer.peer_id, maddrs=(f"/ip4/1.2.3.4/tcp/1/p2p/{peer.peer_id}",), step=0, round=0,
+                        experts=(), capacity=0, version="t", heartbeat=1.0)
+    assert discovery._live_record(subkey, encode_peer_record(record), 1e12, 0.0) is None
+    assert discovery.errors["peer_record_no_work"] == 1
+    paid = msgspec.structs.replace(record, work=mint_work("sybils", peer.peer_id, BITS))
+    assert discovery._live_record(subkey, encode_peer_record(paid), 1e12, 0.0) == paid
+    other_swarm = msgspec.structs.replace(record, work=mint_work("elsewhere", peer.peer_id, BITS + 4))
+    if not check_work("sybils", peer.peer_id, other_swarm.work, BITS):
+        assert discovery._live_record(subkey, encode_peer_record(other_swarm), 1e12, 0.0) is None
+        assert discovery.errors["peer_record_no_work"] == 2
+
+
+# ---- the view's cap ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Rec:
+    step: int = 0
+    gossip_from: int = 0
+
+
+def test_the_view_cap_keeps_standing_peers_and_admits_newcomers_past_a_flood_of_incumbents() -> None:
+    honest = {f"honest{i}": Rec(step=10 + i, gossip_from=3) for i in range(5)}
+    sybils = {f"sybil{i:03d}": Rec() for i in range(300)}
+    previous: dict[str, Rec] = {**honest, **dict(list(sybils.items())[:250])}  # the flood already fills the view
+    admitted = {p: 1.0 for p in previous}
+    newcomer = {"new": Rec()}
+    rng = random.Random(0)
+    entered = 0
+    for _ in range(20):
+        kept, left_out = cap_view({**honest, **sybils, **newcomer}, "honest0", previous, admitted, 256, "swarm", rng)
+        assert len(kept) == 256 and left_out == 306 - 256
+        assert set(honest) <= set(kept), "a peer that serves rounds lost its place to record-only identities"
+        entered += "new" in kept
+    assert entered == 20, "a newcomer never got past 250 incumbent record-only identities"
+
+
+def test_the_view_cap_evicts_the_longest_stalled_first_and_keeps_a_newcomer_share_against_claimed_progress() -> None:
+    # record-only identities that claim to serve take the standing tier, but a quarter stays for newcomers
+    liars = {f"liar{i:03d}": Rec(step=5, gossip_from=1) for i in range(400)}
+    newcomers = {f"new{i:02d}": Rec() for i in range(10)}
+    previous = dict(liars)
+    kept, _ = cap_view({**liars, **newcomers, "me": Rec()}, "me", previous, {}, 40, "swarm", random.Random(1))
+    assert "me" in kept and set(newcomers) <= set(kept) and len(kept) == 40
+    # peers that stalled in the view: the one admitted most recently stays, the oldest goes first
+    stalled = {f"s{i}": Rec() for i in range(6)}
+    admitted = {f"s{i}": float(i) for i in range(6)}
+    kept, left_out = cap_view({**stalled, "me": Rec()}, "me", dict(stalled), admitted, 4, "swarm", random.Random(2))
+    assert set(kept) == {"me", "s5", "s4", "s3"} and left_out == 3
+    # progress needs the last view's record: a rising step stands, a constant one does not
+    grown = {"up": Rec(step=2), "flat": Rec(step=1), "me": Rec()}
+    kept, _ = cap_view(grown, "me", {"up": Rec(step=1), "flat": Rec(step=1)}, {"up": 0.0, "flat": 9.0}, 2, "swarm",
+                       random.Random(3))
+    assert set(kept) == {"me", "up"}
+    assert cap_view({"a": Rec(), "b": Rec()}, "a", {}, {}, 10, "swarm", random.Random(4)) == ({"a": Rec(), "b": Rec()}, 0)
+
+
+# ---- distinct networks ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Peer:
+    peer_id: str
+    maddrs: tuple[str, ...]
+    step: int = 0
+
+
+def test_addresses_are_grouped_by_their_24_or_48_and_a_relay_circuit_by_the_relays() -> None:
+    assert address_prefix("/ip4/203.0.113.7/tcp/1/p2p/Qm") == "203.0.113.0/24"
+    assert address_prefix("/ip6/2001:db8:1:2::5/udp/1/quic-v1/p2p/Qm") == "2001:db8:1::/48"
+    assert address_prefix("/ip4/198.51.100.1/tcp/4001/p2p/QmRelay/p2p-circuit/p2p/Qm") == "198.51.100.0/24"
+    assert address_prefix("/dns4/Example.org/tcp/1/p2p/Qm") == "dns:example.org"
+    assert address_prefix("/ip4/999.1.1.1/tcp/1") is None and address_prefix("garbage") is None
+    assert record_prefixes(["/ip4/10.0.0.1/tcp/1", "/ip4/10.0.0.9/udp/1"]) == {"10.0.0.0/24"}
+
+
+def test_one_peer_per_network_is_kept_and_loopback_only_swarms_keep_every_peer() -> None:
+    a = Peer("a", ("/ip4/203.0.113.7/tcp/1/p2p/a",))
+    b = Peer("b", ("/ip4/203.0.113.8/tcp/1/p2p/b",))  # a's /24
+    c = Peer("c", ("/ip4/198.51.100.1/tcp/1/p2p/c", "/ip4/203.0.113.9/tcp/1/p2p/c"))  # shares a's too
+    d = Peer("d", ("/ip6/2001:db8:2::1/tcp/1/p2p/d",))
+    assert one_per_prefix([a, b, c, d]) == ([a, d], [b, c])
+    local = [Peer(p, (f"/ip4/127.0.0.1/tcp/{i}/p2p/{p}",)) for i, p in enumerate("xyz")]
+    assert one_per_prefix(local) == (local, [])
+    assert one_per_prefix([*local, d]) == ([local[0], d], local[1:])  # one real address turns it on
+
+
+def test_two_identities_on_one_network_claiming_the_reference_step_count_once() -> None:
+    def rec(peer: str, step: int, ip: str) -> PeerRecord:
+        return PeerRecord(peer_id=peer, maddrs=(f"/ip4/{ip}/tcp/1/p2p/{peer}",), step=step, round=0, experts=(),
+                          capacity=0, version="t", heartbeat=1.0)
+
+    honest = [rec("me", 0, "192.0.2.1"), rec("h1", 100, "203.0.113.1"), rec("h2", 101, "198.51.100.1")]
+    # one operator's two identities claim the reference step (the closest to it rank first as sources)
+    sybils = [rec("s1", 101, "100.64.0.1"), rec("s2", 101, "100.64.0.2")]
+    judgement = judge_steps([*honest, *sybils], "me", 0, margin=5, budget=0)
+    assert judgement is not None and judgement.reference == 101
+    assert {r.peer_id for r in judgement.candidates[:3]} == {"h1", "h2", "s1"}
+    assert judgement.refusals()["s2"] == Refused.SAME_PREFIX
+    # the control: the same claims from two networks take 2 of the 3 sources
+    apart = [rec("s1", 101, "100.64.0.1"), rec("s2", 101, "100.65.0.2")]
+    control = judge_steps([*honest, *apart], "me", 0, margin=5, budget=0)
+    assert control is not None and {r.peer_id for r in control.candidates[:3]} == {"h2", "s1", "s2"}
