@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from node.net.records import PeerRecord, decode_peer_entry, encode_peer_record
-from node.net.view import cap_view
+from node.net.view import Admitted, cap_view
 from node.net.work import MAX_NONCE_CHARS, cache_path_for, cached_work, check_work, identity_work_bits, mint_work
 from node.swarm.joining import Refused, judge_steps
 from node.swarm.prefixes import address_prefix, one_per_prefix, record_prefixes
@@ -114,40 +114,46 @@ class Rec:
     gossip_from: int = 0
 
 
-def test_the_view_cap_keeps_standing_peers_and_admits_newcomers_past_a_flood_of_incumbents() -> None:
+def test_the_view_cap_keeps_standing_peers_and_admits_a_newcomer_past_a_flood_in_the_view() -> None:
     honest = {f"honest{i}": Rec(step=10 + i, gossip_from=3) for i in range(5)}
-    sybils = {f"sybil{i:03d}": Rec() for i in range(300)}
-    previous: dict[str, Rec] = {**honest, **dict(list(sybils.items())[:250])}  # the flood already fills the view
-    admitted = {p: 1.0 for p in previous}
-    newcomer = {"new": Rec()}
+    # a flood that claims to serve, at a constant step: no standing
+    sybils = {f"sybil{i:03d}": Rec(step=10**9, gossip_from=1) for i in range(300)}
+    # the flood already fills the view, admitted before the honest peers (the worst case for them)
+    admitted = {p: Admitted(1.0, 10**9) for p in list(sybils)[:250]} | {p: Admitted(2.0, 9) for p in honest}
     rng = random.Random(0)
     entered = 0
     for _ in range(20):
-        kept, left_out = cap_view({**honest, **sybils, **newcomer}, "honest0", previous, admitted, 256, "swarm", rng)
+        kept, left_out = cap_view({**honest, **sybils, "new": Rec()}, "honest0", admitted, 256, "swarm", rng)
         assert len(kept) == 256 and left_out == 306 - 256
         assert set(honest) <= set(kept), "a peer that serves rounds lost its place to record-only identities"
         entered += "new" in kept
-    assert entered == 20, "a newcomer never got past 250 incumbent record-only identities"
+    assert entered == 20, "a newcomer never got past 250 record-only identities in the view"
 
 
-def test_the_view_cap_evicts_the_longest_stalled_first_and_keeps_a_newcomer_share_against_claimed_progress() -> None:
-    # record-only identities that claim to serve take the standing tier, but a quarter stays for newcomers
-    liars = {f"liar{i:03d}": Rec(step=5, gossip_from=1) for i in range(400)}
+def test_identities_claiming_progress_stand_after_the_older_standing_peers_and_leave_newcomers_a_share() -> None:
+    # (a claim that rises with every heartbeat: each record re-signed each time)
+    liars = {f"liar{i:03d}": Rec(step=6, gossip_from=1) for i in range(400)}
+    honest = {f"honest{i}": Rec(step=6, gossip_from=1) for i in range(3)}
     newcomers = {f"new{i:02d}": Rec() for i in range(10)}
-    previous = dict(liars)
-    kept, _ = cap_view({**liars, **newcomers, "me": Rec()}, "me", previous, {}, 40, "swarm", random.Random(1))
-    assert "me" in kept and set(newcomers) <= set(kept) and len(kept) == 40
-    # peers that stalled in the view: the one admitted most recently stays, the oldest goes first
+    admitted = {p: Admitted(5.0, 5) for p in liars} | {p: Admitted(1.0, 5) for p in honest}
+    kept, _ = cap_view({**liars, **honest, **newcomers, "me": Rec()}, "me", admitted, 40, "swarm", random.Random(1))
+    assert len(kept) == 40 and "me" in kept
+    assert set(honest) <= set(kept), "identities that claim to serve pushed out peers that stood before them"
+    assert set(newcomers) <= set(kept), "identities that claim to serve took the newcomers' share"
+
+
+def test_peers_that_stall_in_the_view_age_out_oldest_first_and_a_rising_step_stands() -> None:
     stalled = {f"s{i}": Rec() for i in range(6)}
-    admitted = {f"s{i}": float(i) for i in range(6)}
-    kept, left_out = cap_view({**stalled, "me": Rec()}, "me", dict(stalled), admitted, 4, "swarm", random.Random(2))
+    admitted = {f"s{i}": Admitted(float(i), 0) for i in range(6)}
+    kept, left_out = cap_view({**stalled, "me": Rec()}, "me", admitted, 4, "swarm", random.Random(2))
     assert set(kept) == {"me", "s5", "s4", "s3"} and left_out == 3
-    # progress needs the last view's record: a rising step stands, a constant one does not
-    grown = {"up": Rec(step=2), "flat": Rec(step=1), "me": Rec()}
-    kept, _ = cap_view(grown, "me", {"up": Rec(step=1), "flat": Rec(step=1)}, {"up": 0.0, "flat": 9.0}, 2, "swarm",
-                       random.Random(3))
-    assert set(kept) == {"me", "up"}
-    assert cap_view({"a": Rec(), "b": Rec()}, "a", {}, {}, 10, "swarm", random.Random(4)) == ({"a": Rec(), "b": Rec()}, 0)
+    # progress is measured from the step a peer had when it entered the view: a rise stands, a constant step not
+    grown = {"up": Rec(step=2, gossip_from=1), "flat": Rec(step=1, gossip_from=1), "idle": Rec(step=3), "me": Rec()}
+    at = {"up": Admitted(0.0, 1), "flat": Admitted(9.0, 1), "idle": Admitted(8.0, 1)}
+    assert set(cap_view(grown, "me", at, 2, "swarm", random.Random(3))[0]) == {"me", "up"}
+    # without serving, a rising step does not stand: the most recently admitted of the rest comes next
+    assert set(cap_view(grown, "me", at, 3, "swarm", random.Random(3))[0]) == {"me", "up", "flat"}
+    assert cap_view({"a": Rec(), "b": Rec()}, "a", {}, 10, "swarm", random.Random(4)) == ({"a": Rec(), "b": Rec()}, 0)
 
 
 # ---- distinct networks ------------------------------------------------------------------------------
