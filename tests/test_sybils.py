@@ -112,6 +112,7 @@ def test_discovery_leaves_records_without_the_swarms_proof_out_of_the_view_and_c
 class Rec:
     step: int = 0
     gossip_from: int = 0
+    round: int = 0
 
 
 def test_the_view_cap_keeps_standing_peers_and_admits_a_newcomer_past_a_flood_in_the_view() -> None:
@@ -153,6 +154,10 @@ def test_peers_that_stall_in_the_view_age_out_oldest_first_and_a_rising_step_sta
     assert set(cap_view(grown, "me", at, 2, "swarm", random.Random(3))[0]) == {"me", "up"}
     # without serving, a rising step does not stand: the most recently admitted of the rest comes next
     assert set(cap_view(grown, "me", at, 3, "swarm", random.Random(3))[0]) == {"me", "up", "flat"}
+    # a rising round stands as a rising step does (a vector swarm's peers make no training steps)
+    rounds = {"gossips": Rec(round=7, gossip_from=1), "flat": Rec(round=1, gossip_from=1), "me": Rec()}
+    at = {"gossips": Admitted(0.0, 0, 1), "flat": Admitted(9.0, 0, 1)}
+    assert set(cap_view(rounds, "me", at, 2, "swarm", random.Random(3))[0]) == {"me", "gossips"}
     assert cap_view({"a": Rec(), "b": Rec()}, "a", {}, 10, "swarm", random.Random(4)) == ({"a": Rec(), "b": Rec()}, 0)
 
 

@@ -663,7 +663,7 @@ class Discovery:
         records, left_out = cap_view(records, self.peer_id, self._admitted, self._settings.max_view,
                                      self._settings.swarm, self._view_rng)
         at = asyncio.get_running_loop().time()
-        self._admitted = {p: self._admitted.get(p) or Admitted(at, r.step) for p, r in records.items()}
+        self._admitted = {p: self._admitted.get(p) or Admitted(at, r.step, r.round) for p, r in records.items()}
         if left_out and not self.view_overflow:
             logger.warning("%d live peer records left out of the view: it holds at most %d peers", left_out,
                            self._settings.max_view)

@@ -4,8 +4,8 @@ new honest peer out).
 
 The rule ranks by standing and recency, not by incumbency (docs/threat-model.md, "Sybils"):
 1. this node;
-2. peers of the view that stand: they serve rounds (`gossip_from > 0`) and their step rose since they
-   entered the view (a record-only identity must at least re-sign a rising claim every heartbeat to
+2. peers of the view that stand: they serve rounds (`gossip_from > 0`) and their step or round rose
+   since they entered the view (a record-only identity must at least re-sign a rising claim every heartbeat to
    keep it); the longest in the view first, then by sha256(swarm name, peer id); at most
    `cap - 1 - reserve` of them here;
 3. a random sample of newcomers (not in the view), `reserve` = a quarter of the cap: a flood of
@@ -36,15 +36,19 @@ class Progressing(Protocol):
     def step(self) -> int: ...
 
     @property
+    def round(self) -> int: ...
+
+    @property
     def gossip_from(self) -> int: ...
 
 
 @dataclass(frozen=True)
 class Admitted:
-    """When a peer entered this node's view (any monotonic clock) and the step its record claimed then."""
+    """When a peer entered this node's view (any monotonic clock) and the step and round its record claimed then."""
 
     at: float
     step: int
+    round: int = 0
 
 
 R = TypeVar("R", bound=Progressing)
@@ -55,8 +59,9 @@ def newcomer_rank(swarm: str, peer_id: str) -> bytes:
 
 
 def stands(record: Progressing, admitted: Admitted | None) -> bool:
-    """Whether a peer of the view stands: it serves rounds, and its step rose since it entered the view."""
-    return admitted is not None and record.gossip_from > 0 and record.step > admitted.step
+    """Whether a peer of the view stands: it serves rounds, and its step or round rose since it entered the view."""
+    return admitted is not None and record.gossip_from > 0 and (record.step > admitted.step
+                                                                  or record.round > admitted.round)
 
 
 def cap_view(records: Mapping[str, R], me: str, admitted: Mapping[str, Admitted], cap: int, swarm: str,
