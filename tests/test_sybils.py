@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from node.net.records import PeerRecord, decode_peer_entry, encode_peer_record
-from node.net.view import Admitted, cap_view
+from node.net.view import FirstSeen, cap_view
 from node.net.work import MAX_NONCE_CHARS, cache_path_for, cached_work, check_work, identity_work_bits, mint_work
 from node.swarm.joining import Refused, judge_steps
 from node.swarm.prefixes import address_prefix, one_per_prefix, record_prefixes
@@ -116,17 +116,18 @@ class Rec:
 
 
 def test_the_view_cap_keeps_standing_peers_and_admits_a_newcomer_past_a_flood_in_the_view() -> None:
-    honest = {f"honest{i}": Rec(step=10 + i, gossip_from=3) for i in range(5)}
+    honest = {f"honest{i}": Rec(step=10 + i) for i in range(5)}  # training: no claim to serve needed
     # a flood that claims to serve, at a constant step: no standing
     sybils = {f"sybil{i:03d}": Rec(step=10**9, gossip_from=1) for i in range(300)}
-    # the flood already fills the view, admitted before the honest peers (the worst case for them)
-    admitted = {p: Admitted(1.0, 10**9) for p in list(sybils)[:250]} | {p: Admitted(2.0, 9) for p in honest}
+    # the flood already fills the view, seen before the honest peers (the worst case for them)
+    seen = {p: FirstSeen(1.0, 10**9) for p in sybils} | {p: FirstSeen(2.0, 9) for p in honest}
+    view = {*honest, *list(sybils)[:250]}
     rng = random.Random(0)
     entered = 0
     for _ in range(20):
-        kept, left_out = cap_view({**honest, **sybils, "new": Rec()}, "honest0", admitted, 256, "swarm", rng)
+        kept, left_out = cap_view({**honest, **sybils, "new": Rec()}, "honest0", view, seen, 256, "swarm", rng)
         assert len(kept) == 256 and left_out == 306 - 256
-        assert set(honest) <= set(kept), "a peer that serves rounds lost its place to record-only identities"
+        assert set(honest) <= set(kept), "a progressing peer lost its place to record-only identities"
         entered += "new" in kept
     assert entered == 20, "a newcomer never got past 250 record-only identities in the view"
 
@@ -134,31 +135,35 @@ def test_the_view_cap_keeps_standing_peers_and_admits_a_newcomer_past_a_flood_in
 def test_identities_claiming_progress_stand_after_the_older_standing_peers_and_leave_newcomers_a_share() -> None:
     # (a claim that rises with every heartbeat: each record re-signed each time)
     liars = {f"liar{i:03d}": Rec(step=6, gossip_from=1) for i in range(400)}
-    honest = {f"honest{i}": Rec(step=6, gossip_from=1) for i in range(3)}
+    honest = {f"honest{i}": Rec(step=6) for i in range(3)}
     newcomers = {f"new{i:02d}": Rec() for i in range(10)}
-    admitted = {p: Admitted(5.0, 5) for p in liars} | {p: Admitted(1.0, 5) for p in honest}
-    kept, _ = cap_view({**liars, **honest, **newcomers, "me": Rec()}, "me", admitted, 40, "swarm", random.Random(1))
+    seen = {p: FirstSeen(5.0, 5) for p in liars} | {p: FirstSeen(1.0, 5) for p in honest}
+    kept, _ = cap_view({**liars, **honest, **newcomers, "me": Rec()}, "me", set(liars) | set(honest), seen, 40,
+                       "swarm", random.Random(1))
     assert len(kept) == 40 and "me" in kept
-    assert set(honest) <= set(kept), "identities that claim to serve pushed out peers that stood before them"
-    assert set(newcomers) <= set(kept), "identities that claim to serve took the newcomers' share"
+    assert set(honest) <= set(kept), "identities claiming progress pushed out peers that stood before them"
+    assert set(newcomers) <= set(kept), "identities claiming progress took the newcomers' share"
 
 
-def test_peers_that_stall_in_the_view_age_out_oldest_first_and_a_rising_step_stands() -> None:
-    stalled = {f"s{i}": Rec() for i in range(6)}
-    admitted = {f"s{i}": Admitted(float(i), 0) for i in range(6)}
-    kept, left_out = cap_view({**stalled, "me": Rec()}, "me", admitted, 4, "swarm", random.Random(2))
-    assert set(kept) == {"me", "s5", "s4", "s3"} and left_out == 3
-    # progress is measured from the step a peer had when it entered the view: a rise stands, a constant step not
-    grown = {"up": Rec(step=2, gossip_from=1), "flat": Rec(step=1, gossip_from=1), "idle": Rec(step=3), "me": Rec()}
-    at = {"up": Admitted(0.0, 1), "flat": Admitted(9.0, 1), "idle": Admitted(8.0, 1)}
-    assert set(cap_view(grown, "me", at, 2, "swarm", random.Random(3))[0]) == {"me", "up"}
-    # without serving, a rising step does not stand: the most recently admitted of the rest comes next
-    assert set(cap_view(grown, "me", at, 3, "swarm", random.Random(3))[0]) == {"me", "up", "flat"}
-    # a rising round stands as a rising step does (a vector swarm's peers make no training steps)
-    rounds = {"gossips": Rec(round=7, gossip_from=1), "flat": Rec(round=1, gossip_from=1), "me": Rec()}
-    at = {"gossips": Admitted(0.0, 0, 1), "flat": Admitted(9.0, 0, 1)}
-    assert set(cap_view(rounds, "me", at, 2, "swarm", random.Random(3))[0]) == {"me", "gossips"}
-    assert cap_view({"a": Rec(), "b": Rec()}, "a", {}, 10, "swarm", random.Random(4)) == ({"a": Rec(), "b": Rec()}, 0)
+def test_a_member_that_has_not_progressed_yet_keeps_its_place_and_a_newcomers_progress_counts_from_first_sight() \
+        -> None:
+    # a member seen before the flood but not yet progressing (waiting for a quorum) outranks later identities
+    member = {"member": Rec()}
+    flood = {f"f{i}": Rec(step=3) for i in range(10)}
+    seen = {"member": FirstSeen(0.0, 0)} | {p: FirstSeen(5.0, 3) for p in flood}
+    kept, left_out = cap_view({**member, **flood, "me": Rec()}, "me", {"member", *flood}, seen, 8, "swarm",
+                              random.Random(2))
+    assert "member" in kept and left_out == 4
+    # a newcomer left out of the view earlier stands once its step rose since this node first saw it
+    grown = {"new": Rec(step=2), **flood, "me": Rec()}
+    kept, _ = cap_view(grown, "me", set(flood), {"new": FirstSeen(9.0, 1)} | seen, 4, "swarm", random.Random(3))
+    assert "new" in kept
+    # a claim to serve at a constant step costs nothing to hold: it does not stand; a rising round does
+    peers = {"claims": Rec(step=1, gossip_from=1), "gossips": Rec(round=7), "me": Rec()}
+    at = {"claims": FirstSeen(0.0, 1), "gossips": FirstSeen(9.0, 0, 1)}
+    assert set(cap_view(peers, "me", set(peers), at, 2, "swarm", random.Random(4))[0]) == {"me", "gossips"}
+    assert cap_view({"a": Rec(), "b": Rec()}, "a", set(), {}, 10, "swarm", random.Random(5)) == \
+        ({"a": Rec(), "b": Rec()}, 0)
 
 
 # ---- distinct networks ------------------------------------------------------------------------------

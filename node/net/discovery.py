@@ -65,7 +65,7 @@ from node.net.validation import (
     SwarmMembership,
     make_record_validator,
 )
-from node.net.view import MAX_VIEW, Admitted, cap_view
+from node.net.view import MAX_VIEW, FirstSeen, cap_view
 from node.net.work import cached_work, check_work, identity_work_bits
 from node.swarm.contributors import MAX_TOKENS, plausible_tokens, tokens_per_step
 from node.swarm.recipe import RecipeInvalid, SwarmSettings, parse_document
@@ -220,7 +220,7 @@ class Discovery:
         self._started = time.monotonic()  # the record's uptime_s counts from here
         self._tokens_per_step = 0  # the recipe's, once entered: the most tokens a step may claim
         self._work_bits = 0  # the proof of work (leading zero bits) a record must carry, once entered
-        self._admitted: dict[str, Admitted] = {}  # when each peer of the view entered it, at which step (node.net.view)
+        self._seen: dict[str, FirstSeen] = {}  # each live record's first sighting (node.net.view)
         self._view_rng = random.Random()  # draws the newcomers the view's cap admits, unlike any other node's
 
     @property
@@ -660,10 +660,11 @@ class Discovery:
             record = self._live_record(subkey, item.value, item.expiration_time, now)
             if record is not None and record.peer_id != self.peer_id:
                 records[record.peer_id] = record
-        records, left_out = cap_view(records, self.peer_id, self._admitted, self._settings.max_view,
-                                     self._settings.swarm, self._view_rng)
         at = asyncio.get_running_loop().time()
-        self._admitted = {p: self._admitted.get(p) or Admitted(at, r.step, r.round) for p, r in records.items()}
+        # every live record's first sighting (bounded by what the read returned), in the view or not
+        self._seen = {p: self._seen.get(p) or FirstSeen(at, r.step, r.round) for p, r in records.items()}
+        records, left_out = cap_view(records, self.peer_id, {r.peer_id for r in self._view}, self._seen,
+                                     self._settings.max_view, self._settings.swarm, self._view_rng)
         if left_out and not self.view_overflow:
             logger.warning("%d live peer records left out of the view: it holds at most %d peers", left_out,
                            self._settings.max_view)

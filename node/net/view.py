@@ -2,26 +2,30 @@
 it will track (a flood of records must grow neither memory nor the topology without bound, nor keep a
 new honest peer out).
 
-The rule ranks by standing and recency, not by incumbency (docs/threat-model.md, "Sybils"):
+The rule ranks by standing, then gives newcomers a share, and keeps incumbents only after both
+(docs/threat-model.md, "Sybils"):
 1. this node;
-2. peers of the view that stand: they serve rounds (`gossip_from > 0`) and their step or round rose
-   since they entered the view (a record-only identity must at least re-sign a rising claim every heartbeat to
-   keep it); the longest in the view first, then by sha256(swarm name, peer id); at most
-   `cap - 1 - reserve` of them here;
+2. peers that stand: their step or round rose since this node first saw their record (evidence over
+   time: a record-only identity must re-sign a rising claim every heartbeat to keep it, while a claim
+   to serve, `gossip_from > 0`, costs nothing to hold and so counts for nothing here); the first seen
+   first, then by sha256(swarm name, peer id); at most `cap - 1 - reserve` of them here;
 3. a random sample of newcomers (not in the view), `reserve` = a quarter of the cap: a flood of
    record-only identities, in the view or claiming progress, cannot keep every newcomer out;
-4. the rest in the order: the other standing peers, then peers of the view that do not stand, the
-   most recently admitted first (one that never progresses ages out), then the other newcomers.
-A record-only identity that keeps claiming progress stands (after the peers that stood before it),
-which is why open swarms make each identity cost a proof of work (node.net.work) and newcomers keep
-their share.
+4. the rest in the order: the other standing peers, then the view's peers that do not stand (the first
+   seen first: a member that has not progressed yet keeps its place against later identities), then
+   the other newcomers.
+A newcomer that got in through the share and then progresses stands (its progress counts from when it
+was first seen, in the view or not). A record-only identity that keeps claiming progress stands too,
+after those that stood before it, which is why open swarms make each identity cost a proof of work
+(node.net.work).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import random
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -38,13 +42,10 @@ class Progressing(Protocol):
     @property
     def round(self) -> int: ...
 
-    @property
-    def gossip_from(self) -> int: ...
-
 
 @dataclass(frozen=True)
-class Admitted:
-    """When a peer entered this node's view (any monotonic clock) and the step and round its record claimed then."""
+class FirstSeen:
+    """When this node first saw a peer's live record (any monotonic clock), and its step and round then."""
 
     at: float
     step: int
@@ -58,26 +59,29 @@ def newcomer_rank(swarm: str, peer_id: str) -> bytes:
     return hashlib.sha256(f"{swarm}\0{peer_id}".encode()).digest()
 
 
-def stands(record: Progressing, admitted: Admitted | None) -> bool:
-    """Whether a peer of the view stands: it serves rounds, and its step or round rose since it entered the view."""
-    return admitted is not None and record.gossip_from > 0 and (record.step > admitted.step
-                                                                  or record.round > admitted.round)
+def stands(record: Progressing, seen: FirstSeen | None) -> bool:
+    """Whether a peer stands: its step or round rose since this node first saw its record."""
+    return seen is not None and (record.step > seen.step or record.round > seen.round)
 
 
-def cap_view(records: Mapping[str, R], me: str, admitted: Mapping[str, Admitted], cap: int, swarm: str,
-             rng: random.Random) -> tuple[dict[str, R], int]:
+def cap_view(records: Mapping[str, R], me: str, view: Collection[str], seen: Mapping[str, FirstSeen], cap: int,
+             swarm: str, rng: random.Random) -> tuple[dict[str, R], int]:
     """At most `cap` of `records` (peer id -> record), chosen as the module docstring says, and how many
-    were left out. `admitted`: the peers of the current view, when they entered it; `rng` draws newcomers."""
+    were left out. `view`: the peers of the current view; `seen`: when this node first saw each record;
+    `rng` draws the newcomers."""
     if len(records) <= cap:
         return dict(records), 0
+
+    def seniority(p: str) -> tuple[float, bytes]:
+        first = seen.get(p)
+        return (first.at if first is not None else math.inf), newcomer_rank(swarm, p)
+
     others = [p for p in records if p != me]
-    standing = sorted((p for p in others if stands(records[p], admitted.get(p))),
-                      key=lambda p: (admitted[p].at, newcomer_rank(swarm, p)))
-    newcomers = [p for p in others if p not in admitted]
-    rng.shuffle(newcomers)
+    standing = sorted((p for p in others if stands(records[p], seen.get(p))), key=seniority)
     stood = set(standing)
-    stalled = sorted((p for p in others if p in admitted and p not in stood),
-                     key=lambda p: (-admitted[p].at, newcomer_rank(swarm, p)))
+    newcomers = [p for p in others if p not in view and p not in stood]
+    rng.shuffle(newcomers)
+    stalled = sorted((p for p in others if p in view and p not in stood), key=seniority)
     reserve = max(1, cap // NEWCOMER_SHARE)
     first = min(len(standing), max(0, cap - 1 - reserve))
     drawn = min(len(newcomers), reserve)
