@@ -1,6 +1,6 @@
 """Resource limits in process (gossip/limits.py and where the protocols use it): incoming streams per
-peer and in all, membership, pull rates, SPES fetches per version, per-round bookkeeping, and the
-view's cap. The network limits (dials, routability) are in test_dialer.py; the monitor's in
+peer and in all, membership, pull rates, SPES fetches per version, and per-round bookkeeping (the
+view's cap: test_sybils.py). The network limits (dials, routability) are in test_dialer.py; the monitor's in
 test_monitor_access.py; whole processes under attack in test_limits_swarm.py."""
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from gossip.spes import ExpertFetch, ExpertRecord, ServedCopy, codec_image, cont
 from gossip.spes.fetch import RefreshFailed
 from gossip.transport import GOSSIP_PROTOCOL, Stream
 from gossip.wire import iter_message
-from node.net.view import cap_view, newcomer_rank
 from topology import PeerRound
 
 pytestmark = pytest.mark.unit
@@ -364,30 +363,6 @@ def test_fetch_requests_are_gated_like_gossip():
         assert gate.refused == {"not_member": 1} and server.stats.bytes_received == 0
 
     asyncio.run(main())
-
-
-# ---- the view's cap ---------------------------------------------------------------------------------
-
-def test_the_view_cap_keeps_this_node_then_incumbents_then_newcomers_by_a_swarm_keyed_hash():
-    records = {f"p{i:03d}": i for i in range(100)}
-    kept, left_out = cap_view(records, "p099", {"p050", "p051"}, 10, "swarm")
-    assert left_out == 90 and len(kept) == 10
-    assert {"p099", "p050", "p051"} <= set(kept)
-    newcomers = sorted((p for p in records if p not in {"p099", "p050", "p051"}),
-                       key=lambda p: newcomer_rank("swarm", p))[:7]
-    assert set(kept) - {"p099", "p050", "p051"} == set(newcomers)
-    # deterministic: every node with the same records and incumbents keeps the same peers
-    assert cap_view(dict(reversed(records.items())), "p099", {"p051", "p050"}, 10, "swarm")[0].keys() == kept.keys()
-    # another swarm orders newcomers otherwise: ids ground for one swarm do not win in every swarm
-    assert cap_view(records, "p099", set(), 10, "other")[0].keys() != cap_view(records, "p099", set(), 10, "swarm")[0].keys()
-    assert cap_view({"a": 1, "b": 2}, "a", set(), 10, "swarm") == ({"a": 1, "b": 2}, 0)
-
-
-def test_a_flood_of_records_does_not_push_incumbents_out():
-    honest = {f"honest{i}": i for i in range(5)}
-    flood = {f"flood{i:04d}": i for i in range(1000)}
-    kept, left_out = cap_view({**honest, **flood}, "honest0", set(honest), 256, "swarm")
-    assert set(honest) <= set(kept) and len(kept) == 256 and left_out == 749
 
 
 def test_blobs_are_served_at_the_rate_of_current_pulls():

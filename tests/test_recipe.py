@@ -83,7 +83,7 @@ def test_a_published_document_keeps_its_bytes_and_hash_through_the_schema(doc):
 
 
 def test_a_founders_settings_give_the_document_murmur_always_published():
-    config = NodeConfig(seed=3, gossip=GossipConfig(
+    config = NodeConfig(seed=3, identity_work=0, gossip=GossipConfig(
         topology=TopologySpec("custom", edges=((0, 1), (1, 2)), directed=True), round_interval_s=0.4,
         mixing=recipe.MixingRule(kind="clipped", tau=0.5, trim=0.2), codec="fp32", max_staleness_rounds=2),
         training=TrainingConfig(model="moe", optimizer="dadam", lr=0.003, warmup_steps=10, steps=500, local_steps=1,
@@ -100,6 +100,12 @@ def test_a_founders_settings_give_the_document_murmur_always_published():
     assert founding.swarm_document(config, 1234.5, recipe.AdmissionDoc(mode=recipe.AdmissionMode.OPEN)) == MODEL_DOC
     with_key = founding.swarm_document(config, 1234.5, recipe.AdmissionDoc(mode=recipe.AdmissionMode.KEY, key_check=KEY_CHECK))
     assert with_key == {**MODEL_DOC, "admission": {"mode": "key", "key_check": KEY_CHECK}}
+    # an open swarm's proof of work per identity is written only when asked for (0 keeps the bytes above),
+    # and never in a key swarm, whose identities cost the founder's key instead
+    worked = replace(config, identity_work=20)
+    assert founding.swarm_document(worked, 1234.5) == {**MODEL_DOC, "identity_work": 20}
+    assert "identity_work" not in founding.swarm_document(
+        worked, 1234.5, recipe.AdmissionDoc(mode=recipe.AdmissionMode.KEY, key_check=KEY_CHECK))
 
 
 def test_the_schemas_names_are_the_projects():

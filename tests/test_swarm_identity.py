@@ -86,7 +86,9 @@ def view_of(node: Node) -> set[str]:
 def test_forged_configs_and_a_record_flood_do_not_take_an_open_swarm(tmp_path):
     with Swarm(tmp_path, round_interval=0.5, swarm="open1") as swarm:
         bootstrap, entry = start_bootstrap(swarm)
-        founder = swarm.found(peers=entry)
+        # no proof of work asked: this test is the view's cap under a flood of free identities
+        # (test_sybils_swarm.py floods a swarm that asks one)
+        founder = swarm.found(peers=entry, identity_work=0)
         member = swarm.spawn("n1", seed=1, join=founder)
         swarm.wait_ready([member])
         before = {n.name: s["rounds_run"] for n, s in zip([founder, member], swarm.statuses([founder, member]),
@@ -100,7 +102,7 @@ def test_forged_configs_and_a_record_flood_do_not_take_an_open_swarm(tmp_path):
                                   "--config-hash", founder.status()["config_hash"])
         assert hostile["found_founder_key"]
         # right after the flood (its records live 60 s): more live records than a view holds; the members'
-        # views stay at their cap, keep each other (incumbents keep their place), and count what they left out
+        # views stay at their cap, keep each other (standing peers keep their place), and count what they left out
         members = {founder.peer_id, member.peer_id}
         real_keyed = set(hostile["real_key_peer_ids"])
         assert len(real_keyed) == FLOOD_KEYS and not real_keyed & members

@@ -15,6 +15,7 @@ from gossip.scoring import ScoringSettings
 from gossip.spes import SpesConfig
 from node.config.kinds import LOOPBACK_LISTEN
 from node.config.table import SETTINGS
+from node.swarm.recipe import DEFAULT_IDENTITY_WORK_BITS
 from node.train.model_names import VECTOR_MODEL
 from topology import TopologySpec
 
@@ -189,6 +190,7 @@ class NodeConfig:
     admission: str = "open"  # node: who may take part (node.swarm.recipe.AdmissionMode), the swarm's
     swarm_key_file: Path | None = None  # key swarms: the swarm key (the founder creates it)
     certificate_file: Path | None = None  # allowlist swarms: this node's certificate from the founder
+    identity_work: int = DEFAULT_IDENTITY_WORK_BITS  # open swarms: proof-of-work bits per identity, the swarm's
     data_dir: Path = Path("murmur-data")  # identity, checkpoints and logs; relative to the working dir
     identity_file: Path | None = None  # None: <data_dir>/identity.key (see `identity_path`)
     heartbeat_s: float = 2.0  # seconds between DHT heartbeats; a record lives for 3 of them

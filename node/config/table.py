@@ -21,6 +21,7 @@ from gossip.scoring import ScoringSettings
 from gossip.spes import NODE_REFRESH_CODECS, SpesSettings, SpesSyncSettings
 from node.config.kinds import Boolean, Choice, EdgeList, Integer, Kind, Multiaddrs, Named, Number, PathKind, Text
 from node.net.reach_mode import ReachMode
+from node.swarm.recipe import MAX_IDENTITY_WORK_BITS
 from node.train.model_names import HF_PRESET_NAMES, MODEL_NAME_PATTERN
 from topology import TOPOLOGY_NAMES, WEIGHT_SCHEMES
 
@@ -164,6 +165,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("admission", Choice("admission mode", ADMISSION_MODES, metavar="MODE"), "MURMUR_ADMISSION",
             "--admission", "who may take part: open (anyone), key (holders of the swarm key, --swarm-key-file) "
             "or allowlist (peers with the founder's certificate, `murmur invite`) (the swarm's)", FOUNDING),
+    Setting("identity_work", Integer(0, MAX_IDENTITY_WORK_BITS, noun="identity work", metavar="BITS"),
+            "MURMUR_IDENTITY_WORK", "--identity-work",
+            "open swarms: the proof of work each peer identity must carry, in leading zero bits of a sha256 "
+            "(each bit doubles it; 20 is about a second of one core, minted once per identity; 0: none) (the "
+            "swarm's)", FOUNDING),
     Setting("swarm_key_file", PathKind(metavar="FILE"), "MURMUR_SWARM_KEY_FILE", "--swarm-key-file",
             "the swarm key of a key-admission swarm; the founder creates it (mode 0600) if missing. Give it to "
             "members out of band", NODE, optional=True, default_text="none"),

@@ -21,6 +21,7 @@ import dataclasses
 import importlib.metadata
 import logging
 import math
+import random
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -64,7 +65,8 @@ from node.net.validation import (
     SwarmMembership,
     make_record_validator,
 )
-from node.net.view import MAX_VIEW, cap_view
+from node.net.view import MAX_VIEW, FirstSeen, cap_view
+from node.net.work import cached_work, check_work, identity_work_bits
 from node.swarm.contributors import MAX_TOKENS, plausible_tokens, tokens_per_step
 from node.swarm.recipe import RecipeInvalid, SwarmSettings, parse_document
 
@@ -217,6 +219,9 @@ class Discovery:
         self._read_done = asyncio.Condition()  # notified as each read ends
         self._started = time.monotonic()  # the record's uptime_s counts from here
         self._tokens_per_step = 0  # the recipe's, once entered: the most tokens a step may claim
+        self._work_bits = 0  # the proof of work (leading zero bits) a record must carry, once entered
+        self._seen: dict[str, FirstSeen] = {}  # each live record's first sighting (node.net.view)
+        self._view_rng = random.Random()  # draws the newcomers the view's cap admits, unlike any other node's
 
     @property
     def peer_id(self) -> str:
@@ -304,6 +309,12 @@ class Discovery:
             self._tokens_per_step = tokens_per_step(SwarmSettings.from_doc(config.config).training)
         except (RecipeInvalid, ValueError):  # a config this node runs has parsed before; never 0 tokens for it
             self._tokens_per_step = 0
+        self._work_bits = identity_work_bits(config.config) if admission.is_open else 0
+        if self._work_bits:
+            # minted once per identity and kept beside it (node.net.work); CPU-bound, so in a thread
+            nonce = await asyncio.to_thread(cached_work, self._identity.path, self._settings.swarm, self.peer_id,
+                                            self._work_bits)
+            self._local = msgspec.structs.replace(self._local, work=nonce)
         if config.signed and self._config_refreshed_at == -math.inf:  # a founder has just stored it
             await self._store_config(config)
         await self._begin()
@@ -649,8 +660,11 @@ class Discovery:
             record = self._live_record(subkey, item.value, item.expiration_time, now)
             if record is not None and record.peer_id != self.peer_id:
                 records[record.peer_id] = record
-        records, left_out = cap_view(records, self.peer_id, {r.peer_id for r in self._view}, self._settings.max_view,
-                                     self._settings.swarm)
+        at = asyncio.get_running_loop().time()
+        # every live record's first sighting (bounded by what the read returned), in the view or not
+        self._seen = {p: self._seen.get(p) or FirstSeen(at, r.step, r.round) for p, r in records.items()}
+        records, left_out = cap_view(records, self.peer_id, {r.peer_id for r in self._view}, self._seen,
+                                     self._settings.max_view, self._settings.swarm, self._view_rng)
         if left_out and not self.view_overflow:
             logger.warning("%d live peer records left out of the view: it holds at most %d peers", left_out,
                            self._settings.max_view)
@@ -687,6 +701,9 @@ class Discovery:
         own_hash = self._local.config_hash
         if own_hash and entry.config_hash != own_hash:
             self._errors["peer_record_other_config"] += 1  # a peer of another config (or founder) of this name
+            return None
+        if self._work_bits and not check_work(self._settings.swarm, entry.peer_id, entry.work, self._work_bits):
+            self._errors["peer_record_no_work"] += 1  # an identity that did not pay the swarm's proof of work
             return None
         if not self._admission.is_open:
             try:

@@ -22,6 +22,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 
 from gossip.spes import ExpertKey, ExpertRecord, records_from_wire
 from node.net.identity import owner_key_bits, peer_id_of_ssh_key
+from node.net.work import MAX_NONCE_CHARS
 from node.swarm.contributors import MAX_TOKENS
 
 _SWARM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -59,6 +60,8 @@ TokenRate = Annotated[float, msgspec.Meta(ge=0, le=MAX_TOKEN_RATE)]
 Uptime = Annotated[float, msgspec.Meta(ge=0, le=MAX_UPTIME_S)]
 # a free word rather than the enum: a newer peer's new kind must not make older peers drop its record
 ReachWord = Annotated[str, msgspec.Meta(max_length=16, pattern="^[a-z]*$")]
+# an open swarm's proof of work for the record's peer id (node.net.work): the nonce in hex
+WorkNonce = Annotated[str, msgspec.Meta(max_length=MAX_NONCE_CHARS, pattern="^[0-9a-f]*$")]
 
 
 class ReachedVia(StrEnum):
@@ -147,6 +150,7 @@ class PeerRecord(msgspec.Struct, frozen=True):
     tokens_per_s: TokenRate = 0.0  # its latest step's training throughput
     uptime_s: Uptime = 0.0  # how long its node process has run
     reach: ReachWord = ""  # a ReachedVia; "" from peers older than the field
+    work: WorkNonce = ""  # open swarms whose config asks for it: this peer id's proof of work (node.net.work)
 
 
 class Withdrawal(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

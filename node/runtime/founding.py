@@ -110,6 +110,8 @@ def build_document(config: NodeConfig, epoch: float, admission: AdmissionDoc | N
     }
     if admission is not None and admission.mode is not AdmissionMode.OPEN:
         raw["admission"] = msgspec.to_builtins(admission)
+    elif config.identity_work:  # key and allowlist swarms' identities cost the founder's consent instead
+        raw["identity_work"] = config.identity_work
     return parse_document(raw)
 
 
@@ -156,6 +158,7 @@ SETTING_OF_FIELD = {
     "gossip.topk_elias_fano": "gossip.topk_elias_fano",
     "gossip.compression": "gossip.compression",
     "gossip.compression.kind": "gossip.compression", "gossip.compression.gamma": "gossip.choco_gamma",
+    "identity_work": "identity_work",
 }
 
 

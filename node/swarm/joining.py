@@ -23,6 +23,7 @@ from gossip.mixing import coordinate_median
 from gossip.pace import TransferProgress, TransferStalled
 from gossip.robust import ValueBound, check_values
 from node.swarm.peers import SwarmRecord
+from node.swarm.prefixes import one_per_prefix
 
 logger = logging.getLogger("murmur.train")
 
@@ -79,6 +80,7 @@ class Refused(StrEnum):
     UNREACHABLE = "unreachable"
     REJECTED = "rejected"
     FAILED = "failed"  # an error of no declared kind: this peer's download failed, not the catch-up
+    SAME_PREFIX = "same_prefix"  # another peer ahead on its network already votes and serves (node.swarm.prefixes)
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,9 @@ def judge_steps(view: Sequence[SwarmRecord], me: str, step: int, margin: int, bu
     left_out = {p.peer_id: refused[p.peer_id] for p in view if p.peer_id != me and p.peer_id in refused}
     ahead = [p for p in everyone_ahead if p.peer_id not in refused]
     possible = [p for p in ahead if (budget <= 0 or p.step <= budget) and (plausible is None or p.step <= plausible)]
+    # one vote and one download source per network, its lowest claim: one operator's identities count once
+    possible, crowded = one_per_prefix(sorted(possible, key=lambda p: (p.step, p.peer_id)))
+    left_out.update(dict.fromkeys((p.peer_id for p in crowded), str(Refused.SAME_PREFIX)))
     if not possible:
         return None if not everyone_ahead else StepJudgement(0, 0, (), tuple(sorted(p.peer_id for p in ahead)),
                                                              left_out)
@@ -131,7 +136,7 @@ def judge_steps(view: Sequence[SwarmRecord], me: str, step: int, margin: int, bu
     reference = claims[(len(claims) - 1) // 2]
     tolerance = rules.step_tolerance(reference)
     believable = [p for p in possible if p.step <= reference + tolerance]
-    ignored = sorted({p.peer_id for p in ahead} - {p.peer_id for p in believable})
+    ignored = sorted({p.peer_id for p in ahead} - {p.peer_id for p in believable} - {p.peer_id for p in crowded})
     # closest to the reference first, then the higher step, then the id: every joiner ranks alike
     ranked = sorted(believable, key=lambda p: (abs(p.step - reference), -p.step, p.peer_id))
     return StepJudgement(reference, tolerance, tuple(ranked), tuple(ignored), left_out)

@@ -52,6 +52,9 @@ MAX_DEGREE = 256
 MAX_ROWS = 1 << 16
 MAX_MODEL_NAME = 256
 MAX_KEY_CHECK = 128
+# open swarms: the leading zero bits of an identity's proof of work (node.net.work); 20 is ~1 s of one core
+MAX_IDENTITY_WORK_BITS = 32
+DEFAULT_IDENTITY_WORK_BITS = 20
 # A Hugging Face model config (node.train.models.hf bounds its size and the fields that decide memory)
 MAX_MODEL_CONFIG_KEYS = 512
 MAX_MODEL_CONFIG_KEY = 128
@@ -208,6 +211,9 @@ class SwarmDocument(_Doc, frozen=True):
     payload: ModelPayload | VectorPayload
     gossip: GossipDoc
     admission: AdmissionDoc | None = None  # absent: open, so open swarms keep their config hash
+    # an open swarm's proof of work per identity, in leading zero bits (node.net.work); absent: none, so
+    # documents of swarms founded before it keep their hash
+    identity_work: Annotated[int, msgspec.Meta(ge=0, le=MAX_IDENTITY_WORK_BITS)] = 0
 
     @property
     def admission_mode(self) -> AdmissionMode:

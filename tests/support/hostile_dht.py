@@ -9,6 +9,9 @@ writes what an attacker would, in one of these modes (each bounded in count and 
   membership in another), some from 1024-bit keys no libp2p peer can have, and the rest in its own
   subkey but naming other peer ids. The real keys are made from pairs of a few generated primes (see
   `distinct_keys`): hundreds of distinct peer ids in a second, enough to fill a node's view beyond its cap.
+  With `--work-bits B`, the first `--paid` real-keyed records carry a proof of work of B bits for their
+  peer id (node.net.work: what an open swarm asking B bits admits); with `--duration`, the records are
+  stored again every `--every` seconds until it is over (a sybil operator keeping its records live).
 - `store-flood`: store RPCs straight to each `--probe` peer, `--count` entries each, again every
   `--every` seconds until `--duration` is over: one peer record signed by a key with a 1024-bit public
   exponent (a verify ~50x an ordinary one), half of the entries that one entry repeated, half of it
@@ -54,6 +57,7 @@ from node.net.founder import SignedConfig, sign_config
 from node.net.identity import claim_identity, peer_id_of_ssh_key
 from node.net.records import PeerRecord, config_key, encode_peer_record, peers_key
 from node.net.transport.p2pd import P2PSettings, start_p2pd
+from node.net.work import mint_work
 from node.runtime.founding import swarm_document
 
 MODES = ("forge-config", "flood-records", "store-flood")
@@ -144,10 +148,10 @@ def _marker(key: RSAPrivateKey) -> bytes:
     return RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", key.get_public_key().to_bytes())
 
 
-def _fake_record(peer_id: str, config_hash: str) -> PeerRecord:
+def _fake_record(peer_id: str, config_hash: str, work: str = "") -> PeerRecord:
     return PeerRecord(peer_id=peer_id, maddrs=(f"/ip4/127.0.0.1/tcp/9/p2p/{peer_id}",), step=10**9, round=10**9,
                       experts=(), capacity=2**62, version="evil", heartbeat=time.time(), gossip_from=1,
-                      config_hash=config_hash)
+                      config_hash=config_hash, work=work)
 
 
 async def _store(dht: DHTNode, key: str, value: bytes, expiration: float, subkey: bytes | None) -> bool:
@@ -196,42 +200,54 @@ async def forge_config(dht: DHTNode, own: RSAPrivateKey, swarm: str, founder_key
 
 
 async def flood_records(dht: DHTNode, validator: SignsWithWhateverKey, own: RSAPrivateKey, swarm: str,
-                        count: int, keys: int, config_hash: str = "") -> tuple[dict[str, int], list[str]]:
+                        count: int, keys: int, config_hash: str = "", *, work_bits: int = 0, paid: int = 0,
+                        duration: float = 0.0, every: float = 2.0) -> tuple[dict[str, int], list[str]]:
     """`count` fake peer records (bounded), stored in batches: how many of each kind were tried and
     accepted, and the peer ids of the real-keyed ones. The records name `config_hash` (the swarm's,
     `--config-hash`: a node leaves records of another config out of its view, so without it none of
-    them reaches a view)."""
+    them reaches a view); the first `paid` real-keyed ones a proof of `work_bits` bits. Stored again every
+    `every` seconds until `duration` is over (once without)."""
     weak = min(100, max(0, count - keys))
     # key generation takes seconds: off the event loop (a node running this keeps its rounds)
     identities = await asyncio.to_thread(lambda: distinct_keys(min(keys, count)) + [_key(1024) for _ in range(weak)])
     for key in identities:
         validator.keys[_marker(key)] = key
-    expiration = get_dht_time() + 60
+    ids = [peer_id_of_ssh_key(key.get_public_key().to_bytes()) for key in identities]
+    nonces = await asyncio.to_thread(lambda: [mint_work(swarm, ids[i], work_bits) if i < min(paid, keys) else ""
+                                              for i in range(len(ids))])
     jobs: list[tuple[str, bytes, bytes]] = []
     for i, key in enumerate(identities):
-        peer_id = peer_id_of_ssh_key(key.get_public_key().to_bytes())
-        jobs.append(("real_key" if i < keys else "weak_key", _marker(key), encode_peer_record(_fake_record(peer_id, config_hash))))
+        kind = ("paid_key" if nonces[i] else "real_key") if i < keys else "weak_key"
+        jobs.append((kind, _marker(key), encode_peer_record(_fake_record(ids[i], config_hash, nonces[i]))))
     own_marker = _marker(own)
     for i in range(count - len(identities)):  # in its own subkey, naming peer ids that are not its own
         fake = "Qm" + f"{i:044d}".replace("0", "z")
         jobs.append(("not_owner", own_marker, encode_peer_record(_fake_record(fake, config_hash))))
     if not jobs:
         return {}, []
-    tried = {kind: sum(1 for job in jobs if job[0] == kind) for kind in ("real_key", "weak_key", "not_owner")}
+    tried = {kind: sum(1 for job in jobs if job[0] == kind)
+             for kind in ("real_key", "paid_key", "weak_key", "not_owner")}
     accepted = {kind: 0 for kind in tried}
-    for start in range(0, len(jobs), FLOOD_BATCH):  # one store RPC per DHT node and batch
-        batch = jobs[start:start + FLOOD_BATCH]
-        try:
-            async with asyncio.timeout(STORE_TIMEOUT_S):
-                stored = await dht.store_many([peers_key(swarm)] * len(batch), [value for _, _, value in batch],
-                                              expiration, subkeys=[marker for _, marker, _ in batch],
-                                              exclude_self=True)
-        except Exception:
-            continue
-        kinds = {marker: kind for kind, marker, _ in batch}
-        for (_, marker), ok in stored.items():
-            accepted[kinds[marker]] += bool(ok)
-    real = [peer_id_of_ssh_key(key.get_public_key().to_bytes()) for key in identities[:keys]]
+    deadline = time.monotonic() + duration
+    for _ in range(max(1, math.ceil(duration / every) + 1)):  # bounded by duration / every
+        expiration = get_dht_time() + 60
+        accepted = {kind: 0 for kind in tried}
+        for start in range(0, len(jobs), FLOOD_BATCH):  # one store RPC per DHT node and batch
+            batch = jobs[start:start + FLOOD_BATCH]
+            try:
+                async with asyncio.timeout(STORE_TIMEOUT_S):
+                    stored = await dht.store_many([peers_key(swarm)] * len(batch), [value for _, _, value in batch],
+                                                  expiration, subkeys=[marker for _, marker, _ in batch],
+                                                  exclude_self=True)
+            except Exception:
+                continue
+            kinds = {marker: kind for kind, marker, _ in batch}
+            for (_, marker), ok in stored.items():
+                accepted[kinds[marker]] += bool(ok)
+        if time.monotonic() + every > deadline:
+            break
+        await asyncio.sleep(every)
+    real = ids[:keys]
     # `accepted`: by the DHT node that answered last, per distinct subkey (hivemind reports no more)
     return {**{f"tried_{k}": v for k, v in tried.items()}, **{f"accepted_{k}": v for k, v in accepted.items()}}, real
 
@@ -333,7 +349,8 @@ async def main(args: argparse.Namespace) -> int:
                         key, what = peers_key(args.swarm), "peers"
                     else:
                         report["flood"], report["real_key_peer_ids"] = await flood_records(
-                            dht, validator, own, args.swarm, args.count, args.keys, args.config_hash)
+                            dht, validator, own, args.swarm, args.count, args.keys, args.config_hash,
+                            work_bits=args.work_bits, paid=args.paid, duration=args.duration, every=args.every)
                         key, what = peers_key(args.swarm), "peers"
                     held[what] = {maddr: await probe(dht, maddr, key) for maddr in args.probe}
                 report["held"] = held
@@ -358,11 +375,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--config-hash", default="", help="the swarm's, in the flooded records")
     parser.add_argument("--count", type=int, default=1000)
     parser.add_argument("--keys", type=int, default=20)
+    parser.add_argument("--work-bits", type=int, default=0, help="flood-records: the proof of work of the paid records")
+    parser.add_argument("--paid", type=int, default=0, help="flood-records: real-keyed records that carry a proof")
     parser.add_argument("--duration", type=float, default=0.0)
     parser.add_argument("--every", type=float, default=2.0)
     args = parser.parse_args(argv)
-    if not 0 < args.count <= 5000 or not 0 <= args.keys <= 1000 or not 0 <= args.duration <= 120:
-        parser.error("bounded: --count 1..5000, --keys 0..1000, --duration 0..120")
+    if not 0 < args.count <= 5000 or not 0 <= args.keys <= 1000 or not 0 <= args.duration <= 120 \
+            or not 0 <= args.work_bits <= 16 or args.every <= 0:
+        parser.error("bounded: --count 1..5000, --keys 0..1000, --duration 0..120, --work-bits 0..16, --every > 0")
     return args
 
 
