@@ -30,7 +30,7 @@ ROWS = "[...document.querySelectorAll('#swarm-peers tr')]"
 def swarm_rows(page) -> list[dict]:
     return page.eval_on_selector_all(
         "#swarm-peers tr", "rows => rows.map(r => ({peer: r.dataset.peerId, step: Number(r.dataset.step), "
-        "tokens: Number(r.dataset.tokens), self: r.classList.contains('self'), "
+        "tokens: Number(r.dataset.tokens), points: Number(r.dataset.points), self: r.classList.contains('self'), "
         "share: r.querySelector('td.share').textContent, score: r.querySelector('td.score').textContent, "
         "reach: r.querySelector('td.reach').textContent}))")
 
@@ -61,12 +61,14 @@ def test_the_swarm_page_lists_every_node_with_its_step_and_contribution_and_the_
             assert 0 < row["tokens"] <= row["step"] * TOKENS_PER_STEP, row
             assert row["step"] <= statuses[row["peer"]]["step"], (row, statuses[row["peer"]]["step"])
             assert row["reach"] in ("direct", "relayed", "unknown")
-        total = sum(r["tokens"] for r in rows)
-        for row in rows:  # each share is its tokens over the table's, as shown to a tenth of a percent
-            assert row["share"] == f"{100 * row['tokens'] / total:.1f}%", (row, total)
         # scores come from /api/status's `contribution` where a node rates peers; "–" where it does not
         scores = statuses[first.peer_id].get("contribution") or {}
         assert all((r["score"] == "–") == (r["peer"] not in scores) for r in rows), (rows, scores)
+        for row in rows:  # unrated peers' points are their tokens; rated ones' at most that
+            assert row["points"] == row["tokens"] if row["score"] == "–" else 0 <= row["points"] <= row["tokens"], row
+        total = sum(r["points"] for r in rows)
+        for row in rows:  # each share is its points over the table's, as shown to a tenth of a percent
+            assert row["share"] == f"{100 * row['points'] / total:.1f}%", (row, total)
         page.wait_for_function("() => Number(document.getElementById('chart-swarm-throughput').dataset.points) >= 2",
                                timeout=SETUP_TIMEOUT_MS)
         assert int(page.inner_text("#swarm-peers-count")) == NODES

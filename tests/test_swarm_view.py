@@ -19,7 +19,7 @@ from test_monitor_node import schema_errors
 
 from node.monitor import Counters, EventLog, HistoryRecorder, start_monitor
 from node.monitor.schemas import schema
-from node.monitor.swarm_view import SwarmHistory, swarm_peers
+from node.monitor.swarm_view import SwarmHistory, contribution_points, swarm_peers
 from node.net.discovery import Discovery, DiscoverySettings
 from node.net.identity import Identity, create_identity
 from node.net.records import PeerRecord, ReachedVia, decode_peer_entry, encode_peer_record, peers_key
@@ -167,10 +167,13 @@ PEERS = [
 ]
 
 
-def test_the_swarm_rows_share_the_tokens_and_show_scores_only_where_the_status_has_them() -> None:
+def test_the_swarm_rows_share_the_points_and_show_scores_only_where_the_status_has_them() -> None:
     scores = {"p1": {"score": 0.75, "rated_rounds": 4, "state": "down_weighted"}, "p2": {"score": "high"}}
     rows = {r.peer_id: r for r in swarm_peers(PEERS, scores)}
-    assert [rows[p].share for p in ("me", "p1", "p2")] == [0.75, 0.25, 0.0]
+    # points: me unrated (300), p1 rated 0.75 (75 of its 100 tokens), p2 nothing trained
+    assert [rows[p].points for p in ("me", "p1", "p2")] == [300.0, 75.0, 0.0]
+    assert [rows[p].share for p in ("me", "p1", "p2")] == [0.8, 0.2, 0.0]
+    assert [r.share for r in swarm_peers(PEERS, None)] == [0.75, 0.25, 0.0]  # no scores: the tokens' shares
     assert (rows["p1"].score, rows["p1"].rated_rounds, rows["p1"].score_state) == (0.75, 4, "down_weighted")
     assert rows["p2"].score is None and rows["me"].score is None  # a malformed entry, and no entry
     assert all(r.score is None for r in swarm_peers(PEERS, None))  # no contribution key at all
@@ -238,3 +241,10 @@ def test_api_swarm_answers_with_its_schema_and_the_event_stream_carries_each_new
             await server.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(("score", "state", "points"), [
+    (None, None, 200.0), (1.0, "rated", 200.0), (1.7, "rated", 200.0), (0.5, "down_weighted", 100.0),
+    (-0.3, "rated", 0.0), (0.9, "excluded", 0.0), (None, "excluded", 0.0)])
+def test_contribution_points_weigh_tokens_by_the_score_and_give_an_excluded_peer_none(score, state, points) -> None:
+    assert contribution_points(200, score, state) == points

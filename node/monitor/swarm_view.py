@@ -1,6 +1,6 @@
 """The swarm page's data (`GET /api/swarm`): every peer's published summary as this node's view holds it
-(its own record included), each one's share of the tokens and contribution score, and the swarm's loss and
-throughput over time in a bounded history."""
+(its own record included), its contribution points (tokens weighed by its contribution score) and their
+share, and the swarm's loss and throughput over time in a bounded history."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ class SwarmPeer(msgspec.Struct, frozen=True):
     uptime_s: float
     reach: str  # how the swarm reaches it, as it says: direct, relayed, unknown
     connection: str | None  # this node's connection to it (None for this node)
-    share: float  # of the tokens of every peer in view, 0..1
+    points: float  # its tokens weighed by its standing (contribution_points)
+    share: float  # of the points of every peer in view, 0..1
     score: float | None  # its contribution score, where this node rates peers
     rated_rounds: int | None
     score_state: str | None
@@ -58,21 +59,33 @@ def _score(entry: object) -> tuple[float | None, int | None, str | None]:
             state if state in SCORE_STATES else None)
 
 
+def contribution_points(tokens: int, score: float | None, state: str | None) -> float:
+    """A peer's points: the tokens it trained, weighed by what its updates did where this node rates it
+    (a score of about 1 is an honest peer's, about 0 a useless one's): in full when unrated, times the
+    score clipped to [0, 1] when rated, none once excluded. Tokens are claimed; the score is measured."""
+    if state == "excluded":
+        return 0.0
+    if score is None:
+        return float(tokens)
+    return tokens * min(1.0, max(0.0, score))
+
+
 def swarm_peers(peers: Sequence[Mapping[str, Any]], contribution: object = None) -> list[SwarmPeer]:
     """The rows from the monitor's peers (NodeRuntime.peers) and the status's `contribution` map, if any."""
     scores = contribution if isinstance(contribution, Mapping) else {}
-    total = sum(int(p.get("tokens") or 0) for p in peers)
-    rows = []
+    rated = []
     for p in peers:
         tokens = int(p.get("tokens") or 0)
         score, rounds, state = _score(scores.get(p["peer_id"]))
-        rows.append(SwarmPeer(
-            peer_id=p["peer_id"], self=bool(p.get("self")), step=int(p.get("step") or 0), loss=_number(p.get("loss")),
-            tokens=tokens, tokens_per_s=_number(p.get("tokens_per_s")) or 0.0,
-            uptime_s=_number(p.get("uptime_s")) or 0.0, reach=str(p.get("reach") or "unknown"),
-            connection=None if p.get("self") else p.get("connection"), share=tokens / total if total else 0.0,
-            score=score, rated_rounds=rounds, score_state=state))
-    return rows
+        rated.append((p, tokens, score, rounds, state, contribution_points(tokens, score, state)))
+    total = sum(points for *_, points in rated)
+    return [SwarmPeer(
+        peer_id=p["peer_id"], self=bool(p.get("self")), step=int(p.get("step") or 0), loss=_number(p.get("loss")),
+        tokens=tokens, tokens_per_s=_number(p.get("tokens_per_s")) or 0.0,
+        uptime_s=_number(p.get("uptime_s")) or 0.0, reach=str(p.get("reach") or "unknown"),
+        connection=None if p.get("self") else p.get("connection"), points=points,
+        share=points / total if total else 0.0, score=score, rated_rounds=rounds, score_state=state)
+        for p, tokens, score, rounds, state, points in rated]
 
 
 def swarm_point(rows: Sequence[SwarmPeer], now: float) -> SwarmPoint:
@@ -115,4 +128,5 @@ def swarm_document(rows: Sequence[SwarmPeer], points: Sequence[SwarmPoint], *, m
     return doc
 
 
-__all__ = ["SwarmHistory", "SwarmPeer", "SwarmPoint", "swarm_document", "swarm_peers", "swarm_point"]
+__all__ = ["SwarmHistory", "SwarmPeer", "SwarmPoint", "contribution_points", "swarm_document", "swarm_peers",
+           "swarm_point"]

@@ -162,6 +162,7 @@ function renderSwarm() {
     row.dataset.peerId = p.peer_id;
     row.dataset.step = p.step;
     row.dataset.tokens = p.tokens;
+    row.dataset.points = p.points;
     if (p.self) row.className = "self";
     const link = p.self ? "—" : (p.connection || "none");
     const score = p.score === null ? "–" : fmt(p.score, 3);
@@ -169,6 +170,7 @@ function renderSwarm() {
       [shortId(p.peer_id), "mono peer", p.peer_id], [p.step, "step"], [p.loss === null ? "—" : fmt(p.loss), "loss"],
       [fmt(p.tokens_per_s, 3), "rate"], [p.reach, "reach"], [link, `link ${link}`, LINK_TITLES[link] || ""],
       [fmtDuration(p.uptime_s), "uptime"], [fmtCount(p.tokens), "tokens"],
+      [fmtCount(Math.round(p.points)), "points", "tokens weighed by the contribution score"],
       [`${(100 * p.share).toFixed(1)}%`, "share"],
       [score, "score", p.score_state ? `${p.score_state}, ${p.rated_rounds} rated round(s)` : "not rated by this node"],
     ];
