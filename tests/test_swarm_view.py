@@ -17,6 +17,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 from test_monitor_node import schema_errors
 
+from gossip.scoring import ScoreState
 from node.monitor import Counters, EventLog, HistoryRecorder, start_monitor
 from node.monitor.schemas import schema
 from node.monitor.swarm_view import SwarmHistory, contribution_points, swarm_peers
@@ -244,7 +245,8 @@ def test_api_swarm_answers_with_its_schema_and_the_event_stream_carries_each_new
 
 
 @pytest.mark.parametrize(("score", "state", "points"), [
-    (None, None, 200.0), (1.0, "rated", 200.0), (1.7, "rated", 200.0), (0.5, "down_weighted", 100.0),
-    (-0.3, "rated", 0.0), (0.9, "excluded", 0.0), (None, "excluded", 0.0)])
+    (None, None, 200.0), (1.0, ScoreState.RATED, 200.0), (1.7, ScoreState.RATED, 200.0),
+    (0.5, ScoreState.DOWN_WEIGHTED, 100.0), (-0.3, ScoreState.RATED, 0.0), (0.9, ScoreState.EXCLUDED, 0.0),
+    (None, ScoreState.EXCLUDED, 0.0)])
 def test_contribution_points_weigh_tokens_by_the_score_and_give_an_excluded_peer_none(score, state, points) -> None:
     assert contribution_points(200, score, state) == points

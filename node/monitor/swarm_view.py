@@ -11,8 +11,9 @@ from typing import Any
 
 import msgspec
 
+from gossip.scoring import PeerScore, ScoreState
+
 DEFAULT_CAPACITY = 1800  # as the node's own history: 30 minutes at one point a second
-SCORE_STATES = ("rated", "down_weighted", "excluded")  # the contribution scores' states (`/api/status`)
 
 
 class SwarmPeer(msgspec.Struct, frozen=True):
@@ -31,7 +32,7 @@ class SwarmPeer(msgspec.Struct, frozen=True):
     share: float  # of the points of every peer in view, 0..1
     score: float | None  # its contribution score, where this node rates peers
     rated_rounds: int | None
-    score_state: str | None
+    score_state: ScoreState | None
 
 
 class SwarmPoint(msgspec.Struct, frozen=True):
@@ -49,21 +50,19 @@ def _number(value: object) -> float | None:
         and math.isfinite(value) else None
 
 
-def _score(entry: object) -> tuple[float | None, int | None, str | None]:
-    """A `contribution` entry of `/api/status` (another module's: read defensively), as (score, rounds, state)."""
-    if not isinstance(entry, Mapping):
-        return None, None, None
-    rounds = entry.get("rated_rounds")
-    state = entry.get("state")
-    return (_number(entry.get("score")), rounds if isinstance(rounds, int) and not isinstance(rounds, bool) else None,
-            state if state in SCORE_STATES else None)
+def _score(entry: object) -> PeerScore | None:
+    """A `contribution` entry of `/api/status` in its declared schema; None where it is absent or not one."""
+    try:
+        return msgspec.convert(entry, PeerScore)
+    except msgspec.ValidationError:
+        return None
 
 
-def contribution_points(tokens: int, score: float | None, state: str | None) -> float:
+def contribution_points(tokens: int, score: float | None, state: ScoreState | None) -> float:
     """A peer's points: the tokens it trained, weighed by what its updates did where this node rates it
     (a score of about 1 is an honest peer's, about 0 a useless one's): in full when unrated, times the
     score clipped to [0, 1] when rated, none once excluded. Tokens are claimed; the score is measured."""
-    if state == "excluded":
+    if state is ScoreState.EXCLUDED:
         return 0.0
     if score is None:
         return float(tokens)
@@ -76,7 +75,10 @@ def swarm_peers(peers: Sequence[Mapping[str, Any]], contribution: object = None)
     rated = []
     for p in peers:
         tokens = int(p.get("tokens") or 0)
-        score, rounds, state = _score(scores.get(p["peer_id"]))
+        entry = _score(scores.get(p["peer_id"]))
+        score = _number(entry.score) if entry is not None else None
+        rounds = entry.rated_rounds if entry is not None else None
+        state = entry.state if entry is not None else None
         rated.append((p, tokens, score, rounds, state, contribution_points(tokens, score, state)))
     total = sum(points for *_, points in rated)
     return [SwarmPeer(
