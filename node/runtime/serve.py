@@ -53,7 +53,7 @@ from node.runtime.guide import (
 from node.runtime.host import start_host
 from node.runtime.preflight import CapacityChoice, DoesNotFit, Fit, check_fit
 from node.runtime.ready_line import format_ready_line
-from node.runtime.saving import checkpoint_path, final_checkpoint
+from node.runtime.saving import CheckpointWriter, checkpoint_path, final_checkpoint
 from node.runtime.shutdown import close, install_stop_signals, shut_down
 from node.runtime.status import NodeRuntime
 from node.runtime.swarm_config import found_swarm, join_swarm, node_admission, why_not_follow
@@ -179,7 +179,11 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
         runtime.monitor_url = api.url
         stack.callback(remove_token, config.data_dir, api.token)
         stack.push_async_callback(close, api, "local API")
-        stack.push_async_callback(final_checkpoint, runtime, ckpt_path)
+        checkpoints = CheckpointWriter(runtime, ckpt_path)
+        if training is not None:
+            stack.push_async_callback(checkpoints.final)
+        else:
+            stack.push_async_callback(final_checkpoint, runtime, ckpt_path)
         session = asyncio.Event()  # set when this session ends: the node stops, or follows a newer config
         followed: list[SwarmConfig] = []
         follow = functools.partial(_follow_newer_config, discovery, config, identity, runtime, followed, session)
@@ -191,7 +195,7 @@ async def serve_node(config: NodeConfig, founding: bool, stop: asyncio.Event, ru
         if runtime.maddrs:
             logger.info("invite others: murmur join --invite %s --peers %s", invite, runtime.maddrs[0])
         if training is not None:
-            await train_until(session, runtime, training, settings, ckpt_path)
+            await train_until(session, runtime, training, settings, checkpoints)
         else:
             await gossip_until(session, runtime, settings, ckpt_path)
         if followed and not stop.is_set():

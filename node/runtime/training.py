@@ -10,7 +10,6 @@ import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from gossip.choco import ChocoState
@@ -18,7 +17,7 @@ from gossip.codecs import get_codec
 from gossip.exchange import ExchangeSettings, GossipPeer
 from node.config import NodeConfig
 from node.runtime.errors import StartupError
-from node.runtime.saving import save_swarm_average, write_checkpoint
+from node.runtime.saving import CheckpointWriter, save_swarm_average
 from node.runtime.shutdown import close_in_thread
 from node.runtime.status import NodeRuntime
 from node.runtime.tokenizer import obtain_tokenizer
@@ -142,7 +141,7 @@ async def start_training(runtime: NodeRuntime, recipe: TrainingRecipe, settings:
 
 
 async def train_until(stop: asyncio.Event, runtime: NodeRuntime, training: SwarmLoop, settings: SwarmSettings,
-                      ckpt_path: Path) -> None:
+                      checkpoints: CheckpointWriter) -> None:
     """Catch up with the swarm if it is ahead (a joiner, or a node that was down), wait for the quorum of
     a fresh swarm, train, and keep serving parameters once the step budget is spent."""
     swarm_eval = runtime.swarm_eval
@@ -158,7 +157,8 @@ async def train_until(stop: asyncio.Event, runtime: NodeRuntime, training: Swarm
         await training.wait_for_quorum(stop)
     try:
         # --average-every: the evaluator writes the swarm average in the background, training goes on
-        await training.run(stop, lambda: write_checkpoint(runtime, ckpt_path), average=swarm_eval.save_in_background,
+        # a checkpoint's write runs beside the next steps; the last step's is on disk before the node shows done
+        await training.run(stop, lambda: checkpoints.save(wait=training.finished), average=swarm_eval.save_in_background,
                            merge=swarm_eval.merged)
     except Exception as exc:
         runtime.count("training_failed")
