@@ -489,3 +489,53 @@ def test_a_joiner_takes_a_peers_momentum_only_within_bounds(corpus: Corpus) -> N
             node.trainer.close()
 
     asyncio.run(main())
+
+
+class _MomentumSources:
+    """What a joiner's DilocoAlgorithm reads in adopt_download: each source's outer momentum (None: it
+    failed or was refused), and what it adopts."""
+
+    def __init__(self, served: dict[str, dict[str, np.ndarray] | None]) -> None:
+        self.served = served
+        self.asked: list[str] = []
+        self.adopted: dict[str, np.ndarray] | None = None
+
+    async def fetch_momentum(self, peer_id: str) -> dict[str, np.ndarray] | None:
+        self.asked.append(peer_id)
+        return self.served[peer_id]
+
+    async def adopt(self, anchor: dict[str, np.ndarray], momentum: dict[str, np.ndarray] | None) -> None:
+        self.adopted = momentum
+
+
+class _Anchor:
+    async def tensors(self) -> dict[str, np.ndarray]:
+        return {"w": np.zeros(4, np.float32)}
+
+
+def _adopt(served: dict[str, dict[str, np.ndarray] | None]) -> _MomentumSources:
+    from types import SimpleNamespace
+
+    from node.algorithms.diloco.swarm import DilocoAlgorithm
+
+    algorithm = object.__new__(DilocoAlgorithm)
+    sources = _MomentumSources(served)
+    algorithm.diloco = sources  # type: ignore[assignment]
+    algorithm.trainer = _Anchor()  # type: ignore[assignment]
+    asyncio.run(algorithm.adopt_download([SimpleNamespace(peer_id=p) for p in served]))  # type: ignore[list-item]
+    return sources
+
+
+def test_a_joiners_outer_momentum_is_the_median_of_its_sources_so_one_cannot_steer_it() -> None:
+    honest = np.array([1.0, -2.0, 0.5, 3.0], np.float32)
+    hostile = np.array([9.0, 9.0, -9.0, 9.0], np.float32)  # within the norm bound, far from the honest two
+    sources = _adopt({"a": {"w": honest}, "evil": {"w": hostile}, "b": {"w": honest + 0.1}})
+    assert sources.asked == ["a", "evil", "b"]
+    assert sources.adopted is not None
+    expected = np.median(np.stack([honest, hostile, honest + 0.1]), axis=0)  # each coordinate's middle value
+    np.testing.assert_allclose(sources.adopted["w"], expected, rtol=1e-6)
+    assert np.all(np.minimum(honest, honest + 0.1) <= sources.adopted["w"])
+    assert np.all(sources.adopted["w"] <= np.maximum(honest, honest + 0.1))
+    only_one = _adopt({"a": None, "b": {"w": honest}, "c": None})
+    assert only_one.adopted is not None and np.array_equal(only_one.adopted["w"], honest)
+    assert _adopt({"a": None, "b": None}).adopted is None

@@ -1,11 +1,12 @@
 """Gossip DiLoCo inside the daemon: the Algorithm the loop runs for a DiLoCo recipe.
 
 Its steps run a DilocoTrainer (inner steps, per-fragment outer exchanges over the topology of the current
-view), its checkpoints carry the outer state, its joiners take a peer's outer momentum with its anchor,
+view), its checkpoints carry the outer state, its joiners take their sources' outer momentum with the anchor,
 and its status shows the outer loop."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -19,6 +20,7 @@ from gossip.exchange import ExchangeSettings, GossipPeer
 from gossip.transport import Transport
 from node.algorithms.diloco.trainer import DilocoTrainer
 from node.swarm.algorithm import PlanFor, RoundReport, StepReport
+from node.swarm.joining import combine
 from node.swarm.loop import TrainingStatus
 from node.swarm.peers import SwarmRecord
 from node.swarm.recipe import TrainingRecipe
@@ -31,6 +33,9 @@ logger = logging.getLogger("murmur.diloco")
 # The outer exchanges wait this long at least for a neighbour to reach the same sync (a neighbour a
 # few inner steps behind is seconds behind) and for a fragment to cross a slow link.
 MIN_OUTER_TIMEOUT_S = 60.0
+# A joiner's outer momentum comes from this many of its download's sources at most (as its parameters do):
+# one source alone could hand it any momentum within the norm bound.
+MOMENTUM_SOURCES = 3
 
 
 def sync_schedule(recipe: TrainingRecipe) -> SyncSchedule:
@@ -104,14 +109,17 @@ class DilocoAlgorithm:
 
     async def adopt_download(self, sources: Sequence[SwarmRecord]) -> None:
         """The downloaded parameters are an anchor (what peers serve): continue from it with the outer
-        momentum of the first peer that serves one within bounds (none: start without)."""
-        momentum = None
-        for record in sources:
-            momentum = await self.diloco.fetch_momentum(record.peer_id)
-            if momentum is not None:
-                break
+        momentum of the download's sources (up to MOMENTUM_SOURCES, fetched at once), combined
+        coordinate-wise as the parameters are (node.swarm.joining.combine: of 3, one hostile source moves no
+        coordinate beyond the honest two). A source that fails or serves one out of bounds is left out;
+        none left: start without."""
+        fetched = await asyncio.gather(*(self.diloco.fetch_momentum(r.peer_id)
+                                         for r in sources[:MOMENTUM_SOURCES]))
+        momenta = [m for m in fetched if m is not None]
+        momentum = await asyncio.to_thread(combine, momenta) if momenta else None
         await self.diloco.adopt(await self.trainer.tensors(), momentum)
-        logger.info("continuing from the downloaded anchor %s outer momentum", "with its" if momentum else "without")
+        logger.info("continuing from the downloaded anchor with %s", f"the outer momentum of {len(momenta)} of "
+                    f"{min(len(sources), MOMENTUM_SOURCES)} sources" if momenta else "no outer momentum")
 
     async def step(self, plan_for: PlanFor) -> StepReport:
         async def plan_fragment(fragment: int, round_index: int) -> PeerRound:
