@@ -168,3 +168,53 @@ def test_the_budget_is_a_token_bucket_per_peer_and_leaving_the_view_does_not_ref
     assert progress.tell_wait_spent("a") and not progress.tell_wait_spent("a")
     now[0] = 301.0
     assert progress.tell_wait_spent("a")
+
+
+class Rejoins:
+    """A DiLoCo-like algorithm whose catch-ups find what the records claimed (`backed`) or not."""
+
+    rejoins_when_left_behind = True
+
+    def __init__(self, training: SimpleNamespace, backed: bool) -> None:
+        self.training, self.backed, self.calls = training, backed, 0
+
+    async def rejoin(self, swarm_step: int, margin: int, catch_up: Callable[[], object]) -> bool:
+        self.calls += 1
+        if self.backed:
+            self.training.trainer.step = swarm_step
+        return self.backed
+
+
+def left_behind(clock: FakeTime, backed: bool) -> tuple[SimpleNamespace, Rejoins]:
+    """A node at step 100 whose view's four other peers all claim step 10,000 (sybils, or a real swarm)."""
+    training = SimpleNamespace(trainer=SimpleNamespace(step=100), peer=SimpleNamespace(peer_id="me"),
+                               recipe=SimpleNamespace(steps=0), _catch_up_with=(20, None), _stop=asyncio.Event(),
+                               _checked_at=0.0, _laggard_wait_s=loop.LAGGARD_CHECK_S)
+    training.discovery = SimpleNamespace(view=lambda: [Record("me", step=training.trainer.step)]
+                                         + [Record(f"s{i}", step=10_000) for i in range(4)])
+    training._catch_up = lambda *args: None
+    algorithm = Rejoins(training, backed)
+    training.algorithm = algorithm
+    return training, algorithm
+
+
+def test_claims_the_downloads_do_not_back_cannot_make_a_node_rejoin_again_and_again(monkeypatch):
+    clock = FakeTime(monkeypatch)
+    unbacked, lied_to = left_behind(clock, backed=False)
+
+    async def checks(training: SimpleNamespace, seconds: float) -> None:
+        for _ in range(int(seconds)):  # a step a second for `seconds`
+            clock.now += 1.0
+            await loop.SwarmLoop._rejoin_if_left_behind(training)
+
+    asyncio.run(checks(unbacked, 3600))
+    # every LAGGARD_CHECK_S it would be 720 re-joins in an hour; doubling waits make it about log2 of that
+    # and then one per LAGGARD_BACKOFF_MAX_S
+    assert lied_to.calls <= 8 + 3600 / loop.LAGGARD_BACKOFF_MAX_S, lied_to.calls
+    assert lied_to.calls >= 3600 / loop.LAGGARD_BACKOFF_MAX_S  # it still looks, now and then
+
+    clock = FakeTime(monkeypatch)
+    backed, swarm = left_behind(clock, backed=True)
+    asyncio.run(checks(backed, 60))
+    assert swarm.calls == 1 and backed.trainer.step == 10_000  # a real swarm ahead is caught up with at once
+    assert backed._laggard_wait_s == loop.LAGGARD_CHECK_S

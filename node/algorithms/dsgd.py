@@ -101,8 +101,10 @@ class DsgdAlgorithm:
         """One step, with a gossip round after every H-th (the trainer steps with the recipe's optimizer)."""
         return await self.gossip.next_step(plan_for)
 
-    async def rejoin(self, swarm_step: int, margin: int, catch_up: Callable[[], Awaitable[None]]) -> None:
+    async def rejoin(self, swarm_step: int, margin: int, catch_up: Callable[[], Awaitable[None]]) -> bool:
+        before = self.trainer.step
         await catch_up()
+        return self.trainer.step > before + margin
 
     async def record_refusals(self, view: Sequence[SwarmRecord], step: int) -> dict[str, str]:
         return {}

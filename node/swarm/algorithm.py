@@ -65,9 +65,11 @@ class Algorithm(Protocol):
         """One optimizer step, with whatever exchange follows it; `plan_for` gives a round's neighbours."""
         ...
 
-    async def rejoin(self, swarm_step: int, margin: int, catch_up: Callable[[], Awaitable[None]]) -> None:
+    async def rejoin(self, swarm_step: int, margin: int, catch_up: Callable[[], Awaitable[None]]) -> bool:
         """The swarm, at `swarm_step`, left this node more than `margin` steps behind: land what is in
-        flight and `catch_up` (as a joiner does). Called only where `rejoins_when_left_behind`."""
+        flight and `catch_up` (as a joiner does); whether that moved this node more than `margin` steps on
+        (what the records claimed was backed by what its downloads found). Called only where
+        `rejoins_when_left_behind`."""
         ...
 
     async def record_refusals(self, view: Sequence[SwarmRecord], step: int) -> dict[str, str]:

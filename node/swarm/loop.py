@@ -61,6 +61,10 @@ MERGE_WAIT_S = 120.0  # longest the final merge waits for the peers in view to f
 # How often a node whose algorithm re-joins when left behind (DiLoCo) looks whether the swarm left it
 # behind (SwarmLoop._rejoin_if_left_behind)
 LAGGARD_CHECK_S = 5.0
+# A re-join that did not move this node on (the records' claims were not backed by what its downloads found:
+# claims of record-only identities, sybils) cost it the wait for its syncs in flight and the downloads' time:
+# the next check waits twice as long, up to this, so unbacked claims cannot make a node re-join again and again.
+LAGGARD_BACKOFF_MAX_S = 640.0
 DOWNLOAD_REPORT_S = 3.0  # how often a running catch-up's download progress is shown on the command line
 # A catch-up whose downloads all broke off (a donor died or stalled mid-download) tries the other peers in
 # view again, after this long (records of peers that came meanwhile arrive), this many times in all
@@ -248,6 +252,7 @@ class SwarmLoop:
         self._catch_up_with: tuple[int, float | None] | None = None  # margin and epoch of the first catch-up
         self._stop: asyncio.Event | None = None
         self._checked_at = 0.0
+        self._laggard_wait_s = LAGGARD_CHECK_S  # until the next laggard check: doubled by each unbacked re-join
         self._serving = False
         self.downloads: DownloadWatch | None = None  # a catch-up's downloads while they run
         algorithm.show(self.status)
@@ -450,10 +455,11 @@ class SwarmLoop:
         LAGGARD_CHECK_S it judges the view's steps as a joiner does; once the swarm is more than that
         margin ahead, the algorithm lands what is in flight and the node catches up like a joiner (the
         swarm's parameters from several peers, checked and combined, the view's step), giving up the
-        local progress it could not sync anyway."""
+        local progress it could not sync anyway. A re-join the downloads did not back (the node did not move
+        on) doubles the wait before the next check, up to LAGGARD_BACKOFF_MAX_S."""
         now = time.monotonic()
         if (not self.algorithm.rejoins_when_left_behind or self._catch_up_with is None or self._stop is None
-                or now - self._checked_at < LAGGARD_CHECK_S):
+                or now - self._checked_at < self._laggard_wait_s):
             return
         self._checked_at = now
         margin, epoch = self._catch_up_with
@@ -463,7 +469,13 @@ class SwarmLoop:
                                    self.recipe.steps, plausible)
         if judged is None:
             return
-        await self.algorithm.rejoin(judged, margin, lambda: self._catch_up(stop, margin, False, epoch))
+        if await self.algorithm.rejoin(judged, margin, lambda: self._catch_up(stop, margin, False, epoch)):
+            self._laggard_wait_s = LAGGARD_CHECK_S
+        else:
+            self._laggard_wait_s = min(LAGGARD_BACKOFF_MAX_S, 2 * self._laggard_wait_s)
+            logger.warning("the view claimed step %d, but catching up did not move this node on (step %d): the "
+                           "next laggard check in %g s", judged, self.trainer.step, self._laggard_wait_s)
+        self._checked_at = time.monotonic()  # the catch-up's own time does not count toward the wait
 
     async def serve_rounds(self) -> None:
         """Serve the algorithm's round protocols, then say so in this peer's record (its `gossip_from`):

@@ -78,6 +78,7 @@ class DilocoAlgorithm:
         self.resumed_outer_state = saved is not None and self.diloco.restore(saved)
         self._started = False
         self.skipped_ahead = 0  # times the swarm left this node behind and it caught up
+        self.rejoins_unbacked = 0  # times the records said so but the catch-up did not move this node on
         self._last_report: RoundReport | None = None
 
     async def start(self) -> None:
@@ -94,15 +95,18 @@ class DilocoAlgorithm:
         finally:
             await self.diloco.close()
 
-    async def rejoin(self, swarm_step: int, margin: int, catch_up: Callable[[], Awaitable[None]]) -> None:
+    async def rejoin(self, swarm_step: int, margin: int, catch_up: Callable[[], Awaitable[None]]) -> bool:
         """Land the pending syncs, then catch up with the swarm's anchor (node.swarm.loop.SwarmLoop)."""
         before = self.trainer.step
         logger.warning("the swarm is at step %d, this node at %d (more than %d steps, the staleness bound, behind): "
                        "catching up with it", swarm_step, before, margin)
         await self.diloco.flush()
         await catch_up()
-        if self.trainer.step > before:
+        if self.trainer.step > before + margin:
             self.skipped_ahead += 1
+            return True
+        self.rejoins_unbacked += 1
+        return False
 
     async def record_refusals(self, view: Sequence[SwarmRecord], step: int) -> dict[str, str]:
         return {}
@@ -174,7 +178,8 @@ class DilocoAlgorithm:
                 "codec": d.codec_name, "outer_bytes_sent": sent, "outer_bytes_received": received,
                 "exchanges_failed": d.stats.exchanges_failed, "grace_window_s": d.grace_window_s, "skipped": d.skipped(),
                 "rounds_run": d.rounds_run, "fragment_rounds": d.fragment_rounds,
-                "resumed_outer_state": self.resumed_outer_state, "skipped_ahead": self.skipped_ahead}
+                "resumed_outer_state": self.resumed_outer_state, "skipped_ahead": self.skipped_ahead,
+                "rejoins_unbacked": self.rejoins_unbacked}
 
 
 __all__ = ["MIN_OUTER_TIMEOUT_S", "DilocoAlgorithm", "grace_bounds", "outer_exchange", "sync_schedule"]

@@ -196,8 +196,10 @@ class SpesAlgorithm:
             self.peer.set_tensors(await self.trainer.tensors(), step=self.trainer.step)
         return StepReport(report.stats, time.perf_counter() - started)
 
-    async def rejoin(self, swarm_step: int, margin: int, catch_up: Callable[[], Awaitable[None]]) -> None:
+    async def rejoin(self, swarm_step: int, margin: int, catch_up: Callable[[], Awaitable[None]]) -> bool:
+        before = self.trainer.step
         await catch_up()
+        return self.trainer.step > before + margin
 
     async def adopt_download(self, sources: Sequence[SwarmRecord]) -> None:
         pass
