@@ -1,5 +1,5 @@
 """The one place that works around what hivemind 1.1.12 and its bundled p2pd get wrong for NAT traversal,
-and where murmur's DHT store guard (node.net.dht_guard) replaces hivemind's store handler (5).
+and where murmur's DHT guard (node.net.dht_guard) replaces hivemind's store and find handlers (5).
 
 Workarounds 1-4 have their tests in tests/test_hivemind_adapter.py (docs/architecture.md, "Reachability"):
 
@@ -21,11 +21,11 @@ Workarounds 1-4 have their tests in tests/test_hivemind_adapter.py (docs/archite
 4. **`/p2p/` encoding**: hivemind's bundled `Multiaddr` encodes `/p2p/<id>` as a CIDv1, which p2pd's
    `connect` rejects inside relayed addresses ("length greater than remaining number of bytes"):
    `maddr_bytes` encodes with the `multiaddr` package, whose `/p2p/` is the raw multihash p2pd expects.
-5. **the DHT's store RPC**: `DHTNode.create` builds its `DHTProtocol` itself and registers its handlers
-   with p2pd at once; it takes no protocol class. p2pd's client looks a unary handler up by name on each
-   request, so `guard_dht_node` swaps the node's storages for bounded ones and replaces the
-   `DHTProtocol.rpc_store` handler (same name, so peers see no difference) by `StoreGuard.rpc_store`.
-   Before that, for the few seconds `DHTNode.create` bootstraps, hivemind's own handler answers.
+5. **the DHT's store and find RPCs**: `DHTNode.create` builds its `DHTProtocol` itself and registers its
+   handlers with p2pd at once; it takes no protocol class. p2pd's client looks a unary handler up by name
+   on each request, so `guard_dht_node` swaps the node's storages for bounded ones and replaces the
+   `DHTProtocol.rpc_store` and `rpc_find` handlers (same names, so peers see no difference) by
+   `StoreGuard`'s. Before that, for the few seconds `DHTNode.create` bootstraps, hivemind's own handlers answer.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from hivemind.p2p import P2P
 from hivemind.proto import dht_pb2
 from hivemind.utils.auth import AuthRole, AuthRPCWrapper
 
-from node.net.dht_guard import BoundedStorage, StoreGuard
+from node.net.dht_guard import BoundedStorage, DhtRates, StoreGuard
 from node.net.validation import RefusalCounts
 
 CIRCUIT = "/p2p-circuit"
@@ -138,17 +138,21 @@ def maddr_bytes(maddr: str) -> bytes:
         raise ValueError(f"bad multiaddr {maddr!r}: {exc}") from None
 
 
-async def guard_dht_node(node: DHTNode, refused: RefusalCounts, **bounds: Any) -> StoreGuard:
-    """Bound `node`'s local storage and cache, and answer its store RPC with a `StoreGuard` (workaround
-    5); `bounds` go to BoundedStorage. Close the guard when the node shuts down."""
+async def guard_dht_node(node: DHTNode, refused: RefusalCounts, *, rates: DhtRates | None = None,
+                         **bounds: Any) -> StoreGuard:
+    """Bound `node`'s local storage and cache, and answer its store and find RPCs with a `StoreGuard`
+    (workaround 5) holding each peer to `rates`; `bounds` go to BoundedStorage. Close the guard when the
+    node shuts down. Every murmur DHT node comes here: a swarm's (node.net.discovery) and a bootstrap's
+    (node.runtime.serve.run_bootstrap)."""
     protocol = node.protocol
     protocol.storage = BoundedStorage.adopt(protocol.storage, refused, **bounds)
     protocol.cache = BoundedStorage.adopt(protocol.cache, refused, **bounds)
-    guard = StoreGuard(protocol, refused)
+    guard = StoreGuard(protocol, refused, rates=rates)
     if not protocol.client_mode:  # a client serves no RPCs
-        name = type(protocol)._get_handle_name(None, "rpc_store")
-        handler = guard.rpc_store if protocol.authorizer is None else \
-            AuthRPCWrapper(guard, AuthRole.SERVICER, protocol.authorizer).rpc_store
-        await protocol.p2p.remove_protobuf_handler(name)
-        await protocol.p2p.add_protobuf_handler(name, handler, dht_pb2.StoreRequest)
+        servicer = guard if protocol.authorizer is None else AuthRPCWrapper(guard, AuthRole.SERVICER,
+                                                                            protocol.authorizer)
+        for method, request_type in (("rpc_store", dht_pb2.StoreRequest), ("rpc_find", dht_pb2.FindRequest)):
+            name = type(protocol)._get_handle_name(None, method)
+            await protocol.p2p.remove_protobuf_handler(name)
+            await protocol.p2p.add_protobuf_handler(name, getattr(servicer, method), request_type)
     return guard
