@@ -106,6 +106,8 @@ def test_read_owned_returns_none_on_a_failed_read_and_an_empty_mapping_when_noth
     key = experts_key(SWARM)
 
     async def scenario() -> None:
+        dht.answer = {peers_key(SWARM): {subkey(a): peer_record(a, 1)}}
+        await discovery._refresh_view()  # a is a member: its values are read
         dht.answer = {key: {subkey(a): b"a's value", b"no owner": b"x"}}
         assert await discovery.read_owned(key, what="expert records") == {a.peer_id: b"a's value"}
         assert discovery.errors.get("expert_records_invalid") == 1  # the subkey naming no owner
@@ -129,6 +131,8 @@ def test_the_spes_directory_keeps_its_last_read_when_a_read_fails_and_forgets_on
     key = experts_key(SWARM)
 
     async def scenario() -> None:
+        dht.answer = {peers_key(SWARM): {subkey(a): peer_record(a, 1)}}
+        await discovery._refresh_view()
         dht.answer = {key: {subkey(a): encode_expert_records(records)}}
         assert (await directory.read())[a.peer_id] == records
         dht.answer = ConnectionError("down")
@@ -138,7 +142,34 @@ def test_the_spes_directory_keeps_its_last_read_when_a_read_fails_and_forgets_on
         assert discovery.errors.get("dht_get_failed") == 1 and discovery.errors.get("dht_get_timeout") == 1
         dht.answer = {}
         assert a.peer_id not in await directory.read()
-        assert dht.gets == 4
+        assert dht.gets == 5
 
     asyncio.run(scenario())
 
+
+
+def test_an_experts_entry_of_an_owner_without_a_peer_record_in_the_view_is_ignored_and_counted(ids) -> None:
+    """SPES's `<swarm>.experts` is membership-checked in an open swarm too: any DHT node may store signed
+    expert records, but only an owner whose peer record the view holds owns experts."""
+    me, a, b = ids["me"], ids["a"], ids["b"]
+    dht = StandInDht()
+    discovery = discovery_over(dht, me)
+    directory = DhtExpertDirectory(discovery, SWARM, heartbeat_s=1e-9, ttl_s=10.0)
+    records = {(0, 1): ExpertRecord(3, "ab" * 32, True)}
+    key = experts_key(SWARM)
+
+    async def scenario() -> None:
+        dht.answer = {peers_key(SWARM): {subkey(a): peer_record(a, 1)}}  # a is a member, b only a DHT node
+        await discovery._refresh_view()
+        dht.answer = {key: {subkey(a): encode_expert_records(records), subkey(b): encode_expert_records(records)}}
+        found = await directory.read()
+        assert found.get(a.peer_id) == records and b.peer_id not in found
+        assert discovery.errors.get("expert_records_not_member") == 1
+        # once b's record is in the view, its experts are read
+        dht.answer = {peers_key(SWARM): {subkey(a): peer_record(a, 1), subkey(b): peer_record(b, 1)}}
+        await discovery._refresh_view()
+        dht.answer = {key: {subkey(a): encode_expert_records(records), subkey(b): encode_expert_records(records)}}
+        assert (await directory.read()).get(b.peer_id) == records
+        assert discovery.errors.get("expert_records_not_member") == 1
+
+    asyncio.run(scenario())

@@ -481,13 +481,19 @@ class Discovery:
         await self._store_entry(self._require_started(), key, value, get_dht_time() + ttl_s, what=what)
 
     async def read_owned(self, key: str, *, what: str) -> dict[str, bytes] | None:
-        """The live values under `key`, by the peer whose signed subkey holds each (a subkey naming
-        no single owner is counted and skipped); None when the DHT read failed."""
+        """The live values under `key`, by the peer whose signed subkey holds each, of the peers in the
+        membership view only (a value of any other owner, or under a subkey naming no single owner, is
+        counted and skipped); None when the DHT read failed.
+
+        Any DHT node may store a value it signed under any key, so a value says nothing of its owner's
+        membership: in an open swarm as in a key or allowlist one, only an owner whose peer record the
+        view holds (valid, admitted, with the swarm's proof of work) speaks for the swarm here (SPES's
+        `<swarm>.experts`: no record-less identity owns an expert)."""
         entries, _ = await self._read_entries(key, f"reading the swarm's {what}")
         if entries is None:
             return None
         now, out = get_dht_time(), {}
-        members = None if self._admission.is_open else {record.peer_id for record in self._view}
+        members = {record.peer_id for record in self._view}
         for subkey, item in entries.items():
             if item.expiration_time <= now:
                 continue
@@ -495,7 +501,7 @@ class Discovery:
             if owner is None or not isinstance(item.value, bytes):
                 self._errors[f"{what.replace(' ', '_')}_invalid"] += 1
                 continue
-            if members is not None and owner not in members:
+            if owner not in members:
                 self._errors[f"{what.replace(' ', '_')}_not_member"] += 1
                 continue
             out[owner] = item.value
