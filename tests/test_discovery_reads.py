@@ -1,7 +1,8 @@
-"""A failed DHT read is not an empty one (issue 14, "Validators everywhere"): Discovery's reads of the
-peer view (`_read_view`) and of other per-peer keys (`read_owned`, SPES's expert directory) over a
-stand-in for hivemind's DHTNode that answers, fails, hangs or finds nothing. A failed read is counted
-and keeps what the node knew; only a read that finds nothing empties it."""
+"""A failed DHT read is not an empty one (issue 14, "Validators everywhere"; issue 26): Discovery's reads of
+the peer view (`_read_view`) and of other per-peer keys (`read_owned`, SPES's expert directory) over a
+stand-in for hivemind's DHTNode that answers, fails, hangs, finds nothing, or asks peers none of which
+answers (node.net.hivemind_adapter.FindWatch). A failed read is counted and keeps what the node knew;
+only a read that finds nothing empties it. SPES's experts are read of the view's members only."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Mapping
 
 import pytest
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from gossip.spes import ExpertRecord
@@ -171,5 +173,61 @@ def test_an_experts_entry_of_an_owner_without_a_peer_record_in_the_view_is_ignor
         dht.answer = {key: {subkey(a): encode_expert_records(records), subkey(b): encode_expert_records(records)}}
         assert (await directory.read()).get(b.peer_id) == records
         assert discovery.errors.get("expert_records_not_member") == 1
+
+    asyncio.run(scenario())
+
+
+class AskingDht(StandInDht):
+    """A stand-in that, like hivemind's DHTNode.get, asks each of its peers through
+    `_call_find_with_blacklist` (None: that peer did not answer) and reports None both when they had
+    nothing and when none answered. `peers` maps each to what it holds (key -> entries), or None when it
+    does not answer (unreachable, or its value over p2pd's message limit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peers: dict[str, Mapping[str, Mapping[bytes, bytes]] | None] = {}
+
+    async def _call_find_with_blacklist(self, peer: str, keys: list[DHTID]) -> dict[DHTID, object] | None:
+        held = self.peers[peer]
+        return None if held is None else {key: held for key in keys}
+
+    async def get(self, key: str, latest: bool = False) -> ValueWithExpiration | None:
+        self.gets += 1
+        found: dict[bytes, bytes] = {}
+        for peer in self.peers:
+            response = await self._call_find_with_blacklist(peer, [DHTID.generate(source=key)])
+            if response is not None:
+                found.update(self.peers[peer].get(key, {}))  # type: ignore[union-attr]
+        if not found:
+            return None
+        expires = get_dht_time() + 30
+        return ValueWithExpiration({s: ValueWithExpiration(v, expires) for s, v in found.items()}, expires)
+
+
+def test_a_read_no_dht_peer_answered_keeps_the_view_and_is_counted_one_they_answered_empty_empties_it(ids) -> None:
+    me, a, b = ids["me"], ids["a"], ids["b"]
+    dht = AskingDht()
+    discovery = discovery_over(dht, me)
+    live = {peers_key(SWARM): {subkey(a): peer_record(a, 5), subkey(b): peer_record(b, 7)}}
+
+    async def view(peers: dict[str, Mapping[str, Mapping[bytes, bytes]] | None]) -> set[str]:
+        dht.peers = peers
+        await discovery._refresh_view()
+        return {p.peer_id for p in discovery.view()}
+
+    async def scenario() -> None:
+        everyone = {me.peer_id, a.peer_id, b.peer_id}
+        assert await view({"r1": live, "r2": None}) == everyone
+        # every replica fails (e.g. the value grew past the response limit): hivemind finds "nothing"
+        assert await view({"r1": None, "r2": None}) == everyone
+        assert discovery.errors.get("dht_get_unanswered") == 1
+        assert await discovery.read_owned(experts_key(SWARM), what="expert records") is None
+        assert discovery.errors.get("dht_get_unanswered") == 2
+        # a replica that answers with nothing is an answer: the peers are gone
+        assert await view({"r1": {}, "r2": None}) == {me.peer_id}
+        assert discovery.errors.get("dht_get_unanswered") == 2
+        # a node with no DHT peer to ask has only itself to go by
+        assert await view({"r1": live}) == everyone
+        assert await view({}) == {me.peer_id} and discovery.errors.get("dht_get_unanswered") == 2
 
     asyncio.run(scenario())
