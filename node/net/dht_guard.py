@@ -70,8 +70,8 @@ RECOUNT_INTERVAL_S = 1.0
 # - find keys: each get or store visits a node at most once per key: 4 reads, 3 stores and the config watch,
 #   ~8 keys, plus on-demand view reads (an unknown peer's stream, node.net.membership): ~10.
 # At the shortest heartbeat murmur's own swarms run (MIN_RATED_HEARTBEAT_S) that is ~1030 entries and ~20
-# keys a second; the rates are at least twice that and the bursts hold two seconds of it (a hand-off and a stalled
-# heartbeat's backlog). A bootstrap's peers send it the same (it is a DHT node like any, and bootstraps
+# keys a second; the rates are at least twice that and each burst is two seconds of its rate (a hand-off
+# and a stalled heartbeat's backlog). A bootstrap's peers send it the same (it is a DHT node like any, and bootstraps
 # heartbeat nothing of their own). What the rates bound: per peer id, ~2048 verifies a second (off the
 # event loop; ~0.1 ms each for a 2048-bit key, 0.3 ms at MAX_OWNER_KEY_BITS) and ~64 lookups a second
 # (each a value of at most MAX_STORED_BYTES serialized, on the loop). A swarm whose heartbeat is shorter
@@ -84,7 +84,7 @@ FIND_KEYS_PER_S = 64.0
 FIND_KEY_BURST = 128
 # Peers whose buckets are kept: a node meets its bucket_size (20) nearest DHT nodes per key and the peers of
 # its swarms (a view holds at most 256). Beyond this, buckets that refilled are forgotten (a new bucket
-# starts full: nothing is lost), else the fullest one: a peer that spends its rate keeps its bucket.
+# starts full: nothing is lost), else the fullest eighth: a peer that spends its rate keeps its bucket.
 MAX_RATED_PEERS = 1024
 _OTHER_SUBKEY_BYTES = 64  # a subkey that is neither bytes nor str (murmur's are bytes: an owner key)
 
