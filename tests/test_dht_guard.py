@@ -1,6 +1,7 @@
 """The DHT below murmur's validators (node.net.dht_guard, node.net.validation): an owner key whose verify
 would be dear is refused unverified, a store request's repeated entries are validated once and its
-entries beyond a budget not at all, validation runs off the event loop, and the local storage is bounded."""
+entries beyond a budget not at all, validation runs off the event loop, the local storage is bounded,
+and each peer's store entries and find keys are held to a rate an honest peer never reaches."""
 
 from __future__ import annotations
 
@@ -22,7 +23,15 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
-from node.net.dht_guard import MAX_VALIDATED_PER_STORE, BoundedStorage, StoreGuard
+from node.net.dht_guard import (
+    MAX_RATED_PEERS,
+    MAX_VALIDATED_PER_STORE,
+    MIN_RATED_HEARTBEAT_S,
+    BoundedStorage,
+    DhtRates,
+    PeerRates,
+    StoreGuard,
+)
 from node.net.identity import Identity, create_identity
 from node.net.validation import MAX_OWNER_KEY_BITS, RecordRefusal, RefusalCounts, make_record_validator
 from tests.support.hostile_dht import distinct_keys, large_exponent_key
@@ -74,6 +83,10 @@ class FakeProtocol:
 
     async def rpc_ping(self, request: dht_pb2.PingRequest, context: object) -> None:
         return None
+
+    async def rpc_find(self, request: dht_pb2.FindRequest, context: object) -> dht_pb2.FindResponse:
+        return dht_pb2.FindResponse(results=[dht_pb2.FindResult(type=dht_pb2.NOT_FOUND) for _ in request.keys],
+                                    peer=self.node_info)
 
 
 def _guard(ids: dict[str, Identity], **bounds: Any) -> tuple[StoreGuard, FakeProtocol, Counting, RefusalCounts]:
@@ -191,3 +204,121 @@ def test_the_local_storage_bounds_bytes(ids):
     assert not storage.store_subkey(key, b"b", b"v" * 600, expiration)
     assert storage.store_subkey(key, b"b", b"v" * 300, expiration)
     assert refused.counts[RecordRefusal.STORAGE_FULL] == 1 and storage.bytes <= 1000
+
+
+@dataclasses.dataclass(frozen=True)
+class From:
+    """What StoreGuard reads of an RPC's P2PContext: the peer it came from."""
+
+    remote_id: str
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Accepting:
+    """A validator that takes everything (the rate tests are about what reaches it, not its verdicts)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def validate(self, record: DHTRecord) -> bool:
+        self.calls += 1
+        return True
+
+
+def _rated_guard(rates: DhtRates) -> tuple[StoreGuard, Accepting, RefusalCounts, Clock]:
+    refused, clock, accepting = RefusalCounts(), Clock(), Accepting()
+    protocol = FakeProtocol(accepting, BoundedStorage(refused), BoundedStorage(refused))
+    return StoreGuard(protocol, refused, rates=rates, clock=clock), accepting, refused, clock  # type: ignore[arg-type]
+
+
+def _entries(count: int, tag: str, expiration: float) -> dht_pb2.StoreRequest:
+    """`count` distinct subkey entries under one key (unsigned: the validator here takes anything)."""
+    key = DHTID.generate(source=f"rated.{tag}").to_bytes()
+    return dht_pb2.StoreRequest(keys=[key] * count, subkeys=[MSGPackSerializer.dumps(b"owner%d" % i) for i in range(count)],
+                                values=[b"v%d" % i for i in range(count)], expiration_time=[expiration] * count,
+                                in_cache=[False] * count)
+
+
+def _find(keys: int) -> dht_pb2.FindRequest:
+    return dht_pb2.FindRequest(keys=[DHTID.generate(source=f"k{i}").to_bytes() for i in range(keys)])
+
+
+def test_a_peer_over_its_rate_is_refused_unvalidated_and_counted_while_another_is_served() -> None:
+    guard, accepting, refused, clock = _rated_guard(DhtRates(store_entries_per_s=10, store_burst=50,
+                                                             find_keys_per_s=1, find_burst=3))
+    flooder, honest = From("flooder"), From("honest")
+    expiration = get_dht_time() + 60
+
+    async def scenario() -> None:
+        try:
+            ok = list((await guard.rpc_store(_entries(80, "a", expiration), flooder)).store_ok)  # type: ignore[arg-type]
+            assert ok == [True] * 50 + [False] * 30 and accepting.calls == 50
+            assert refused.counts[RecordRefusal.OVER_RATE] == 30
+            ok = list((await guard.rpc_store(_entries(5, "b", expiration), flooder)).store_ok)  # type: ignore[arg-type]
+            assert not any(ok) and accepting.calls == 50  # drained: nothing more reaches the validator
+            ok = list((await guard.rpc_store(_entries(20, "c", expiration), honest)).store_ok)  # type: ignore[arg-type]
+            assert all(ok) and accepting.calls == 70  # another peer is served in full
+            clock.now += 1.0  # a second refills 10 of the flooder's entries
+            ok = list((await guard.rpc_store(_entries(20, "d", expiration), flooder)).store_ok)  # type: ignore[arg-type]
+            assert sum(ok) == 10 and refused.counts[RecordRefusal.OVER_RATE] == 30 + 5 + 10
+            # finds: each key counts; a request beyond the rate is answered for no key, and counted
+            assert len((await guard.rpc_find(_find(3), flooder)).results) == 3  # type: ignore[arg-type]
+            assert len((await guard.rpc_find(_find(1), flooder)).results) == 0  # type: ignore[arg-type]
+            assert refused.counts[RecordRefusal.OVER_RATE] == 46
+            assert len((await guard.rpc_find(_find(2), honest)).results) == 2  # type: ignore[arg-type]
+        finally:
+            guard.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_honest_peers_heartbeats_reads_and_key_hand_off_are_never_refused() -> None:
+    """What an honest peer sends one node per heartbeat at the shortest heartbeat the rates are sized for
+    (node.net.dht_guard, STORE_ENTRIES_PER_S): its own three entries, the cache store hivemind sends after
+    each of its four reads (a whole dictionary, MAX_VALIDATED_PER_STORE validated), ten find keys; and
+    once, a newcomer's key hand-off, all in a burst the moment it meets the node."""
+    guard, accepting, refused, clock = _rated_guard(DhtRates())
+    peer = From("honest")
+    start = get_dht_time() + 60
+
+    async def scenario() -> None:
+        try:
+            expiration, stored = start, 0
+            hand_off = await guard.rpc_store(_entries(MAX_VALIDATED_PER_STORE, "hand-off", expiration), peer)  # type: ignore[arg-type]
+            stored += sum(hand_off.store_ok)
+            for _beat in range(40):
+                expiration += 1  # each heartbeat's entries replace the last ones
+                requests = [_entries(3, "own", expiration)] + \
+                    [_entries(MAX_VALIDATED_PER_STORE, f"read{i}", expiration) for i in range(4)]
+                for request in requests:
+                    stored += sum((await guard.rpc_store(request, peer)).store_ok)  # type: ignore[arg-type]
+                for _ in range(10):
+                    assert len((await guard.rpc_find(_find(1), peer)).results) == 1  # type: ignore[arg-type]
+                clock.now += MIN_RATED_HEARTBEAT_S
+            assert stored == MAX_VALIDATED_PER_STORE + 40 * (3 + 4 * MAX_VALIDATED_PER_STORE) == accepting.calls
+            assert refused.counts[RecordRefusal.OVER_RATE] == 0
+        finally:
+            guard.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_rate_table_stays_bounded_under_many_peer_ids_and_keeps_a_drained_bucket() -> None:
+    clock = Clock()
+    rates = PeerRates(rate_per_s=1.0, burst=10, max_peers=MAX_RATED_PEERS, clock=clock)
+    assert rates.take("flooder", 10) == 10 and rates.take("flooder") == 0
+    for i in range(5 * MAX_RATED_PEERS):  # fresh peer ids, each asking once, one after another
+        assert rates.take(f"sybil{i}") == 1
+        assert len(rates) <= MAX_RATED_PEERS
+        clock.now += 1e-4
+    assert rates.take("flooder") == 0  # its drained bucket was never the one forgotten
+    assert rates.take("flooder", 5, partial=True) == 0
+    clock.now += 3.0
+    assert rates.take("flooder", 5, partial=True) == 3  # refilled at its rate, no faster

@@ -1,7 +1,8 @@
-"""A failed DHT read is not an empty one (issue 14, "Validators everywhere"): Discovery's reads of the
-peer view (`_read_view`) and of other per-peer keys (`read_owned`, SPES's expert directory) over a
-stand-in for hivemind's DHTNode that answers, fails, hangs or finds nothing. A failed read is counted
-and keeps what the node knew; only a read that finds nothing empties it."""
+"""A failed DHT read is not an empty one (issue 14, "Validators everywhere"; issue 26): Discovery's reads of
+the peer view (`_read_view`) and of other per-peer keys (`read_owned`, SPES's expert directory) over a
+stand-in for hivemind's DHTNode that answers, fails, hangs, finds nothing, or asks peers none of which
+answers (node.net.hivemind_adapter.FindWatch). A failed read is counted and keeps what the node knew;
+only a read that finds nothing empties it. SPES's experts are read of the view's members only."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Mapping
 
 import pytest
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from gossip.spes import ExpertRecord
@@ -106,6 +108,8 @@ def test_read_owned_returns_none_on_a_failed_read_and_an_empty_mapping_when_noth
     key = experts_key(SWARM)
 
     async def scenario() -> None:
+        dht.answer = {peers_key(SWARM): {subkey(a): peer_record(a, 1)}}
+        await discovery._refresh_view()  # a is a member: its values are read
         dht.answer = {key: {subkey(a): b"a's value", b"no owner": b"x"}}
         assert await discovery.read_owned(key, what="expert records") == {a.peer_id: b"a's value"}
         assert discovery.errors.get("expert_records_invalid") == 1  # the subkey naming no owner
@@ -129,6 +133,8 @@ def test_the_spes_directory_keeps_its_last_read_when_a_read_fails_and_forgets_on
     key = experts_key(SWARM)
 
     async def scenario() -> None:
+        dht.answer = {peers_key(SWARM): {subkey(a): peer_record(a, 1)}}
+        await discovery._refresh_view()
         dht.answer = {key: {subkey(a): encode_expert_records(records)}}
         assert (await directory.read())[a.peer_id] == records
         dht.answer = ConnectionError("down")
@@ -138,7 +144,90 @@ def test_the_spes_directory_keeps_its_last_read_when_a_read_fails_and_forgets_on
         assert discovery.errors.get("dht_get_failed") == 1 and discovery.errors.get("dht_get_timeout") == 1
         dht.answer = {}
         assert a.peer_id not in await directory.read()
-        assert dht.gets == 4
+        assert dht.gets == 5
 
     asyncio.run(scenario())
 
+
+
+def test_an_experts_entry_of_an_owner_without_a_peer_record_in_the_view_is_ignored_and_counted(ids) -> None:
+    """SPES's `<swarm>.experts` is membership-checked in an open swarm too: any DHT node may store signed
+    expert records, but only an owner whose peer record the view holds owns experts."""
+    me, a, b = ids["me"], ids["a"], ids["b"]
+    dht = StandInDht()
+    discovery = discovery_over(dht, me)
+    directory = DhtExpertDirectory(discovery, SWARM, heartbeat_s=1e-9, ttl_s=10.0)
+    records = {(0, 1): ExpertRecord(3, "ab" * 32, True)}
+    key = experts_key(SWARM)
+
+    async def scenario() -> None:
+        dht.answer = {peers_key(SWARM): {subkey(a): peer_record(a, 1)}}  # a is a member, b only a DHT node
+        await discovery._refresh_view()
+        dht.answer = {key: {subkey(a): encode_expert_records(records), subkey(b): encode_expert_records(records)}}
+        found = await directory.read()
+        assert found.get(a.peer_id) == records and b.peer_id not in found
+        assert discovery.errors.get("expert_records_not_member") == 1
+        # once b's record is in the view, its experts are read
+        dht.answer = {peers_key(SWARM): {subkey(a): peer_record(a, 1), subkey(b): peer_record(b, 1)}}
+        await discovery._refresh_view()
+        dht.answer = {key: {subkey(a): encode_expert_records(records), subkey(b): encode_expert_records(records)}}
+        assert (await directory.read()).get(b.peer_id) == records
+        assert discovery.errors.get("expert_records_not_member") == 1
+
+    asyncio.run(scenario())
+
+
+class AskingDht(StandInDht):
+    """A stand-in that, like hivemind's DHTNode.get, asks each of its peers through
+    `_call_find_with_blacklist` (None: that peer did not answer) and reports None both when they had
+    nothing and when none answered. `peers` maps each to what it holds (key -> entries), or None when it
+    does not answer (unreachable, or its value over p2pd's message limit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peers: dict[str, Mapping[str, Mapping[bytes, bytes]] | None] = {}
+
+    async def _call_find_with_blacklist(self, peer: str, keys: list[DHTID]) -> dict[DHTID, object] | None:
+        held = self.peers[peer]
+        return None if held is None else {key: held for key in keys}
+
+    async def get(self, key: str, latest: bool = False) -> ValueWithExpiration | None:
+        self.gets += 1
+        found: dict[bytes, bytes] = {}
+        for peer in self.peers:
+            response = await self._call_find_with_blacklist(peer, [DHTID.generate(source=key)])
+            if response is not None:
+                found.update(self.peers[peer].get(key, {}))  # type: ignore[union-attr]
+        if not found:
+            return None
+        expires = get_dht_time() + 30
+        return ValueWithExpiration({s: ValueWithExpiration(v, expires) for s, v in found.items()}, expires)
+
+
+def test_a_read_no_dht_peer_answered_keeps_the_view_and_is_counted_one_they_answered_empty_empties_it(ids) -> None:
+    me, a, b = ids["me"], ids["a"], ids["b"]
+    dht = AskingDht()
+    discovery = discovery_over(dht, me)
+    live = {peers_key(SWARM): {subkey(a): peer_record(a, 5), subkey(b): peer_record(b, 7)}}
+
+    async def view(peers: dict[str, Mapping[str, Mapping[bytes, bytes]] | None]) -> set[str]:
+        dht.peers = peers
+        await discovery._refresh_view()
+        return {p.peer_id for p in discovery.view()}
+
+    async def scenario() -> None:
+        everyone = {me.peer_id, a.peer_id, b.peer_id}
+        assert await view({"r1": live, "r2": None}) == everyone
+        # every replica fails (e.g. the value grew past the response limit): hivemind finds "nothing"
+        assert await view({"r1": None, "r2": None}) == everyone
+        assert discovery.errors.get("dht_get_unanswered") == 1
+        assert await discovery.read_owned(experts_key(SWARM), what="expert records") is None
+        assert discovery.errors.get("dht_get_unanswered") == 2
+        # a replica that answers with nothing is an answer: the peers are gone
+        assert await view({"r1": {}, "r2": None}) == {me.peer_id}
+        assert discovery.errors.get("dht_get_unanswered") == 2
+        # a node with no DHT peer to ask has only itself to go by
+        assert await view({"r1": live}) == everyone
+        assert await view({}) == {me.peer_id} and discovery.errors.get("dht_get_unanswered") == 2
+
+    asyncio.run(scenario())

@@ -1,4 +1,5 @@
-"""What one DHT store request and all of them together may cost a node: its store RPC and local storage.
+"""What one DHT store request, one peer's requests and all of them together may cost a node: its store and
+find RPCs and local storage.
 
 hivemind's DHT answers anyone's store RPC (no membership is needed to be a DHT node) and its handler
 (`DHTProtocol.rpc_store`) validates every entry of a request on the node's one event loop, in turn: a
@@ -10,6 +11,9 @@ RPC instead (node.net.hivemind_adapter.guard_dht_node installs it) and:
   any validation (`dht_refused_duplicate`);
 - validates at most MAX_VALIDATED_PER_STORE entries of one request (dictionary entries counted one by
   one); the rest are refused unvalidated (`dht_refused_over_budget`);
+- charges each entry it would validate to the sending peer's store rate, and refuses the entries beyond
+  it unvalidated (`dht_refused_over_rate`); `StoreGuard.rpc_find` answers the find RPC likewise, each key
+  of a request charged to the peer's find rate, a request beyond it refused whole (DhtRates, PeerRates);
 - validates on a thread of its own (one per node), so the event loop that heartbeats and steps the
   node waits for no RSA verify; the entries are stored back on the loop, where hivemind's storage lives;
 - stores into `BoundedStorage`, which refuses new entries beyond MAX_STORED_ENTRIES or MAX_STORED_BYTES
@@ -22,10 +26,12 @@ dictionary's valid entries one by one (each is signed by its own owner) and answ
 from __future__ import annotations
 
 import asyncio
+import heapq
 import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from hivemind.dht.protocol import DHTProtocol
@@ -52,11 +58,99 @@ MAX_STORED_BYTES = 64 << 20
 # Entries only leave the storage on expiry, and hivemind purges them lazily: a full storage is counted
 # again at most this often (a walk over at most MAX_STORED_ENTRIES entries), else refused on its count.
 RECOUNT_INTERVAL_S = 1.0
+# Per-peer rates (DhtRates): what one DHT peer (its libp2p id, authenticated by the connection) may make a
+# node validate and look up. They must never be reached by an honest peer, which per heartbeat sends a node
+# at most (hivemind 1.1.12's DHTNode, node.net.discovery, node.algorithms.spes.directory):
+# - store entries: its own 3 (peer record, expert records, the config every few heartbeats), and after each
+#   read of a key, the value found is stored again on the nearest node that lacked it (`cache_nearest=1`):
+#   the whole `<swarm>.peers` or `<swarm>.experts` dictionary, each read twice a heartbeat (the view every
+#   half heartbeat, the SPES directory at most as often), up to MAX_VALIDATED_PER_STORE validated each:
+#   4 * 128 + 3 = 515 entries; once, when a node first meets another, the keys it should hold (one request,
+#   at most MAX_VALIDATED_PER_STORE validated);
+# - find keys: each get or store visits a node at most once per key: 4 reads, 3 stores and the config watch,
+#   ~8 keys, plus on-demand view reads (an unknown peer's stream, node.net.membership): ~10.
+# At the shortest heartbeat murmur's own swarms run (MIN_RATED_HEARTBEAT_S) that is ~1030 entries and ~20
+# keys a second; the rates are at least twice that and each burst is two seconds of its rate (a hand-off
+# and a stalled heartbeat's backlog). A bootstrap's peers send it the same (it is a DHT node like any, and bootstraps
+# heartbeat nothing of their own). What the rates bound: per peer id, ~2048 verifies a second (off the
+# event loop; ~0.1 ms each for a 2048-bit key, 0.3 ms at MAX_OWNER_KEY_BITS) and ~64 lookups a second
+# (each a value of at most MAX_STORED_BYTES serialized, on the loop). A swarm whose heartbeat is shorter
+# than MIN_RATED_HEARTBEAT_S and which holds more than ~100 peers may see its cache stores refused: they
+# are a cache, and its records still reach their replicas.
+MIN_RATED_HEARTBEAT_S = 0.5
+STORE_ENTRIES_PER_S = 2048.0
+STORE_ENTRY_BURST = 4096
+FIND_KEYS_PER_S = 64.0
+FIND_KEY_BURST = 128
+# Peers whose buckets are kept: a node meets its bucket_size (20) nearest DHT nodes per key and the peers of
+# its swarms (a view holds at most 256). Beyond this, buckets that refilled are forgotten (a new bucket
+# starts full: nothing is lost), else the fullest eighth: a peer that spends its rate keeps its bucket.
+MAX_RATED_PEERS = 1024
 _OTHER_SUBKEY_BYTES = 64  # a subkey that is neither bytes nor str (murmur's are bytes: an owner key)
 
 
 def _subkey_bytes(subkey: object) -> int:
     return len(subkey) if isinstance(subkey, (bytes, str)) else _OTHER_SUBKEY_BYTES
+
+
+@dataclass(frozen=True)
+class DhtRates:
+    """What one DHT peer may ask of a node: store entries validated and find keys looked up, per second,
+    with a burst of each (see STORE_ENTRIES_PER_S for the numbers)."""
+
+    store_entries_per_s: float = STORE_ENTRIES_PER_S
+    store_burst: int = STORE_ENTRY_BURST
+    find_keys_per_s: float = FIND_KEYS_PER_S
+    find_burst: int = FIND_KEY_BURST
+    max_peers: int = MAX_RATED_PEERS
+
+
+class PeerRates:
+    """A token bucket per peer (`burst` tokens, refilled at `rate_per_s`) for at most `max_peers` peers.
+    A new peer beyond that forgets every bucket that has refilled (one that had not been made would be
+    the same), or if none has, the fullest eighth: a peer that keeps its bucket drained cannot have it
+    forgotten by sending from many other peer ids."""
+
+    def __init__(self, rate_per_s: float, burst: int, max_peers: int = MAX_RATED_PEERS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if rate_per_s <= 0 or burst < 1 or max_peers < 1:
+            raise ValueError("a rate, a burst and a table of at least one peer")
+        self._rate, self._burst, self._max_peers, self._clock = rate_per_s, float(burst), max_peers, clock
+        self._buckets: dict[str, tuple[float, float]] = {}  # peer -> (tokens, when counted)
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+    def _level(self, tokens: float, at: float, now: float) -> float:
+        return min(self._burst, tokens + (now - at) * self._rate)
+
+    def _make_room(self, now: float) -> None:
+        # One walk over the table frees many places (all refilled buckets, else the fullest eighth), so
+        # peer ids met one after another cost a walk per max_peers / 8 of them, not one each.
+        levels = {peer: self._level(tokens, at, now) for peer, (tokens, at) in self._buckets.items()}
+        full = [peer for peer, level in levels.items() if level >= self._burst]
+        for peer in full or heapq.nlargest(max(1, len(levels) // 8), levels, key=levels.__getitem__):
+            del self._buckets[peer]
+
+    def take(self, peer: str, n: int = 1, *, partial: bool = False) -> int:
+        """Charge `peer` for `n` tokens: how many it got (`n` or 0; with `partial`, as many as it has)."""
+        now = self._clock()
+        held = self._buckets.get(peer)
+        if held is None:
+            if len(self._buckets) >= self._max_peers:
+                self._make_room(now)
+            tokens = self._burst
+        else:
+            tokens = self._level(*held, now)
+        granted = min(n, math.floor(tokens)) if partial else (n if tokens >= n else 0)
+        self._buckets[peer] = (tokens - granted, now)
+        return granted
+
+
+def _peer_of(context: P2PContext | None) -> str:
+    """The peer an RPC came from (libp2p authenticates it); "" when unknown (a local call)."""
+    remote = getattr(context, "remote_id", None)
+    return "" if remote is None else str(remote)
 
 
 class BoundedStorage(DHTLocalStorage):  # type: ignore[misc]  # hivemind is untyped
@@ -144,14 +238,18 @@ class BoundedStorage(DHTLocalStorage):  # type: ignore[misc]  # hivemind is unty
 
 
 class StoreGuard:
-    """Answers the DHT store RPC of one `DHTProtocol` (see the module's docstring); `close` when the
-    DHT node stops."""
+    """Answers the DHT store and find RPCs of one `DHTProtocol` (see the module's docstring); `close`
+    when the DHT node stops."""
 
     def __init__(self, protocol: DHTProtocol, refused: RefusalCounts, *,
-                 max_validated: int = MAX_VALIDATED_PER_STORE) -> None:
+                 max_validated: int = MAX_VALIDATED_PER_STORE, rates: DhtRates | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._protocol = protocol
         self._refused = refused
         self._max_validated = max_validated
+        rates = rates if rates is not None else DhtRates()
+        self._store_rates = PeerRates(rates.store_entries_per_s, rates.store_burst, rates.max_peers, clock)
+        self._find_rates = PeerRates(rates.find_keys_per_s, rates.find_burst, rates.max_peers, clock)
         self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dht-verify")
         self._pings: set[asyncio.Task[Any]] = set()
 
@@ -163,6 +261,15 @@ class StoreGuard:
         if validator is None:
             return [True] * len(records)
         return [bool(validator.validate(record)) for record in records]
+
+    async def rpc_find(self, request: dht_pb2.FindRequest, context: P2PContext) -> dht_pb2.FindResponse:
+        """hivemind's find, once the sender's find rate holds every key of the request; else an answer
+        for no key, which its sender takes for a failed request (and refused here unread)."""
+        if not self._find_rates.take(_peer_of(context), max(1, len(request.keys))):
+            self._refused.refuse(RecordRefusal.OVER_RATE)
+            return dht_pb2.FindResponse(results=[], peer=self._protocol.node_info)
+        response: dht_pb2.FindResponse = await self._protocol.rpc_find(request, context)
+        return response
 
     async def rpc_store(self, request: dht_pb2.StoreRequest, context: P2PContext) -> dht_pb2.StoreResponse:
         protocol = self._protocol
@@ -180,6 +287,7 @@ class StoreGuard:
         plan: list[tuple[DHTLocalStorage, DHTID, list[tuple[Any, DHTRecord]], bool]] = []
         to_validate: list[DHTRecord] = []
         seen: set[tuple[bytes, bytes, bytes, float]] = set()
+        peer = _peer_of(context)
         for key, tag, value, expiration, in_cache in zip(request.keys, request.subkeys, request.values,
                                                          request.expiration_time, request.in_cache):
             storage = protocol.cache if in_cache else protocol.storage
@@ -215,6 +323,10 @@ class StoreGuard:
                 seen.add(identity)
                 if len(to_validate) >= self._max_validated:
                     self._refused.refuse(RecordRefusal.OVER_BUDGET)
+                    complete = False
+                    continue
+                if not self._store_rates.take(peer, partial=True):
+                    self._refused.refuse(RecordRefusal.OVER_RATE)
                     complete = False
                     continue
                 record = DHTRecord(key, subkey_bytes, item_value, float(item_expiration))

@@ -36,7 +36,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from node.net.admission import Admission
 from node.net.dht_guard import StoreGuard
 from node.net.founder import ConfigRefused, NotAdmitted, SwarmConfig, verify_config
-from node.net.hivemind_adapter import guard_dht_node
+from node.net.hivemind_adapter import FindWatch, guard_dht_node
 from node.net.identity import Identity
 from node.net.records import (
     MAX_MADDRS,
@@ -199,7 +199,8 @@ class Discovery:
             heartbeat=0.0,
         )
         self._dht: DHTNode | None = None
-        self._guard: StoreGuard | None = None  # answers the DHT's store RPC (node.net.dht_guard)
+        self._guard: StoreGuard | None = None  # answers the DHT's store and find RPCs (node.net.dht_guard)
+        self._finds: FindWatch | None = None  # tells an unanswered DHT read from an empty one (made at the first)
         self._runner: asyncio.Task[None] | None = None
         self._last_expiration = -math.inf
         self._view: tuple[PeerRecord, ...] = ()
@@ -481,13 +482,19 @@ class Discovery:
         await self._store_entry(self._require_started(), key, value, get_dht_time() + ttl_s, what=what)
 
     async def read_owned(self, key: str, *, what: str) -> dict[str, bytes] | None:
-        """The live values under `key`, by the peer whose signed subkey holds each (a subkey naming
-        no single owner is counted and skipped); None when the DHT read failed."""
+        """The live values under `key`, by the peer whose signed subkey holds each, of the peers in the
+        membership view only (a value of any other owner, or under a subkey naming no single owner, is
+        counted and skipped); None when the DHT read failed.
+
+        Any DHT node may store a value it signed under any key, so a value says nothing of its owner's
+        membership: in an open swarm as in a key or allowlist one, only an owner whose peer record the
+        view holds (valid, admitted, with the swarm's proof of work) speaks for the swarm here (SPES's
+        `<swarm>.experts`: no record-less identity owns an expert)."""
         entries, _ = await self._read_entries(key, f"reading the swarm's {what}")
         if entries is None:
             return None
         now, out = get_dht_time(), {}
-        members = None if self._admission.is_open else {record.peer_id for record in self._view}
+        members = {record.peer_id for record in self._view}
         for subkey, item in entries.items():
             if item.expiration_time <= now:
                 continue
@@ -495,7 +502,7 @@ class Discovery:
             if owner is None or not isinstance(item.value, bytes):
                 self._errors[f"{what.replace(' ', '_')}_invalid"] += 1
                 continue
-            if members is not None and owner not in members:
+            if owner not in members:
                 self._errors[f"{what.replace(' ', '_')}_not_member"] += 1
                 continue
             out[owner] = item.value
@@ -601,14 +608,23 @@ class Discovery:
             logger.warning("%s in the DHT failed: %s", doing, exc)
 
     async def _read_entries(self, key: str, doing: str) -> tuple[dict[Any, Any] | None, str | None]:
-        """The subkey entries under `key` (empty when there are none), or None and why the read failed (counted)."""
+        """The subkey entries under `key` (empty when there are none), or None and why the read failed (counted):
+        it timed out, raised, or found nothing after asking peers of which none answered (hivemind reports
+        that as nothing found; node.net.hivemind_adapter.FindWatch tells them apart)."""
         dht = self._require_started()
+        if self._finds is None or self._finds.node is not dht:
+            self._finds = FindWatch(dht)
         entries = None
         failure: str | None = None
         try:
             async with asyncio.timeout(self._settings.request_timeout_s):
-                found = await dht.get(key, latest=True)
-            entries = found.value if found is not None and isinstance(found.value, dict) else {}
+                found, answered = await self._finds.get_latest(key)
+            if answered:
+                entries = found.value if found is not None and isinstance(found.value, dict) else {}
+            else:
+                self._errors["dht_get_unanswered"] += 1
+                failure = "no DHT peer answered"
+                logger.warning("%s in the DHT failed: no DHT peer answered", doing)
         except TimeoutError:
             self._errors["dht_get_timeout"] += 1
             failure = f"timed out after {self._settings.request_timeout_s:g} s"

@@ -1,5 +1,6 @@
 """The one place that works around what hivemind 1.1.12 and its bundled p2pd get wrong for NAT traversal,
-and where murmur's DHT store guard (node.net.dht_guard) replaces hivemind's store handler (5).
+where murmur's DHT guard (node.net.dht_guard) replaces hivemind's store and find handlers (5), and where
+a DHT read that no peer answered is told from one that found nothing (6).
 
 Workarounds 1-4 have their tests in tests/test_hivemind_adapter.py (docs/architecture.md, "Reachability"):
 
@@ -21,27 +22,35 @@ Workarounds 1-4 have their tests in tests/test_hivemind_adapter.py (docs/archite
 4. **`/p2p/` encoding**: hivemind's bundled `Multiaddr` encodes `/p2p/<id>` as a CIDv1, which p2pd's
    `connect` rejects inside relayed addresses ("length greater than remaining number of bytes"):
    `maddr_bytes` encodes with the `multiaddr` package, whose `/p2p/` is the raw multihash p2pd expects.
-5. **the DHT's store RPC**: `DHTNode.create` builds its `DHTProtocol` itself and registers its handlers
-   with p2pd at once; it takes no protocol class. p2pd's client looks a unary handler up by name on each
-   request, so `guard_dht_node` swaps the node's storages for bounded ones and replaces the
-   `DHTProtocol.rpc_store` handler (same name, so peers see no difference) by `StoreGuard.rpc_store`.
-   Before that, for the few seconds `DHTNode.create` bootstraps, hivemind's own handler answers.
+5. **the DHT's store and find RPCs**: `DHTNode.create` builds its `DHTProtocol` itself and registers its
+   handlers with p2pd at once; it takes no protocol class. p2pd's client looks a unary handler up by name
+   on each request, so `guard_dht_node` swaps the node's storages for bounded ones and replaces the
+   `DHTProtocol.rpc_store` and `rpc_find` handlers (same names, so peers see no difference) by
+   `StoreGuard`'s. Before that, for the few seconds `DHTNode.create` bootstraps, hivemind's own handlers answer.
+6. **a read nobody answered**: `DHTNode.get` returns None both when the peers it asked had nothing and
+   when none of them answered (each find failed: unreachable, timed out, or a value over p2pd's 4 MiB
+   message limit, which no replica can send). `FindWatch` wraps the node's one way out for a get's finds
+   (`DHTNode._call_find_with_blacklist`, blacklisted peers included) and counts, per key being read, the
+   finds tried and answered: nothing found after finds of which none was answered is a failed read
+   (tests/test_discovery_reads.py).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import multiaddr
 from hivemind.dht.node import DHTNode
+from hivemind.dht.routing import DHTID
 from hivemind.p2p import P2P
 from hivemind.proto import dht_pb2
 from hivemind.utils.auth import AuthRole, AuthRPCWrapper
+from hivemind.utils.timed_storage import ValueWithExpiration
 
-from node.net.dht_guard import BoundedStorage, StoreGuard
+from node.net.dht_guard import BoundedStorage, DhtRates, StoreGuard
 from node.net.validation import RefusalCounts
 
 CIRCUIT = "/p2p-circuit"
@@ -138,17 +147,67 @@ def maddr_bytes(maddr: str) -> bytes:
         raise ValueError(f"bad multiaddr {maddr!r}: {exc}") from None
 
 
-async def guard_dht_node(node: DHTNode, refused: RefusalCounts, **bounds: Any) -> StoreGuard:
-    """Bound `node`'s local storage and cache, and answer its store RPC with a `StoreGuard` (workaround
-    5); `bounds` go to BoundedStorage. Close the guard when the node shuts down."""
+async def guard_dht_node(node: DHTNode, refused: RefusalCounts, *, rates: DhtRates | None = None,
+                         **bounds: Any) -> StoreGuard:
+    """Bound `node`'s local storage and cache, and answer its store and find RPCs with a `StoreGuard`
+    (workaround 5) holding each peer to `rates`; `bounds` go to BoundedStorage. Close the guard when the
+    node shuts down. Every murmur DHT node comes here: a swarm's (node.net.discovery) and a bootstrap's
+    (node.runtime.serve.run_bootstrap)."""
     protocol = node.protocol
     protocol.storage = BoundedStorage.adopt(protocol.storage, refused, **bounds)
     protocol.cache = BoundedStorage.adopt(protocol.cache, refused, **bounds)
-    guard = StoreGuard(protocol, refused)
+    guard = StoreGuard(protocol, refused, rates=rates)
     if not protocol.client_mode:  # a client serves no RPCs
-        name = type(protocol)._get_handle_name(None, "rpc_store")
-        handler = guard.rpc_store if protocol.authorizer is None else \
-            AuthRPCWrapper(guard, AuthRole.SERVICER, protocol.authorizer).rpc_store
-        await protocol.p2p.remove_protobuf_handler(name)
-        await protocol.p2p.add_protobuf_handler(name, handler, dht_pb2.StoreRequest)
+        servicer = guard if protocol.authorizer is None else AuthRPCWrapper(guard, AuthRole.SERVICER,
+                                                                            protocol.authorizer)
+        for method, request_type in (("rpc_store", dht_pb2.StoreRequest), ("rpc_find", dht_pb2.FindRequest)):
+            name = type(protocol)._get_handle_name(None, method)
+            await protocol.p2p.remove_protobuf_handler(name)
+            await protocol.p2p.add_protobuf_handler(name, getattr(servicer, method), request_type)
     return guard
+
+
+@dataclass
+class _Watched:
+    reads: int = 0  # reads of the key under way
+    tried: int = 0  # finds asked of a peer for it (a blacklisted peer's included: hivemind skips it unasked)
+    answered: int = 0  # ... that the peer answered (with or without a value)
+
+
+class FindWatch:
+    """Reads of one DHT node that tell "no peer answered" from "nothing there" (workaround 6). Create one
+    per `DHTNode`, once; a node without `_call_find_with_blacklist` (a stand-in) is read as-is."""
+
+    def __init__(self, node: DHTNode) -> None:
+        self.node = node
+        self._watched: dict[DHTID, _Watched] = {}  # only keys with a read under way: bounded by the reads
+        inner: Callable[[Any, Collection[DHTID]], Awaitable[Any]] | None = getattr(node, "_call_find_with_blacklist",
+                                                                                    None)
+        if inner is None:
+            return
+
+        async def call_find(peer_id: Any, keys: Collection[DHTID]) -> Any:
+            response = await inner(peer_id, keys)
+            for key in keys:
+                watched = self._watched.get(key)
+                if watched is not None:
+                    watched.tried += 1
+                    watched.answered += response is not None
+            return response
+
+        node._call_find_with_blacklist = call_find
+
+    async def get_latest(self, key: str) -> tuple[ValueWithExpiration | None, bool]:
+        """The latest value under `key` (None if none was found) and whether the read was answered: a
+        value was found, or a peer answered a find, or there was no peer to ask (this node alone)."""
+        key_id = DHTID.generate(source=key)
+        watched = self._watched.setdefault(key_id, _Watched())
+        watched.reads += 1
+        tried, answered = watched.tried, watched.answered
+        try:
+            found: ValueWithExpiration | None = await self.node.get(key, latest=True)
+        finally:
+            watched.reads -= 1
+            if not watched.reads:
+                del self._watched[key_id]
+        return found, found is not None or watched.tried == tried or watched.answered > answered

@@ -88,6 +88,8 @@ class RecordRefusal(enum.StrEnum):
     DUPLICATE = "duplicate"  # an entry repeated in one store request: dropped unvalidated (node.net.dht_guard)
     OVER_BUDGET = "over_budget"  # beyond MAX_VALIDATED_PER_STORE entries of one store request, unvalidated
     STORAGE_FULL = "storage_full"  # a new entry beyond the local storage's bound (node.net.dht_guard)
+    # a store entry or a find request beyond its sender's rate (node.net.dht_guard.DhtRates): unvalidated, unanswered
+    OVER_RATE = "over_rate"
     CONFIG = "config"  # a config that is not the founder's, or outside the recipe's bounds (see ConfigRefusal)
 
 
