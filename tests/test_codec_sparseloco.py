@@ -9,12 +9,17 @@ import math
 import numpy as np
 import pytest
 
-from gossip.codecs import ErrorFeedback, SparseLoCoCodec, codec_from_wire, get_codec
+from gossip.codecs import ErrorFeedback, Int8Codec, SparseLoCoCodec, codec_from_wire, get_codec
+from gossip.diloco import RoundMessages, round_bytes
 from gossip.errors import BadSchema, NonFiniteValues
+from gossip.plan import Algorithm, LinkSpec, PlanConfig, gossip_estimate, payload_bytes, specs_for_vectors
+from gossip.rules import Knobs, Rule, broken_rules
 from gossip.wire import Expectation, decode_message, encode_message, message_nbytes
+from topology import TopologySpec
 
 pytestmark = pytest.mark.unit
 
+LINK = LinkSpec(bandwidth_mbit=8.0, latency_ms=10.0, efficiency=1.0)
 FIELDS = {"swarm": "s", "config_hash": "c0ffee", "sender": "12D3KooWpeer", "round": 1, "step": 2, "kind": "exchange"}
 
 
@@ -176,3 +181,29 @@ def test_messages_cross_the_wire_and_a_tampered_one_is_refused() -> None:
     tampered[at : at + 8] = b"\xff" * 8
     with pytest.raises(BadSchema, match="offsets"):
         decode_message(bytes(tampered), expected=expected)
+
+
+def test_round_bytes_and_the_plan_count_its_size() -> None:
+    codec = SparseLoCoCodec(0.02, 4096, 2)
+    sizes = {"w": 1 << 20, "b": 1000}
+    specs = {name: ((n,), np.float32) for name, n in sizes.items()}
+    exact = codec.encoded_nbytes(1 << 20) + codec.encoded_nbytes(1000)
+    assert payload_bytes(specs_for_vectors(sizes), codec) == exact
+    # one symmetric exchange opened: a request with tensors, an ack, and the answer with tensors
+    full, bare = message_nbytes(specs, codec), message_nbytes({}, codec)
+    traffic = round_bytes(specs, codec, RoundMessages(exchanges_asked=1))
+    assert (traffic.sent, traffic.received) == (full + bare, full)
+    assert exact < full - bare < exact + 200  # the payloads, their manifest entries and chunk prefixes
+    # murmur plan's DiLoCo bytes per step: the sparse pseudo-gradients beside the int8 anchors at every sync
+    plan = {"specs": specs_for_vectors(sizes), "step_time_s": 0.5, "link": LINK, "peers": 8,
+            "topology": TopologySpec("ring"), "algorithm": Algorithm.DILOCO, "local_steps": 100}
+    sparse = gossip_estimate(PlanConfig(**plan, codec=codec, anchor_every=0))
+    dense = gossip_estimate(PlanConfig(**plan, codec=Int8Codec(), anchor_every=0))
+    assert sparse.sent_bytes_per_step < dense.sent_bytes_per_step / 30
+    assert sparse.sent_bytes_per_step * 8 / sum(sizes.values()) < 0.01  # bits per parameter per inner step
+    with pytest.raises(ValueError, match="anchors are whole parameters"):
+        PlanConfig(**plan, codec=codec, anchor_codec=codec)
+    # like top-k, it is sound on differences only
+    assert Rule.TOPK_ON_WHOLE_PARAMETERS in broken_rules(Knobs(codec="sparseloco"))
+    assert not broken_rules(Knobs(codec="sparseloco", diloco=True))
+    assert Rule.TOPK_WITH_SPES in broken_rules(Knobs(codec="sparseloco", spes=True))
