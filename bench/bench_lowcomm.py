@@ -115,7 +115,7 @@ def default_setups() -> list[Setup]:
                      outer_lr=0.7, outer_momentum=0.9) for h in (25, 100)]
     # SparseLoCo payloads for the pseudo-gradients; anchors (whole parameters) stay int8 + EF, mixed at every
     # sync or at every 4th, since at 0.2 bits per parameter per message the anchors' 8 dominate otherwise
-    for h in (25, 100):
+    for h in (10, 25, 100):
         for every in (1, 4):
             setups.append(Setup(f"DiLoCo H={h} sparseloco 2% 2-bit + EF" + (f", anchors every {every}th sync"
                                                                             if every > 1 else ""),

@@ -201,7 +201,8 @@ def _dequantize(codes: np.ndarray, scales: np.ndarray, bits: int) -> np.ndarray:
     level = (codes & (levels - 1)).astype(np.float32) + 1
     sign = np.where(codes >> (bits - 1) & 1, np.float32(-1), np.float32(1))
     # (l + 1) / L <= 1: a decoded value never exceeds its finite float32 scale
-    return sign * (level / np.float32(levels)) * scales[:, None]
+    values: np.ndarray = sign * (level / np.float32(levels)) * scales[:, None]
+    return values
 
 
 def _elias_fano_bits(idx: np.ndarray, run: _Shape) -> np.ndarray:
@@ -212,7 +213,8 @@ def _elias_fano_bits(idx: np.ndarray, run: _Shape) -> np.ndarray:
     if not low:
         return unary.ravel()
     low_bits = ((idx[:, :, None] >> np.arange(low)) & 1).astype(np.uint8).reshape(rows, k * low)
-    return np.concatenate([unary, low_bits], axis=1).ravel()
+    bits: np.ndarray = np.concatenate([unary, low_bits], axis=1).ravel()
+    return bits
 
 
 def _elias_fano_offsets(bits: np.ndarray, run: _Shape) -> np.ndarray:
