@@ -4,9 +4,11 @@
    DilocoTrainer code over the in-memory transport, gossip/memory.py, one-peer exponential, rounds
    started together) against one process with the 4x batch: DAdam fp32 (every step a round) and gossip
    DiLoCo at H in {25, 100} with fp32, int8 and top-k (error feedback), with and without streaming
-   (4 fragments, overlapped). Per setup: the final swarm-average validation loss (the final merge's
-   model), its ratio to the single process and to DAdam fp32, bytes per node per step and their ratio
-   to DAdam fp32's; medians over seeds. Target: a setup at <= 1% of DAdam fp32's bytes within 3% of its
+   (4 fragments, overlapped), and SparseLoCo payloads (chunked top-k 2% with 2-bit values and error
+   feedback). Per setup: the final swarm-average validation loss (the final merge's model), its ratio to
+   the single process and to DAdam fp32, bytes per node per step and their ratio to DAdam fp32's, and
+   the bits per parameter per inner step a node sends (headers and anchors included, the one final
+   merge not); medians over seeds. Target: a setup at <= 1% of DAdam fp32's bytes within 3% of its
    loss. Other setups plug in through `EXTRA_SETUPS` (e.g. DAdam with compressed gossip).
 2. overlap: time per inner step of gossip DiLoCo whose outer exchanges run over a rate-limited link
    (the in-memory transport's bandwidth model, 20 Mbit/s and 25 ms each way), overlapped with the next
@@ -89,12 +91,14 @@ class Result:
     bytes_per_step: float  # sent + received per node per step, every protocol of the setup
     merge_per_step: float = 0.0  # of which the final merge (once per run)
     consensus: float = 0.0  # ||x_i - mean|| / ||mean|| over the nodes' final models (before averaging)
+    sent_bits_per_param: float = 0.0  # bits a node sends per parameter per inner step (without the final merge)
     seconds: float = 0.0
 
 
 # Inner learning rates, each the best of a sweep on seed 0 at this budget: the tests' 1.5e-2 is tuned for
 # 80 steps and falls behind at 400-800 (see docs/benchmarks.md, "Low-communication training").
 SINGLE_LR, DADAM_LR, DILOCO_LR = 5e-3, 5e-3, 5e-3
+SPARSELOCO_OPTIONS = (("ratio", 0.02), ("chunk", 4096), ("bits", 2))
 
 
 def default_setups() -> list[Setup]:
@@ -109,6 +113,13 @@ def default_setups() -> list[Setup]:
     setups += [Setup(f"DiLoCo H={h} int8 + EF", "diloco", DILOCO_LR, h, "int8") for h in (5, 10)]
     setups += [Setup(f"DiLoCo H={h} int8 + EF, outer lr 0.7 + Nesterov 0.9", "diloco", DILOCO_LR, h, "int8",
                      outer_lr=0.7, outer_momentum=0.9) for h in (25, 100)]
+    # SparseLoCo payloads for the pseudo-gradients; anchors (whole parameters) stay int8 + EF, mixed at every
+    # sync or at every 4th, since at 0.2 bits per parameter per message the anchors' 8 dominate otherwise
+    for h in (10, 25, 100):
+        for every in (1, 4):
+            setups.append(Setup(f"DiLoCo H={h} sparseloco 2% 2-bit + EF" + (f", anchors every {every}th sync"
+                                                                            if every > 1 else ""),
+                                "diloco", DILOCO_LR, h, "sparseloco", SPARSELOCO_OPTIONS, anchor_every=every))
     return setups
 
 
@@ -127,6 +138,10 @@ def tiny_trainer(corpus: Corpus, optimizer: OptimizerConfig, peer_id: str, seed:
 def settings(codec: str, options: tuple[tuple[str, float], ...] = ()) -> ExchangeSettings:
     return ExchangeSettings(swarm="bench", config_hash="0" * 64, codec=get_codec(codec, **dict(options)),
                             exchange_timeout_s=EXCHANGE_TIMEOUT_S)
+
+
+def numel(model: dict[str, np.ndarray]) -> int:
+    return sum(t.size for t in model.values())
 
 
 def spread(models: Sequence[dict[str, np.ndarray]]) -> float:
@@ -159,7 +174,9 @@ async def run_dadam(corpus: Corpus, setup: Setup, seed: int, steps: int) -> Resu
         finals = [await t.tensors() for t in trainers]
         loss = await trainers[0].evaluate(average_tensors(finals))
         moved = sum(n.peer.stats.bytes_sent + n.peer.stats.bytes_received for n in nodes) / NODES
-        return Result(setup.name, seed, loss, moved / steps, spread(finals))
+        sent = sum(n.peer.stats.bytes_sent for n in nodes) / NODES
+        return Result(setup.name, seed, loss, moved / steps, spread(finals),
+                      sent_bits_per_param=8 * sent / steps / numel(finals[0]))
     finally:
         for trainer in trainers:
             trainer.close()
@@ -185,10 +202,11 @@ async def run_diloco(corpus: Corpus, setup: Setup, seed: int, steps: int) -> Res
         # the final merge: every node ends on the average of the nodes' final models
         loss = await trainers[0].evaluate(average_tensors(finals))
         moved = sum(sum(node.outer_bytes) for node in nodes) / NODES
+        sent = sum(node.outer_bytes[0] for node in nodes) / NODES
         # the merge itself moves (n - 1) fp32 models in and out per node, once per run
         merge = 2 * (NODES - 1) * 4 * sum(t.size for t in finals[0].values())
         return Result(setup.name, seed, loss, (moved + merge) / steps, merge_per_step=merge / steps,
-                      consensus=spread(finals))
+                      consensus=spread(finals), sent_bits_per_param=8 * sent / steps / numel(finals[0]))
     finally:
         for node in nodes:
             await node.close()
@@ -226,8 +244,8 @@ def report_quality(results: Sequence[Result], setups: Sequence[Setup]) -> list[s
     dadam = {r.seed: r for r in by["DAdam fp32"]}
     lrs = {s.name: s for s in setups}
     lines = ["| setup | inner lr | loss (median) | / single process | / DAdam fp32 | bytes per node per step | "
-             "/ DAdam fp32 bytes | without the final merge | node spread | target |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "/ DAdam fp32 bytes | without the final merge | sent bits / param / inner step | node spread | target |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, rs in by.items():
         loss = statistics.median(r.loss for r in rs)
         to_single = statistics.median(r.loss / single[r.seed] for r in rs)
@@ -239,7 +257,9 @@ def report_quality(results: Sequence[Result], setups: Sequence[Setup]) -> list[s
         verdict = ("met" if met else "-") if name not in ("single process", "DAdam fp32") else ""
         setup = lrs.get(name)
         lines.append(f"| {name} | {setup.lr if setup else '-'} | {loss:.4f} | {to_single:.3f}x | {to_dadam:.3f}x | "
-                     f"{moved:,.0f} | {to_bytes:.4f} | {no_merge:.4f} | {statistics.median(r.consensus for r in rs):.1e} | "
+                     f"{moved:,.0f} | {to_bytes:.4f} | {no_merge:.4f} | "
+                     f"{statistics.median(r.sent_bits_per_param for r in rs):.4f} | "
+                     f"{statistics.median(r.consensus for r in rs):.1e} | "
                      f"{verdict} |")
     lines += ["", "per seed (loss, bytes per node per step):"]
     for name, rs in by.items():

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gossip.codecs import Codec, Fp32Codec, get_codec
+from gossip.codecs import SPARSE_CODECS, Codec, Fp32Codec, get_codec
 from gossip.diloco.config import DILOCO_DEFAULTS
 from gossip.optimizers import OptimizerConfig
 from gossip.pace import DEFAULT_PACE, TransferPace
@@ -157,8 +157,8 @@ class PlanConfig:
             raise ValueError(f"round CPU time must be a finite number of seconds >= 0, got {self.round_cpu_s!r}")
         if self.anchor_every < 0:
             raise ValueError(f"anchor_every must be >= 0, got {self.anchor_every}")
-        if self.anchor_codec.name == "topk":
-            raise ValueError("anchors are whole parameters: top-k is sound on differences only")
+        if self.anchor_codec.name in SPARSE_CODECS:
+            raise ValueError(f"anchors are whole parameters: {self.anchor_codec.name} is sound on differences only")
 
     @property
     def diloco_fused(self) -> bool:
@@ -295,7 +295,7 @@ def allgather_sync(payload_bytes: int, peers: int, link: LinkSpec) -> RoundCost:
 
 def collective_sync(payload: int, codec: Codec, peers: int, link: LinkSpec) -> RoundCost:
     """The ring collective that averages this payload: all-reduce, or all-gather for a sparse codec."""
-    return (allgather_sync if codec.name == "topk" else allreduce_sync)(payload, peers, link)
+    return (allgather_sync if codec.name in SPARSE_CODECS else allreduce_sync)(payload, peers, link)
 
 
 def payload_bytes(specs: Sequence[TensorSpec], codec: Codec) -> int:

@@ -10,6 +10,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gossip.codecs.registry import SPARSE_CODECS
 from gossip.mixing import MixingKind
 
 # mixing rules CHOCO can apply to an edge's difference (theirs - mine); the others need whole vectors (a node
@@ -20,7 +21,7 @@ CHOCO_RULES = (MixingKind.WEIGHTED, MixingKind.CLIPPED, MixingKind.ADAPTIVE_CLIP
 class Rule(enum.StrEnum):
     """A combination of knobs murmur refuses, and why (the value is the reason in a few words)."""
 
-    # top-k sends a few entries of each tensor and drops the rest: sound on differences carried on by error
+    # top-k (and SparseLoCo's chunked top-k) sends a few entries of each tensor and drops the rest: sound on differences carried on by error
     # feedback or estimates (DiLoCo's pseudo-gradients, compressed gossip's), never on whole parameters
     TOPK_ON_WHOLE_PARAMETERS = "top-k is sound on differences only, and this swarm gossips whole parameters"
     TOPK_WITH_SPES = "SPES mixes its shared weights as whole parameters: top-k is not sound there"
@@ -61,7 +62,7 @@ class Knobs:
 def broken_rules(knobs: Knobs) -> frozenset[Rule]:
     """Every rule `knobs` break (empty: a sound combination). Callers test the rules in the order they
     report them; `check_knobs` raises for the first in declaration order."""
-    topk = knobs.codec == "topk"
+    topk = knobs.codec in SPARSE_CODECS  # top-k, and SparseLoCo's chunked top-k
     return frozenset(rule for rule, broken in (
         (Rule.TOPK_ON_WHOLE_PARAMETERS, topk and not (knobs.diloco or knobs.choco)),
         (Rule.TOPK_WITH_SPES, topk and knobs.spes),

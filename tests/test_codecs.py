@@ -367,7 +367,7 @@ def test_elias_fano_topk_payload_is_checked() -> None:
 
 
 def test_registry_names_options_and_errors() -> None:
-    assert set(CODEC_TYPES) == {"fp32", "fp16", "bf16", "int8", "topk"}
+    assert set(CODEC_TYPES) == {"fp32", "fp16", "bf16", "int8", "topk", "sparseloco"}
     for codec in (Fp32Codec(), Fp16Codec(), Bf16Codec(), Int8Codec(block=64), TopKCodec(0.01),
                   TopKCodec(0.01, packed=True), TopKCodec(0.01, packed=True, elias_fano=True)):
         assert codec_from_wire(codec.name, codec.options()) == codec

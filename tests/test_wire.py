@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from gossip import errors
-from gossip.codecs import Bf16Codec, Fp16Codec, Fp32Codec, Int8Codec, TopKCodec, get_codec
+from gossip.codecs import Bf16Codec, Fp16Codec, Fp32Codec, Int8Codec, SparseLoCoCodec, TopKCodec, get_codec
 from gossip.errors import (
     WIRE_ERROR_KINDS,
     BadSchema,
@@ -44,7 +44,7 @@ pytestmark = pytest.mark.unit
 
 FIELDS = dict(swarm="tiny-moe", config_hash="c0ffee", sender="12D3KooWpeer", round=3, step=120, kind="exchange")
 CODECS = [Fp32Codec(), Fp16Codec(), Bf16Codec(), Int8Codec(block=8), TopKCodec(0.3),
-          TopKCodec(0.3, packed=True, elias_fano=True)]
+          TopKCodec(0.3, packed=True, elias_fano=True), SparseLoCoCodec(0.3, 16, 2)]
 
 
 def prefix(n: int) -> bytes:

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gossip.codecs import Bf16Codec, Fp16Codec, Fp32Codec, Int8Codec, TopKCodec
+from gossip.codecs import Bf16Codec, Fp16Codec, Fp32Codec, Int8Codec, SparseLoCoCodec, TopKCodec
 from gossip.errors import BadSchema, FrameTooLarge, Truncated, WireError
 from gossip.wire import HEADER_KEYS, Expectation, Message, decode_message, encode_message, read_message
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.unit
 PEAK_LIMIT = 8 << 20
 FIELDS = dict(swarm="s", config_hash="h", sender="p", round=1, step=2, kind="exchange")
 CODECS = [Fp32Codec(), Fp16Codec(), Bf16Codec(), Int8Codec(block=16), TopKCodec(0.25),
-          TopKCodec(0.25, packed=True, elias_fano=True)]
+          TopKCodec(0.25, packed=True, elias_fano=True), SparseLoCoCodec(0.25, 16, 2)]
 FUZZ = settings(deadline=None, max_examples=100, suppress_health_check=[HealthCheck.too_slow])
 
 

@@ -8,15 +8,20 @@ from types import MappingProxyType
 from gossip.codecs.base import Codec, OptionValue
 from gossip.codecs.floats import Bf16Codec, Fp16Codec, Fp32Codec
 from gossip.codecs.int8 import Int8Codec
+from gossip.codecs.sparseloco import SparseLoCoCodec
 from gossip.codecs.topk import TopKCodec
 from gossip.errors import UnknownCodec
 
-CODEC_TYPES: Mapping[str, type[Fp32Codec | Fp16Codec | Bf16Codec | Int8Codec | TopKCodec]] = MappingProxyType(
-    {cls.name: cls for cls in (Fp32Codec, Fp16Codec, Bf16Codec, Int8Codec, TopKCodec)}
+CodecType = type[Fp32Codec | Fp16Codec | Bf16Codec | Int8Codec | TopKCodec | SparseLoCoCodec]
+CODEC_TYPES: Mapping[str, CodecType] = MappingProxyType(
+    {cls.name: cls for cls in (Fp32Codec, Fp16Codec, Bf16Codec, Int8Codec, TopKCodec, SparseLoCoCodec)}
 )
 # Codecs that carry every element, so they are sound on whole parameter vectors (anchors, SPES's groups,
-# plain gossip); top-k drops most entries and is sound only on differences (gossip.rules).
+# plain gossip); top-k and SparseLoCo drop most entries and are sound only on differences (gossip.rules).
 STATE_CODECS = (Fp32Codec.name, Fp16Codec.name, Bf16Codec.name, Int8Codec.name)
+# Codecs that send a few entries of each tensor: sound on differences with error feedback only, and averaged
+# by an all-gather (partial sums would not stay sparse).
+SPARSE_CODECS = (TopKCodec.name, SparseLoCoCodec.name)
 
 
 def codec_from_wire(name: str, options: Mapping[str, object]) -> Codec:
@@ -29,7 +34,7 @@ def codec_from_wire(name: str, options: Mapping[str, object]) -> Codec:
 
 def get_codec(name: str, **options: OptionValue) -> Codec:
     """A codec from local configuration, e.g. get_codec("fp16"), get_codec("int8", block=128),
-    get_codec("topk", ratio=0.01); ValueError for an unknown name or bad options.
+    get_codec("topk", ratio=0.01), get_codec("sparseloco", ratio=0.02, chunk=4096, bits=2); ValueError for an unknown name or bad options.
 
     (A codec named by a peer's header goes through `codec_from_wire`, which raises WireErrors.)
     """

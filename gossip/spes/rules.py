@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import numpy as np
 
-from gossip.codecs import CODEC_TYPES, get_codec
+from gossip.codecs import CODEC_TYPES, SPARSE_CODECS, get_codec
 from gossip.errors import WireError
 from gossip.knobs import MAX_OUTER_LR, MAX_STEPS
 
@@ -171,7 +171,7 @@ class SpesConfig:
         if not (math.isfinite(self.alpha0) and 0.0 <= self.alpha0 <= 1.0):
             raise ValueError(f"spes config: alpha0 must be in [0, 1], got {self.alpha0!r}")
         for name in ("shared_codec", "expert_codec"):
-            if getattr(self, name) not in CODEC_TYPES or getattr(self, name) == "topk":
+            if getattr(self, name) not in CODEC_TYPES or getattr(self, name) in SPARSE_CODECS:
                 raise ValueError(f"spes config: {name} must be one of {REFRESH_CODECS}, got {getattr(self, name)!r}")
         if not (math.isfinite(self.outer_lr) and 0.0 < self.outer_lr <= MAX_OUTER_LR):
             raise ValueError(f"spes config: outer_lr must be in (0, 10], got {self.outer_lr!r}")

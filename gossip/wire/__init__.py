@@ -23,7 +23,7 @@ Header (a msgpack map with exactly these keys; any other key is a schema error; 
     ``round``       int >= 0
     ``step``        int >= 0
     ``kind``        str, what the message is for, e.g. "exchange", "reply", "params"
-    ``codec``       str, one of fp32, fp16, bf16, int8, topk (see `gossip.codecs` for layouts)
+    ``codec``       str, one of fp32, fp16, bf16, int8, topk, sparseloco (see `gossip.codecs` for layouts)
     ``codec_opts``  map str -> int/float, e.g. {"block": 256} or {"ratio": 0.01}; {} for none
     ``manifest``    list of [name: str, dtype: "float32"|"float16"|"float64", shape: list of int >= 0,
                     nbytes: int, the tensor's encoded length on the wire]
