@@ -161,10 +161,10 @@ def report(params: int, codec: str, reports: list[dict]) -> list[str]:
     for i, r in enumerate(reports):
         beyond = max(0, r["peak"] - r["baseline"])
         copies = beyond / payload
+        times = ", ".join(f"{x['s']:.1f}" for x in r["rounds"])
+        outcomes = "; ".join(f"{x['mixed']}, {x['skipped'] or '-'}" for x in r["rounds"])
         lines.append(f"| {i} | {r['baseline'] / gib:.2f} | {beyond / gib:.2f} | {copies:.2f} | "
-                     f"{'met' if copies <= TARGET_COPIES else 'MISSED'} | "
-                     f"{', '.join(f'{x['s']:.1f}' for x in r['rounds'])} | "
-                     f"{'; '.join(f'{x['mixed']}, {x['skipped'] or '-'}' for x in r['rounds'])} |")
+                     f"{'met' if copies <= TARGET_COPIES else 'MISSED'} | {times} | {outcomes} |")
     raw_s = reports[1]["raw_s"]
     best = min(x["s"] for r in reports for x in r["rounds"])
     lines += ["", f"raw p2pd stream of one payload (baseline): {raw_s:.1f} s; the fastest round moved a payload "
