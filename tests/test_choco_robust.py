@@ -49,7 +49,7 @@ class Ring:
         start = _start(seed)
         self.peers = {}
         for pid in IDS:
-            settings = ExchangeSettings(swarm="t", config_hash="h", codec=Fp32Codec(), exchange_timeout_s=0.5,
+            settings = ExchangeSettings(swarm="t", config_hash="h", codec=Fp32Codec(), exchange_timeout_s=2.0,
                                         rule=rule)
             state = ChocoState(ChocoSettings(Fp32Codec(), 1.0), _zeros())
             self.peers[pid] = GossipPeer(self.net.transport(pid), settings, start[pid], choco=state)
@@ -109,7 +109,9 @@ def test_a_hostile_choco_neighbour_moves_honest_nodes_a_bounded_distance(attack)
     for neighbour in ("p1", "p3"):
         mixed = sum(HOSTILE in o[neighbour].mixed_with for o in outcomes)
         refused = guarded.peers[neighbour].stats.errors["out_of_range"]
-        assert mixed > ROUNDS // 3 and mixed + refused == ROUNDS, (mixed, refused)
+        # a round whose exchange with the hostile the deadline cut (a loaded machine) is neither
+        timed_out = sum(o[neighbour].skipped.get(HOSTILE, "").startswith("timeout") for o in outcomes)
+        assert mixed > ROUNDS // 3 and mixed + refused + timed_out == ROUNDS, (mixed, refused, timed_out)
         assert guarded.peers[neighbour].stats.clipped >= mixed - 2
     # honest neighbours among themselves are rarely clipped
     assert guarded.peers["p0"].stats.clipped <= ROUNDS // 2
