@@ -34,7 +34,7 @@ from typing import Annotated
 import msgspec
 import numpy as np
 
-from gossip.codecs import Codec
+from gossip.codecs import SPARSE_CODECS, Codec
 from gossip.mixing import MixingKind, MixingRule, clip_scale, distance
 from gossip.robust import Mixer, check_values
 from gossip.rules import CHOCO_RULES, Knobs, Rule, broken_rules
@@ -122,8 +122,9 @@ class ChocoSettings:
 def default_gamma(codec: Codec) -> float:
     """The consensus step when the recipe leaves it open: 1 for codecs that keep every element (the
     estimates then catch up in about one exchange); for top-k, 10 times its ratio, at most 1/2: the
-    step that trained best in the measurements of docs/training.md (larger steps diverged with DAdam)."""
-    ratio = codec.options().get("ratio") if codec.name == "topk" else None
+    step that trained best in the measurements of docs/training.md (larger steps diverged with DAdam); for
+    SparseLoCo's chunked top-k the same from its ratio (not measured there)."""
+    ratio = codec.options().get("ratio") if codec.name in SPARSE_CODECS else None
     return DENSE_GAMMA if ratio is None else min(MAX_TOPK_GAMMA, TOPK_GAMMA_PER_RATIO * float(ratio))
 
 

@@ -207,3 +207,30 @@ def test_round_bytes_and_the_plan_count_its_size() -> None:
     assert Rule.TOPK_ON_WHOLE_PARAMETERS in broken_rules(Knobs(codec="sparseloco"))
     assert not broken_rules(Knobs(codec="sparseloco", diloco=True))
     assert Rule.TOPK_WITH_SPES in broken_rules(Knobs(codec="sparseloco", spes=True))
+
+
+def _founded(line: str) -> dict:
+    import shlex
+
+    from node.cli.main import build_parser, node_config_from_args
+    from node.runtime.founding import swarm_document
+
+    args = build_parser().parse_args(["node", *shlex.split(line)])
+    return swarm_document(node_config_from_args(args, {}), 1234.5)
+
+
+def test_a_founder_offers_it_for_diloco_and_joiners_build_the_same_codec_from_the_document() -> None:
+    from node.swarm.recipe import SwarmSettings
+
+    document = _founded("--optimizer diloco --local-steps 50 --codec sparseloco --topk-ratio 0.02")
+    assert document["gossip"]["codec"] == "sparseloco" and document["gossip"]["topk_ratio"] == 0.02
+    assert "topk_packed" not in document["gossip"]
+    codec = SwarmSettings.from_doc(document).codec
+    assert codec.name == "sparseloco" and codec.options()["ratio"] == 0.02
+
+
+def test_a_founder_cannot_gossip_whole_parameters_in_it() -> None:
+    from node.config import ConfigError
+
+    with pytest.raises(ConfigError, match="sound on differences only"):
+        _founded("--optimizer dadam --codec sparseloco")

@@ -196,7 +196,9 @@ def describe(plan: Plan, config: PlanConfig, step: StepTime, model: str) -> list
     c = config
     options = c.codec.options()
     layout = ", packed, Elias-Fano indices" if options.get("elias_fano") else ", packed" if options.get("packed") else ""
-    codec = c.codec.name + (f" (ratio {options['ratio']:g}{layout})" if c.codec.name == "topk" else "")
+    codec = c.codec.name + (f" (ratio {options['ratio']:g}{layout})" if c.codec.name == "topk"
+                            else f" (ratio {options['ratio']:g}, chunk {options['chunk']}, {options['bits']} bits)"
+                            if c.codec.name == "sparseloco" else "")
     lines = [
         f"model: {model}, {plan.numel:,} parameters ({_mb(4 * plan.numel)} MB in fp32), {len(c.specs)} tensors",
         f"compute per step: {step.seconds:.3f} s ({step.source}); {c.tokens_per_step:,} tokens per node per step",
@@ -364,7 +366,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         if compression is Compression.CHOCO:
             check_topology(topology)
         codec = (TopKCodec(args.topk_ratio, args.topk_packed or args.topk_elias_fano, args.topk_elias_fano)
-                 if args.codec == "topk" else get_codec(args.codec))
+                 if args.codec == "topk" else get_codec(args.codec, ratio=args.topk_ratio)
+                 if args.codec == "sparseloco" else get_codec(args.codec))
         link = LinkSpec(args.bandwidth_mbit, args.latency_ms,
                         DEFAULT_LINK_EFFICIENCY if args.link_efficiency is None else args.link_efficiency)
         build_topology(topology, args.peers)  # a bad combination fails here, in one line

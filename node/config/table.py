@@ -11,7 +11,7 @@ from enum import StrEnum
 import msgspec
 
 from gossip.choco import ChocoKnobs
-from gossip.codecs import STATE_CODECS, TopKCodec
+from gossip.codecs import SPARSE_CODECS, STATE_CODECS
 from gossip.diloco import DilocoSettings
 from gossip.knobs import Knob, knobs
 from gossip.mixing import MIXING_KINDS
@@ -64,7 +64,7 @@ class Transport(StrEnum):
 
 
 TRANSPORTS = tuple(Transport)
-NODE_CODECS = (*STATE_CODECS, TopKCodec.name)
+NODE_CODECS = (*STATE_CODECS, *SPARSE_CODECS)
 GOSSIP_COMPRESSIONS = ("none", "choco")
 SPES_REFRESH_CODECS = NODE_REFRESH_CODECS  # what --spes-refresh-codec offers (gossip.spes takes fp32 too)
 SPES_EXPERT_CODECS = STATE_CODECS  # what --spes-expert-codec offers
@@ -235,11 +235,12 @@ SETTINGS: tuple[Setting, ...] = (
             "--monitor-port", "TCP port of the monitor page; 0 picks a free one", MONITOR_CLIENTS),
     Setting("gossip.codec", Choice("codec", NODE_CODECS, metavar="CODEC"), "MURMUR_CODEC", "--codec",
             "wire codec of what the swarm exchanges: the parameters (dsgd, dadam), their differences with "
-            "--gossip-compression choco, or DiLoCo's pseudo-gradients (error feedback for the lossy ones); topk only "
-            "with --optimizer diloco or --gossip-compression choco (the swarm's)", NODE),
+            "--gossip-compression choco, or DiLoCo's pseudo-gradients (error feedback for the lossy ones); topk and "
+            "sparseloco (chunked top-k, 2-bit values) only with --optimizer diloco or --gossip-compression choco "
+            "(the swarm's)", NODE),
     Setting("gossip.topk_ratio", Number(0.0, lo_open=True, hi=1.0, metavar="RATIO"), "MURMUR_TOPK_RATIO",
             "--topk-ratio", "fraction of each tensor's entries --codec topk sends, the largest in magnitude "
-            "(the swarm's)", NODE),
+            "(of each 4096-element chunk's with --codec sparseloco) (the swarm's)", NODE),
     Setting("gossip.topk_packed", Boolean(), "MURMUR_TOPK_PACKED", "--topk-packed",
             "--codec topk sends each kept entry as a uint16 in-block offset and an int8 value under one scale "
             "per tensor: 3 bytes instead of 8, the rounding carried on by the error feedback (the swarm's)", NODE),

@@ -93,6 +93,8 @@ def build_document(config: NodeConfig, epoch: float, admission: AdmissionDoc | N
         "max_staleness_rounds": gossip.max_staleness_rounds,
         "mixing": {"kind": gossip.mixing.kind.value, "tau": gossip.mixing.tau, "trim": gossip.mixing.trim},
     }
+    if gossip.codec == "sparseloco":
+        gossip_doc["topk_ratio"] = gossip.topk_ratio
     if gossip.codec == "topk":
         gossip_doc["topk_ratio"] = gossip.topk_ratio
         if gossip.topk_packed or gossip.topk_elias_fano:  # Elias-Fano indices come in the packed layout

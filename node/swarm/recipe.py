@@ -63,7 +63,7 @@ _FINITE_MAX = sys.float_info.max
 Steps = Annotated[int, msgspec.Meta(ge=0, le=MAX_STEPS)]
 Seed = Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)]
 # --codec; topk only on differences (compressed gossip's, gossip DiLoCo's pseudo-gradients)
-CodecName = Literal["fp32", "fp16", "bf16", "int8", "topk"]
+CodecName = Literal["fp32", "fp16", "bf16", "int8", "topk", "sparseloco"]
 # whole parameter vectors (anchors, SPES's groups): top-k is sound only on differences
 StateCodecName = Literal["fp32", "fp16", "bf16", "int8"]
 RefreshCodecName = Literal["fp32", "fp16", "bf16", "int8"]
@@ -189,7 +189,7 @@ class GossipDoc(_Doc, frozen=True):
     round_interval_s: Annotated[float, msgspec.Meta(ge=MIN_ROUND_INTERVAL_S, le=MAX_ROUND_INTERVAL_S)]
     max_staleness_rounds: Annotated[int, msgspec.Meta(ge=0, le=MAX_STALENESS_ROUNDS)]
     mixing: MixingDoc
-    topk_ratio: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = DEFAULT_TOPK_RATIO  # written only with codec topk
+    topk_ratio: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = DEFAULT_TOPK_RATIO  # written only with codec topk or sparseloco
     topk_packed: bool = False  # written only when true (older configs keep their hash)
     topk_elias_fano: bool = False  # written only when true
     compression: CompressionDoc | None = None  # absent: whole parameters
@@ -435,6 +435,7 @@ class SwarmSettings:
                                     edges=t.edges, directed=t.directed)
             codec = (get_codec(g.codec, ratio=g.topk_ratio, packed=g.topk_packed,
                                    elias_fano=g.topk_elias_fano) if g.codec == "topk"
+                     else get_codec(g.codec, ratio=g.topk_ratio) if g.codec == "sparseloco"
                      else get_codec(g.codec))
             mixing = MixingRule(kind=g.mixing.kind, tau=g.mixing.tau, trim=g.mixing.trim)
             choco = None
@@ -451,7 +452,7 @@ class SwarmSettings:
                 gamma = default_gamma(codec) if g.compression.gamma is None else g.compression.gamma
                 choco = ChocoSettings(codec=codec, gamma=gamma, rule=mixing)
             elif Rule.TOPK_ON_WHOLE_PARAMETERS in broken:
-                raise ValueError("codec topk is sound on differences only (compressed gossip's, gossip DiLoCo's "
+                raise ValueError(f"codec {g.codec} is sound on differences only (compressed gossip's, gossip DiLoCo's "
                                  "pseudo-gradients), and the swarm gossips whole parameters")
             return cls(
                 topology=topology,
@@ -474,7 +475,7 @@ class SwarmSettings:
         broken = broken_rules(Knobs(codec=self.codec.name, diloco=t is not None and t.diloco is not None,
                                     spes=t is not None and t.spes is not None))
         if Rule.TOPK_ON_WHOLE_PARAMETERS in broken:
-            raise RecipeInvalid("the swarm's config is invalid: gossip.codec: topk drops most of each tensor and is "
+            raise RecipeInvalid(f"the swarm's config is invalid: gossip.codec: {self.codec.name} drops most of each tensor and is "
                                 "sound only on gossip DiLoCo's pseudo-gradients, not on whole parameters")
         if Rule.SPES_WITH_DILOCO in broken:
             raise RecipeInvalid("the swarm's config is invalid: SPES takes its outer step knobs from its own fields, "
