@@ -65,7 +65,7 @@ class Setup:
     """One way to train the swarm (or the single process) for the quality table."""
 
     name: str
-    kind: str  # "single", "dadam", "diloco"
+    kind: str  # "single", "alone", "dadam", "diloco"
     lr: float
     local_steps: int = 1
     codec: str = "fp32"
@@ -76,9 +76,10 @@ class Setup:
     outer_momentum: float = 0.0
     anchor_every: int = 1
     anchor_codec: str = "int8"
+    topology: str = TOPOLOGY  # "complete": every node mixes with all the others at 1/n, an exact average
 
     def optimizer(self, steps: int) -> OptimizerConfig:
-        algorithm = "diloco" if self.kind == "diloco" else "dadam"
+        algorithm = "diloco" if self.kind == "diloco" else "dadam"  # "alone" trains with DAdam's inner AdamW
         return OptimizerConfig(algorithm=algorithm, lr=self.lr, warmup_steps=steps // 10, total_steps=steps,
                                clip_norm=1.0, local_steps=self.local_steps)
 
@@ -101,8 +102,15 @@ SINGLE_LR, DADAM_LR, DILOCO_LR = 5e-3, 5e-3, 5e-3
 SPARSELOCO_OPTIONS = (("ratio", 0.02), ("chunk", 4096), ("bits", 2))
 
 
+BASELINES = ("single process", "no communication", "DAdam fp32")  # run whatever --setups names
+
+
 def default_setups() -> list[Setup]:
-    setups = [Setup("single process", "single", SINGLE_LR), Setup("DAdam fp32", "dadam", DADAM_LR)]
+    setups = [Setup("single process", "single", SINGLE_LR), Setup("no communication", "alone", SINGLE_LR),
+              Setup("DAdam fp32", "dadam", DADAM_LR)]
+    # the exact average (all-reduce) of the pseudo-gradients, against which gossip's one-peer mixing is measured
+    setups += [Setup(f"DiLoCo H={h} int8 + EF, exact average", "diloco", DILOCO_LR, h, "int8", topology="complete")
+               for h in (25, 100)]
     for h in (25, 100):
         for codec, options in (("fp32", ()), ("int8", ()), ("topk", (("ratio", 0.01),))):
             label = "top-k 1% + EF" if codec == "topk" else codec + (" + EF" if codec == "int8" else "")
@@ -152,24 +160,59 @@ def spread(models: Sequence[dict[str, np.ndarray]]) -> float:
     return float(np.sqrt(num / den))
 
 
-async def run_single(corpus: Corpus, setup: Setup, seed: int, steps: int) -> Result:
+Warm = dict[str, np.ndarray] | None  # the parameters every arm starts from (--warm-start), None: the seed's init
+
+
+async def warm_start(corpus: Corpus, seed: int, steps: int) -> dict[str, np.ndarray]:
+    """The single process (batch NODES x BATCH) trained `steps` steps from the seed's init: the checkpoint
+    every arm of a --warm-start run starts from, as the DiLoCo papers start from a pretrained model."""
+    optimizer = OptimizerConfig(algorithm="dadam", lr=SINGLE_LR, warmup_steps=steps // 10, total_steps=steps,
+                                clip_norm=1.0)
+    async with tiny_trainer(corpus, optimizer, f"s{seed}-warm", seed, NODES * BATCH, corpus.train) as trainer:
+        await train_alone(trainer, steps)
+        return await trainer.tensors()
+
+
+async def _started(trainer: Trainer, warm: Warm) -> Trainer:
+    if warm is not None:  # the parameters only: each arm's optimizer and schedule start afresh
+        await trainer.load_tensors(warm)
+    return trainer
+
+
+async def run_single(corpus: Corpus, setup: Setup, seed: int, steps: int, warm: Warm = None) -> Result:
     async with tiny_trainer(corpus, setup.optimizer(steps), f"s{seed}-single", seed, NODES * BATCH,
                             corpus.train) as trainer:
+        await _started(trainer, warm)
         await train_alone(trainer, steps)
         return Result(setup.name, seed, await trainer.evaluate(), 0.0)
 
 
-async def run_dadam(corpus: Corpus, setup: Setup, seed: int, steps: int) -> Result:
+async def run_alone(corpus: Corpus, setup: Setup, seed: int, steps: int, warm: Warm = None) -> Result:
+    """Training apart: each node on its own shard, never communicating; its loss is the mean of the nodes'
+    own models' (averaging them at the end would be a communication)."""
+    losses, finals = [], []
+    for i in range(NODES):
+        pid = f"s{seed}-peer{i}"
+        async with tiny_trainer(corpus, setup.optimizer(steps), pid, seed, BATCH, peer_shard(corpus, pid)) as trainer:
+            await _started(trainer, warm)
+            await train_alone(trainer, steps)
+            losses.append(await trainer.evaluate())
+            finals.append(await trainer.tensors())
+    return Result(setup.name, seed, statistics.fmean(losses), 0.0, consensus=spread(finals))
+
+
+async def run_dadam(corpus: Corpus, setup: Setup, seed: int, steps: int, warm: Warm = None) -> Result:
     ids = [f"s{seed}-peer{i}" for i in range(NODES)]
     net = InMemoryNetwork()
     trainers = [tiny_trainer(corpus, setup.optimizer(steps), pid, seed, BATCH, peer_shard(corpus, pid)) for pid in ids]
     try:
         nodes = []
         for pid, trainer in zip(ids, trainers, strict=True):
+            await _started(trainer, warm)
             peer = GossipPeer(net.transport(pid), settings(setup.codec, setup.codec_options), await trainer.tensors())
             await peer.start()
             nodes.append(GossipTrainer(trainer, peer))
-        lockstep = Lockstep(ids, TOPOLOGY)
+        lockstep = Lockstep(ids, setup.topology)
         await drive(nodes, steps, lockstep)
         finals = [await t.tensors() for t in trainers]
         loss = await trainers[0].evaluate(average_tensors(finals))
@@ -182,7 +225,7 @@ async def run_dadam(corpus: Corpus, setup: Setup, seed: int, steps: int) -> Resu
             trainer.close()
 
 
-async def run_diloco(corpus: Corpus, setup: Setup, seed: int, steps: int) -> Result:
+async def run_diloco(corpus: Corpus, setup: Setup, seed: int, steps: int, warm: Warm = None) -> Result:
     ids = [f"s{seed}-peer{i}" for i in range(NODES)]
     net = InMemoryNetwork()
     optimizer = setup.optimizer(steps)
@@ -192,12 +235,13 @@ async def run_diloco(corpus: Corpus, setup: Setup, seed: int, steps: int) -> Res
     nodes = []
     try:
         for pid, trainer in zip(ids, trainers, strict=True):
+            await _started(trainer, warm)
             schedule = SyncSchedule(setup.local_steps, setup.fragments, optimizer.schedule.lr_at)
             node = DilocoTrainer(trainer, net.transport(pid), settings(setup.codec, setup.codec_options), config,
                                  schedule)
             await node.start()
             nodes.append(node)
-        await drive(nodes, steps, Lockstep(ids, TOPOLOGY), last=steps)
+        await drive(nodes, steps, Lockstep(ids, setup.topology), last=steps)
         finals = [node.anchor for node in nodes]
         # the final merge: every node ends on the average of the nodes' final models
         loss = await trainers[0].evaluate(average_tensors(finals))
@@ -214,18 +258,19 @@ async def run_diloco(corpus: Corpus, setup: Setup, seed: int, steps: int) -> Res
             trainer.close()
 
 
-RUNNERS = {"single": run_single, "dadam": run_dadam, "diloco": run_diloco}
+RUNNERS = {"single": run_single, "alone": run_alone, "dadam": run_dadam, "diloco": run_diloco}
 
 
-async def quality(seeds: Sequence[int], steps: int, names: set[str] | None) -> list[Result]:
+async def quality(seeds: Sequence[int], steps: int, names: set[str] | None, warm_steps: int = 0) -> list[Result]:
     corpus = embedded_corpus()
     results = []
     for seed in seeds:
+        warm = await warm_start(corpus, seed, warm_steps) if warm_steps else None
         for setup in default_setups():
-            if names is not None and setup.name not in names and setup.kind not in ("single", "dadam"):
+            if names is not None and setup.name not in names and setup.name not in BASELINES:
                 continue
             started = time.perf_counter()
-            result = await RUNNERS[setup.kind](corpus, setup, seed, steps)
+            result = await RUNNERS[setup.kind](corpus, setup, seed, steps, warm)
             result = Result(**{**result.__dict__, "seconds": time.perf_counter() - started})
             results.append(result)
             print(f"  {setup.name}, seed {seed}: loss {result.loss:.4f}, {result.bytes_per_step:,.0f} B/node/step, "
@@ -241,11 +286,13 @@ def report_quality(results: Sequence[Result], setups: Sequence[Setup]) -> list[s
     for r in results:
         by.setdefault(r.setup, []).append(r)
     single = {r.seed: r.loss for r in by["single process"]}
+    alone = {r.seed: r.loss for r in by.get("no communication", [])}
     dadam = {r.seed: r for r in by["DAdam fp32"]}
     lrs = {s.name: s for s in setups}
     lines = ["| setup | inner lr | loss (median) | / single process | / DAdam fp32 | bytes per node per step | "
-             "/ DAdam fp32 bytes | without the final merge | sent bits / param / inner step | node spread | target |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "/ DAdam fp32 bytes | without the final merge | sent bits / param / inner step | node spread | "
+             "recovered | target |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, rs in by.items():
         loss = statistics.median(r.loss for r in rs)
         to_single = statistics.median(r.loss / single[r.seed] for r in rs)
@@ -254,12 +301,16 @@ def report_quality(results: Sequence[Result], setups: Sequence[Setup]) -> list[s
         to_bytes = statistics.median(r.bytes_per_step / dadam[r.seed].bytes_per_step for r in rs)
         no_merge = statistics.median((r.bytes_per_step - r.merge_per_step) / dadam[r.seed].bytes_per_step for r in rs)
         met = to_bytes <= BYTES_TARGET and to_dadam <= LOSS_TARGET
-        verdict = ("met" if met else "-") if name not in ("single process", "DAdam fp32") else ""
+        verdict = ("met" if met else "-") if name not in BASELINES else ""
+        # the share of the data-parallel baseline's improvement over training apart that this arm recovers
+        gaps = [(alone[r.seed] - r.loss) / (alone[r.seed] - single[r.seed]) for r in rs
+                if r.seed in alone and alone[r.seed] != single[r.seed]]
+        recovered = f"{statistics.median(gaps):.0%}" if gaps else "-"
         setup = lrs.get(name)
         lines.append(f"| {name} | {setup.lr if setup else '-'} | {loss:.4f} | {to_single:.3f}x | {to_dadam:.3f}x | "
                      f"{moved:,.0f} | {to_bytes:.4f} | {no_merge:.4f} | "
                      f"{statistics.median(r.sent_bits_per_param for r in rs):.4f} | "
-                     f"{statistics.median(r.consensus for r in rs):.1e} | "
+                     f"{statistics.median(r.consensus for r in rs):.1e} | {recovered} | "
                      f"{verdict} |")
     lines += ["", "per seed (loss, bytes per node per step):"]
     for name, rs in by.items():
@@ -358,6 +409,9 @@ def main() -> int:
     parser.add_argument("--setups", help="setup names separated by \";\" (the baselines always run)")
     parser.add_argument("--phases", type=int, default=6, help="overlap: phases timed")
     parser.add_argument("--quick", action="store_true", help="one seed, 200 steps, 2 phases: a smoke run")
+    parser.add_argument("--warm-start", type=int, default=0, metavar="STEPS",
+                        help="quality: every arm starts from the single process trained this many steps (0: from "
+                             "the seed's init)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -369,9 +423,11 @@ def main() -> int:
           f"torch {torch.__version__}, load average {os.getloadavg()[0]:.1f}", flush=True)
     if "quality" in only:
         names = {n.strip() for n in args.setups.split(";")} if args.setups else None
-        results = asyncio.run(quality(seeds, steps, names))
+        results = asyncio.run(quality(seeds, steps, names, args.warm_start))
         print(f"\n## quality against bytes: {NODES} nodes x {steps} steps of batch {BATCH} vs one process of batch "
-              f"{NODES * BATCH}, seeds {seeds}\n")
+              f"{NODES * BATCH}, seeds {seeds}"
+              + (f", every arm warm-started from the single process at step {args.warm_start}" if args.warm_start
+                 else "") + "\n")
         print("\n".join(report_quality(results, default_setups())), flush=True)
     if "overlap" in only:
         print("\n## overlap\n")
