@@ -10,6 +10,10 @@
    the bits per parameter per inner step a node sends (headers and anchors included, the one final
    merge not); medians over seeds. Target: a setup at <= 1% of DAdam fp32's bytes within 3% of its
    loss. Other setups plug in through `EXTRA_SETUPS` (e.g. DAdam with compressed gossip).
+   Against training apart and data-parallel training: `no communication` (each node on its shard alone, the
+   mean of their own models' losses), DiLoCo with the exact average (`complete` graph, 1/n each) beside
+   gossip's one-peer mixing, and the share of the single process's improvement over no communication each
+   arm recovers. `--warm-start STEPS` starts every arm from the single process trained that long.
 2. overlap: time per inner step of gossip DiLoCo whose outer exchanges run over a rate-limited link
    (the in-memory transport's bandwidth model, 20 Mbit/s and 25 ms each way), overlapped with the next
    phase or not, against inner steps alone; compute is a fixed sleep per step in a forward hook (a GPU
@@ -20,7 +24,7 @@ The model of part 1 is the tests' TINY GPT (2 layers, width 64, context 32; 100,
 embedded 4 MB corpus, so that a seed's runs take minutes on two shared cores.
 
 Run from the repository root: .venv/bin/python -m bench.bench_lowcomm [--only quality,overlap] [--seeds 0,1,2]
-[--steps 600] [--setups "NAME;..."] [--quick]
+[--steps 600] [--setups "NAME;..."] [--warm-start STEPS] [--quick]
 """
 
 from __future__ import annotations
