@@ -80,14 +80,18 @@ class MessageStream:
         are on their way while later ones are encoded. A buffer that fails its check after earlier
         ones went out (e.g. a NaN) cannot be finished, and a reject after part of a message would be
         garbage to the receiver: counted as `unsendable` and raised as TensorsUnsendable; the caller
-        closes the stream, which the receiver reads as a truncated message. With `stall_s`, a frame the
-        peer does not take within that long raises TransferStalled (gossip.pace)."""
+        closes the stream, which the receiver reads as a truncated message. With `stall_s`, frames are
+        written in pieces of at most PIECE_BYTES, and a piece the peer does not take within that long raises
+        TransferStalled (gossip.pace): a 1 MiB frame may take longer than that on a slow but moving link."""
         try:
             for frame in frames:
                 if stall_s is None:
                     await self._stream.write(frame)
                 else:
-                    await _within_stall(self._stream.write(frame), stall_s, "writing a frame to", self.remote_peer)
+                    view = memoryview(frame).cast("B")
+                    for at in range(0, len(view), PIECE_BYTES):
+                        await _within_stall(self._stream.write(view[at:at + PIECE_BYTES]), stall_s,
+                                            "writing to", self.remote_peer)
                 self._accounting.counts.bytes_sent += len(frame)
         except WireError as exc:
             self._accounting.counts.errors["unsendable"] += 1
