@@ -18,12 +18,13 @@ otherwise (the round is over, the asker is not its partner, the round is too far
 `reject`, and neither side mixes. Every request's header is read and checked before any of its payload.
 
 Every exchange has deadlines: `exchange_timeout_s` for a neighbour to start answering (its reply's
-header; an exchange's asker first gets as long as sending its request took), then the payload, whose size
-the header fixes, is paced like a whole-model transfer (gossip.pace: every 64 KiB piece within the stall
-timeout, all of it within its size over the goodput floor or the peer's measured goodput), on both ends.
-A neighbour that is dead, frozen, stalls, rejects us or is more than `max_staleness` rounds away is skipped
-and its weight goes back to the local tensors (see `gossip.mixing`). Anything invalid is refused with a specific `gossip.errors.WireError`, counted by
-kind, answered with a `reject` message saying why, and never reaches the local tensors.
+header; an exchange's asker first gets as long as sending its request took), then the payload, whose
+size the header fixes, is paced like a whole-model transfer (gossip.pace: every 64 KiB piece within the
+stall timeout, all of it within its size over the goodput floor or the peer's measured goodput), on
+both ends. A neighbour that is dead, frozen, stalls, rejects us or is more than `max_staleness` rounds
+away is skipped and its weight goes back to the local tensors (see `gossip.mixing`). Anything invalid
+is refused with a specific `gossip.errors.WireError`, counted by kind, answered with a `reject` message
+saying why, and never reaches the local tensors.
 """
 
 from __future__ import annotations
@@ -506,11 +507,11 @@ class GossipPeer:
         return slot.received
 
     def _answer_bound_s(self) -> float:
-        """The longest an exchange's answer may take once claimed (`_answer_exchange`): the largest request
-        we accept and our own reply, each at the goodput floor, and the ack; every deadline there is shorter."""
+        """The longest an exchange's answer may take once claimed (`_answer_exchange`): the request and our
+        reply, each at most the largest payload we accept (a reply is no larger) at the goodput floor, and
+        the ack; every deadline there is shorter."""
         pace, wait_s = self._settings.pace, self._settings.exchange_timeout_s
-        reply = message_nbytes(self._tensors, self._settings.codec)
-        return 3 * wait_s + 1.0 + pace.whole_s(self._request_limits.max_payload_bytes) + pace.whole_s(reply)
+        return 3 * wait_s + 1.0 + 2 * pace.whole_s(self._request_limits.max_payload_bytes)
 
     async def fetch(self, peer: str, progress: TransferProgress | None = None, *,
                     answer_timeout_s: float | None = None) -> tuple[dict[str, np.ndarray], int, int]:

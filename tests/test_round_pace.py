@@ -89,6 +89,27 @@ def test_the_serving_side_does_not_cut_a_slow_askers_reply_at_its_exchange_deadl
     asyncio.run(main())
 
 
+def test_a_neighbour_may_take_its_whole_exchange_deadline_to_start_answering_whatever_the_stall_timeout() -> None:
+    """The stall timeout applies once the reply's header has fixed its size: before that, b may wait for
+    its round to begin for up to a's exchange deadline, longer than the stall timeout here."""
+    async def main() -> None:
+        net = InMemoryNetwork()
+        a = GossipPeer(net.transport("a"), ExchangeSettings(
+            swarm="t", config_hash="h", codec=get_codec("fp32"), exchange_timeout_s=5.0,
+            pace=TransferPace(stall_timeout_s=0.3)), {"w": np.zeros(SIZE, np.float32)})
+        b = GossipPeer(net.transport("b"), settings(5.0), {"w": np.full(SIZE, 2.0, np.float32)})
+        for peer in (a, b):
+            await peer.start()
+        asking = asyncio.create_task(a.run_round(0, PeerRound(0.5, {"b": 0.5}, ())))
+        await asyncio.sleep(1.0)  # b begins the round a pulls three stall timeouts late
+        await b.run_round(0, PeerRound(1.0, {}, ("a",)))
+        outcome = await asking
+        assert outcome.mixed_with == ("b",), outcome.skipped
+        np.testing.assert_allclose(a.tensors["w"], 1.0)
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("kind", ["exchange", "pull"])
 def test_a_neighbour_that_sends_the_header_and_then_nothing_is_cut_within_the_stall_timeout(kind: str) -> None:
     async def main() -> None:
