@@ -777,6 +777,11 @@ class GossipPeer:
                 reply_nbytes = message_nbytes(inputs, self._settings.codec)
             # Each phase is paced by its size (gossip.pace), never shorter than the exchange deadline:
             # the request's payload at the goodput measured from the asker, our reply at the floor.
+            # The reply starts once the whole request is read and checked, not alongside it: compressed
+            # gossip screens the request before replying (a reply to a refused difference would let the
+            # asker commit alone), and the asker writes its whole request before it reads. Overlapping
+            # them (dense gossip; the asker reading while it writes) would halve a symmetric round on a
+            # link as fast each way; gossip.plan counts the two transfers in a row (RoleCounts.transfers).
             wait_s, pace = self._settings.exchange_timeout_s, self._settings.pace
             read_s = max(wait_s, pace.whole_s(request.header.payload_nbytes, self._goodput(peer)))
             phase = "reading the request's payload"
