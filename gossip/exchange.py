@@ -17,10 +17,14 @@ exchange is answered with a reply only when the answering peer is waiting for th
 otherwise (the round is over, the asker is not its partner, the round is too far ahead) it answers
 `reject`, and neither side mixes. Every request's header is read and checked before any of its payload.
 
-Every exchange has a deadline; a neighbour that is dead, frozen, slow, rejects us or is more than
-`max_staleness` rounds away is skipped and its weight goes back to the local tensors (see
-`gossip.mixing`). Anything invalid is refused with a specific `gossip.errors.WireError`, counted by
-kind, answered with a `reject` message saying why, and never reaches the local tensors.
+Every exchange has deadlines: `exchange_timeout_s` for a neighbour to start answering (its reply's
+header; an exchange's asker first gets as long as sending its request took), then the payload, whose
+size the header fixes, is paced like a whole-model transfer (gossip.pace: every 64 KiB piece within the
+stall timeout, all of it within its size over the goodput floor or the peer's measured goodput), on
+both ends. A neighbour that is dead, frozen, stalls, rejects us or is more than `max_staleness` rounds
+away is skipped and its weight goes back to the local tensors (see `gossip.mixing`). Anything invalid
+is refused with a specific `gossip.errors.WireError`, counted by kind, answered with a `reject` message
+saying why, and never reaches the local tensors.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from gossip.codecs import Codec
 from gossip.errors import BadSchema, ManifestMismatch, Truncated, WireError
 from gossip.limits import DEFAULT_INCOMING, CountPerKey, IncomingLimits, PeerBuckets
 from gossip.mixing import IncrementalMix, MixingKind, MixingRule, effective_weights
-from gossip.pace import DEFAULT_PACE, TransferPace, TransferProgress
+from gossip.pace import DEFAULT_PACE, TransferPace, TransferProgress, TransferStalled
 from gossip.robust import ClipSettings, Mixer, ValueBound
 from gossip.stream import Accounting, Frames, IncomingMessage, MessageStream, TensorsUnsendable
 from gossip.transport import GOSSIP_PROTOCOL, Stream, Transport
@@ -51,7 +55,6 @@ from gossip.wire import (
     Expectation,
     Header,
     HeaderFields,
-    Message,
     MetaValue,
     TensorSpec,
     ValuesSink,
@@ -131,7 +134,8 @@ class ExchangeSettings:
     incoming: IncomingLimits = DEFAULT_INCOMING
     # who may send to us, and the proof our own messages carry (key and allowlist swarms)
     admission: StreamAdmission = OPEN
-    # whole-model transfers outside rounds (fetch and its answer): deadlines on progress and size
+    # payloads once their size is known (a round's requests and replies, fetch and its answer): deadlines
+    # on progress and size
     pace: TransferPace = DEFAULT_PACE
 
 
@@ -489,10 +493,10 @@ class GossipPeer:
                         if slot.failure:  # the asker's stream was cut and it did not ask again in time
                             raise PartnerMissed(slot.failure) from None
                         raise
-            # Claimed: the handler settles the slot within its own reply deadline (or reopens it for
+            # Claimed: the handler settles the slot within its own paced deadlines (or reopens it for
             # the asker's second try). This bound only guards against a handler that never does (a
             # bug), so it is generous.
-            async with asyncio.timeout(2 * self._settings.exchange_timeout_s + 1.0):
+            async with asyncio.timeout(self._answer_bound_s()):
                 while slot.state is _SlotState.CLAIMED:
                     slot.changed.clear()
                     await slot.changed.wait()
@@ -501,6 +505,13 @@ class GossipPeer:
         if slot.received is None:
             raise PartnerMissed(slot.failure)
         return slot.received
+
+    def _answer_bound_s(self) -> float:
+        """The longest an exchange's answer may take once claimed (`_answer_exchange`): the request and our
+        reply, each at most the largest payload we accept (a reply is no larger) at the goodput floor, and
+        the ack; every deadline there is shorter."""
+        pace, wait_s = self._settings.pace, self._settings.exchange_timeout_s
+        return 3 * wait_s + 1.0 + 2 * pace.whole_s(self._request_limits.max_payload_bytes)
 
     async def fetch(self, peer: str, progress: TransferProgress | None = None, *,
                     answer_timeout_s: float | None = None) -> tuple[dict[str, np.ndarray], int, int]:
@@ -571,24 +582,45 @@ class GossipPeer:
 
     async def _request(self, peer: str, kind: str, own: Tensors, round_index: int, deadline: float,
                        on_values: ValuesSink | None = None, meta: Mapping[str, MetaValue] | None = None) -> _Received:
+        """One request to `peer` and its answer. The dial and the answer's header are due by `deadline`
+        (pushed back by as long as sending an exchange's tensors took: the answer starts after them);
+        then the answer's payload is paced by its size (gossip.pace), so a slow but moving link finishes
+        and a stalled one is cut at the stall timeout."""
+        loop = asyncio.get_running_loop()
+        pace, wait_s = self._settings.pace, self._settings.exchange_timeout_s
         async with asyncio.timeout_at(deadline):
             stream = MessageStream(await self._transport.open_stream(peer, self._protocol), self._accounting)
         try:
             outgoing = None
+            sent: Tensors = own if kind == EXCHANGE else {}
+            codec = self._settings.codec
             if kind == EXCHANGE and self._choco is not None:
                 outgoing = self._choco.prepare(peer, own)
-                frames = self._frames(outgoing.wire, round_index, kind, self._choco.meta(outgoing.count),
-                                      codec=self._choco.settings.codec)
+                sent, codec = outgoing.wire, self._choco.settings.codec
+                frames = self._frames(sent, round_index, kind, self._choco.meta(outgoing.count), codec=codec)
             else:
-                frames = self._frames(own if kind == EXCHANGE else {}, round_index, kind, meta)
-            async with asyncio.timeout_at(deadline):
-                await stream.send(frames)
-                reply = await self._read_reply(stream, on_values)
-                if reply.header.kind == REJECT:
-                    raise PeerRejected(str(reply.header.meta.get("error", "unspecified")))
-                if reply.header.kind != REPLY:
-                    raise BadSchema(f"expected a reply, got a {reply.header.kind!r} message")
-                _check_manifest(reply.header, self._specs)
+                frames = self._frames(sent, round_index, kind, meta)
+            async with asyncio.timeout_at(deadline) as bound:
+                if sent:
+                    # Our tensors at the goodput floor (what we send is not measured); the answering peer
+                    # may leave them unread for up to its exchange deadline while its round has not begun.
+                    began = loop.time()
+                    bound.reschedule(max(deadline, began + wait_s + pace.whole_s(message_nbytes(sent, codec))))
+                    await stream.send(frames, stall_s=max(pace.stall_timeout_s, wait_s))
+                    bound.reschedule(deadline + (loop.time() - began))
+                else:
+                    await stream.send(frames)
+                incoming = await self._read_reply_header(stream, pace.stall_timeout_s, None, on_values)
+                header = incoming.header
+                if header.kind == REJECT:
+                    raise PeerRejected(str(header.meta.get("error", "unspecified")))
+                if header.kind != REPLY:
+                    raise BadSchema(f"expected a reply, got a {header.kind!r} message")
+                _check_manifest(header, self._specs)
+                # the size is known: the payload gets as long as it needs at the pace, never less than before
+                paced = loop.time() + pace.whole_s(header.payload_nbytes, self._goodput(peer))
+                bound.reschedule(max(deadline, paced))
+                reply = await incoming.rest()
                 if outgoing is not None:
                     assert self._choco is not None
                     self._choco.check(peer, reply.header.meta)  # Desync: no ack, so neither end mixes
@@ -605,23 +637,14 @@ class GossipPeer:
         finally:
             await stream.close()
 
-    async def _read_reply(self, stream: MessageStream, on_values: ValuesSink | None = None) -> Message:
-        """The answer to our request; a peer that hangs up before sending a byte of it is not a
-        truncated message (nothing was cut) but a peer that did not answer: ConnectionError."""
+    async def _read_reply_header(self, stream: MessageStream, stall_s: float, on_bytes: Callable[[int], None] | None,
+                                 on_values: ValuesSink | None = None) -> IncomingMessage:
+        """The answer to our request, its header read; every piece of it within `stall_s`. A peer that
+        hangs up before sending a byte of it is not a truncated message (nothing was cut) but a peer
+        that did not answer: ConnectionError."""
         before = stream.received
         try:
-            return await stream.read(self._request_limits, self._expect_peer, on_values)
-        except Truncated:
-            if stream.received == before:
-                raise ConnectionError(f"{stream.remote_peer} hung up without answering") from None
-            raise
-
-    async def _read_reply_header(self, stream: MessageStream, stall_s: float,
-                                 on_bytes: Callable[[int], None] | None) -> IncomingMessage:
-        """The answer's header, as `_read_reply` reads the whole answer, every frame within `stall_s`."""
-        before = stream.received
-        try:
-            return await stream.read_header(self._request_limits, self._expect_peer, stall_s=stall_s,
+            return await stream.read_header(self._request_limits, self._expect_peer, on_values, stall_s=stall_s,
                                             on_bytes=on_bytes)
         except Truncated:
             if stream.received == before:
@@ -634,11 +657,14 @@ class GossipPeer:
         stream = MessageStream(raw, self._accounting)
         peer = stream.remote_peer
         deadline = asyncio.get_running_loop().time() + self._settings.exchange_timeout_s
+        linger_s = self._settings.exchange_timeout_s
         try:
             # The header first, and nothing more: its kind, sender, round and manifest decide whether
-            # any payload is read at all (a pull has none; an exchange's is read once it is claimed).
+            # any payload is read at all (a pull has none; an exchange's is read once it is claimed,
+            # every piece within the stall timeout).
             async with asyncio.timeout(min(self._settings.incoming.header_timeout_s, self._settings.exchange_timeout_s)):
-                request = await stream.read_header(self._request_limits, self._expect_peer)
+                request = await stream.read_header(self._request_limits, self._expect_peer,
+                                                   stall_s=self._settings.pace.stall_timeout_s)
             header = request.header
             kind = header.kind
             if kind == EXCHANGE:
@@ -649,7 +675,7 @@ class GossipPeer:
             elif kind == PULL:
                 if header.manifest:
                     raise BadSchema("a pull request carries no tensors")
-                await self._answer_pull(stream, header, deadline)
+                linger_s = await self._answer_pull(stream, header, deadline)
             else:
                 raise BadSchema(f"expected a pull or exchange request, got a {kind!r} message")
         except WireError as exc:
@@ -663,7 +689,7 @@ class GossipPeer:
             self.stats.errors["timeout" if isinstance(exc, TimeoutError) else "disconnected"] += 1
             logger.info("gossip request from %s abandoned: %s", peer, exc or type(exc).__name__)
             return
-        await stream.linger(self._settings.exchange_timeout_s)
+        await stream.linger(linger_s)
 
     def _pull_refusal(self, peer: str, header: Header) -> Refusal | None:
         """Whether a pull is over its limits: a round pull outside the staleness bound (answered now
@@ -679,22 +705,18 @@ class GossipPeer:
             return Refusal.STALE
         return None if self._round_pulls.take((peer, header.round)) else Refusal.RATE_LIMITED
 
-    async def _answer_pull(self, stream: MessageStream, header: Header, deadline: float) -> None:
+    async def _answer_pull(self, stream: MessageStream, header: Header, deadline: float) -> float:
+        """Answer a pull (or refuse it); returns how long to linger for the asker to hang up."""
+        wait_s = self._settings.exchange_timeout_s
         refusal = self._pull_refusal(stream.remote_peer, header)
         if refusal is not None:
             self.stats.refused[str(refusal)] += 1
             logger.debug("pull of round %d from %s refused: %s", header.round, stream.remote_peer, refusal)
             await self._try_reject(stream, str(refusal))
-            return
+            return wait_s
         answer: tuple[Tensors, int]
         if header.meta.get(CURRENT) is True:
-            # a whole model outside any round: paced like the asker's read (fetch), not cut at a round's deadline
-            tensors, pace = self._tensors, self._settings.pace
-            nbytes = message_nbytes(tensors, self._settings.codec)
-            async with asyncio.timeout(pace.whole_s(nbytes)):
-                await stream.send(self._frames(tensors, self.round, REPLY), stall_s=pace.stall_timeout_s)
-            self.stats.exchanges_ok += 1
-            return
+            answer = self._tensors, self.round  # a whole model outside any round: at once
         else:
             try:
                 async with asyncio.timeout_at(deadline):
@@ -703,9 +725,23 @@ class GossipPeer:
                 raise self._round_wait_timed_out(header.round) from None
         # The reply gets its own deadline: one shared with the wait above could cut the reply
         # halfway, and the asker, still within its deadline, would read a truncated message.
-        async with asyncio.timeout(self._settings.exchange_timeout_s):
-            await stream.send(self._frames(*answer, REPLY))
+        nbytes = message_nbytes(answer[0], self._settings.codec)
+        replied = await self._send_paced(stream, self._frames(*answer, REPLY), nbytes)
         self.stats.exchanges_ok += 1
+        return max(wait_s, replied - asyncio.get_running_loop().time())
+
+    async def _send_paced(self, stream: MessageStream, frames: Frames, nbytes: int) -> float:
+        """Send an answer of about `nbytes` as the asker reads it (gossip.pace): every piece within the
+        stall timeout, all of it within its size at the goodput floor (what we send is not measured), and
+        never less than the exchange deadline. Returns when (loop time) that bound ends: the answer's tail
+        may still be in the transport's buffers when the last write returns, and the asker reads it until then."""
+        pace = self._settings.pace
+        bound_s = max(self._settings.exchange_timeout_s, pace.whole_s(nbytes))
+        async with asyncio.timeout(bound_s) as bound:
+            await stream.send(frames, stall_s=pace.stall_timeout_s)
+        when = bound.when()
+        assert when is not None
+        return when
 
     async def _answer_exchange(self, stream: MessageStream, request: IncomingMessage, deadline: float) -> Refusal | None:
         """Answer an exchange request whose header is read: claim our round's wait for this asker,
@@ -735,18 +771,33 @@ class GossipPeer:
                 outgoing = self._choco.prepare(peer, inputs)
                 frames = self._frames(outgoing.wire, round_index, REPLY, self._choco.meta(outgoing.count),
                                       codec=self._choco.settings.codec)
+                reply_nbytes = message_nbytes(outgoing.wire, self._choco.settings.codec)
             else:
                 frames = self._frames(inputs, round_index, REPLY)
+                reply_nbytes = message_nbytes(inputs, self._settings.codec)
+            # Each phase is paced by its size (gossip.pace), never shorter than the exchange deadline:
+            # the request's payload at the goodput measured from the asker, our reply at the floor.
+            # The reply starts once the whole request is read and checked, not alongside it: compressed
+            # gossip screens the request before replying (a reply to a refused difference would let the
+            # asker commit alone), and the asker writes its whole request before it reads. Overlapping
+            # them (dense gossip; the asker reading while it writes) would halve a symmetric round on a
+            # link as fast each way; gossip.plan counts the two transfers in a row (RoleCounts.transfers).
+            wait_s, pace = self._settings.exchange_timeout_s, self._settings.pace
+            read_s = max(wait_s, pace.whole_s(request.header.payload_nbytes, self._goodput(peer)))
             phase = "reading the request's payload"
             try:
-                async with asyncio.timeout(self._settings.exchange_timeout_s):
+                async with asyncio.timeout(read_s):
                     message = await request.rest()
                     if outgoing is not None:  # OutOfRange: rejected, so neither end commits the exchange
                         await self._choco_screen(peer, message.tensors, inputs)
-                    phase = "sending the reply"
-                    await stream.send(frames)
-                    phase = "waiting for the ack"
+                phase = "sending the reply"
+                replied = await self._send_paced(stream, frames, reply_nbytes)
+                phase = "waiting for the ack"
+                # the asker acks once it has read all of our reply (whose tail may still be in buffers)
+                async with asyncio.timeout_at(max(replied, asyncio.get_running_loop().time()) + wait_s):
                     ack = await stream.read(self._request_limits, self._expect_peer)
+            except TransferStalled:
+                raise
             except TimeoutError:
                 raise TimeoutError(f"timed out {phase}") from None
             if ack.header.kind != ACK or ack.header.round != round_index or ack.header.manifest:

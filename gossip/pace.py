@@ -1,5 +1,6 @@
-"""How long a whole-model transfer may take: a deadline on progress (a piece that stalls cuts it) and a
-bound on the whole, from its size over the goodput measured for the peer (docs/training.md, "Transfers").
+"""How long a transfer of tensors (a round's exchange, a whole model) may take: a deadline on progress (a
+piece that stalls cuts it) and a bound on the whole, from its size over the goodput measured for the peer
+(docs/training.md, "Transfers").
 
 A slow but moving link is not cut as if it were dead; a peer that stops, or trickles bytes below the
 floor, is: nothing holds a transfer open for longer than its size allows at the floor."""
@@ -26,19 +27,19 @@ class TransferStalled(TimeoutError):
 
 
 class TransferPace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The deadlines of whole-model transfers (a joiner's download, the pulls of the swarm-average
-    evaluation and the final merge, the answer to such a pull), declared once (gossip.knobs): each
-    field is a node's own setting (`gossip.stall_timeout`, `--stall-timeout`; `gossip.goodput_floor`,
-    `--goodput-floor`: node.config.table), hence docs/cli.md's table."""
+    """The deadlines of transfers of tensors once their size is known (a round's exchanges, a joiner's
+    download, the pulls of the swarm-average evaluation and the final merge, the answers to them),
+    declared once (gossip.knobs): each field is a node's own setting (`gossip.stall_timeout`,
+    `--stall-timeout`; `gossip.goodput_floor`, `--goodput-floor`: node.config.table), hence docs/cli.md's table."""
 
     stall_timeout_s: Annotated[float, msgspec.Meta(
         gt=0.0, le=600.0, extra={"metavar": "S", "setting": "stall_timeout"},
-        description="seconds a whole-model transfer (a join's download, the pulls of the swarm average and the "
-                    "final merge) may go without a piece (64 KiB) arriving before it is cut as stalled",
+        description="seconds a transfer of tensors (a round's exchange, a join's download, the pulls of the swarm "
+                    "average and the final merge) may go without a piece (64 KiB) arriving before it is cut as stalled",
     )] = 20.0
     goodput_floor_mbit_s: Annotated[float, msgspec.Meta(
         gt=0.0, le=100_000.0, extra={"metavar": "MBIT_S", "setting": "goodput_floor"},
-        description="the slowest goodput (Mbit/s) a whole-model transfer is given time for: it is cut after the "
+        description="the slowest goodput (Mbit/s) a transfer of tensors is given time for: it is cut after the "
                     f"stall timeout plus its size at the larger of this floor and 1/{GOODPUT_SLACK:g} of the "
                     "goodput measured for that peer",
     )] = 2.0

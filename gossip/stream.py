@@ -80,14 +80,18 @@ class MessageStream:
         are on their way while later ones are encoded. A buffer that fails its check after earlier
         ones went out (e.g. a NaN) cannot be finished, and a reject after part of a message would be
         garbage to the receiver: counted as `unsendable` and raised as TensorsUnsendable; the caller
-        closes the stream, which the receiver reads as a truncated message. With `stall_s`, a frame the
-        peer does not take within that long raises TransferStalled (gossip.pace)."""
+        closes the stream, which the receiver reads as a truncated message. With `stall_s`, frames are
+        written in pieces of at most PIECE_BYTES, and a piece the peer does not take within that long raises
+        TransferStalled (gossip.pace): a 1 MiB frame may take longer than that on a slow but moving link."""
         try:
             for frame in frames:
                 if stall_s is None:
                     await self._stream.write(frame)
                 else:
-                    await _within_stall(self._stream.write(frame), stall_s, "writing a frame to", self.remote_peer)
+                    view = memoryview(frame).cast("B")
+                    for at in range(0, len(view), PIECE_BYTES):
+                        await _within_stall(self._stream.write(view[at:at + PIECE_BYTES]), stall_s,
+                                            "writing to", self.remote_peer)
                 self._accounting.counts.bytes_sent += len(frame)
         except WireError as exc:
             self._accounting.counts.errors["unsendable"] += 1
@@ -106,9 +110,12 @@ class MessageStream:
         """One message's header, checked (BadSchema if it names another sender than the stream's
         peer), and not a byte of its payload: the caller decides whether to read the rest.
 
-        With `stall_s`, the stream is read in pieces of at most PIECE_BYTES, each of which must arrive
+        With `stall_s`, the payload is read in pieces of at most PIECE_BYTES, each of which must arrive
         within that long, else TransferStalled (gossip.pace): a deadline on progress, which the
-        caller's on the whole bounds. `on_bytes` sees the size of every piece read, header included."""
+        caller's on the whole bounds. The header is not: the caller's deadline says how long a peer may
+        take to start answering (a round's answer may wait for the answering peer's round to begin).
+        `on_bytes` sees the size of every piece read, header included."""
+        header_read = False
         def count(data: bytes) -> bytes:
             self._accounting.counts.bytes_received += len(data)
             self.received += len(data)
@@ -117,7 +124,7 @@ class MessageStream:
             return data
 
         async def read_exactly(n: int) -> bytes:
-            if stall_s is None:
+            if stall_s is None or not header_read:
                 return count(await self._stream.read_exactly(n))
             pieces = []
             while n:
@@ -131,6 +138,7 @@ class MessageStream:
         checked = replace(expected, sender=self.remote_peer) if expected is not None else None
         reader = MessageReader(read_exactly, limits, checked, on_values)
         header = await reader.header()
+        header_read = True
         if header.sender != self.remote_peer:
             raise BadSchema(f"header names sender {header.sender}, but the stream comes from {self.remote_peer}")
         return IncomingMessage(header, reader)

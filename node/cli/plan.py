@@ -232,6 +232,9 @@ def describe(plan: Plan, config: PlanConfig, step: StepTime, model: str) -> list
     dp = plan.data_parallel
     lines.append(f"against data-parallel fp32 all-reduce every step: {dp.step_s / plan.gossip.step_s:.2f}x faster, "
                  f"{plan.gossip.sent_bytes_per_step / dp.sent_bytes_per_step:.4f}x the bytes")
+    lines.append(f"a gossip sync: {plan.gossip.sync_s:.1f} s, its messages over this link (a symmetric exchange's request, "
+                 "then its reply); --exchange-timeout bounds only how long a neighbour takes to start answering, the "
+                 "payload is paced as a download is")
     d = plan.download
     lines.append(f"a joiner's download from one donor: {_mb(d.nbytes)} MB in {d.seconds:.1f} s over this link; cut "
                  f"only when it stalls or falls below the goodput floor (at most {d.bound_s:.0f} s before any goodput "

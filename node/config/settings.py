@@ -100,8 +100,8 @@ class GossipConfig:
     compression: str = "none"  # "choco": compressed differences against per-neighbour estimates (gossip/choco.py)
     choco_gamma: float | None = None  # CHOCO's consensus step; None: gossip.choco.default_gamma of the codec
     round_interval_s: float = 1.0  # time between the starts of two gossip rounds
-    exchange_timeout_s: float = 5.0  # one exchange with one neighbour, after which it counts as missing
-    # whole-model transfers (downloads, evaluation pulls): cut when a piece stalls this long (s), and
+    exchange_timeout_s: float = 5.0  # for a neighbour to start answering; its payload is paced (gossip.pace)
+    # transfers of tensors (round exchanges, downloads, evaluation pulls): cut when a piece stalls this long (s), and
     # given time for their size at this goodput (Mbit/s) at least (gossip.pace)
     stall_timeout: float = DEFAULT_PACE.stall_timeout_s
     goodput_floor: float = DEFAULT_PACE.goodput_floor_mbit_s

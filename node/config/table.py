@@ -255,8 +255,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("gossip.round_interval_s", Number(0.0, lo_open=True, metavar="S"), "MURMUR_ROUND_INTERVAL",
             "--round-interval", "seconds between the starts of two gossip rounds", NODE),
     Setting("gossip.exchange_timeout_s", Number(0.0, lo_open=True, metavar="S"), "MURMUR_EXCHANGE_TIMEOUT",
-            "--exchange-timeout", "seconds one exchange with one neighbour may take before it counts "
-            "as missing", NODE),
+            "--exchange-timeout", "seconds a neighbour has to start answering a round's exchange (the "
+            "header of its reply) before it counts as missing; the tensors that follow are paced by "
+            "--stall-timeout and --goodput-floor", NODE),
     *struct_settings(TransferPace, "gossip.", NODE),
     Setting("gossip.min_peers", Integer(1, noun="peer count"), "MURMUR_MIN_PEERS", "--min-peers",
             "gossip starts once this many peers (this one included) are in the view; all peers that see "

@@ -1,0 +1,142 @@
+"""A round's exchanges are paced by their payload, not cut at one fixed deadline (gossip.pace, docs/training.md
+"Transfers"): over a slow but moving link a round whose payload takes several exchange deadlines completes and
+mixes, on the asking and the serving side; a neighbour that sends its reply's header and then nothing is cut
+within the stall timeout. Over the in-memory transport, whose links are shaped."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+from test_transfer_pace import TENSORS, hostile_answer
+
+from gossip.codecs import get_codec
+from gossip.exchange import ExchangeSettings, GossipPeer
+from gossip.memory import InMemoryNetwork, LinkModel
+from gossip.pace import TransferPace
+from gossip.plan import LinkSpec, PlanConfig, gossip_estimate, specs_for_vectors
+from gossip.transport import GOSSIP_PROTOCOL
+from gossip.wire import message_nbytes
+from topology import PeerRound, TopologySpec
+
+pytestmark = pytest.mark.unit
+
+MB = 1_000_000
+EXCHANGE_TIMEOUT_S = 0.4
+PACE = TransferPace(stall_timeout_s=1.0, goodput_floor_mbit_s=2.0)
+SIZE = 300_000  # float32 elements: 1.2 MB a message
+
+
+def settings(exchange_timeout_s: float = EXCHANGE_TIMEOUT_S) -> ExchangeSettings:
+    return ExchangeSettings(swarm="t", config_hash="h", codec=get_codec("fp32"), exchange_timeout_s=exchange_timeout_s,
+                            pace=PACE)
+
+
+def pair(net: InMemoryNetwork, a_timeout_s: float = EXCHANGE_TIMEOUT_S,
+         b_timeout_s: float = EXCHANGE_TIMEOUT_S) -> tuple[GossipPeer, GossipPeer]:
+    a = GossipPeer(net.transport("a"), settings(a_timeout_s), {"w": np.zeros(SIZE, np.float32)})
+    b = GossipPeer(net.transport("b"), settings(b_timeout_s), {"w": np.full(SIZE, 2.0, np.float32)})
+    return a, b
+
+
+@pytest.mark.parametrize("kind", ["exchange", "pull"])
+def test_a_round_whose_payload_takes_three_exchange_deadlines_over_a_slow_link_completes_and_mixes(kind: str) -> None:
+    async def main() -> None:
+        nbytes = message_nbytes({"w": np.zeros(SIZE, np.float32)}, get_codec("fp32"))
+        # the payload crosses the link in 3 exchange deadlines: an exchange's request, then its reply, 1.5 each
+        rate = nbytes / (3 * EXCHANGE_TIMEOUT_S) * (2 if kind == "exchange" else 1)
+        net = InMemoryNetwork(LinkModel(bandwidth_bytes_per_s=rate))
+        a, b = pair(net)
+        for peer in (a, b):
+            await peer.start()
+        if kind == "exchange":  # a symmetric edge: "a" asks, "b" awaits its request
+            out_a, out_b = await asyncio.gather(a.run_round(0, PeerRound(0.5, {"b": 0.5}, ("b",))),
+                                                b.run_round(0, PeerRound(0.5, {"a": 0.5}, ("a",))))
+            assert out_b.mixed_with == ("a",), out_b.skipped
+            np.testing.assert_allclose(b.tensors["w"], 1.0)
+        else:  # a directed edge b -> a: "a" pulls, "b" serves
+            await b.run_round(0, PeerRound(1.0, {}, ("a",)))
+            out_a = await a.run_round(0, PeerRound(0.5, {"b": 0.5}, ()))
+        assert out_a.mixed_with == ("b",), out_a.skipped
+        assert out_a.duration_s > 2 * EXCHANGE_TIMEOUT_S  # the fixed deadline would have cut it
+        np.testing.assert_allclose(a.tensors["w"], 1.0)
+        assert a.stats.errors == {} and b.stats.errors == {} and b.stats.exchanges_ok == 1
+
+    asyncio.run(main())
+
+
+def test_the_serving_side_does_not_cut_a_slow_askers_reply_at_its_exchange_deadline() -> None:
+    """b's exchange deadline is a tenth of the time its reply takes to reach a over their link; b must
+    send all of it (paced by its size), not cut it at the deadline and leave a, which waits long enough
+    (its own deadline alone would do), with a truncated message."""
+    async def main() -> None:
+        b_timeout_s = 0.15
+        net = InMemoryNetwork()
+        net.set_link("b", "a", LinkModel(bandwidth_bytes_per_s=0.8 * MB), both_directions=False)  # 1.5 s
+        a, b = pair(net, a_timeout_s=10.0, b_timeout_s=b_timeout_s)
+        for peer in (a, b):
+            await peer.start()
+        await b.run_round(0, PeerRound(1.0, {}, ("a",)))
+        started = time.monotonic()
+        outcome = await a.run_round(0, PeerRound(0.5, {"b": 0.5}, ()))
+        assert outcome.mixed_with == ("b",), outcome.skipped
+        assert time.monotonic() - started > 5 * b_timeout_s
+        assert b.stats.exchanges_ok == 1 and b.stats.errors == {}
+        np.testing.assert_allclose(a.tensors["w"], 1.0)
+
+    asyncio.run(main())
+
+
+def test_a_neighbour_may_take_its_whole_exchange_deadline_to_start_answering_whatever_the_stall_timeout() -> None:
+    """The stall timeout applies once the reply's header has fixed its size: before that, b may wait for
+    its round to begin for up to a's exchange deadline, longer than the stall timeout here."""
+    async def main() -> None:
+        net = InMemoryNetwork()
+        a = GossipPeer(net.transport("a"), ExchangeSettings(
+            swarm="t", config_hash="h", codec=get_codec("fp32"), exchange_timeout_s=5.0,
+            pace=TransferPace(stall_timeout_s=0.3)), {"w": np.zeros(SIZE, np.float32)})
+        b = GossipPeer(net.transport("b"), settings(5.0), {"w": np.full(SIZE, 2.0, np.float32)})
+        for peer in (a, b):
+            await peer.start()
+        asking = asyncio.create_task(a.run_round(0, PeerRound(0.5, {"b": 0.5}, ())))
+        await asyncio.sleep(1.0)  # b begins the round a pulls three stall timeouts late
+        await b.run_round(0, PeerRound(1.0, {}, ("a",)))
+        outcome = await asking
+        assert outcome.mixed_with == ("b",), outcome.skipped
+        np.testing.assert_allclose(a.tensors["w"], 1.0)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("kind", ["exchange", "pull"])
+def test_a_neighbour_that_sends_the_header_and_then_nothing_is_cut_within_the_stall_timeout(kind: str) -> None:
+    async def main() -> None:
+        net = InMemoryNetwork()
+        hostile = net.transport("donor")
+        await hostile.serve(GOSSIP_PROTOCOL, hostile_answer("donor", None))  # a valid reply header, then silence
+        stall = 1.0
+        pace = TransferPace(stall_timeout_s=stall, goodput_floor_mbit_s=0.5)  # whole bound for 4 MB: 65 s
+        me = GossipPeer(net.transport("a"), ExchangeSettings(
+            swarm="t", config_hash="h", codec=get_codec("fp32"), exchange_timeout_s=0.2, pace=pace),
+            {n: np.zeros_like(t) for n, t in TENSORS.items()})
+        started = time.monotonic()
+        outcome = await me.run_round(0, PeerRound(0.5, {"donor": 0.5}, ("donor",) if kind == "exchange" else ()))
+        elapsed = time.monotonic() - started
+        assert outcome.skipped == {"donor": "timeout"} and outcome.mixed_with == ()
+        assert stall <= elapsed < stall + 3.0
+        assert all(np.array_equal(me.tensors[n], np.zeros_like(t)) for n, t in TENSORS.items())
+
+    asyncio.run(main())
+
+
+def test_murmur_plan_predicts_a_rounds_time_from_its_payload_over_the_link() -> None:
+    """An exchange's request and then its reply cross the link one after the other: a 100M-parameter int8
+    model's round at 50 Mbit/s takes about two of its transfers (~16 s each), far past a 5 s deadline."""
+    link = LinkSpec(50.0)
+    specs = specs_for_vectors({"w": 100_000_000})
+    config = PlanConfig(specs, 1.0, link, 8, TopologySpec("hypercube"), codec=get_codec("int8"))  # one partner a round
+    one = link.transfer_s(message_nbytes(specs, get_codec("int8")))
+    assert 15.0 < one < 20.0
+    assert gossip_estimate(config).sync_s == pytest.approx(2 * one, rel=0.05)
