@@ -46,7 +46,7 @@ from gossip.codecs import Codec
 from gossip.errors import BadSchema, ManifestMismatch, Truncated, WireError
 from gossip.limits import DEFAULT_INCOMING, CountPerKey, IncomingLimits, PeerBuckets
 from gossip.mixing import IncrementalMix, MixingKind, MixingRule, effective_weights
-from gossip.pace import DEFAULT_PACE, TransferPace, TransferProgress, TransferStalled
+from gossip.pace import DEFAULT_PACE, TransferPace, TransferProgress, TransferStalled, measured_goodput
 from gossip.robust import ClipSettings, Mixer, ValueBound
 from gossip.stream import Accounting, Frames, IncomingMessage, MessageStream, TensorsUnsendable
 from gossip.transport import GOSSIP_PROTOCOL, Stream, Transport
@@ -551,9 +551,7 @@ class GossipPeer:
 
     def _goodput(self, peer: str) -> float | None:
         """The goodput (Mbit/s) the transport measured from `peer` lately; None if it measures none."""
-        measured = getattr(self._transport, "goodput_mbit_s", None)
-        value = measured(peer) if callable(measured) else None
-        return value if isinstance(value, float) else None
+        return measured_goodput(self._transport, peer)
 
     def park(self) -> None:
         """This peer runs no more rounds (its training is done): answer pulls at once with the

@@ -59,6 +59,14 @@ class TransferPace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 DEFAULT_PACE = TransferPace()
 
 
+def measured_goodput(transport: object, peer: str) -> float | None:
+    """The goodput (Mbit/s) `transport` measured from `peer` lately; None where it measures none (the
+    in-memory transport, a peer not measured yet)."""
+    measured = getattr(transport, "goodput_mbit_s", None)
+    value = measured(peer) if callable(measured) else None
+    return value if isinstance(value, float) else None
+
+
 @dataclass
 class TransferProgress:
     """One download as it runs (read by the status page and the command line while it lasts)."""

@@ -25,6 +25,7 @@ from gossip.codecs import Codec, get_codec
 from gossip.errors import BadSchema, Truncated, WireError
 from gossip.exchange import ExchangeSettings
 from gossip.limits import LruTable, ThrottledLog
+from gossip.pace import measured_goodput
 from gossip.spes.rules import (
     ExpertHashMismatch,
     ExpertKey,
@@ -44,6 +45,7 @@ from gossip.wire import (
     WireLimits,
     check_expectation,
     encode_message,
+    message_nbytes,
 )
 
 logger = logging.getLogger(__name__)
@@ -153,13 +155,20 @@ class ExpertFetch:
         meta: dict[str, MetaValue] = {"expert": expert_label(key)}
         if self._deltas and have is not None:
             meta["have"] = have[0]
+        loop, pace = asyncio.get_running_loop(), self._settings.pace
         try:
-            async with asyncio.timeout(self._settings.exchange_timeout_s):
+            # the dial, the request and the answer's header within the exchange deadline; the payload, whose
+            # size the header fixes, piece by piece within the stall timeout and all of it within its size
+            # at the measured goodput (gossip.pace): a large expert over a slow link is not cut as if dead
+            async with asyncio.timeout(self._settings.exchange_timeout_s) as deadline:
                 stream = MessageStream(await self._transport.open_stream(source, FETCH_PROTOCOL), self._accounting)
                 try:
                     await stream.send(self._frames({}, FETCH, meta, get_codec("fp32")))
                     try:
-                        reply = await stream.read(_limits_for(like), None)
+                        incoming = await stream.read_header(_limits_for(like), None, stall_s=pace.stall_timeout_s)
+                        deadline.reschedule(max(deadline.when() or loop.time(), loop.time() + pace.whole_s(
+                            incoming.header.payload_nbytes, measured_goodput(self._transport, source))))
+                        reply = await incoming.rest()
                     except Truncated:
                         if stream.received == 0:  # closed unanswered (e.g. by its stream limits): no message cut
                             raise ConnectionError(f"{source} hung up without answering") from None
@@ -218,11 +227,12 @@ class ExpertFetch:
 
     async def _serve(self, stream: MessageStream, holder: ExpertHolder) -> None:
         peer = stream.remote_peer
-        incoming = self._settings.incoming
+        incoming, pace = self._settings.incoming, self._settings.pace
         try:
             async with asyncio.timeout(min(incoming.header_timeout_s, self._settings.exchange_timeout_s)):
                 request = await stream.read(REQUEST_LIMITS, Expectation(self._settings.swarm, self._settings.config_hash,
                                                                           admit=self._settings.admission.admit))
+            answer: tuple[Frames, int] | None = None
             async with asyncio.timeout(self._settings.exchange_timeout_s):
                 if request.header.kind != FETCH or request.header.manifest:
                     raise BadSchema(f"expected a fetch request without tensors, got a {request.header.kind!r} message")
@@ -240,14 +250,21 @@ class ExpertFetch:
                                                   "hash": copy.record.hash}
                     if copy.base is not None:
                         meta["base"] = copy.base
-                    await stream.send(self._frames(copy.tensors, DELTA if copy.base is not None else EXPERT, meta,
-                                                   self._refresh_codec if copy.base is not None else self._copy_codec))
-                    self.stats.served += 1
+                    codec = self._refresh_codec if copy.base is not None else self._copy_codec
+                    answer = (self._frames(copy.tensors, DELTA if copy.base is not None else EXPERT, meta, codec),
+                              message_nbytes(copy.tensors, codec))
                 else:
                     self.stats.refused[RATE_LIMITED] += 1
                     self._refusals.refused(RATE_LIMITED, peer)
                     await stream.try_reject(lambda: self._frames({}, REJECT, {"error": RATE_LIMITED}, get_codec("fp32")),
                                             min(1.0, self._settings.exchange_timeout_s))
+            if answer is not None:
+                # as the asker reads it: piece by piece within the stall timeout, all of it within its size at
+                # the goodput floor (what we send is not measured), never less than the exchange deadline
+                frames, nbytes = answer
+                async with asyncio.timeout(max(self._settings.exchange_timeout_s, pace.whole_s(nbytes))):
+                    await stream.send(frames, stall_s=pace.stall_timeout_s)
+                self.stats.served += 1
         except WireError as exc:
             stream.count_refused(exc)
             reason = exc.kind
