@@ -22,11 +22,13 @@ Everything before `--` configures the attack; everything after it is a `murmur` 
   or whatever it downloaded on joining).
 - useless: plausible but useless updates: with x_prev and x as for sign-flip, it serves x_prev + r, r a
   random direction of the honest update's norm ||x - x_prev|| per tensor (its own training is honest).
-- creeping: its record's step creeps: each heartbeat it claims one step more than the last, but never
-  less than `depth` (default 40) steps below the lowest step its neighbours' records show, less the lag
-  window (its own node's, the same as theirs): a laggard that is catching up, always just beyond the
-  window, so that every round that pairs with it is held (node.swarm.loop `_wait_for_laggards`) until
-  its neighbour's wait budget for it is spent (node.swarm.progress). It trains and serves honestly.
+- creeping: its record's step creeps: each heartbeat it claims one step more than the last, within
+  `depth` (default 40) steps below the floor, the lowest step its neighbours' records show less the lag
+  window (its own node's, the same as theirs); where one more would reach the floor (its neighbours were
+  held meanwhile) it falls back to `depth` below it and creeps on (`creep_claim`). A laggard that seems
+  to be catching up, always just beyond the window, so that every round that pairs with it is held
+  (node.swarm.loop `_wait_for_laggards`) until its neighbour's wait budget for it is spent
+  (node.swarm.progress). It trains and serves honestly.
 - spes-capacity: its peer record claims SPES capacity 2^62, and its expert records (and expert fetch
   replies) claim version 2^62 for every expert it holds, as their owner.
 
@@ -345,9 +347,17 @@ class Creep:
     node: HostileNode | None = None
 
 
+def creep_claim(claimed: int, own_step: int, floor: int, depth: int) -> int:
+    """The creeping record's next step: one more than `claimed` while that stays below `floor` (the lowest
+    step a neighbour waits for), else (the neighbours held, the creep caught up) back to `floor - depth`;
+    never less than `floor - depth` (the swarm ran ahead), never above its honest `own_step` or below 0."""
+    claim = claimed + 1 if floor - depth <= claimed + 1 < floor else floor - depth
+    return max(0, min(own_step, claim))
+
+
 def install_creeping(ctx: HostileContext) -> None:
-    """Publish a step that rises one a heartbeat and stays just beyond its neighbours' lag window: each
-    heartbeat, max(last claim + 1, lowest neighbour step - lag window - depth), the honest step if lower."""
+    """Publish, each heartbeat, a step that rises one a heartbeat and stays just beyond its neighbours' lag
+    window (creep_claim)."""
     from node.net import discovery
 
     creep = Creep()
@@ -361,10 +371,12 @@ def install_creeping(ctx: HostileContext) -> None:
         others = [r.step for r in self._view if r.peer_id != self.peer_id]
         training = creep.node.runtime.training if creep.node is not None and creep.node.runtime else None
         if others and training is not None:
-            floor = min(others) - training._lag_window  # a neighbour waits while this record is below its floor
-            creep.claimed = max(0, min(training.trainer.step, max(creep.claimed + 1, floor - depth)))
+            # a neighbour waits while this record is below its floor, its own step less the lag window
+            creep.claimed = creep_claim(creep.claimed, training.trainer.step, min(others) - training._lag_window,
+                                        depth)
             self._local = msgspec.structs.replace(self._local, step=creep.claimed)
-            ctx.count(Mode.CREEPING, "record creeps behind" if creep.claimed < floor else "record within the window")
+            ctx.count(Mode.CREEPING, "record creeps behind the window" if creep.claimed < min(others)
+                      - training._lag_window else "record at its honest step")
         await publish(self)
 
     ctx.background(remember)
