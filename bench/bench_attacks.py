@@ -7,7 +7,10 @@ Printed per mode:
 - the founding honest nodes' validation loss after S steps, attack / control (target: <= 1.10);
 - whether any honest node installed the hostile node's parameters (the mid-run joiner's sources);
 - cadence: the founding honest nodes' seconds from their first step to step S, attack / control;
-- the hostile traffic the honest nodes counted (`out_of_range` refusals, clipped values, SPES versions).
+- the hostile traffic the honest nodes counted (`out_of_range` refusals, clipped values, SPES versions,
+  rounds that went on without waiting for a laggard whose wait budget was spent: `laggard_wait_spent`);
+- creeping: the founding honest nodes' extra seconds to step S over the control, against the most the
+  wait budget allows (node.swarm.progress: WAIT_BUDGET_S, plus its refill over the attack run).
 
 The dense modes run on the tests' tiny GPT (DAdam by default); spes-capacity on the tiny MoE with SPES.
 Run from the repository root: .venv/bin/python -m bench.bench_attacks [--modes noise,scaled] [--steps 200]
@@ -29,13 +32,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # support.*: the harness, the hostile node, the tiny models
 
+from node.swarm.progress import WAIT_BUDGET_S, WAIT_BUDGET_WINDOW_S  # noqa: E402
 from support.attacks import FOUNDING_HONEST, HOSTILE, AttackSetup, SwarmRun, metric, run_swarm, with_support_path  # noqa: E402
 from support.hostile import Mode, hostile_argv  # noqa: E402
 from support.tiny_model import TINY  # noqa: E402
 from support.tiny_moe import TINY_MOE  # noqa: E402
 
 LOSS_TARGET = 1.10
-DENSE_MODES = (Mode.HUGE_STEP, Mode.NOISE, Mode.SCALED, Mode.SIGN_FLIP, Mode.STALE_REPLAY)
+DENSE_MODES = (Mode.HUGE_STEP, Mode.NOISE, Mode.SCALED, Mode.SIGN_FLIP, Mode.STALE_REPLAY, Mode.USELESS,
+               Mode.CREEPING)
 SPES_MODES = (Mode.SPES_CAPACITY,)
 
 
@@ -63,6 +68,10 @@ def summarize(mode: str, control: SwarmRun, attack: SwarmRun) -> dict[str, objec
     cadence = statistics.median(attack.seconds[n] / control.seconds[n] for n in FOUNDING_HONEST)
     refused = sum(metric(t, "murmur_errors_total", '{kind="out_of_range"}') for t in attack.metrics.values())
     clipped = sum(metric(t, "murmur_mixing_clipped_total") for t in attack.metrics.values())
+    spent = sum(metric(t, "murmur_skipped_total", '{reason="laggard_wait_spent"}') for t in attack.metrics.values())
+    # the longest a node's rounds can be held for the hostile: the whole budget, and its refill meanwhile
+    extra = {n: round(attack.seconds[n] - control.seconds[n], 1) for n in FOUNDING_HONEST}
+    bound = {n: round(WAIT_BUDGET_S * (1 + attack.seconds[n] / WAIT_BUDGET_WINDOW_S), 1) for n in FOUNDING_HONEST}
     versions = sum(int(((s.get("spes") or {}).get("errors") or {}).get("version_out_of_bounds", 0))
                    for s in attack.statuses.values())
     return {
@@ -75,7 +84,8 @@ def summarize(mode: str, control: SwarmRun, attack: SwarmRun) -> dict[str, objec
         "joiner_sources": len(joined.get("sources", ())),
         "joiner_refused_hostile": joined.get("refused", {}).get(hostile, "-"),
         "cadence": cadence,
-        "out_of_range": refused, "clipped": clipped, "version_out_of_bounds": versions,
+        "out_of_range": refused, "clipped": clipped, "version_out_of_bounds": versions, "wait_spent": spent,
+        "extra_s": extra, "wait_bound_s": bound,
         "hostile_acts": sum(attack.hostile_counts.values()),
     }
 
@@ -83,7 +93,7 @@ def summarize(mode: str, control: SwarmRun, attack: SwarmRun) -> dict[str, objec
 def table(rows: list[dict[str, object]], steps: int) -> list[str]:
     lines = [f"| mode | control val loss at step {steps} (n0, n1, n2) | attack | worst ratio | installed? | "
              "joiner: sources, hostile refused as | cadence (attack / control) | out_of_range / clipped / "
-             "versions refused |", "|---|---|---|---:|---|---|---:|---|"]
+             "versions refused | laggard waits spent |", "|---|---|---|---:|---|---|---:|---|---:|"]
     for r in rows:
         control, attack = r["control"], r["attack"]
         assert isinstance(control, dict) and isinstance(attack, dict)
@@ -93,7 +103,7 @@ def table(rows: list[dict[str, object]], steps: int) -> list[str]:
             f"{', '.join(f'{v:.3f}' for v in attack.values())} | {ratio:.3f} "
             f"({'met' if ratio <= LOSS_TARGET else 'MISSED'}) | {'YES' if r['installed'] else 'no'} | "
             f"{r['joiner_sources']}, {r['joiner_refused_hostile']} | {float(r['cadence']):.2f} | "  # type: ignore[arg-type]
-            f"{r['out_of_range']:.0f} / {r['clipped']:.0f} / {r['version_out_of_bounds']} |")
+            f"{r['out_of_range']:.0f} / {r['clipped']:.0f} / {r['version_out_of_bounds']} | {r['wait_spent']:.0f} |")
     return lines
 
 
@@ -136,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(summarize(str(mode), controls[kind], attack))
             print(f"  {mode}: {rows[-1]}", flush=True)
     print("\n".join(table(rows, args.steps)))
+    for r in rows:
+        if r["mode"] == Mode.CREEPING:
+            print(f"creeping: extra seconds to step {args.steps} over the control {r['extra_s']}, "
+                  f"at most (wait budget and its refill) {r['wait_bound_s']}")
     print(f"\n({time.monotonic() - started:.0f} s; command: python -m bench.bench_attacks "
           f"{' '.join(argv if argv is not None else sys.argv[1:])})")
     return 0

@@ -37,22 +37,29 @@ class Record:
 
 
 class FakeTime:
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tick`: seconds each reading of the clock moves it on, as a real clock does between two readings."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, tick: float = 0.0) -> None:
         self.now = 1000.0
+        self.tick = tick
         real_sleep = asyncio.sleep
 
         async def sleep(seconds: float) -> None:
             self.now += seconds
             await real_sleep(0)
 
-        monkeypatch.setattr(loop, "time", SimpleNamespace(monotonic=lambda: self.now))
+        monkeypatch.setattr(loop, "time", SimpleNamespace(monotonic=self.read))
         monkeypatch.setattr(loop, "asyncio", SimpleNamespace(sleep=sleep))
+
+    def read(self) -> float:
+        self.now += self.tick
+        return self.now
 
 
 def training_for(clock: FakeTime, step_of: Callable[[float], int]) -> SimpleNamespace:
     """A SwarmLoop's parts the wait reads: its step, a view with one neighbour whose record shows
     `step_of(now)` (published each heartbeat), its progress and its counters."""
-    progress = PeerProgress(10.0, clock=lambda: clock.now)
+    progress = PeerProgress(10.0, clock=clock.read)
 
     def view() -> tuple[Record, ...]:
         published = clock.now - clock.now % HEARTBEAT_S
@@ -218,3 +225,47 @@ def test_claims_the_downloads_do_not_back_cannot_make_a_node_rejoin_again_and_ag
     asyncio.run(checks(backed, 60))
     assert swarm.calls == 1 and backed.trainer.step == 10_000  # a real swarm ahead is caught up with at once
     assert backed._laggard_wait_s == loop.LAGGARD_CHECK_S
+
+
+def test_the_hostile_creeping_record_holds_rounds_until_its_budget_is_spent(monkeypatch):
+    """support.hostile's `creeping` mode, the record the attack benchmark's hostile node publishes
+    (bench/bench_attacks.py): its claims against the loop's wait. It does hold rounds (an attack that
+    held none would prove nothing), for the budget, then a tenth of the time. The clock moves on a
+    microsecond at each reading, as a real one does: the bucket refills between being charged and looked
+    at, and a spent budget must still stop the wait (it did not, until MIN_WAIT_S)."""
+    from support.hostile import CREEP_DEPTH, creep_claim
+
+    clock = FakeTime(monkeypatch, tick=1e-6)
+    published: dict[float, int] = {}  # heartbeat -> the step its record claimed
+    node: list[SimpleNamespace] = []
+
+    def creeper(at: float) -> int:
+        at = at - at % HEARTBEAT_S  # the ticking clock: the heartbeat it falls in
+        beat = max(published) + HEARTBEAT_S if published else at
+        while beat <= at:  # each heartbeat since the last, from the claim before and the node's floor now
+            last = published[max(published)] if published else -1
+            published[beat] = creep_claim(last, 10**6, node[0].trainer.step - LAG_WINDOW, CREEP_DEPTH)
+            beat += HEARTBEAT_S
+        return published[at]
+
+    node.append(SimpleNamespace(trainer=SimpleNamespace(step=0)))  # the floor of the first look
+    training = training_for(clock, creeper)
+    node[0] = training
+
+    async def main() -> list[float]:
+        waits = []
+        for _ in range(40):
+            waits.append(await one_round(training, clock))
+            training.trainer.step += int(TRAIN_S)  # a step a second while not held
+        return waits
+
+    waits = asyncio.run(main())
+    claims = [published[at] for at in sorted(published)]
+    # it never stands still, so it always looks like a laggard catching up: up a step a heartbeat, or up to
+    # `depth` below the floor when the node ran ahead, or back there when it reached the floor
+    assert all(b != a for a, b in zip(claims, claims[1:], strict=False) if b > 0), claims
+    held = [w for w in waits if w > 0.01]  # (a round not held still reads the ticking clock)
+    assert held[:3] == [pytest.approx(loop.LAG_WAIT_S, abs=0.3)] * 3  # each whole wait while it had budget
+    elapsed = 40 * TRAIN_S + sum(waits)
+    assert sum(waits) <= WAIT_BUDGET_S + elapsed * WAIT_BUDGET_S / WAIT_BUDGET_WINDOW_S + 1.0
+    assert training.peer.stats.skipped["laggard_wait_spent"] >= 30

@@ -47,6 +47,11 @@ WAIT_BUDGET_S = 90.0
 # of its wall-clock time (90 s per 900 s); an honest peer slower than the swarm for good gets the same, the
 # pace DiLoCo's laggard rule and the staleness bound then handle.
 WAIT_BUDGET_WINDOW_S = 900.0
+# The least budget worth a wait. The bucket refills continuously, so a budget charged to zero has refilled a
+# few microseconds' worth by the time it is looked at again: without a floor, a spent budget would never
+# stop a wait on a real clock (a creeping record held every round for the whole LAG_WAIT_S). 0.05 s is a
+# half second's refill, a quarter of the wait loop's longest sleep.
+MIN_WAIT_S = 0.05
 # Peers whose budget is kept while not full (a peer that leaves the view keeps what it spent, so that
 # dropping out of the view for a few heartbeats buys no fresh budget); beyond it the fullest are dropped.
 WAIT_BUDGET_PEERS = 1024
@@ -124,7 +129,7 @@ class PeerProgress:
         return min(self.wait_budget_s, left + refill)
 
     def may_wait_for(self, peer: str) -> bool:
-        return self.wait_left(peer) > 0.0
+        return self.wait_left(peer) >= MIN_WAIT_S
 
     def charge_wait(self, peers: Iterable[str], seconds: float) -> None:
         """A round was held `seconds` for `peers` (each pays the whole time: waiting for two at once

@@ -22,6 +22,13 @@ Everything before `--` configures the attack; everything after it is a `murmur` 
   or whatever it downloaded on joining).
 - useless: plausible but useless updates: with x_prev and x as for sign-flip, it serves x_prev + r, r a
   random direction of the honest update's norm ||x - x_prev|| per tensor (its own training is honest).
+- creeping: its record's step creeps: each heartbeat it claims one step more than the last, within
+  `depth` (default 40) steps below the floor, the lowest step its neighbours' records show less the lag
+  window (its own node's, the same as theirs); where one more would reach the floor (its neighbours were
+  held meanwhile) it falls back to `depth` below it and creeps on (`creep_claim`). A laggard that seems
+  to be catching up, always just beyond the window, so that every round that pairs with it is held
+  (node.swarm.loop `_wait_for_laggards`) until its neighbour's wait budget for it is spent
+  (node.swarm.progress). It trains and serves honestly.
 - spes-capacity: its peer record claims SPES capacity 2^62, and its expert records (and expert fetch
   replies) claim version 2^62 for every expert it holds, as their owner.
 
@@ -80,6 +87,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 
 if TYPE_CHECKING:
@@ -95,6 +103,7 @@ SIGN_FLIP_FACTOR = 10.0
 NOISE_MIN_STD = 0.01
 REPORT_EVERY = 10
 PREFIX = "murmur hostile: "
+CREEP_DEPTH = 40  # steps below its neighbours' lag floor: a 30 s laggard wait at 1 step a heartbeat of 1 s
 MAX_ATTACK_S = 300.0  # every DHT or flood attack ends within this, whatever `duration` says
 
 
@@ -108,6 +117,7 @@ class Mode(enum.StrEnum):
     STALE_REPLAY = "stale-replay"
     USELESS = "useless"
     SPES_CAPACITY = "spes-capacity"
+    CREEPING = "creeping"
     # the attacks of hostile_dht.py, hostile_flood.py and hostile_intruder.py, from inside a real node
     FORGE_CONFIG = "forge-config"
     FLOOD_RECORDS = "flood-records"
@@ -327,6 +337,50 @@ def install_spes_capacity(ctx: HostileContext) -> None:
         return tensors, replace(record, version=HUGE_VERSION, owner=True)
 
     spes_node.SpesNode.served_copy = served  # type: ignore[method-assign]
+
+
+@dataclass
+class Creep:
+    """The creeping record's last claim, and the node it runs in (once discovery has started)."""
+
+    claimed: int = -1
+    node: HostileNode | None = None
+
+
+def creep_claim(claimed: int, own_step: int, floor: int, depth: int) -> int:
+    """The creeping record's next step: one more than `claimed` while that stays below `floor` (the lowest
+    step a neighbour waits for), else (the neighbours held, the creep caught up) back to `floor - depth`;
+    never less than `floor - depth` (the swarm ran ahead), never above its honest `own_step` or below 0."""
+    claim = claimed + 1 if floor - depth <= claimed + 1 < floor else floor - depth
+    return max(0, min(own_step, claim))
+
+
+def install_creeping(ctx: HostileContext) -> None:
+    """Publish, each heartbeat, a step that rises one a heartbeat and stays just beyond its neighbours' lag
+    window (creep_claim)."""
+    from node.net import discovery
+
+    creep = Creep()
+    depth = max(1, int(ctx.option("depth", CREEP_DEPTH)))
+    publish = discovery.Discovery._publish_record
+
+    async def remember(node: HostileNode) -> None:
+        creep.node = node
+
+    async def creeping(self: Discovery) -> None:
+        others = [r.step for r in self._view if r.peer_id != self.peer_id]
+        training = creep.node.runtime.training if creep.node is not None and creep.node.runtime else None
+        if others and training is not None:
+            # a neighbour waits while this record is below its floor, its own step less the lag window
+            creep.claimed = creep_claim(creep.claimed, training.trainer.step, min(others) - training._lag_window,
+                                        depth)
+            self._local = msgspec.structs.replace(self._local, step=creep.claimed)
+            ctx.count(Mode.CREEPING, "record creeps behind the window" if creep.claimed < min(others)
+                      - training._lag_window else "record at its honest step")
+        await publish(self)
+
+    ctx.background(remember)
+    discovery.Discovery._publish_record = creeping  # type: ignore[method-assign]
 
 
 # ---- attacks with launcher scripts of their own, from inside the node --------------------------------
@@ -561,6 +615,8 @@ BEHAVIOURS: dict[Mode, Behaviour] = {
     Mode.STALE_REPLAY: Behaviour("serves the first tensors it ever served, forever", install_tensor_modes),
     Mode.USELESS: Behaviour("serves x_prev plus a random update of the honest update's norm", install_tensor_modes),
     Mode.SPES_CAPACITY: Behaviour("claims SPES capacity 2^62 and expert versions 2^62", install_spes_capacity),
+    Mode.CREEPING: Behaviour("its record's step creeps up a step a heartbeat just beyond the lag window "
+                             "(option depth)", install_creeping),
     Mode.FORGE_CONFIG: Behaviour("forges <swarm>.config: plain, self-signed with a far expiration, claiming "
                                  "the founder's key, oversized", install_dht_attacks),
     Mode.FLOOD_RECORDS: Behaviour("floods 1000 fake peer records (option count, keys)", install_dht_attacks),
