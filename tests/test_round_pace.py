@@ -140,3 +140,37 @@ def test_murmur_plan_predicts_a_rounds_time_from_its_payload_over_the_link() -> 
     one = link.transfer_s(message_nbytes(specs, get_codec("int8")))
     assert 15.0 < one < 20.0
     assert gossip_estimate(config).sync_s == pytest.approx(2 * one, rel=0.05)
+
+
+def test_a_spes_expert_fetch_over_a_slow_but_moving_link_is_not_cut_at_the_exchange_deadline() -> None:
+    from gossip.spes.fetch import ExpertFetch, ServedCopy
+    from gossip.spes.rules import ExpertRecord, codec_image, content_hash
+
+    expert = {"e.w": np.linspace(-1, 1, SIZE, dtype=np.float32)}
+
+    class Owner:
+        def holds(self, key: tuple[int, int]) -> bool:
+            return key == (0, 1)
+
+        async def served_copy(self, key: tuple[int, int], have: str | None = None) -> ServedCopy:
+            image = codec_image(list(expert.values()), "bf16")
+            return ServedCopy(dict(zip(expert, image)), ExpertRecord(3, content_hash(image), True))
+
+    async def main() -> float:
+        nbytes = message_nbytes(expert, get_codec("bf16"))
+        net = InMemoryNetwork(LinkModel(bandwidth_bytes_per_s=nbytes / (3 * EXCHANGE_TIMEOUT_S)))
+        owner = ExpertFetch(net.transport("owner"), settings(), "bf16", lambda: 0)
+        await owner.serve(Owner())
+        asker = ExpertFetch(net.transport("asker"), settings(), "bf16", lambda: 0)
+        started = time.monotonic()
+        tensors, record = await asker.fetch("owner", (0, 1), expert, min_version=3)
+        took = time.monotonic() - started
+        assert record.version == 3 and np.allclose(tensors["e.w"], expert["e.w"], atol=1e-2)
+        for _ in range(100):  # the owner counts it once its last write returns, which may be after the read
+            if owner.stats.served:
+                break
+            await asyncio.sleep(0.05)
+        assert owner.stats.served == 1 and owner.stats.errors == {}
+        return took
+
+    assert asyncio.run(main()) > 2 * EXCHANGE_TIMEOUT_S  # the fixed deadline would have cut it
