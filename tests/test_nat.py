@@ -263,8 +263,9 @@ def test_killing_a_relay_is_noticed_and_the_pair_goes_on_through_the_other(swarm
         assert s["reachability"]["relays_held"] == 1
         assert [m for m in s["reachability"]["circuits"] if swarm.boot.peer_id in m] == []
     # the pair goes on through the founder's relay: an exchange in flight over the dead relay, and the
-    # wait it causes, may fail a run or two (see clean_run); then 4 rounds in a row go through
-    _, after = clean_run((a, c), 4, 150, restarts=2)
+    # waits it causes while each node's view and address book let go of it, may fail a few runs (see
+    # clean_run; three on a loaded machine); then 4 rounds in a row go through
+    _, after = clean_run((a, c), 4, 150, restarts=4)
     for s in after:
         assert [r["peer_id"] for r in s["reachability"]["relays"] if r["held"]] == [swarm.founder.peer_id]
 
