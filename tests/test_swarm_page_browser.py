@@ -67,8 +67,10 @@ def test_the_swarm_page_lists_every_node_with_its_step_and_contribution_and_the_
         for row in rows:  # unrated peers' points are their tokens; rated ones' at most that
             assert row["points"] == row["tokens"] if row["score"] == "–" else 0 <= row["points"] <= row["tokens"], row
         total = sum(r["points"] for r in rows)
-        for row in rows:  # each share is its points over the table's, as shown to a tenth of a percent
-            assert row["share"] == f"{100 * row['points'] / total:.1f}%", (row, total)
+        for row in rows:  # each share is its points over the table's, as shown to a tenth of a percent (the
+            # page rounds an exact tie such as 40/128 = 31.25% up, Python's format to even: compare the numbers)
+            assert row["share"].endswith("%"), row
+            assert abs(float(row["share"][:-1]) - 100 * row["points"] / total) <= 0.05 + 1e-9, (row, total)
         page.wait_for_function("() => Number(document.getElementById('chart-swarm-throughput').dataset.points) >= 2",
                                timeout=SETUP_TIMEOUT_MS)
         assert int(page.inner_text("#swarm-peers-count")) == NODES
