@@ -135,7 +135,7 @@ def clean_run(pair: tuple[NatNode, NatNode], rounds: int, timeout_s: float, rest
             assert restarted <= restarts, f"exchanges failed in {restarted} runs (before, after): {failed}"
             base = now
         elif all(s["rounds_run"] >= b["rounds_run"] + rounds for b, s in zip(base, now)) and \
-                link(now[0], c.peer_id)["connection"] == "relayed" == link(now[1], a.peer_id)["connection"]:
+                connection(now[0], c.peer_id) == "relayed" == connection(now[1], a.peer_id):
             return base, now
         assert time.monotonic() < deadline, f"no run of {rounds} clean relayed rounds in {timeout_s} s: {now}"
         time.sleep(1.0)
@@ -143,6 +143,12 @@ def clean_run(pair: tuple[NatNode, NatNode], rounds: int, timeout_s: float, rest
 
 def link(status: dict, peer_id: str) -> dict:
     return next(p for p in status["peers"] if p["peer_id"] == peer_id)
+
+
+def connection(status: dict, peer_id: str) -> str | None:
+    """How this node is connected to `peer_id`; None while the peer is not in its status's peers (for a
+    moment after a relay dies, as the view and connections settle)."""
+    return next((p["connection"] for p in status["peers"] if p["peer_id"] == peer_id), None)
 
 
 def test_the_two_homes_cannot_open_tcp_connections_to_each_other(net: Internet) -> None:
