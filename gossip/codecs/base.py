@@ -63,6 +63,16 @@ def _is_ratio(value: object) -> TypeGuard[int | float]:
     return (type(value) is int or type(value) is float) and math.isfinite(value) and 0 < value <= 1
 
 
+def _ratio_option(name: str, options: Mapping[str, object]) -> float:
+    """The required option 'ratio' of a sparse codec's header: a number in (0, 1]."""
+    if "ratio" not in options:
+        raise BadSchema(f"codec {name!r} needs option 'ratio'")
+    ratio = options["ratio"]
+    if not _is_ratio(ratio):
+        raise BadSchema(f"codec {name!r} option 'ratio' must be a number in (0, 1], got {ratio!r}")
+    return float(ratio)
+
+
 def _int_option(name: str, options: Mapping[str, object], key: str, default: int, lo: int, hi: int) -> int:
     value = options.get(key, default)
     if not _is_int_in(value, lo, hi):

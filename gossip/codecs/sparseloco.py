@@ -23,6 +23,7 @@ from gossip.codecs.base import (
     _int_option,
     _is_int_in,
     _is_ratio,
+    _ratio_option,
 )
 from gossip.codecs.kernels import _flat_source, _from_float32, _to_float32, dtype_name
 from gossip.errors import BadSchema, NonFiniteValues
@@ -82,14 +83,10 @@ class SparseLoCoCodec(_ExactSize):
     @classmethod
     def from_options(cls, options: Mapping[str, object]) -> SparseLoCoCodec:
         _check_known_options(cls.name, options, ("ratio", "chunk", "bits"))
-        if "ratio" not in options:
-            raise BadSchema("codec 'sparseloco' needs option 'ratio'")
-        ratio = options["ratio"]
-        if not _is_ratio(ratio):
-            raise BadSchema(f"codec 'sparseloco' option 'ratio' must be a number in (0, 1], got {ratio!r}")
+        ratio = _ratio_option(cls.name, options)
         chunk = _int_option(cls.name, options, "chunk", DEFAULT_SPARSELOCO_CHUNK, 1, cls.MAX_CHUNK)
         bits = _int_option(cls.name, options, "bits", DEFAULT_SPARSELOCO_BITS, 1, cls.MAX_BITS)
-        return cls(ratio=float(ratio), chunk=chunk, bits=bits)
+        return cls(ratio=ratio, chunk=chunk, bits=bits)
 
     def options(self) -> dict[str, OptionValue]:
         return {"ratio": float(self.ratio), "chunk": self.chunk, "bits": self.bits}

@@ -15,7 +15,7 @@ from typing import ClassVar
 import numpy as np
 from numpy.typing import DTypeLike
 
-from gossip.codecs.base import Buffer, OptionValue, _check_known_options, _is_ratio
+from gossip.codecs.base import Buffer, OptionValue, _check_known_options, _is_ratio, _ratio_option
 from gossip.codecs.int8 import _INT8_MAX_SCALE
 from gossip.codecs.kernels import _check_finite_f32, _flat_source, _from_float32, _to_float32, dtype_name
 from gossip.errors import BadSchema
@@ -50,18 +50,14 @@ class TopKCodec:
     @classmethod
     def from_options(cls, options: Mapping[str, object]) -> TopKCodec:
         _check_known_options(cls.name, options, ("ratio", "packed", "elias_fano"))
-        if "ratio" not in options:
-            raise BadSchema("codec 'topk' needs option 'ratio'")
-        ratio = options["ratio"]
-        if not _is_ratio(ratio):
-            raise BadSchema(f"codec 'topk' option 'ratio' must be a number in (0, 1], got {ratio!r}")
+        ratio = _ratio_option(cls.name, options)
         flags = {key: options.get(key, 0) for key in ("packed", "elias_fano")}
         for key, flag in flags.items():
             if type(flag) is not int or flag not in (0, 1):
                 raise BadSchema(f"codec 'topk' option {key!r} must be 0 or 1, got {flag!r}")
         if flags["elias_fano"] and not flags["packed"]:
             raise BadSchema("codec 'topk' option 'elias_fano' needs 'packed'")
-        return cls(ratio=float(ratio), packed=bool(flags["packed"]), elias_fano=bool(flags["elias_fano"]))
+        return cls(ratio=ratio, packed=bool(flags["packed"]), elias_fano=bool(flags["elias_fano"]))
 
     def options(self) -> dict[str, OptionValue]:
         # each option is written only when set, so the swarms of before keep their config hash
