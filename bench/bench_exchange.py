@@ -461,16 +461,21 @@ def multiprocess_rounds(peers: int, dim: int, codec: str, rounds: int, workdir: 
         for child in children:
             child.wait(timeout=30)
     finally:
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-        for child in children:
-            try:
-                child.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+        stop_children(children, 15.0)
     return RoundsResult(codec, times, [], skipped)
+
+
+def stop_children(children: Sequence[subprocess.Popen], timeout_s: float) -> None:
+    """SIGTERM the role processes still running, then SIGKILL those not gone within `timeout_s` each."""
+    for child in children:
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+    for child in children:
+        try:
+            child.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
 
 
 # ---- report ----------------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import platform
-import signal
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from bench.bench_exchange import (
     p2pd_daemons,
     raw_pull,
     raw_server,
+    stop_children,
     transports_on,
 )
 from gossip.codecs import get_codec
@@ -140,15 +140,7 @@ def run_pair(params: int, codec: str, rounds: int, exchange_timeout_s: float, wo
             child.wait(timeout=60)
         return reports
     finally:
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-        for child in children:
-            try:
-                child.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+        stop_children(children, 30.0)
 
 
 def report(params: int, codec: str, reports: list[dict]) -> list[str]:
