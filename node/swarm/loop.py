@@ -376,6 +376,8 @@ class SwarmLoop:
             if not newly:
                 break
             broken.update(newly)
+        # the catch-up's outcome, not an attempt's: a reader of `joined` sees the end, not a retry's start
+        self.status.joined = outcome.as_dict()
         if outcome.tensors is None:
             if not judgement.candidates and not broken:
                 return  # nobody to download from (the status's `joined` says why)
@@ -419,9 +421,7 @@ class SwarmLoop:
                            f"far above the swarm's step {judgement.reference}" if judgement.candidates
                            else "beyond what the swarm can have trained")
         if not judgement.candidates:
-            outcome = JoinOutcome(judgement.reference, refused=judgement.refusals())
-            self.status.joined = outcome.as_dict()
-            return judgement, refused, outcome
+            return judgement, refused, JoinOutcome(judgement.reference, refused=judgement.refusals())
         await self._connect(judgement.candidates)
         watch = self.downloads = DownloadWatch()
         reporter = asyncio.create_task(_report_downloads(watch))
@@ -433,7 +433,6 @@ class SwarmLoop:
             reporter.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reporter
-        self.status.joined = outcome.as_dict()
         return judgement, refused, outcome
 
     def _step_now(self, downloaded: int, epoch: float | None, refused: Mapping[str, str] | None = None) -> int:

@@ -30,6 +30,11 @@ HOSTILE = Path(__file__).resolve().with_name("hostile.py")  # a hostile node: th
 READY_TIMEOUT_S = 120.0
 
 # What every test node gets unless a test says otherwise: small, fast, loopback, chatty enough to debug.
+# The proof of work of the harness's swarms, unless a test sets its own: the default 20 bits cost each node
+# a second or more of a core at start, a few minutes of the suite's two cores over its hundreds of nodes,
+# and only the sybil tests need it to cost anything (test_sybils_swarm sets its difficulty, and test_sybils
+# checks the minting and the default).
+TEST_IDENTITY_WORK = 4
 DEFAULT_FLAGS: Mapping[str, object] = {
     "model": "vector",
     "dim": 64,
@@ -207,6 +212,8 @@ class Swarm:
         # (adaptive_clip) bends them on purpose, so vector nodes ask for the weighted rule unless told
         if merged.get("model") == "vector":
             merged.setdefault("mixing", "weighted")
+        if join is None:  # a founder: its identity work is the swarm's (a `murmur node` flag only)
+            merged.setdefault("identity_work", TEST_IDENTITY_WORK)
         data_dir = data_dir or self.root / name
         argv = ["node" if join is None else "join", "--data-dir", str(data_dir), "--monitor-port", "0",
                 "--seed", str(seed), *_flag_args(merged), *extra_args]
