@@ -201,7 +201,7 @@ def distance(a: np.ndarray, b: np.ndarray) -> float:
         stop = min(start + _BLOCK, n)
         diff = scratch[: stop - start]
         np.subtract(a[start:stop], b[start:stop], out=diff)
-        squared += float(np.dot(diff, diff))
+        squared += _squared_norm(diff)
     return math.sqrt(squared) if math.isfinite(squared) else math.inf
 
 
@@ -256,6 +256,13 @@ def _accumulator_dtype(dtype: np.dtype, weights: Sequence[float] = ()) -> np.dty
 
 def _blocks(n: int) -> range:
     return range(0, n, _BLOCK)
+
+
+def _squared_norm(scratch: np.ndarray) -> float:
+    """The sum of squares of a scratch block, squared in place. Not np.dot: numpy's BLAS threads a dot of
+    this length over every core and leaves its threads spinning after it, which on a node that trains
+    beside its neighbours' processes cost more CPU than the training (docs/benchmarks.md)."""
+    return float(np.square(scratch, out=scratch).sum())
 
 
 def weighted_sum_into(
@@ -351,7 +358,7 @@ def mean_and_variance(x: np.ndarray) -> tuple[float, float]:
     for start in _blocks(n):
         block = scratch[: min(_BLOCK, n - start)]
         np.subtract(x[start:start + block.size], mean, out=block, dtype=np.float64)
-        squares += float(np.dot(block, block))
+        squares += _squared_norm(block)
     return mean, squares / n
 
 

@@ -184,7 +184,8 @@ def wait_status(built: Built, name: str, what: str, check, timeout_s: float = PR
         return check(last)
 
     try:
-        wait_for(poll, timeout_s, f"{name}: {what}", interval_s=1.0)
+        # each poll starts `podman exec` and a `murmur status` process, on the cores the nodes train on
+        wait_for(poll, timeout_s, f"{name}: {what}", interval_s=2.0)
     except AssertionError as exc:
         brief = {key: last.get(key) for key in ("round", "rounds_run", "step", "bytes_received", "errors", "skipped")}
         raise AssertionError(f"{exc}; last status: {len(last.get('peers', []))} peers, {brief}") from None

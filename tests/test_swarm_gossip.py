@@ -1,8 +1,8 @@
 """Real `murmur` node processes on loopback reach consensus by gossip alone and keep the swarm's
-average: one-peer exponential with 8 nodes and static exponential with 6 (not a power of two) on p2pd,
-and a ring of 4 on py-libp2p (in a child process). The graphs differ only in whom a node
-asks, which the backend does not see, so the other two on py-libp2p would cost CI a minute and a
-half for nothing new; test_swarm_libp2p mixes both backends in one swarm."""
+average: one-peer exponential with 8 nodes and static exponential with 6 (not a power of two), on p2pd.
+The graphs differ only in whom a node asks, which the backend does not see: py-libp2p's exact average
+is test_swarm_libp2p's (an all-libp2p swarm under garbage, and both backends in one swarm), and rings
+gossip in test_swarm_choco, test_swarm_spes and test_swarm_libp2p's frozen-node test."""
 
 import pytest
 
@@ -26,10 +26,7 @@ def swarm(tmp_path, transport):
     [
         # n = 8 is a power of two: one period (3 rounds) averages exactly; two show it stays there
         ("p2pd", "one-peer-exp", 8, 6, 0.4),
-        # rho is 1/3 for a ring of 4 (1e-6 takes ~13 rounds) and 1/2 for static-exp with n = 6 (~20); the
-        # ring runs on py-libp2p only (p2pd nodes gossip over rings in test_swarm_choco and test_swarm_spes),
-        # and with 4 nodes, which keeps the suite within its time budget
-        ("libp2p", "ring", 4, 16, 0.3),
+        # rho is 1/2 for static-exp with n = 6: 1e-6 takes ~20 rounds
         ("p2pd", "static-exp", 6, 25, 0.3),
     ],
 )

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.multiprocess
 
 SUPPORT = Path(__file__).parent / "support"  # the nodes import the tiny model from there
 
-RATE = 25_000  # bytes/s each donor serves a download at: the tiny model's ~400 KB take ~16 s
+RATE = 40_000  # bytes/s each donor serves a download at: the tiny model's ~400 KB take ~10 s
 FLAGS = {"model": "tiny_model:build", "context": TINY.context, "batch_size": 8, "optimizer": "dadam", "lr": 1e-2,
          "steps": 0, "threads": 1, "eval_every": 5, "checkpoint_every": 1000, "exchange_timeout": 2,
          "stall_timeout": 10, "goodput_floor": 0.05}  # a floor below RATE: at 2 Mbit/s it would cut these downloads

@@ -1,6 +1,7 @@
-"""The swarm page in Chromium on a real 4-node training swarm (issue 27, items 3 and 5): one node's page
-lists every node of the swarm with its step and its contribution (tokens processed and share), and the
-export of that node's checkpoint names the four contributors in its model card."""
+"""The monitor page in Chromium on a real 4-node training swarm (issue 27, items 3 and 5): its loss,
+throughput and topology charts draw the training, the swarm page lists every node of the swarm with its
+step and its contribution (tokens processed and share), and the export of that node's checkpoint names
+the four contributors in its model card. (The page's live membership is tests/test_monitor_browser.py's.)"""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ BATCH, CONTEXT = 1, 8
 TOKENS_PER_STEP = BATCH * CONTEXT  # one micro-batch
 # min_peers 4: the four start training together from step 0, so none downloads (and each one's tokens
 # are its own steps')
-TRAINING = {"model": "dense", "batch_size": BATCH, "context": CONTEXT, "threads": 1, "eval_every": 50,
+TRAINING = {"model": "dense", "batch_size": BATCH, "context": CONTEXT, "threads": 1, "eval_every": 20,
             "min_peers": NODES, "heartbeat": 2.0}
 ROWS = "[...document.querySelectorAll('#swarm-peers tr')]"
 
@@ -75,6 +76,7 @@ def test_the_swarm_page_lists_every_node_with_its_step_and_contribution_and_the_
                                timeout=SETUP_TIMEOUT_MS)
         assert int(page.inner_text("#swarm-peers-count")) == NODES
         page.screenshot(path=str(artifacts / "monitor-swarm.png"), full_page=True)
+        check_the_loss_chart(page, first, artifacts)
         assert errors == [], errors
 
         # a clean stop writes the final checkpoint, with the contributors this node saw
@@ -89,3 +91,23 @@ def test_the_swarm_page_lists_every_node_with_its_step_and_contribution_and_the_
     assert f"{NODES} contributor(s) processed" in card
     for peer in want:
         assert f"| `{peer}` | {contributors[peer]:,} |" in card, peer
+
+
+def check_the_loss_chart(page, node, shots: Path) -> None:
+    """The node's own charts draw its training: losses, an evaluation, throughput, the current round's edges."""
+    for series, points in (("loss", 5), ("validation", 1)):
+        page.wait_for_function(f"() => Number(document.querySelector('#chart-loss polyline[data-series={series}]')"
+                               f"?.dataset.points) >= {points}", timeout=SETUP_TIMEOUT_MS)
+    page.wait_for_function("() => Number(document.getElementById('chart-throughput').dataset.points) >= 5",
+                           timeout=SETUP_TIMEOUT_MS)
+    page.wait_for_function("() => document.querySelectorAll('#topology line.edge.current').length > 0",
+                           timeout=SETUP_TIMEOUT_MS)
+    # the untrained model's first losses can be above 10 (a fresh-clone run read 10.6): wait for the page
+    # to show one the swarm has trained down, rather than reading the first figure it drew
+    page.wait_for_function("() => Number(document.getElementById('loss').textContent) > 0"
+                           " && Number(document.getElementById('loss').textContent) < 10", timeout=SETUP_TIMEOUT_MS)
+    step = int(page.inner_text("#step"))
+    loss = float(page.inner_text("#loss"))
+    status = node.status()
+    assert step > 0 and 0 < loss < 10 and status["loss"] is not None and status["step"] >= step, (step, loss)
+    page.screenshot(path=str(shots / "monitor.png"), full_page=True)

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.multiprocess
 
 SUPPORT = Path(__file__).parent / "support"
 MURMUR = str(Path(sys.executable).with_name("murmur"))
-STEPS = 400
+STEPS = 300  # at 400 the swarm average came within 0.2% of the 3-node baseline (PARITY allows 5%)
 BATCH = 16
 LR = 0.5
 WARMUP = 20

@@ -46,6 +46,7 @@ STOP_TIMEOUT_S = 15.0
 POLL_S = 1.0
 STALL_TIMEOUT_S = 300.0  # no node made a step for this long: the demo gives up and says why
 DEMO_DILOCO_LOCAL_STEPS = 20  # --optimizer diloco without --local-steps: 7 outer steps in the default 100 (4 warm-up)
+DEMO_IDENTITY_WORK = 8  # bits of proof of work per identity in the demo's loopback swarm (a node's default: 20)
 
 
 class DemoFailed(Exception):
@@ -93,9 +94,11 @@ def node_args(options: DemoOptions, index: int, data_dir: Path, swarm: str, foun
     common = ["--data-dir", str(data_dir), "--monitor-port", "0", "--heartbeat", "1", "--threads", "1",
               "--log-level", "INFO", "--swarm", swarm, "--min-peers", str(options.nodes)]
     if founder is None:
+        # a loopback swarm under a name of its own: no stranger can join it, so its identities need not
+        # cost the default's second of CPU each (8 bits still mints and checks a proof)
         recipe = ["--model", options.model, "--steps", str(options.steps), "--topology", options.topology,
                   "--optimizer", options.optimizer,
-                  "--batch-size", str(options.batch_size)]
+                  "--batch-size", str(options.batch_size), "--identity-work", str(DEMO_IDENTITY_WORK)]
         if options.lr is not None:
             recipe += ["--lr", str(options.lr)]
         if options.spes:
