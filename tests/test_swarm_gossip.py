@@ -1,5 +1,5 @@
 """Real `murmur` node processes on loopback reach consensus by gossip alone and keep the swarm's
-average: one-peer exponential with 8 nodes and static exponential with 6 (not a power of two), on p2pd.
+average: one-peer exponential with 4 nodes and static exponential with 6 (not a power of two), on p2pd.
 The graphs differ only in whom a node asks, which the backend does not see: py-libp2p's exact average
 is test_swarm_libp2p's (an all-libp2p swarm under garbage, and both backends in one swarm), and rings
 gossip in test_swarm_choco, test_swarm_spes and test_swarm_libp2p's frozen-node test."""
@@ -24,8 +24,8 @@ def swarm(tmp_path, transport):
 @pytest.mark.parametrize(
     "transport,topology,n,rounds,round_interval",
     [
-        # n = 8 is a power of two: one period (3 rounds) averages exactly; two show it stays there
-        ("p2pd", "one-peer-exp", 8, 6, 0.4),
+        # n = 4 is a power of two: one period (2 rounds) averages exactly; two show it stays there
+        ("p2pd", "one-peer-exp", 4, 4, 0.4),
         # rho is 1/2 for static-exp with n = 6: 1e-6 takes ~20 rounds
         ("p2pd", "static-exp", 6, 25, 0.3),
     ],

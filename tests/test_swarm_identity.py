@@ -110,15 +110,21 @@ def test_forged_configs_and_a_record_flood_do_not_take_an_open_swarm(tmp_path):
         def overflow(node: Node) -> float:
             return metric(fetch_metrics(node), "murmur_view_overflow")
 
+        # at one moment, both views: a record lapses now and then on a loaded machine (a late heartbeat
+        # while the DHT checks the flood), and a member is out of the other's view until it is read again
         def capped() -> bool:
-            seen = {n.name: (len(view_of(n)), overflow(n)) for n in (founder, member)}
-            assert all(size == MAX_VIEW and left_out > 0 for size, left_out in seen.values()), seen
+            seen = {n.name: (view_of(n), overflow(n)) for n in (founder, member)}
+            # per node: the view's size, members missing from it, others not real-keyed, the overflow
+            counts = {name: (len(view), len(members - view), len(view - members - real_keyed), left_out)
+                      for name, (view, left_out) in seen.items()}
+            assert all(size == MAX_VIEW and missing == stray == 0 and left_out > 0
+                       for size, missing, stray, left_out in counts.values()), counts
             return True
 
-        wait_for(capped, 30, "the members' views at their cap, with the overflow on /metrics")
+        wait_for(capped, 30, "the members' views at their cap with both members in them and the rest real-keyed, "
+                 "the overflow on /metrics")
         for node in (founder, member):
             view = view_of(node)
-            assert len(view) == MAX_VIEW and members <= view and view - members <= real_keyed, len(view)
             assert node.status()["limits"]["view_overflow"] > 0
             grown = psutil.Process(node.pid).memory_info().rss - memory_before[node.name]
             print(f"{node.name} after the flood: view {len(view)}, overflow {overflow(node):g}, "
