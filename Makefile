@@ -45,7 +45,7 @@ lint: $(STAMP)
 # Two workers, one test file each at a time (module-scoped swarms stay on one worker): a node
 # process's test mostly waits on its nodes, so one worker alone leaves a core idle.
 test: lint $(CHROMIUM) $(PROMETHEUS)
-	$(PY) -m pytest -n 2 --dist loadfile
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 # The fast tier: in-process unit and property tests, about a minute in all (the in-process
 # training and SPES tests that take seconds each are marked `slow` and left out).

@@ -33,8 +33,8 @@ SUPPORT = Path(__file__).parent / "support"
 # size stays within 2-3% of single-process SGD at equal tokens (in-process, 4 nodes, 240-300 steps:
 # 1.012x-1.03x; D-SGD itself, H = 1, 1.03x at 500 steps); with inner AdamW at batch 16 per node DiLoCo trails
 # single-process Adam by far more here (docs/benchmarks.md).
-# The tiny model paced to 0.2 s a forward pass: the run lasts a minute or more even on a quiet machine,
-# so the joiner started mid-run comes up with most of it left.
+# The tiny model paced to 0.1 s a forward pass: the run lasts half a minute or more even on a quiet machine,
+# so the joiner started mid-run comes up with most of it left (at step 41 of 320 on a quiet machine).
 STEPS, H, BATCH, LR, WARMUP = 320, 5, 16, 0.5, 20
 RECIPE = {"model": "tiny_model:build_paced", "context": TINY.context, "batch_size": BATCH, "optimizer": "diloco",
           "inner_optimizer": "sgd", "lr": LR, "warmup_steps": WARMUP, "steps": STEPS, "topology": "one-peer-exp",

@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,11 +223,13 @@ def build_context(dest: Path, torch_wheel: Path) -> Path:
 
 
 def stages_tag_suffix(context: Path, base: str) -> str:
-    """What the cached stages are built from: the Dockerfile, pyproject.toml, the torch wheel's name and
-    size, and the base. Only names the cache entry (buildah's layer cache decides what is rebuilt)."""
+    """What the cached stages are built from: the Dockerfile, pyproject.toml's dependency list (what the
+    Dockerfile's requirements stage reads), the torch wheel's name and size, and the base. Only names
+    the cache entry (buildah's layer cache decides what is rebuilt)."""
     digest = hashlib.sha256(base.encode())
-    for name in ("docker/Dockerfile", "pyproject.toml"):
-        digest.update(b"\0" + (context / name).read_bytes())
+    digest.update(b"\0" + (context / "docker" / "Dockerfile").read_bytes())
+    dependencies = tomllib.loads((context / "pyproject.toml").read_text())["project"]["dependencies"]
+    digest.update(b"\0" + "\n".join(dependencies).encode())
     for wheel in sorted((context / "docker" / "wheels").glob("*.whl")):
         digest.update(f"\0{wheel.name}:{wheel.stat().st_size}".encode())
     return digest.hexdigest()[:12]

@@ -35,7 +35,7 @@ class _Paced(type(build_model(TINY))):
     that a multi-process run lasts long enough for a process started mid-run to join it, however fast
     or loaded the machine is. TINY_PACE_S in the environment sets the pace (a slower volunteer)."""
 
-    PACE_S = float(os.environ.get("TINY_PACE_S", "0.2"))
+    PACE_S = float(os.environ.get("TINY_PACE_S", "0.1"))
     last = 0.0
 
     def forward(self, idx, targets=None):
