@@ -42,7 +42,7 @@ import numpy as np
 
 from gossip.admission import OPEN, StreamAdmission
 from gossip.choco import ChocoState, ChocoStep, Desync, Outgoing
-from gossip.codecs import Codec
+from gossip.codecs import Codec, Fp32Codec
 from gossip.errors import BadSchema, ManifestMismatch, Truncated, WireError
 from gossip.limits import DEFAULT_INCOMING, CountPerKey, IncomingLimits, PeerBuckets
 from gossip.mixing import IncrementalMix, MixingKind, MixingRule, effective_weights
@@ -71,6 +71,12 @@ logger = logging.getLogger(__name__)
 PULL, EXCHANGE, REPLY, REJECT, ACK = "pull", "exchange", "reply", "reject", "ack"
 # meta flag of a pull outside any round (`fetch`): answered at once with the current tensors
 CURRENT = "current"
+# The codec of that answer, whatever codec the rounds use: a joiner, a node catching up, the swarm
+# average and the final merge take an exact copy of the parameters, not the round codec's lossy image
+# (as DiLoCo's and compressed gossip's main peers, whose settings codec is fp32, always did). Every
+# asker reads any known codec the header names, so an older peer's answer in the round codec still
+# decodes; fp32 is at most 4 bytes per element, within the asker's limits (`_limits_for`).
+WHOLE_MODEL_CODEC: Codec = Fp32Codec()
 # exchange requests held at once until their round begins
 MAX_WAITING_REQUESTS = 16  # each holds the request's header: its tensors are read once its round claims it
 # How long a round waits for a symmetric partner to ask again after its stream was cut: the asker does
@@ -124,7 +130,7 @@ class Judge(Protocol):
 class ExchangeSettings:
     swarm: str
     config_hash: str
-    codec: Codec
+    codec: Codec  # of rounds; a pull of the current tensors (`fetch`) is answered in WHOLE_MODEL_CODEC
     exchange_timeout_s: float = 10.0
     max_staleness: int = 4
     rule: MixingRule = field(default_factory=MixingRule)
@@ -516,7 +522,8 @@ class GossipPeer:
     async def fetch(self, peer: str, progress: TransferProgress | None = None, *,
                     answer_timeout_s: float | None = None) -> tuple[dict[str, np.ndarray], int, int]:
         """`peer`'s current tensors, round and step: a pull outside any round (a joiner's download, the
-        swarm-average evaluation, the final merge). Validated like every reply; raises WireError,
+        swarm-average evaluation, the final merge), answered in WHOLE_MODEL_CODEC (fp32) whatever codec the
+        rounds use (an older peer answers in the round codec). Validated like every reply; raises WireError,
         PeerRejected, ConnectionError or TimeoutError (TransferStalled when a piece stalls).
 
         The dial, the request and the answer's header get `answer_timeout_s` (default: 4 exchange
@@ -713,8 +720,10 @@ class GossipPeer:
             await self._try_reject(stream, str(refusal))
             return wait_s
         answer: tuple[Tensors, int]
+        codec = self._settings.codec
         if header.meta.get(CURRENT) is True:
             answer = self._tensors, self.round  # a whole model outside any round: at once
+            codec = WHOLE_MODEL_CODEC
         else:
             try:
                 async with asyncio.timeout_at(deadline):
@@ -723,8 +732,8 @@ class GossipPeer:
                 raise self._round_wait_timed_out(header.round) from None
         # The reply gets its own deadline: one shared with the wait above could cut the reply
         # halfway, and the asker, still within its deadline, would read a truncated message.
-        nbytes = message_nbytes(answer[0], self._settings.codec)
-        replied = await self._send_paced(stream, self._frames(*answer, REPLY), nbytes)
+        nbytes = message_nbytes(answer[0], codec)
+        replied = await self._send_paced(stream, self._frames(*answer, REPLY, codec=codec), nbytes)
         self.stats.exchanges_ok += 1
         return max(wait_s, replied - asyncio.get_running_loop().time())
 

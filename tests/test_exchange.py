@@ -578,6 +578,32 @@ def test_fetch_gets_the_current_tensors_and_step_at_once_whatever_round_the_peer
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("codec", ["int8", "bf16", "fp16"])
+def test_a_fetch_is_exact_whatever_codec_the_rounds_use(codec):
+    """A joiner (or a node catching up) starts from an exact copy of its donor's parameters, not the
+    round codec's lossy image of them; the rounds themselves keep the swarm's codec."""
+    async def main():
+        net = InMemoryNetwork()
+        donor = np.random.default_rng(3).standard_normal(DIM).astype(np.float32)
+        a = GossipPeer(net.transport("a"), settings(codec=get_codec(codec)), {"w": np.zeros(DIM, np.float32)})
+        b = GossipPeer(net.transport("b"), settings(codec=get_codec(codec)), {"w": donor})
+        for peer in (a, b):
+            await peer.start()
+        tensors, _, _ = await asyncio.wait_for(a.fetch("b"), 2)
+        assert tensors["w"].dtype == np.float32
+        np.testing.assert_array_equal(tensors["w"], donor)
+        assert b.stats.bytes_sent > 4 * DIM  # the whole fp32 payload left b
+        # a round's pull of b's input still travels in the swarm's (lossy) codec
+        async with asyncio.TaskGroup() as group:
+            group.create_task(b.run_round(0, PeerRound(1.0, {}, ())))
+            group.create_task(a.run_round(0, PeerRound(0.0, {"b": 1.0}, ())))
+        mixed = a.tensors["w"]
+        assert not np.array_equal(mixed, donor)
+        np.testing.assert_allclose(mixed, donor, atol=0.05 * float(np.abs(donor).max()))
+
+    asyncio.run(main())
+
+
 def test_own_tensors_that_turn_out_non_finite_halfway_are_cut_off_not_sent():
     """A NaN in our own tensors is found while the message is already going out (encoding runs as the
     chunks are written): the message is cut off, the receiver counts it truncated and mixes nothing,

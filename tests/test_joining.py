@@ -10,11 +10,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from gossip.codecs import get_codec
 from gossip.errors import WireError
+from gossip.exchange import ExchangeSettings, GossipPeer
+from gossip.memory import InMemoryNetwork
 from gossip.spes import ExpertKey, ExpertRecord, overclaiming_peers, version_bound
 from node.algorithms.spes.swarm import SpesAlgorithm
 from node.net.records import PeerRecord
 from node.swarm.joining import (
+    JoinOutcome,
     JoinRules,
     Refused,
     combine,
@@ -243,6 +247,34 @@ def test_a_combination_that_gives_up_what_the_copies_trained_falls_back_to_the_b
     assert outcome.losses == {"a": 2.0, "b": 2.4} and outcome.combined_loss == 2.16
     assert outcome.sources == ("a",) and np.array_equal(outcome.tensors["w"], np.full(16, 1.0, np.float32))
     assert JoinRules().combined_limit(5.0, 2.0) == 2.1
+
+
+def test_a_joiner_of_an_int8_swarm_starts_from_its_donors_exact_parameters() -> None:
+    """The downloads of a D-SGD joiner run over real gossip peers whose rounds gossip int8: what it adopts
+    is the median of its donors' fp32 parameters, bit for bit, not of their int8 images."""
+    rng = np.random.default_rng(7)
+    trained = rng.standard_normal(4096).astype(np.float32)
+    donors = {p: (trained + 0.01 * rng.standard_normal(4096)).astype(np.float32) for p in ("a", "b", "c")}
+
+    async def main() -> JoinOutcome:
+        net = InMemoryNetwork()
+        settings = ExchangeSettings(swarm="s", config_hash="h", codec=get_codec("int8"), exchange_timeout_s=2.0)
+        me = GossipPeer(net.transport(ME), settings, {"w": np.zeros(4096, np.float32)})
+        peers = [GossipPeer(net.transport(p), settings, {"w": w}, step=300) for p, w in donors.items()]
+        for peer in (me, *peers):
+            await peer.start()
+
+        async def evaluate(tensors: object) -> float:
+            x = np.zeros(4096, np.float32) if tensors is None else tensors["w"]  # type: ignore[index]
+            return 1.0 + float(np.linalg.norm(x - trained))
+
+        judged = judge_steps([record(p, 300) for p in donors], ME, step=0, margin=2, budget=0)
+        assert judged is not None
+        return await asyncio.wait_for(join_swarm(judged, me.fetch, evaluate, me.tensors), 20)
+
+    outcome = asyncio.run(main())
+    assert outcome.sources == ("a", "b", "c") and outcome.tensors is not None
+    np.testing.assert_array_equal(outcome.tensors["w"], combine([{"w": w} for w in donors.values()])["w"])
 
 
 # ---- records that claim what no honest peer does (SPES) ---------------------------------------------
