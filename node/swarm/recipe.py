@@ -414,7 +414,7 @@ class SwarmSettings:
     """The shared settings read back from a swarm document (validated by `from_doc`)."""
 
     topology: TopologySpec
-    codec: Codec  # of whole tensors: rounds and downloads (fp32 under compressed gossip)
+    codec: Codec  # of whole tensors in rounds (fp32 under compressed gossip); downloads are fp32 whatever it is
     clock: RoundClock
     max_staleness: int
     mixing: MixingRule
