@@ -17,6 +17,7 @@ from typing import Any
 
 from gossip.codecs import SPARSE_CODECS, Codec, Fp32Codec, get_codec
 from gossip.diloco.config import DILOCO_DEFAULTS
+from gossip.exchange import WHOLE_MODEL_CODEC
 from gossip.optimizers import OptimizerConfig
 from gossip.pace import DEFAULT_PACE, TransferPace
 from gossip.rules import Knobs, Rule, broken_rules
@@ -452,12 +453,10 @@ class Download:
 
 
 def download_estimate(config: PlanConfig, pace: TransferPace = DEFAULT_PACE) -> Download:
-    """The whole model as a donor serves it: in the swarm's codec for dsgd and dadam, in fp32 for DiLoCo
-    and compressed gossip (their main peer serves whole models losslessly), over the link after the
-    request's round trips (the dial, the pull)."""
-    lossless = config.algorithm == Algorithm.DILOCO or config.compression == Compression.CHOCO
+    """The whole model as a donor serves it, in fp32 whatever the rounds' codec (gossip.exchange
+    WHOLE_MODEL_CODEC), over the link after the request's round trips (the dial, the pull)."""
     h = config.header
-    nbytes = message_nbytes(config.specs, Fp32Codec() if lossless else config.codec, swarm=h.swarm,
+    nbytes = message_nbytes(config.specs, WHOLE_MODEL_CODEC, swarm=h.swarm,
                             config_hash=h.config_hash, sender=h.sender, round=h.round, step=h.step, kind="reply")
     seconds = config.link.transfer_s(nbytes) + 2 * PULL_ROUND_TRIPS * config.link.latency_s
     return Download(nbytes, seconds, pace.whole_s(nbytes))
