@@ -112,20 +112,25 @@ def stop(nodes: list[NodeProcess]) -> None:
             node.process.wait(timeout=10)
 
 
-def watch_rounds(link: VethLink, nodes: list[ReadyNode]) -> tuple[dict[str, float], list[float], dict[str, dict]]:
+def watch_rounds(link: VethLink, nodes: list[ReadyNode]) -> tuple[dict[str, float], list[float], dict[str, dict],
+                                                                 dict[str, set[str]]]:
     """Poll both nodes until each ran ROUNDS_WANTED rounds: their initial payload norms, the round
-    times the initiator (smaller id) reported, and the final statuses."""
+    times the initiator (smaller id) reported, the final statuses, and the peers each node's view held
+    in any poll (a heartbeat that misses on the saturated link can lapse a record for a moment)."""
     initial = {r.peer_id: fetch_status(link, r)["payload"]["norm"] for r in nodes}
     initiator = min(nodes, key=lambda r: r.peer_id)
     round_times: dict[int, float] = {}
+    seen: dict[str, set[str]] = {r.peer_id: set() for r in nodes}
     deadline = time.monotonic() + ROUNDS_TIMEOUT_S
     while True:
         status = {r.peer_id: fetch_status(link, r) for r in nodes}
+        for pid, s in status.items():
+            seen[pid].update(p["peer_id"] for p in s["peers"])
         mine = status[initiator.peer_id]
         if mine["rounds_run"]:
             round_times[mine["rounds_run"]] = mine["last_round_s"]
         if all(s["rounds_run"] >= ROUNDS_WANTED for s in status.values()):
-            return initial, [round_times[k] for k in sorted(round_times)], status
+            return initial, [round_times[k] for k in sorted(round_times)], status, seen
         if time.monotonic() > deadline:
             logs = "\n".join(f"node {r.node.side}:\n{r.node.log_tail()}" for r in nodes)
             progress = {pid[-6:]: (s["rounds_run"], s["skipped"], s["errors"]) for pid, s in status.items()}
@@ -153,16 +158,16 @@ def test_two_nodes_exchange_across_a_rate_limited_link(tmp_path: Path, capsys: p
             started.append(start_node(link, 1, "join", tmp_path / "joiner", "--invite", founder.invite,
                                       "--peers", link_maddrs[0], "--transport", transport))
             joiner = wait_ready(started[1])
-            initial, rounds, final = watch_rounds(link, [founder, joiner])
+            initial, rounds, final, seen = watch_rounds(link, [founder, joiner])
         finally:
             stop(started)
 
     for pid, s in final.items():
         other = next(p for p in final if p != pid)
-        assert other in {p["peer_id"] for p in s["peers"]}, f"{pid} never saw {other} across the link"
+        assert other in seen[pid], f"{pid} never saw {other} across the link"
         # A DHT heartbeat shares the saturated link with the vectors (on p2pd, the very same connection),
-        # so one can now and then miss its 2 s RPC timeout; the next beat stores the record again and it
-        # outlives three beats, which the view check above relies on. Anything else is a failure.
+        # so one can now and then miss its 2 s RPC timeout; the next beat stores the record again, so a
+        # view may lack the other node at one poll but not at every poll. Anything else is a failure.
         exchange_errors = {k: n for k, n in s["errors"].items() if k not in TRANSIENT_DHT_ERRORS}
         dht_misses = sum(n for k, n in s["errors"].items() if k in TRANSIENT_DHT_ERRORS)
         assert exchange_errors == {} and s["skipped"] == {}, f"{pid}: errors {s['errors']}, skipped {s['skipped']}"

@@ -164,10 +164,10 @@ class NoisePeer(GossipPeer):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._served = Served()
 
-    def _frames(self, tensors, round_index, kind, meta=None):  # type: ignore[no-untyped-def]
+    def _frames(self, tensors, round_index, kind, meta=None, codec=None):  # type: ignore[no-untyped-def]
         if tensors and kind in (REPLY, EXCHANGE):
             tensors = tampered(self.ctx, self._served, Mode.NOISE, tensors, self.round if round_index is None else round_index)
-        return super()._frames(tensors, round_index, kind, meta)
+        return super()._frames(tensors, round_index, kind, meta, codec)
 
 
 async def honest_drift(rule: MixingRule) -> float:
