@@ -73,6 +73,12 @@ def wait_rows(page, expected: list[Node], timeout_s: float) -> float:
     return time.monotonic() - started
 
 
+def wait_chart_points(page, selector: str, points: int) -> None:
+    """Until the chart `selector` names says it draws at least `points` points (its data-points)."""
+    page.wait_for_function("([selector, points]) => Number(document.querySelector(selector)?.dataset.points) >= points",
+                           arg=[selector, points], timeout=SETUP_TIMEOUT_MS)
+
+
 def kill_group(node: Node) -> None:
     os.killpg(node.pid, signal.SIGKILL)  # the node and its p2pd: no clean withdrawal from the DHT
     node.process.wait(10)
@@ -103,10 +109,8 @@ def test_the_page_follows_a_live_swarm(tmp_path, browser, artifacts):
         assert page.eval_on_selector_all("#topology g.node.self", "g => g.map(x => x.dataset.peerId)") == [first.peer_id]
         page.wait_for_function("() => document.querySelectorAll('#topology line.edge.current').length > 0",
                                timeout=SETUP_TIMEOUT_MS)
-        page.wait_for_function("() => Number(document.getElementById('chart-traffic').dataset.points) >= 2",
-                               timeout=SETUP_TIMEOUT_MS)
-        page.wait_for_function("() => Number(document.getElementById('chart-consensus').dataset.points) >= 2",
-                               timeout=SETUP_TIMEOUT_MS)
+        wait_chart_points(page, "#chart-traffic", 2)
+        wait_chart_points(page, "#chart-consensus", 2)
         # each neighbour's link (node.net.reachability): on loopback both are direct connections
         page.wait_for_function("() => [...document.querySelectorAll('#peers tr:not(.self) td.link')]"
                                ".map(td => td.textContent).join() === 'direct,direct'", timeout=SETUP_TIMEOUT_MS)

@@ -11,7 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_monitor_browser import CHROMIUM_ARGS, SETUP_TIMEOUT_MS, artifacts, browser, open_page  # noqa: F401
+from test_monitor_browser import (  # noqa: F401
+    CHROMIUM_ARGS,
+    SETUP_TIMEOUT_MS,
+    artifacts,
+    browser,
+    open_page,
+    wait_chart_points,
+)
 
 from support.swarm_harness import Swarm
 
@@ -72,8 +79,7 @@ def test_the_swarm_page_lists_every_node_with_its_step_and_contribution_and_the_
             # page rounds an exact tie such as 40/128 = 31.25% up, Python's format to even: compare the numbers)
             assert row["share"].endswith("%"), row
             assert abs(float(row["share"][:-1]) - 100 * row["points"] / total) <= 0.05 + 1e-9, (row, total)
-        page.wait_for_function("() => Number(document.getElementById('chart-swarm-throughput').dataset.points) >= 2",
-                               timeout=SETUP_TIMEOUT_MS)
+        wait_chart_points(page, "#chart-swarm-throughput", 2)
         assert int(page.inner_text("#swarm-peers-count")) == NODES
         page.screenshot(path=str(artifacts / "monitor-swarm.png"), full_page=True)
         check_the_loss_chart(page, first, artifacts)
@@ -96,10 +102,8 @@ def test_the_swarm_page_lists_every_node_with_its_step_and_contribution_and_the_
 def check_the_loss_chart(page, node, shots: Path) -> None:
     """The node's own charts draw its training: losses, an evaluation, throughput, the current round's edges."""
     for series, points in (("loss", 5), ("validation", 1)):
-        page.wait_for_function(f"() => Number(document.querySelector('#chart-loss polyline[data-series={series}]')"
-                               f"?.dataset.points) >= {points}", timeout=SETUP_TIMEOUT_MS)
-    page.wait_for_function("() => Number(document.getElementById('chart-throughput').dataset.points) >= 5",
-                           timeout=SETUP_TIMEOUT_MS)
+        wait_chart_points(page, f"#chart-loss polyline[data-series={series}]", points)
+    wait_chart_points(page, "#chart-throughput", 5)
     page.wait_for_function("() => document.querySelectorAll('#topology line.edge.current').length > 0",
                            timeout=SETUP_TIMEOUT_MS)
     # the untrained model's first losses can be above 10 (a fresh-clone run read 10.6): wait for the page
