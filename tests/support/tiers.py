@@ -5,7 +5,7 @@ import pytest
 
 # The tiers `make test-fast` and CI select by; `slow` only refines `unit`, so it is no tier of its own.
 TIERS = frozenset({"unit", "multiprocess", "container", "browser"})
-# Heaviest first: under `make test`'s three workers (a file each) the long container and node-process files
+# Heaviest first: under `make test`'s two workers (a file each) the long container and node-process files
 # start early and the quick in-process files fill the gaps, rather than one long file ending the run alone.
 # A file ranks as its heaviest test; the order within a file stays as written. xdist keeps this order
 # only with --no-loadscope-reorder (the Makefile's): by default it sorts files by their number of tests.
