@@ -13,6 +13,7 @@ Configurations (`--configs`):
 - compute: murmur nodes that never gossip (H beyond the run): the compute time per step on these cores,
   the step time `murmur plan` is given;
 - dadam-fp32: murmur's DAdam, whole fp32 parameters every step, one-peer exponential (the defaults);
+  dadam-int8: the same with int8 parameters;
 - choco-topk, choco-int8: DAdam with compressed gossip (top-k 5% or int8 differences) on the hypercube;
 - diloco: gossip DiLoCo, when this murmur has it (`--optimizer diloco`; skipped otherwise), its outer sync
   overlapped with the next phase; diloco-awaited: the same with each sync awaited;
@@ -66,11 +67,15 @@ class Config:
 
 
 def configs(args: argparse.Namespace) -> dict[str, Config]:
-    common = {"model": args.model, "batch_size": args.batch_size, "lr": args.lr, "warmup_steps": args.warmup}
+    common = {"model": args.model, "batch_size": args.batch_size, "context": args.context, "lr": args.lr,
+              "warmup_steps": args.warmup}
     return {
         "compute": Config("compute: local steps only (no gossip)", "murmur", {**common, "local_steps": 10_000}),
         "dadam-fp32": Config("murmur DAdam, fp32, one-peer-exp", "murmur", {**common, "topology": "one-peer-exp"},
                              {"optimizer": "dadam", "topology": "one-peer-exp", "codec": "fp32"}),
+        "dadam-int8": Config("murmur DAdam, int8, one-peer-exp", "murmur",
+                             {**common, "topology": "one-peer-exp", "codec": "int8"},
+                             {"optimizer": "dadam", "topology": "one-peer-exp", "codec": "int8"}),
         "choco-topk": Config("murmur DAdam + choco top-k 5%, hypercube", "murmur",
                              {**common, "topology": "hypercube", "gossip_compression": "choco", "mixing": "weighted", "codec": "topk",
                               "topk_ratio": 0.05},
@@ -114,6 +119,7 @@ class Trace:
     snapshots: dict[int, float]  # step -> seconds until every node had a snapshot of it
     losses: dict[int, float] = field(default_factory=dict)  # step -> validation loss of the average
     note: str = ""
+    peak_rss_gb: list[float] = field(default_factory=list)  # per murmur node process, its VmHWM at the end
 
     def step_time(self, warm_steps: int) -> float | None:
         """Median over nodes of the mean wall time per step after the first `warm_steps` steps."""
@@ -238,9 +244,20 @@ def run_murmur(net, config: Config, args: argparse.Namespace, workdir: Path) -> 
                     return [(step, kept.rename(workdir / f"snap-n{i}-{step}.safetensors").stat().st_mtime)]
             return []
 
-        return _follow(config.name, args, poll, snapshot, processes, config.steps or args.steps)
+        trace = _follow(config.name, args, poll, snapshot, processes, config.steps or args.steps)
+        trace.peak_rss_gb = [_peak_rss_gb(p.pid) for p in processes]
+        return trace
     finally:
         _stop_all(processes)
+
+
+def _peak_rss_gb(pid: int) -> float:
+    """A node process's resident-memory high-water mark (VmHWM; `ip netns exec` execs the node), 0 if gone."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / (1 << 20)
+    return 0.0
 
 
 def _follow(name: str, args: argparse.Namespace, poll: Callable[[int], tuple[int, int] | None],
@@ -426,7 +443,8 @@ def predicted_step(config: Config, args: argparse.Namespace, step_time: float) -
     a step of the model, and scaled by the run's step over that step: both ran on the same (shared) cores."""
     assert config.plan is not None
     common = [MURMUR, "plan", "--model", args.model, "--peers", str(args.nodes), "--bandwidth-mbit", str(args.rate_mbit),
-              "--latency-ms", str(args.delay_ms), "--batch-size", str(args.batch_size), "--json",
+              "--latency-ms", str(args.delay_ms), "--batch-size", str(args.batch_size), "--context", str(args.context),
+              "--json",
               *_flag_args(config.plan)]
 
     def plan(*extra: str) -> dict:
@@ -452,7 +470,7 @@ def report(traces: dict[str, Trace], cfgs: dict[str, Config], args: argparse.Nam
     base = traces.get("dadam-fp32")
     base_hit = base.to_target(args.target) if base else None
     lines = [f"### Time to validation loss {args.target:g}: {args.nodes} nodes, {args.rate_mbit:g} Mbit/s each way, "
-             f"{args.delay_ms:g} ms one-way, model {args.model}, batch {args.batch_size} x 128 per node"
+             f"{args.delay_ms:g} ms one-way, model {args.model}, batch {args.batch_size} x {args.context} per node"
              + (f"; forward and backward mocked as a {args.mock_gpu_step:g} s sleep (a GPU leaving the CPU free), "
                 "so no losses" if getattr(args, "mock_gpu_step", None) else ""), "",
              "| configuration | time to target s | at step | s / step | MB / step / node (sent + received) | "
@@ -466,7 +484,8 @@ def report(traces: dict[str, Trace], cfgs: dict[str, Config], args: argparse.Nam
     lines += ["", "Validation loss of the swarm-average model at each snapshot step (seconds since the first step):", ""]
     for key, trace in traces.items():
         curve = ", ".join(f"{step}: {loss:.3f} ({trace.snapshots[step]:.0f} s)" for step, loss in sorted(trace.losses.items()))
-        lines.append(f"- {key}: {curve or '-'}{f' ({trace.note})' if trace.note else ''}")
+        peak = f"; peak RSS per node {', '.join(f'{gb:.1f}' for gb in trace.peak_rss_gb)} GB" if trace.peak_rss_gb else ""
+        lines.append(f"- {key}: {curve or '-'}{f' ({trace.note})' if trace.note else ''}{peak}")
     compute = traces.get("compute")
     compute_step = compute.step_time(warm) if compute else None
     diloco = traces.get("diloco")
@@ -507,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--delay-ms", type=float, default=25.0, help="one-way delay the relay adds (default 25)")
     parser.add_argument("--model", default="moe")
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--context", type=int, default=128, help="tokens per training sequence (default 128; "
+                        "validation always uses 128)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--steps", type=int, default=100, help="steps every configuration takes (default 100)")

@@ -31,6 +31,7 @@ from node.swarm.contributors import (
     plausible_tokens,
     tokens_from_meta,
 )
+from node.swarm.recipe import TrainingRecipe
 
 pytestmark = pytest.mark.unit
 
@@ -250,3 +251,20 @@ def test_api_swarm_answers_with_its_schema_and_the_event_stream_carries_each_new
     (None, ScoreState.EXCLUDED, 0.0)])
 def test_contribution_points_weigh_tokens_by_the_score_and_give_an_excluded_peer_none(score, state, points) -> None:
     assert contribution_points(200, score, state) == points
+
+
+def test_tokens_per_second_spans_a_whole_phase_so_a_diloco_sync_step_does_not_read_as_the_rate() -> None:
+    from node.swarm.loop import THROUGHPUT_MAX_STEPS, THROUGHPUT_MIN_STEPS, throughput_window, tokens_per_second
+    from node.swarm.recipe import optimizer_config
+
+    def window(local_steps: int) -> int:
+        return throughput_window(TrainingRecipe(model="dense", seed=1, batch_size=2, context=128, steps=0,
+                                                optimizer=optimizer_config("dadam", 1e-3, 0, 0, local_steps, 1)))
+
+    assert (window(1), window(25), window(10**6)) == (THROUGHPUT_MIN_STEPS, 25, THROUGHPUT_MAX_STEPS)
+    # nine 1 s inner steps and the step that ends the phase, which waited 31 s for the outer exchange:
+    # 256 tokens a step over the phase's 40 s, not the 8 tokens/s of the last step alone
+    phase = [1.0] * 9 + [31.0]
+    assert tokens_per_second(256, phase) == pytest.approx(256 * 10 / 40)
+    assert tokens_per_second(256, phase[:1]) == pytest.approx(256.0)
+    assert tokens_per_second(256, []) == 0.0 and tokens_per_second(256, [0.0, -1.0]) == 0.0

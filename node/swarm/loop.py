@@ -13,6 +13,7 @@ import enum
 import logging
 import sys
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,8 @@ JOIN_LOOK_S = 10.0  # how long a joiner looks for live peers to download paramet
 EVAL_BATCHES = 8
 LAG_WAIT_S = 30.0  # longest a round waits for a laggard that is catching up before it goes on without
 CATCH_UP_DIAL_S = 10.0  # how long a starting node waits for dials to the peers it downloads from
+THROUGHPUT_MIN_STEPS = 10  # tokens_per_s averages over at least this many steps, and over a whole phase
+THROUGHPUT_MAX_STEPS = 1000  # ... up to this many (a phase of 10,000 local steps would answer too slowly)
 STALLED_AFTER_S = 10.0  # default: a record unchanged this long shows no progress (node.swarm.progress)
 EVAL_BATCH_SIZE = 32
 MERGE_WAIT_S = 120.0  # longest the final merge waits for the peers in view to finish their budget
@@ -220,6 +223,17 @@ def last_round_at(step: int, recipe: TrainingRecipe) -> int:
     return max(0, step // recipe.optimizer.local_steps - 1)
 
 
+def throughput_window(recipe: TrainingRecipe) -> int:
+    """Steps `tokens_per_s` averages over: a whole phase of H local steps, within bounds."""
+    return min(THROUGHPUT_MAX_STEPS, max(THROUGHPUT_MIN_STEPS, recipe.optimizer.local_steps))
+
+
+def tokens_per_second(tokens_per_step: int, step_times: Sequence[float]) -> float:
+    """Throughput over steps that took `step_times` seconds each; 0 before any time has passed."""
+    elapsed = sum(max(0.0, t) for t in step_times)
+    return tokens_per_step * len(step_times) / elapsed if elapsed > 0 else 0.0
+
+
 class SwarmLoop:
     """One node's training run inside the daemon (see the module docstring); `algorithm` steps it."""
 
@@ -242,6 +256,9 @@ class SwarmLoop:
         self.must_download = False
         trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
         self._tokens = 0  # trained since this process started, for bytes_per_token
+        # the last steps' wall times: throughput over a whole phase (its sync included), not the one step
+        # that ends it, which with gossip DiLoCo also waits for the outer exchange
+        self._step_times: deque[float] = deque(maxlen=throughput_window(recipe))
         # trained by this node itself since it first started (the start_training restores it from the
         # checkpoint): what its record claims, and the export's card credits
         self.tokens_processed = 0
@@ -642,7 +659,8 @@ class SwarmLoop:
         s.step = self.trainer.step
         s.loss, s.lr = report.stats.loss, report.stats.lr
         tokens = tokens_per_step(self.recipe)
-        s.tokens_per_s = tokens / report.step_s if report.step_s > 0 else 0.0
+        self._step_times.append(report.step_s)
+        s.tokens_per_s = tokens_per_second(tokens, self._step_times)
         self._tokens += tokens
         self.tokens_processed += tokens
         sent, received = self.extra_traffic()
