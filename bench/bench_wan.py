@@ -551,6 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--role", choices=("hivemind",), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.model.startswith("hf:"):  # the nodes run in their own work directories
+        args.model = "hf:" + str(Path(args.model[3:]).resolve())
     if args.role == "hivemind":
         hivemind_role(json.loads(args.spec))
         return 0
