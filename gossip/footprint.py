@@ -23,12 +23,13 @@ unless it says otherwise; the peak of a round is counted, not the average:
   trainer's current values and the pseudo-gradient anchor - now during a sync; per fragment one peer
   for the pseudo-gradients and one for the anchors (each a gossip peer as above, over the fragment's
   share; fragments sync one after the other, so a round's transient buffers are 1/fragments of the
-  model); the outer Nesterov momentum (when momentum > 0) and the copy its serving peer keeps as its
-  last values; the main peer serving the anchor keeps the previous one; error-feedback residuals for
+  model); the outer Nesterov momentum (when momentum > 0); the peers serving the anchor and the
+  momentum hold those same arrays and keep no previous values (they run no rounds); error-feedback residuals for
   a lossy codec (pseudo-gradients) and a lossy anchor codec; with overlap, the phase start (the fast
   weights) beside the anchor.
 - SPES: the terms of DiLoCo's outer groups over the trained part (the shared weights and the owned
-  experts); the other experts stay frozen on the device in bfloat16 (node/algorithms/spes/swarm.py).
+  experts), and the first trained values its main peer keeps as the base of its moves; the other
+  experts stay frozen on the device in bfloat16 (node/algorithms/spes/swarm.py).
 - A checkpoint (node/runtime/saving.py, Trainer.state) is written from a host snapshot of the
   parameters (every one in float32) and the optimizer state; DiLoCo's outer state in it shares the arrays it already holds.
 """
@@ -186,9 +187,10 @@ def footprint(m: MemoryInputs) -> Footprint:
         t, turn = trained, 1.0 / max(1, m.fragments)
         mixes_anchors = m.anchor_every > 0
         fused = m.outer_momentum == 0 and m.anchor_codec == m.codec  # (outer lr 1 too; counted as not fused)
-        terms += [Term("anchor", Where.HOST, F32 * t),
-                  Term("served anchor's previous values", Where.HOST, F32 * t),
-                  Term("current values and pseudo-gradient (a sync)", Where.HOST, 2 * F32 * t * turn)]
+        terms.append(Term("anchor", Where.HOST, F32 * t))
+        if m.spes:  # SPES's main peer serves the trained values as moves: it keeps the first ones as its base
+            terms.append(Term("served anchor's previous values", Where.HOST, F32 * t))
+        terms.append(Term("current values and pseudo-gradient (a sync)", Where.HOST, 2 * F32 * t * turn))
         if m.overlap:
             terms.append(Term("phase start (overlap)", Where.HOST, F32 * t))
         if not (fused and mixes_anchors):
@@ -196,8 +198,7 @@ def footprint(m: MemoryInputs) -> Footprint:
         if mixes_anchors:
             terms += _peer_terms("anchors: ", t, m, turn)
         if m.outer_momentum > 0:
-            terms += [Term("outer momentum", Where.HOST, F32 * t),
-                      Term("served momentum's previous values", Where.HOST, F32 * t)]
+            terms.append(Term("outer momentum", Where.HOST, F32 * t))
         if m.codec not in LOSSLESS_CODECS and not (fused and mixes_anchors):
             terms.append(Term("error-feedback residuals", Where.HOST, F32 * t))
         if mixes_anchors and m.anchor_codec not in LOSSLESS_CODECS:

@@ -7,7 +7,9 @@ momentum checks."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import math
+import types
 
 import numpy as np
 import pytest
@@ -539,3 +541,67 @@ def test_a_joiners_outer_momentum_is_the_median_of_its_sources_so_one_cannot_ste
     only_one = _adopt({"a": None, "b": {"w": honest}, "c": None})
     assert only_one.adopted is not None and np.array_equal(only_one.adopted["w"], honest)
     assert _adopt({"a": None, "b": None}).adopted is None
+
+
+def _arrays_held(root: object, skip: tuple[type, ...]) -> dict[int, np.ndarray]:
+    """The float32 arrays reachable from `root` through containers and objects (not through `skip`, a
+    trainer, a module or a function), by id of the array that owns the memory."""
+    seen: set[int] = set()
+    held: dict[int, np.ndarray] = {}
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (type, types.ModuleType, types.FunctionType, types.MethodType, Trainer,
+                                                  torch.nn.Module, asyncio.AbstractEventLoop, *skip)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, np.ndarray):
+            owner = obj
+            while isinstance(owner.base, np.ndarray):
+                owner = owner.base
+            if owner.dtype == np.float32:
+                held[id(owner)] = owner
+            continue
+        if isinstance(obj, (str, bytes, int, float, bool)):
+            continue
+        stack.extend(gc.get_referents(obj))
+    return held
+
+
+def test_the_peers_serving_the_anchor_and_momentum_keep_no_copy_beyond_them(corpus: Corpus) -> None:
+    """The main peer serves the anchor and a second peer the outer momentum; neither runs rounds, so
+    neither keeps the values they replaced (a whole-model copy each, docs/training.md "Memory per
+    parameter"): what they hold is the anchor's and the momentum's own arrays."""
+    from gossip.exchange import GossipPeer
+
+    optimizer = OptimizerConfig(algorithm="diloco", lr=3e-3, local_steps=2)
+    config = DilocoConfig(outer_momentum=0.9, overlap=True)
+    ids = ["peer-a", "peer-b"]
+
+    async def main() -> None:
+        net = InMemoryNetwork()
+        settings = ExchangeSettings(swarm="test", config_hash="c0ffee", codec=get_codec("int8"), exchange_timeout_s=30.0)
+        state = ExchangeSettings(swarm="test", config_hash="c0ffee", codec=get_codec("fp32"), exchange_timeout_s=30.0)
+        nodes, peers = [], []
+        skip: tuple[type, ...] = ()
+        for pid in ids:
+            trainer = make_trainer(corpus, optimizer, pid)
+            transport = net.transport(pid)
+            skip = (type(transport),)  # the network reaches the other node's arrays
+            peer = GossipPeer(transport, state, await trainer.tensors(), step=0)
+            node = DilocoTrainer(trainer, transport, settings, config, SyncSchedule(2, 1, lambda s: 1.0),
+                                 state_peer=peer)
+            await node.start()
+            nodes.append(node)
+            peers.append(peer)
+        await run(nodes, 6, Lockstep(ids))
+        for node, peer in zip(nodes, peers, strict=True):
+            assert node.stats.outer_steps >= 2
+            anchor = {id(a) for a in node.anchor.values()}
+            momentum = {id(b) for b in node.momentum.values()}
+            assert momentum and set(_arrays_held(peer, skip)) == anchor
+            assert node._momentum_peer is not None and set(_arrays_held(node._momentum_peer, skip)) == momentum
+            await node.close()
+            node.trainer.close()
+
+    asyncio.run(main())

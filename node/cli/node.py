@@ -106,7 +106,10 @@ def _check_founders_recipe(resolved: ResolvedConfig) -> None:
 
 def _run_node(args: argparse.Namespace) -> int:
     config = node_config_from_args(args, os.environ)
+    from node.runtime.allocator import bound_allocator_slack
     from node.runtime.serve import run_node
+
+    bound_allocator_slack(os.environ)  # before the model and the peers allocate
 
     exit_status: int = run_node(config, founding=args.command == Command.NODE)
     return exit_status

@@ -156,12 +156,14 @@ class DilocoTrainer:
         return {n: (b if (b := self._outer.buffer(n)) is not None else np.zeros_like(a)) for n, a in self._anchor.items()}
 
     def _publish(self) -> None:
-        """Serve the current anchors and momentum (joiners, the swarm evaluation)."""
+        """Serve the current anchors and momentum (joiners, the swarm evaluation). Both peers run no
+        rounds, so nothing reads the base a move would keep (the adaptive radius's reference): as a move
+        they would each hold their first values, a whole-model copy, for the node's life."""
         step = self.trainer.step
         if self._state_peer is not None:
-            self._state_peer.set_tensors(dict(self._anchor), step=step)
+            self._state_peer.set_tensors(dict(self._anchor), step=step, moved=False)
         if self._momentum_peer is not None:
-            self._momentum_peer.set_tensors(self._momentum_tensors(), step=step)
+            self._momentum_peer.set_tensors(self._momentum_tensors(), step=step, moved=False)
 
     @property
     def anchor(self) -> dict[str, np.ndarray]:
