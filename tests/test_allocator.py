@@ -20,7 +20,7 @@ _FRAGMENT = textwrap.dedent("""
     import numpy as np
     from node.runtime.allocator import bound_allocator_slack
     if sys.argv[1] == "set":
-        assert bound_allocator_slack({})
+        assert bound_allocator_slack({}, "cuda")
     def rss_mib():
         for line in open("/proc/self/status"):
             if line.startswith("VmRSS:"):
@@ -48,5 +48,9 @@ def test_freed_model_sized_arrays_go_back_to_the_system_with_the_nodes_setting()
 
 
 def test_a_threshold_the_environment_sets_is_left_alone() -> None:
-    assert not bound_allocator_slack({"MALLOC_MMAP_THRESHOLD_": "65536"})
-    assert not bound_allocator_slack({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"})
+    assert not bound_allocator_slack({"MALLOC_MMAP_THRESHOLD_": "65536"}, "cuda")
+    assert not bound_allocator_slack({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"}, "cuda")
+
+
+def test_a_cpu_node_keeps_glibcs_default_so_its_training_steps_stay_fast() -> None:
+    assert not bound_allocator_slack({}, "cpu")

@@ -108,8 +108,10 @@ def _run_node(args: argparse.Namespace) -> int:
     config = node_config_from_args(args, os.environ)
     from node.runtime.allocator import bound_allocator_slack
     from node.runtime.serve import run_node
+    from node.train.trainer import resolve_device
 
-    bound_allocator_slack(os.environ)  # before the model and the peers allocate
+    # before the model and the peers allocate
+    bound_allocator_slack(os.environ, resolve_device(config.training.device).type)
 
     exit_status: int = run_node(config, founding=args.command == Command.NODE)
     return exit_status

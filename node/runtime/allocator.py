@@ -20,9 +20,16 @@ ENV_SETTINGS = ("MALLOC_MMAP_THRESHOLD_",)
 TUNABLE = "glibc.malloc.mmap_threshold"
 
 
-def bound_allocator_slack(env: Mapping[str, str]) -> bool:
-    """Fix glibc's mmap threshold at MMAP_THRESHOLD_BYTES, unless `env` sets one; whether it was set
-    (False off glibc: musl and other C libraries keep their own behaviour)."""
+def bound_allocator_slack(env: Mapping[str, str], device_type: str) -> bool:
+    """Fix glibc's mmap threshold at MMAP_THRESHOLD_BYTES on a node that trains on `device_type` "cuda",
+    unless `env` sets one; whether it was set (False off glibc: musl and other C libraries keep their
+    own behaviour).
+
+    Not on a CPU node: there the trainer's own tensors (gradients, activations) would be mapped afresh
+    every step, which cost about 15% of an 85M model's step (docs/training.md); a CUDA node's host
+    memory holds the gossip buffers, allocated once a round, and is what bounds the model it can take."""
+    if device_type != "cuda":
+        return False
     if any(name in env for name in ENV_SETTINGS) or TUNABLE in env.get("GLIBC_TUNABLES", ""):
         return False
     if not sys.platform.startswith("linux"):
