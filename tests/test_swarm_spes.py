@@ -119,7 +119,10 @@ def test_spes_swarm_trains_only_owned_experts_and_survives_losing_both_owners(sw
         statuses = swarm.statuses(survivors)
         ok = all(s["spes"]["peers"] == live and set(s["spes"]["owners"][target]) and
                  set(s["spes"]["owners"][target]) <= set(live) for s in statuses)
-        return statuses if ok else None
+        # the ownership map changes first; the new owner takes the expert's record over at its next step
+        # (on a loaded machine a status can fall in between: wait for the record, then check what it holds)
+        return statuses if ok and all(s["spes"]["records"][label][1] for n, s in zip(survivors, statuses)
+                                      if n.peer_id in s["spes"]["owners"][target]) else None
 
     # a record expires 3 heartbeats after its peer died; the takeover follows at the next step
     after = wait_for(taken_over, 12 * HEARTBEAT_S + 30, f"expert {target} to move to live peers")
