@@ -229,9 +229,13 @@ def test_a_volunteer_the_swarm_left_behind_skips_ahead_to_the_swarms_phase(swarm
     margin = 2 * H  # --max-staleness (2 rounds, the default) of H-step phases
     late.process.send_signal(signal.SIGSTOP)
     try:
+        # Far enough ahead that the node cannot simply train its way back first: once it steps again the
+        # others hold their rounds for it (the laggard wait), and its first laggard check may read the view
+        # it held before the pause. At 3 bounds (30 steps, ~6 s of its training) it once caught up by
+        # training before a check with a fresh view ran; 8 bounds take it ~16 s, several checks.
         paused_at = training(founder)["step"]
-        wait_for(lambda: training(founder)["step"] >= paused_at + 3 * margin, 240,
-                 "the others to move three staleness bounds ahead")
+        wait_for(lambda: training(founder)["step"] >= paused_at + 8 * margin, 240,
+                 "the others to move eight staleness bounds ahead")
     finally:
         late.process.send_signal(signal.SIGCONT)
     before = training(late)["step"]
