@@ -2,9 +2,12 @@
 loss.
 
 In one process over the in-memory transport: per-node memory of parameters + gradients + optimizer state,
-bytes per node per sync, and validation loss against steps (written as an SVG plot).
+bytes per node per sync, validation loss against steps (written as an SVG plot), and (part 4, with
+--period-steps) loss and bytes against the sync period S over seeds, beside data-parallel training and
+training apart.
 
 Run from the repository root: .venv/bin/python -m bench.bench_spes [--steps 96] [--plot docs/img/spes_loss.svg]
+[--period-steps 300 --periods 1,10,50,100 --warmup-at 1,50 --seeds 0,1,2]
 Baselines are measured in the same command: dense training on the same MoE model (memory, loss; and
 for the loss, the same swarm with every expert frozen, to show the experts matter) and the
 reference SPES traffic for the same model (upload shared + owned experts in fp32, download the whole
@@ -18,7 +21,7 @@ import asyncio
 import platform
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +39,7 @@ from node.algorithms.spes.node import InMemoryExpertDirectory, SpesNode
 from node.algorithms.spes.partition import ModelPartition, spes_average
 from node.train.data import Corpus, embedded_corpus, peer_shard
 from node.train.models import DEFAULT, ModelConfig, build_model
-from node.train.trainer import Trainer, TrainerConfig, average_tensors
+from node.train.trainer import Trainer, TrainerConfig, average_tensors, train_alone
 
 NODES = 4
 IDS = [f"peer{i}" for i in range(NODES)]
@@ -51,17 +54,24 @@ def trainer_config(optimizer: OptimizerConfig, model: ModelConfig) -> TrainerCon
                          eval_batch_size=64, eval_batches=8)
 
 
-def make_trainer(corpus: Corpus, model: ModelConfig, optimizer: OptimizerConfig, peer_id: str) -> Trainer:
-    return Trainer(build_model(model), trainer_config(optimizer, model), peer_id=peer_id,
+def make_trainer(corpus: Corpus, model: ModelConfig, optimizer: OptimizerConfig, peer_id: str,
+                 seed: int = 0) -> Trainer:
+    return Trainer(build_model(model, seed=seed), trainer_config(optimizer, model), peer_id=peer_id,
                    train_tokens=peer_shard(corpus, peer_id), val_tokens=corpus.val)
 
 
+def seeded_ids(seed: int) -> list[str]:
+    """The peers of a seed's swarm: their names pick their shards and batches, so seed 0 keeps IDS."""
+    return IDS if seed == 0 else [f"s{seed}-peer{i}" for i in range(NODES)]
+
+
 async def spes_nodes(corpus: Corpus, model: ModelConfig, optimizer: OptimizerConfig, config: SpesConfig,
-                     capacity: int) -> list[SpesNode]:
-    ownership = assign_experts(IDS, dict.fromkeys(IDS, capacity), model.experts, model.layers, config.replication)
+                     capacity: int, seed: int = 0) -> list[SpesNode]:
+    ids = seeded_ids(seed)
+    ownership = assign_experts(ids, dict.fromkeys(ids, capacity), model.experts, model.layers, config.replication)
     net, directory = InMemoryNetwork(), InMemoryExpertDirectory()
-    nodes = [SpesNode(make_trainer(corpus, model, optimizer, pid), net.transport(pid), SETTINGS, config, ownership,
-                      directory) for pid in IDS]
+    nodes = [SpesNode(make_trainer(corpus, model, optimizer, pid, seed), net.transport(pid), SETTINGS, config,
+                      ownership, directory) for pid in ids]
     for node in nodes:
         await node.start()
     return nodes
@@ -203,16 +213,17 @@ async def measure_traffic(corpus: Corpus, setup: TrafficSetup, syncs: int) -> Tr
 
 
 async def dense_curve(corpus: Corpus, optimizer: OptimizerConfig, steps: int, every: int,
-                      train_experts: bool = True) -> list[tuple[int, float]]:
+                      train_experts: bool = True, seed: int = 0) -> list[tuple[int, float]]:
+    ids = seeded_ids(seed)
     net, nodes = InMemoryNetwork(), []
-    for pid in IDS:
-        trainer = make_trainer(corpus, SMALL, optimizer, pid)
+    for pid in ids:
+        trainer = make_trainer(corpus, SMALL, optimizer, pid, seed)
         if not train_experts:  # the control: experts stay at their initial values
             await trainer.set_trainable(set(ModelPartition.of(trainer.model).shared).__contains__)
         peer = GossipPeer(net.transport(pid), SETTINGS, await trainer.tensors())
         await peer.start()
         nodes.append(GossipTrainer(trainer, peer))
-    lockstep = Lockstep(IDS, "ring")
+    lockstep = Lockstep(ids, "ring")
     curve = [(0, await nodes[0].trainer.evaluate())]
     for done in range(every, steps + 1, every):
         await drive(nodes, every, lockstep)
@@ -236,6 +247,128 @@ async def spes_curve(corpus: Corpus, optimizer: OptimizerConfig, config: SpesCon
     for node in nodes:
         node.trainer.close()
     return curve
+
+
+# ---- sync period ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PeriodResult:
+    name: str
+    seed: int
+    loss: float  # the swarm average's validation loss (training apart: the mean of the nodes' own models')
+    bytes_per_step: float  # sent + received per node per step
+
+
+def period_optimizer(steps: int) -> OptimizerConfig:
+    return OptimizerConfig(algorithm="dadam", lr=1.5e-2, warmup_steps=max(1, steps // 12), total_steps=steps)
+
+
+async def period_single(corpus: Corpus, steps: int, seed: int) -> PeriodResult:
+    """The data-parallel baseline: one process whose batch is the swarm's (NODES x 8), the same steps."""
+    config = replace(trainer_config(period_optimizer(steps), SMALL), batch_size=NODES * 8)
+    trainer = Trainer(build_model(SMALL, seed=seed), config, peer_id=f"s{seed}-single", train_tokens=corpus.train,
+                      val_tokens=corpus.val)
+    try:
+        await train_alone(trainer, steps)
+        return PeriodResult("data-parallel (1 process, batch 32)", seed, await trainer.evaluate(), 0.0)
+    finally:
+        trainer.close()
+
+
+async def period_apart(corpus: Corpus, steps: int, seed: int) -> PeriodResult:
+    """Training apart: every node alone on its shard, all experts trained; the mean of its models' losses
+    (averaging them at the end would be a communication)."""
+    losses = []
+    for pid in seeded_ids(seed):
+        trainer = make_trainer(corpus, SMALL, period_optimizer(steps), pid, seed)
+        try:
+            await train_alone(trainer, steps)
+            losses.append(await trainer.evaluate())
+        finally:
+            trainer.close()
+    return PeriodResult("apart (no communication)", seed, float(np.mean(losses)), 0.0)
+
+
+async def period_dense(corpus: Corpus, steps: int, seed: int) -> PeriodResult:
+    """Dense DAdam, every expert trained by every node, a fp32 ring round after every step."""
+    ids, net, nodes = seeded_ids(seed), InMemoryNetwork(), []
+    for pid in ids:
+        trainer = make_trainer(corpus, SMALL, period_optimizer(steps), pid, seed)
+        peer = GossipPeer(net.transport(pid), SETTINGS, await trainer.tensors())
+        await peer.start()
+        nodes.append(GossipTrainer(trainer, peer))
+    try:
+        await drive(nodes, steps, Lockstep(ids, "ring"))
+        moved = sum(n.peer.stats.bytes_sent + n.peer.stats.bytes_received for n in nodes) / (NODES * steps)
+        average = average_tensors([await n.trainer.tensors() for n in nodes])
+        return PeriodResult("dense DAdam, fp32 every step", seed, await nodes[0].trainer.evaluate(average), moved)
+    finally:
+        for node in nodes:
+            node.trainer.close()
+
+
+def period_config(sync_every: int, steps: int, warmup: bool) -> SpesConfig:
+    """SPES r = 2 with the defaults' codecs at period S; the merge warm-up (every multiple of S from 10
+    on, strength 0.1 falling to 0 at half the run) on or off."""
+    merge_every = sync_every * -(-10 // sync_every)
+    return SpesConfig(sync_every=sync_every, merge_every=merge_every, merge_until=steps // 2 if warmup else 0,
+                      alpha0=0.1, replication=2, **NEW_DEFAULTS)
+
+
+async def period_spes(corpus: Corpus, steps: int, seed: int, sync_every: int, warmup: bool) -> PeriodResult:
+    """SPES on a ring for `steps` steps, a multiple of S (the last step syncs), then the swarm average."""
+    name = f"SPES S={sync_every}" + (", merge warm-up" if warmup else "")
+    nodes = await spes_nodes(corpus, SMALL, period_optimizer(steps), period_config(sync_every, steps, warmup), 4,
+                             seed)
+    try:
+        await drive(nodes, steps, Lockstep(seeded_ids(seed), "ring"))
+        moved = sum(n.bytes_sent + n.bytes_received for n in nodes) / (NODES * steps)
+        members = {n.peer_id: await n.trainer.tensors() for n in nodes}
+        average = spes_average(members, nodes[0].ownership, nodes[0].partition)
+        return PeriodResult(name, seed, await nodes[0].trainer.evaluate(average), moved)
+    finally:
+        for node in nodes:
+            node.trainer.close()
+
+
+async def period_results(corpus: Corpus, steps: int, seeds: list[int], periods: list[int],
+                         warmup_at: list[int]) -> list[PeriodResult]:
+    results = []
+    for seed in seeds:
+        runs = [period_single(corpus, steps, seed), period_apart(corpus, steps, seed),
+                period_dense(corpus, steps, seed)]
+        runs += [period_spes(corpus, steps, seed, s, warmup=False) for s in periods]
+        runs += [period_spes(corpus, steps, seed, s, warmup=True) for s in warmup_at]
+        for run in runs:
+            result = await run
+            print(f"   seed {seed}: {result.name}: loss {result.loss:.4f}, {result.bytes_per_step / 1e3:.1f} kB per "
+                  "node per step", flush=True)
+            results.append(result)
+    return results
+
+
+def print_period_table(results: list[PeriodResult]) -> None:
+    """Medians over seeds: the loss, its ratio to the data-parallel baseline, the share of the baseline's
+    improvement over training apart that the arm recovers, and bytes per node per step."""
+    by_name: dict[str, dict[int, PeriodResult]] = {}
+    for r in results:
+        by_name.setdefault(r.name, {})[r.seed] = r
+    single, apart = by_name["data-parallel (1 process, batch 32)"], by_name["apart (no communication)"]
+    every_step = next((v for k, v in by_name.items() if k == "SPES S=1"), None)
+    print(f"   {'setup':42s} {'loss':>7s} {'vs data-parallel':>17s} {'recovered':>10s} {'kB/node/step':>13s} "
+          f"{'vs S=1':>7s}  per seed")
+    for name, runs in by_name.items():
+        seeds = sorted(runs)
+        loss = float(np.median([runs[s].loss for s in seeds]))
+        ratio = float(np.median([runs[s].loss / single[s].loss for s in seeds]))
+        recovered = float(np.median([(apart[s].loss - runs[s].loss) / (apart[s].loss - single[s].loss)
+                                     for s in seeds]))
+        kb = float(np.median([runs[s].bytes_per_step for s in seeds])) / 1e3
+        vs = (f"{kb * 1e3 / float(np.median([every_step[s].bytes_per_step for s in seeds])):7.3f}"
+              if every_step is not None and kb else f"{'':7s}")
+        print(f"   {name:42s} {loss:7.3f} {ratio:16.3f}x {recovered:9.0%} {kb:13.1f} {vs}  "
+              + " ".join(f"{runs[s].loss:.3f}" for s in seeds))
 
 
 def svg_plot(curves: dict[str, list[tuple[int, float]]], title: str) -> str:
@@ -311,6 +444,13 @@ async def main(args: argparse.Namespace) -> None:
             print(f"   {row.name:96s} {row.measured / 1e6:6.2f} MB vs reference {row.reference / 1e6:6.2f} MB: "
                   f"{ratio:.2f}x ({verdict} the {TARGET_TRAFFIC_RATIO}x target)")
 
+    if args.period_steps:
+        periods, warmup_at = _ints(args.periods), _ints(args.warmup_at)
+        if any(args.period_steps % s for s in periods + warmup_at):
+            raise SystemExit(f"--period-steps {args.period_steps} must be a multiple of every period")
+        print(f"\n4. Sync period: the swarm average's validation loss after {args.period_steps} steps, small MoE, "
+              f"Adam, ring, SPES r=2 with the defaults' int8 codecs; seeds {args.seeds}")
+        print_period_table(await period_results(corpus, args.period_steps, _ints(args.seeds), periods, warmup_at))
     if args.steps:
         print(f"\n3. Validation loss of the swarm average vs steps, small MoE ({SMALL.layers} layers x {SMALL.experts} "
               f"experts), Adam, a sync (or round) after every step, ring")
@@ -335,12 +475,21 @@ async def main(args: argparse.Namespace) -> None:
     print(f"\ntook {time.perf_counter() - started:.0f} s")
 
 
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=72, help="steps per node for the loss curves (0: skip)")
     parser.add_argument("--syncs", type=int, default=4, help="syncs measured per traffic configuration")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-traffic", action="store_true")
+    parser.add_argument("--period-steps", type=int, default=0,
+                        help="steps per node of the sync-period comparison (part 4; 0: skip)")
+    parser.add_argument("--periods", default="1,10,50,100", help="SPES sync periods S compared in part 4")
+    parser.add_argument("--warmup-at", default="50", help="periods part 4 also runs with the merge warm-up on")
+    parser.add_argument("--seeds", default="0,1,2", help="seeds of part 4 (model init, shards and batches)")
     parser.add_argument("--plot", default="docs/img/spes_loss.svg", help="where to write the SVG ('' : nowhere)")
     return parser.parse_args(argv)
 
