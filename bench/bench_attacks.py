@@ -52,7 +52,8 @@ def recipes(optimizer: str, lr: float, compression: str | None = None) -> dict[s
         # and each honest node mixes with its own --mixing (the default adaptive_clip)
         common = {**common, "topology": "ring", "gossip_compression": compression, "codec": "int8"}
     return {"dense": {"model": "tiny_model:build", "context": TINY.context, **common},
-            "spes": {"model": "tiny_moe:build", "context": TINY_MOE.context, **common}}  # the founder adds --spes
+            # the founder adds --spes; a sync every step, as the hostile's versions meet every sync
+            "spes": {"model": "tiny_moe:build", "context": TINY_MOE.context, "spes_sync_every": 1, **common}}
 
 
 def node_flags(steps: int, spes_experts: int | None) -> dict[str, object]:

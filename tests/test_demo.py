@@ -93,3 +93,21 @@ def test_demo_bad_flags_exit_2_with_one_line(args, message):
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], out.stderr
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("args, flags", [
+    (["--spes"], ["--spes-sync-every", "10"]),  # ten syncs in the default 100 steps, not a node's two
+    (["--spes", "--spes-sync-every", "5"], ["--spes-sync-every", "5"]),
+    (["--optimizer", "diloco"], ["--local-steps", "20"]),
+    ([], []),
+])
+def test_the_demo_passes_its_own_period_defaults_to_the_founder(monkeypatch, args, flags):
+    from node.cli import demo
+    from node.cli.main import build_parser
+
+    started: list[demo.DemoOptions] = []
+    monkeypatch.setattr(demo, "run_demo", lambda options: started.append(options) or 0)
+    parsed = build_parser().parse_args(["demo", *args])
+    assert parsed.run(parsed) == 0
+    assert list(started[0].recipe_flags) == flags

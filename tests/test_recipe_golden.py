@@ -22,7 +22,11 @@ COMMAND_LINES = (
     "--model moe --steps 100 --topology one-peer-exp --optimizer dadam --batch-size 16 --seed 0",
     "--model moe --steps 100 --topology one-peer-exp --optimizer dsgd --batch-size 16 --seed 0",
     "--model moe --steps 100 --topology one-peer-exp --optimizer diloco --batch-size 16 --local-steps 20 --seed 0",
-    "--model moe --steps 100 --topology one-peer-exp --optimizer dadam --batch-size 16 --spes --seed 0",
+    "--model moe --steps 100 --topology one-peer-exp --optimizer dadam --batch-size 16 --spes --spes-sync-every 10 "
+    "--seed 0",
+    # the demo's SPES line before S and M defaulted to 50: the same document as then
+    "--model moe --steps 100 --topology one-peer-exp --optimizer dadam --batch-size 16 --spes --spes-sync-every 1 "
+    "--spes-merge-every 10 --seed 0",
     "--model hf-tiny-llama --steps 30 --topology one-peer-exp --optimizer dadam --batch-size 16 --seed 0",
     "--model dense --steps 100 --topology ring --optimizer dadam --batch-size 16 --codec int8 --seed 0",
     "",

@@ -113,7 +113,8 @@ def test_one_hostile_node_among_five_neither_takes_over_nor_poisons_the_honest_o
 
 
 SPES_STEPS = 30
-SPES_RECIPE = {**RECIPE, "model": "tiny_moe:build", "context": TINY_MOE.context}
+# a sync every step, so that the 30 steps hold 30 syncs for the hostile to disturb
+SPES_RECIPE = {**RECIPE, "model": "tiny_moe:build", "context": TINY_MOE.context, "spes_sync_every": 1}
 # every node at its default capacity (every expert on a CPU): the most an honest node claims, and what
 # the hostile's 2^62 counts as (docs/threat-model.md, "What is not bounded")
 SPES_NODE = {**NODE, "eval_every": SPES_STEPS}

@@ -26,7 +26,8 @@ SUPPORT = Path(__file__).parent / "support"
 EXPERTS = TINY_MOE.experts
 CAPACITY = 2  # 4 nodes x 2 experts = 4 experts x r 2
 RECIPE = {"model": "tiny_moe:build", "context": TINY_MOE.context, "batch_size": 8, "optimizer": "dadam", "lr": 3e-3,
-          "warmup_steps": 5, "steps": 0, "topology": "ring", "spes_merge_every": 4, "spes_merge_until": 1000}
+          "warmup_steps": 5, "steps": 0, "topology": "ring", "spes_sync_every": 1, "spes_merge_every": 4,
+          "spes_merge_until": 1000}
 NODE = {"threads": 1, "eval_every": 50, "checkpoint_every": 5, "exchange_timeout": 3, "experts": CAPACITY,
         "min_peers": 4}
 HEARTBEAT_S = 1

@@ -137,8 +137,11 @@ _SYNC = SpesSyncSettings()
 class SpesConfig:
     """The SPES knobs. Steps count completed optimizer steps (the trainer's `step` after a step)."""
 
-    sync_every: int = 1  # S: a sync after every S-th step
-    merge_every: int = 10  # M: merge warm-up after every M-th step (a multiple of S: merges follow a sync)
+    # S: a sync after every S-th step. 50, the low end of the reference's 50-100: each sync moves about the
+    # shared weights and owned experts once, so S = 1 would need a link of the model's size per step, and
+    # the loss grows with S (docs/benchmarks.md, SPES part 4).
+    sync_every: int = 50
+    merge_every: int = 50  # M: merge warm-up after every M-th step (a multiple of S: merges follow a sync)
     merge_until: int = 0  # D: no merging from step D on; 0 turns the warm-up off
     alpha0: float = 0.1  # merge strength at step 0
     replication: int = 2  # r: owners per expert where peers and capacities allow

@@ -46,6 +46,7 @@ STOP_TIMEOUT_S = 15.0
 POLL_S = 1.0
 STALL_TIMEOUT_S = 300.0  # no node made a step for this long: the demo gives up and says why
 DEMO_DILOCO_LOCAL_STEPS = 20  # --optimizer diloco without --local-steps: 7 outer steps in the default 100 (4 warm-up)
+DEMO_SPES_SYNC_EVERY = 10  # --spes without --spes-sync-every: 10 syncs in the default 100 steps, not the node's 2
 DEMO_IDENTITY_WORK = 8  # bits of proof of work per identity in the demo's loopback swarm (a node's default: 20)
 
 
@@ -382,8 +383,9 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                       help="sequences per step on each node (default 16)")
     demo.add_argument("--spes", action="store_true",
                       help="sparse expert sync of the experts (SPES): --model moe or hf-tiny-mixtral")
-    recipe = demo.add_argument_group("the swarm's recipe, as `murmur node` takes it (--optimizer diloco's knobs and "
-                                     "the codec); default: the node's, --local-steps 20 with diloco")
+    recipe = demo.add_argument_group("the swarm's recipe, as `murmur node` takes it (--optimizer diloco's knobs, "
+                                     "SPES's period and the codec); default: the node's, --local-steps 20 with "
+                                     "diloco, --spes-sync-every 10 with --spes")
     for key in DEMO_RECIPE_KEYS:
         add_setting_flag(recipe, SETTINGS_BY_KEY[key])
     demo.add_argument("--dir", type=Path, help="keep node logs and checkpoints in this directory")
@@ -398,7 +400,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 DEMO_RECIPE_KEYS = ("gossip.codec", "gossip.topk_ratio", "gossip.topk_packed", "gossip.topk_elias_fano",
                     "training.local_steps", "training.fragments", "training.overlap", "training.outer_lr", "training.outer_momentum",
                     "training.qsr_alpha", "training.anchor_every", "training.anchor_codec",
-                    "training.inner_optimizer", "training.final_merge")
+                    "training.inner_optimizer", "training.final_merge", "training.spes_sync_every")
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -409,6 +411,9 @@ def _run_demo(args: argparse.Namespace) -> int:
     local_steps = SETTINGS_BY_KEY["training.local_steps"]
     if args.optimizer == "diloco" and local_steps not in given:
         given[local_steps] = str(DEMO_DILOCO_LOCAL_STEPS)
+    sync_every = SETTINGS_BY_KEY["training.spes_sync_every"]
+    if args.spes and sync_every not in given:
+        given[sync_every] = str(DEMO_SPES_SYNC_EVERY)
     # the founder's own checks, so a bad combination exits 2 here rather than in a node
     merge_layers(read_flags({**given, SETTINGS_BY_KEY["training.optimizer"]: args.optimizer,
                              SETTINGS_BY_KEY["training.spes"]: args.spes,
