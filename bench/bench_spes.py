@@ -212,18 +212,24 @@ async def measure_traffic(corpus: Corpus, setup: TrafficSetup, syncs: int) -> Tr
 # ---- loss curves ----------------------------------------------------------------------------------------
 
 
-async def dense_curve(corpus: Corpus, optimizer: OptimizerConfig, steps: int, every: int,
-                      train_experts: bool = True, seed: int = 0) -> list[tuple[int, float]]:
-    ids = seeded_ids(seed)
+async def dense_nodes(corpus: Corpus, optimizer: OptimizerConfig, seed: int = 0,
+                      train_experts: bool = True) -> list[GossipTrainer]:
+    """Dense DAdam nodes of the small MoE over one in-memory network, a fp32 gossip peer each."""
     net, nodes = InMemoryNetwork(), []
-    for pid in ids:
+    for pid in seeded_ids(seed):
         trainer = make_trainer(corpus, SMALL, optimizer, pid, seed)
         if not train_experts:  # the control: experts stay at their initial values
             await trainer.set_trainable(set(ModelPartition.of(trainer.model).shared).__contains__)
         peer = GossipPeer(net.transport(pid), SETTINGS, await trainer.tensors())
         await peer.start()
         nodes.append(GossipTrainer(trainer, peer))
-    lockstep = Lockstep(ids, "ring")
+    return nodes
+
+
+async def dense_curve(corpus: Corpus, optimizer: OptimizerConfig, steps: int, every: int,
+                      train_experts: bool = True) -> list[tuple[int, float]]:
+    nodes = await dense_nodes(corpus, optimizer, train_experts=train_experts)
+    lockstep = Lockstep(IDS, "ring")
     curve = [(0, await nodes[0].trainer.evaluate())]
     for done in range(every, steps + 1, every):
         await drive(nodes, every, lockstep)
@@ -292,14 +298,9 @@ async def period_apart(corpus: Corpus, steps: int, seed: int) -> PeriodResult:
 
 async def period_dense(corpus: Corpus, steps: int, seed: int) -> PeriodResult:
     """Dense DAdam, every expert trained by every node, a fp32 ring round after every step."""
-    ids, net, nodes = seeded_ids(seed), InMemoryNetwork(), []
-    for pid in ids:
-        trainer = make_trainer(corpus, SMALL, period_optimizer(steps), pid, seed)
-        peer = GossipPeer(net.transport(pid), SETTINGS, await trainer.tensors())
-        await peer.start()
-        nodes.append(GossipTrainer(trainer, peer))
+    nodes = await dense_nodes(corpus, period_optimizer(steps), seed)
     try:
-        await drive(nodes, steps, Lockstep(ids, "ring"))
+        await drive(nodes, steps, Lockstep(seeded_ids(seed), "ring"))
         moved = sum(n.peer.stats.bytes_sent + n.peer.stats.bytes_received for n in nodes) / (NODES * steps)
         average = average_tensors([await n.trainer.tensors() for n in nodes])
         return PeriodResult("dense DAdam, fp32 every step", seed, await nodes[0].trainer.evaluate(average), moved)
@@ -355,7 +356,7 @@ def print_period_table(results: list[PeriodResult]) -> None:
     for r in results:
         by_name.setdefault(r.name, {})[r.seed] = r
     single, apart = by_name["data-parallel (1 process, batch 32)"], by_name["apart (no communication)"]
-    every_step = next((v for k, v in by_name.items() if k == "SPES S=1"), None)
+    every_step = by_name.get("SPES S=1")
     print(f"   {'setup':42s} {'loss':>7s} {'vs data-parallel':>17s} {'recovered':>10s} {'kB/node/step':>13s} "
           f"{'vs S=1':>7s}  per seed")
     for name, runs in by_name.items():
