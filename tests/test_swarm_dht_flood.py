@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import os
 import sys
 import time
@@ -29,9 +28,13 @@ FLOOD_ENTRIES = 600  # per request: ~600 KB; half of them one entry repeated
 FLOOD_DURATION_S = 12.0
 FLOOD_EVERY_S = 0.5
 TICK_S = 0.1
-# generous (0.08 s measured on a loaded 2-core machine; 0.1 s with the guard but not the exponent check,
-# whose verify thread then spends ~1 s per request; 1.6 s with neither, each ~8 ms verify on the loop)
-MAX_LOOP_LAG_S = 1.0
+# A tick later than LATE_TICK_S is a stall a heartbeat would feel. Without the guard and the exponent
+# check, each request's verifies run on the loop: 10 of ~100 ticks were that late, none with both (see
+# docs/threat-model.md). A loaded machine's scheduler can hold the process off the CPU now and then (one
+# 1.02 s tick in a CI run), so a few late ticks are allowed, and the worst only to a generous bound.
+LATE_TICK_S = 0.3
+MAX_LATE_TICKS = 3
+MAX_LOOP_LAG_S = 5.0
 
 
 async def _lag_probe(lags: list[float], stop: asyncio.Event) -> None:
@@ -84,8 +87,9 @@ def test_a_store_flood_of_dear_entries_keeps_the_node_responsive(tmp_path: Path)
             assert flood["answered"] >= 3 and flood["accepted"] == 0, flood
             assert counts[RecordRefusal.DUPLICATE] >= flood["answered"] * (FLOOD_ENTRIES // 2 - 1), dict(counts)
             assert counts[RecordRefusal.OVER_BUDGET] > 0 and counts[RecordRefusal.ODD_KEY] > 0, dict(counts)
-            worst = max(lags, default=math.inf)
-            assert worst < MAX_LOOP_LAG_S, f"the event loop stalled {worst:.2f} s (ticks: {len(lags)})"
+            late = sorted(lag for lag in lags if lag > LATE_TICK_S)
+            assert lags and len(late) <= MAX_LATE_TICKS, f"the event loop stalled: {late} of {len(lags)} ticks"
+            assert max(lags) < MAX_LOOP_LAG_S, f"the event loop stalled {max(lags):.2f} s"
             assert all(view == both for view in views[1:]), views  # the honest peers stayed in view throughout
             assert honest.view_ids() == both and other.view_ids() == both
 
