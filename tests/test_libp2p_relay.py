@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from test_transport_contract import libp2p_transport
 
-from gossip.transport import Stream
+from gossip.transport import PeerUnreachable, Stream
 from node.net.hivemind_adapter import RelayLimits, circuit_maddr, is_circuit
 from node.net.probe import relay_limits_in_force, throwaway_daemon
 from node.net.transport.p2pd import P2PDTransport, P2PSettings, start_p2pd
@@ -80,9 +80,16 @@ def test_the_py_libp2p_child_is_reached_through_a_p2pd_relay_and_reaches_a_node_
                     await server.serve(PROTOCOL, count_bytes)
                     hidden_id = hidden.peer_id.to_base58()
                     await P2PDTransport(hidden).connect(relay_maddr.rsplit("/p2p/", 1)[1], [relay_maddr])
-                    await asyncio.sleep(0.5)  # the reservation follows the connection
+                    # the reservation follows the connection, a moment later on a loaded machine
+                    for _ in range(60):
+                        try:
+                            await child.connect(hidden_id, [circuit_maddr(relay_maddr, hidden_id)])
+                            break
+                        except PeerUnreachable:
+                            await asyncio.sleep(0.5)
+                    else:
+                        raise AssertionError("the child never reached the hidden node through its circuit")
                     started = time.monotonic()
-                    await child.connect(hidden_id, [circuit_maddr(relay_maddr, hidden_id)])
                     assert await push(child, hidden_id, PUSH) == PUSH
                     assert time.monotonic() - started < 60
                     await server.close()

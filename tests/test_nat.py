@@ -122,7 +122,7 @@ def clean_run(pair: tuple[NatNode, NatNode], rounds: int, timeout_s: float, rest
     Rounds are coupled: a view that differs between two peers for a moment (a record not yet read, a
     neighbour left out as stalled, a relay that just died) has one of them wait a whole exchange
     deadline for the other, and the peers waiting on its next round with it; such a failure restarts
-    the run, at most `restarts` times."""
+    the run, at most `restarts` times, each run with `timeout_s` of its own."""
     a, c = pair
     base = [n.status() for n in pair]
     restarted = 0
@@ -134,6 +134,7 @@ def clean_run(pair: tuple[NatNode, NatNode], rounds: int, timeout_s: float, rest
             restarted += 1
             assert restarted <= restarts, f"exchanges failed in {restarted} runs (before, after): {failed}"
             base = now
+            deadline = time.monotonic() + timeout_s  # a failed run cost its own exchange deadlines
         elif all(s["rounds_run"] >= b["rounds_run"] + rounds for b, s in zip(base, now)) and \
                 connection(now[0], c.peer_id) == "relayed" == connection(now[1], a.peer_id):
             return base, now

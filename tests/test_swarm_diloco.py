@@ -227,6 +227,8 @@ def test_a_volunteer_the_swarm_left_behind_skips_ahead_to_the_swarms_phase(swarm
     swarm.wait_ready([fast, late])
     wait_for(lambda: all(training(n)["step"] >= 2 * H for n in (founder, fast, late)), 120, "the swarm to train")
     margin = 2 * H  # --max-staleness (2 rounds, the default) of H-step phases
+    # read before the pause: once it runs again it may skip ahead before the test process reads it
+    before = training(late)["step"]
     late.process.send_signal(signal.SIGSTOP)
     try:
         # Far enough ahead that the node cannot simply train its way back first: once it steps again the
@@ -238,18 +240,18 @@ def test_a_volunteer_the_swarm_left_behind_skips_ahead_to_the_swarms_phase(swarm
                  "the others to move eight staleness bounds ahead")
     finally:
         late.process.send_signal(signal.SIGCONT)
-    before = training(late)["step"]
 
-    def skipped() -> dict | None:
+    def skipped() -> tuple[dict, int] | None:
+        # the others first: they only move on, so the bound is never read later than the node's step
+        others = min(training(n)["step"] for n in (founder, fast))
         t = training(late)
-        return t if t["diloco"]["skipped_ahead"] >= 1 else None
+        return (t, others) if t["diloco"]["skipped_ahead"] >= 1 else None
 
-    after = wait_for(skipped, 120, "the paused node to skip ahead", interval_s=0.5)
+    after, others = wait_for(skipped, 120, "the paused node to skip ahead", interval_s=0.5)
     # it took the swarm's parameters at the swarm's step, well past where its own steps had got it
     joined = after["joined"]
     assert joined is not None and joined["sources"] and joined["step"] - before >= 2 * margin, (before, joined)
     # ... to the swarm's phase
-    others = min(training(n)["step"] for n in (founder, fast))
     assert after["step"] >= others - margin - 4 * H, (after["step"], others)
     log = late.stderr()
     assert "catching up with it" in log and "Traceback" not in log, log[-3000:]

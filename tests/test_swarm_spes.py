@@ -152,7 +152,14 @@ def test_spes_swarm_trains_only_owned_experts_and_survives_losing_both_owners(sw
     def rejoined() -> list[dict] | None:
         statuses = swarm.statuses(everyone)
         ok = all(s["spes"].get("started") and s["spes"]["peers"] == ids for s in statuses)
-        return statuses if ok and len({str(s["spes"]["owners"]) for s in statuses}) == 1 else None
+        if not ok or len({str(s["spes"]["owners"]) for s in statuses}) != 1:
+            return None
+        # ... and each node has taken over what the map gives it (a node adopts a new map before its
+        # experts: it first fetches their fresher copies)
+        owners = statuses[0]["spes"]["owners"]
+        held = all(sorted(s["spes"]["owned_experts"]) == sorted(int(e) for e, o in owners.items() if n.peer_id in o)
+                   for n, s in zip(everyone, statuses, strict=True))
+        return statuses if held else None
 
     statuses = wait_for(rejoined, 90, "the restarted node to join the expert table")
     owners = statuses[0]["spes"]["owners"]
@@ -221,6 +228,7 @@ def test_expert_directory_over_the_dht_publishes_signed_records_and_refuses_malf
 
     heartbeat = 0.5
     settings = DiscoverySettings(swarm="spesdir", heartbeat_s=heartbeat)
+    records_ttl_s = 12 * heartbeat
     records = {(0, e): ExpertRecord(e, f"{e:064x}", e % 2 == 0) for e in range(4)}
 
     async def until(check, timeout_s: float):
@@ -232,8 +240,9 @@ def test_expert_directory_over_the_dht_publishes_signed_records_and_refuses_malf
     async def scenario() -> None:
         async with member(tmp_path / "a.key", settings) as a, \
                 member(tmp_path / "b.key", settings, a.discovery.local_record.maddrs) as b:
-            mine = DhtExpertDirectory(a.discovery, "spesdir", heartbeat, settings.ttl_s)
-            theirs = DhtExpertDirectory(b.discovery, "spesdir", heartbeat, settings.ttl_s)
+            # records live 12 heartbeats: the read below, after the keeper stops, must not race their expiry
+            mine = DhtExpertDirectory(a.discovery, "spesdir", heartbeat, records_ttl_s)
+            theirs = DhtExpertDirectory(b.discovery, "spesdir", heartbeat, records_ttl_s)
             async with asyncio.TaskGroup() as group:
                 keeper = group.create_task(mine.run())
                 await mine.publish(a.peer_id, records)
@@ -251,7 +260,7 @@ def test_expert_directory_over_the_dht_publishes_signed_records_and_refuses_malf
             await asyncio.sleep(heartbeat)
             assert (await theirs.read()).get(a.peer_id) == records and theirs.errors["expert_records_invalid"] == 0
             # nobody re-publishes: the record expires after its time to live
-            await until(lambda: _absent(theirs, a.peer_id), settings.ttl_s + 10)
+            await until(lambda: _absent(theirs, a.peer_id), records_ttl_s + 10)
 
     asyncio.run(scenario())
 

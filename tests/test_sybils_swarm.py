@@ -22,7 +22,9 @@ SWARM = "sybils"
 WORK_BITS = 8  # ~256 hashes an identity: cheap for the test's operator, and what the founder asks
 SYBILS = 300
 UNPAID = 20  # of them without a proof
-FLOOD_S = 90.0  # the operator keeps its records live this long (the DHT bound: 120 s)
+# the operator keeps its records live this long (each stored for 60 s, the DHT's bound being 120 s): past
+# the new node's start on a loaded machine; the test kills it when done
+FLOOD_S = 300.0
 
 
 def test_a_new_node_joins_an_open_swarm_past_300_sybil_records(tmp_path):
@@ -37,14 +39,17 @@ def test_a_new_node_joins_an_open_swarm_past_300_sybil_records(tmp_path):
         # the operator stores its records and keeps storing them (the process ends after FLOOD_S)
         flooding = swarm.launch("sybils", hostile_dht_argv(swarm, config_hash, founder))
 
-        def capped() -> bool:
-            sizes = {n.name: (len(view_of(n)), metric(fetch_metrics(n), "murmur_view_overflow")) for n in honest}
-            return all(size == MAX_VIEW and over > 0 for size, over in sizes.values())
-
-        wait_for(capped, 60, "the honest views at their cap, sybil records left out")
         members = {founder.peer_id, member.peer_id}
-        missing = {n.name: members - view_of(n) for n in honest}
-        assert not any(missing.values()), f"the flood pushed a progressing member out: {missing}"
+
+        # at one moment, each view capped with both members in it (a member out of a view for good, pushed
+        # out by the flood, fails the wait; one whose record lapsed for a moment is read again)
+        def capped() -> bool:
+            seen = {n.name: (view_of(n), metric(fetch_metrics(n), "murmur_view_overflow")) for n in honest}
+            counts = {name: (len(view), sorted(members - view), over) for name, (view, over) in seen.items()}
+            assert all(size == MAX_VIEW and not missing and over > 0 for size, missing, over in counts.values()), counts
+            return True
+
+        wait_for(capped, 120, "the honest views at their cap with both members in them, sybil records left out")
 
         # a new honest node, started while the flood fills every view
         late = swarm.spawn("n2", seed=2, join=founder)

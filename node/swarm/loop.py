@@ -393,9 +393,9 @@ class SwarmLoop:
             if not newly:
                 break
             broken.update(newly)
-        # the catch-up's outcome, not an attempt's: a reader of `joined` sees the end, not a retry's start
-        self.status.joined = outcome.as_dict()
         if outcome.tensors is None:
+            # the catch-up's outcome, not an attempt's: a reader of `joined` sees the end, not a retry's start
+            self.status.joined = outcome.as_dict()
             if not judgement.candidates and not broken:
                 return  # nobody to download from (the status's `joined` says why)
             logger.warning("no download was good enough to join the swarm at step %d (%s); continuing from step %d",
@@ -410,6 +410,7 @@ class SwarmLoop:
         self.peer.round = last_round_at(self.trainer.step, self.recipe)
         self.status.started_from = outcome.describe()
         self.status.step = self.trainer.step
+        self.status.joined = outcome.as_dict()  # last: a reader who sees it sees the node on the swarm's parameters
         logger.info("downloaded parameters from %s (combined from %d) at step %d%s", ", ".join(outcome.sources),
                     len(outcome.sources), outcome.step,
                     f"; refused {_reasons(outcome.refused)}" if outcome.refused else "")

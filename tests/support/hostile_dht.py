@@ -380,9 +380,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--duration", type=float, default=0.0)
     parser.add_argument("--every", type=float, default=2.0)
     args = parser.parse_args(argv)
-    if not 0 < args.count <= 5000 or not 0 <= args.keys <= 1000 or not 0 <= args.duration <= 120 \
+    if not 0 < args.count <= 5000 or not 0 <= args.keys <= 1000 or not 0 <= args.duration <= 300 \
             or not 0 <= args.work_bits <= 16 or args.every <= 0:
-        parser.error("bounded: --count 1..5000, --keys 0..1000, --duration 0..120, --work-bits 0..16, --every > 0")
+        parser.error("bounded: --count 1..5000, --keys 0..1000, --duration 0..300, --work-bits 0..16, --every > 0")
     return args
 
 
