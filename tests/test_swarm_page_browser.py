@@ -20,7 +20,7 @@ from test_monitor_browser import (  # noqa: F401
     wait_chart_points,
 )
 
-from support.swarm_harness import Swarm
+from support.swarm_harness import Swarm, wait_for
 
 pytestmark = pytest.mark.browser
 
@@ -60,8 +60,17 @@ def test_the_swarm_page_lists_every_node_with_its_step_and_contribution_and_the_
         except Exception as exc:
             raise AssertionError(f"the swarm table shows {swarm_rows(page)}, not all of {want} trained\n"
                                  f"{swarm.logs()}") from exc
-        rows = swarm_rows(page)
-        statuses = {n.peer_id: n.status() for n in nodes}
+
+        def rows_and_statuses() -> tuple[list[dict], dict] | None:
+            """The table, then every node's status, once the table's scores are the first node's: it
+            samples a second apart from the status, and a peer may be rated for the first time between."""
+            rows = swarm_rows(page)
+            statuses = {n.peer_id: n.status() for n in nodes}
+            scores = statuses[first.peer_id].get("contribution") or {}
+            same = all((r["score"] == "–") == (r["peer"] not in scores) for r in rows)
+            return (rows, statuses) if same else None
+
+        rows, statuses = wait_for(rows_and_statuses, 30, "the table's scores to be the first node's")
         assert [r["peer"] for r in rows if r["self"]] == [first.peer_id]
         for row in rows:
             # a row is one record: its tokens are the steps that peer trained itself, and the page is
@@ -70,8 +79,7 @@ def test_the_swarm_page_lists_every_node_with_its_step_and_contribution_and_the_
             assert row["step"] <= statuses[row["peer"]]["step"], (row, statuses[row["peer"]]["step"])
             assert row["reach"] in ("direct", "relayed", "unknown")
         # scores come from /api/status's `contribution` where a node rates peers; "–" where it does not
-        scores = statuses[first.peer_id].get("contribution") or {}
-        assert all((r["score"] == "–") == (r["peer"] not in scores) for r in rows), (rows, scores)
+        # (rows_and_statuses waited for that)
         for row in rows:  # unrated peers' points are their tokens; rated ones' at most that
             assert row["points"] == row["tokens"] if row["score"] == "–" else 0 <= row["points"] <= row["tokens"], row
         total = sum(r["points"] for r in rows)
