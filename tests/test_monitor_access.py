@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import stat
 import threading
 import time
@@ -14,7 +15,7 @@ import aiohttp
 import pytest
 
 from node.monitor import Counters, EventLog, HistoryRecorder, RoundGraphCache, start_monitor
-from node.monitor.access import HostAllowlist, host_name, remove_token, token_matches, write_token
+from node.monitor.access import HostAllowlist, host_name, new_token, remove_token, token_matches, write_token
 from topology import MembershipView, TopologySpec
 
 pytestmark = pytest.mark.unit
@@ -87,6 +88,17 @@ class Node:
     async def evaluate_swarm_average(self, save: bool = False) -> dict[str, Any]:
         self.evaluations += 1
         return {"loss": 1.0}
+
+
+def test_a_fresh_token_is_256_bits_that_the_command_line_takes_as_a_value():
+    from node.cli.main import build_parser
+
+    parser = build_parser()
+    tokens = {new_token() for _ in range(200)}
+    assert len(tokens) == 200 and all(re.fullmatch(r"[0-9a-f]{64}", t) for t in tokens)
+    for token in tokens:  # a url-safe token starts with "-" one time in 64: argparse took it for a flag
+        args = parser.parse_args(["export", "--url", "http://127.0.0.1:1", "--token", token, "--to", "out"])
+        assert args.token == token
 
 
 def test_a_foreign_host_is_refused_for_every_endpoint_and_a_post_needs_the_token():

@@ -74,7 +74,9 @@ class HostAllowlist:
 
 
 def new_token() -> str:
-    return secrets.token_urlsafe(32)
+    """256 random bits in hex: a url-safe token starts with "-" one time in 64, and `--token -k_q...` then
+    reads as a flag to argparse (murmur export, eval, doctor)."""
+    return secrets.token_hex(32)
 
 
 def token_matches(authorization: str | None, token: str) -> bool:
