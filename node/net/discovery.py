@@ -659,6 +659,8 @@ class Discovery:
         try:
             await self._read_view()
         except Exception as exc:  # keep the last view; a read asked for by a stream's gate must not raise either
+            if self._closed:  # cut short by close (hivemind can swallow the cancel, then find the DHT gone)
+                return
             self._errors["view_read_failed"] += 1
             logger.error("reading the swarm's view failed (%s: %s); keeping the last view", type(exc).__name__, exc)
         finally:
