@@ -22,11 +22,18 @@ pytestmark = pytest.mark.multiprocess
 DIM = 1_000_000  # 4 MB a vector: a receiver that read each flooded request whole would hold GBs
 EXCHANGE_TIMEOUT_S = 2.0
 ROUND_INTERVAL_S = 0.5
-WINDOW_S = 5.0
-ATTACK_S = 7.0
-# The hostile record lives 3 of its heartbeats: past the frozen window, so that window measures a frozen
-# peer still in every view (a departure's churn is test_swarm_faults' subject)
-HOSTILE_HEARTBEAT_S = 5.0
+# Windows of 20 rounds: one stall of the loaded machine (the other test worker, the flood's own p2pd
+# work) that makes a node jump 4 rounds to the present then costs 0.8x, not 0.6x of a 10-round window
+WINDOW_S = 10.0
+ATTACK_S = 10.0
+# A round held to its deadline by the hostile each time would run at most 1 / (2 s + 0.5 s), 0.2x the
+# control's cadence; held every other round, 0.33x. Half the control's cadence tells those apart from
+# a machine that stalled for a few seconds.
+MIN_CADENCE_RATIO = 0.5
+# The hostile record lives 3 of its heartbeats (24 s): past the frozen window even when it was last
+# published a heartbeat before the freeze, so that window measures a frozen peer still in every view
+# (a departure's churn is test_swarm_faults' subject)
+HOSTILE_HEARTBEAT_S = 8.0
 RSS_GROWTH_BOUND = 150 << 20  # generous: 64 flooded requests read whole would be 256 MB per node
 
 
@@ -90,7 +97,7 @@ def test_a_hostile_peer_costs_honest_nodes_neither_cadence_nor_memory_and_is_cou
 
         # cadence: rounds keep coming at the clock's pace, and none waits beyond its deadline
         for rate_control, rate_attacked, rate_frozen in zip(control, attacked, frozen):
-            assert rate_attacked >= 0.6 * rate_control and rate_frozen >= 0.6 * rate_control, summary
+            assert min(rate_attacked, rate_frozen) >= MIN_CADENCE_RATIO * rate_control, summary
         assert max(attacked_longest, frozen_longest) <= EXCHANGE_TIMEOUT_S + 2.0, summary
         # memory: nothing flooded was read beyond its header
         for before, after in zip(memory_before, memory_after):
