@@ -46,6 +46,8 @@ SWARM = "testswarm"
 # real peer ids (base58 multihashes): a record's addresses must parse as multiaddrs
 PEER = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
 OTHER = "QmcgpsyWgH8Y8ajJz1Cu72KnS5uo2Aa2LpzU7kinSupNKC"
+# DHT misses that a loaded machine or a departing peer causes: counted, but no sign of a fault
+TRANSIENT_DHT_MISSES = frozenset({"dht_store_rejected", "dht_store_timeout", "dht_get_timeout", "dht_get_unanswered"})
 
 
 def _record(peer_id: str, **changes: object) -> PeerRecord:
@@ -274,10 +276,11 @@ def test_peers_find_each_other_share_config_and_withdraw_on_close(tmp_path: Path
             await founder.discovery.close()
             async with asyncio.timeout(2):
                 await watcher  # the subscription ends with discovery
-            # a heartbeat that no DHT peer took while the others came and went is a transient miss (the
-            # views above show every record and the withdrawal arrived); anything else is an error
+            # a heartbeat that no DHT peer took, or a DHT call that timed out while the others came and
+            # went (or the machine was loaded), is a transient miss: the views above show every record and
+            # the withdrawal arrived. Anything else (a refused record or config, a failed read) is an error
             for m in (founder, joiner):
-                assert {k: n for k, n in m.discovery.errors.items() if k != "dht_store_rejected"} == {}
+                assert {k: n for k, n in m.discovery.errors.items() if k not in TRANSIENT_DHT_MISSES} == {}
 
     asyncio.run(scenario())
 
