@@ -12,8 +12,12 @@
 3. accum (only when asked: --only accum): DAdam against AccumAdam (--adam-accumulate K) at a small
    local batch (4 nodes x batch 2 by default), the swarm-average model's validation loss over S steps,
    each seed against one process with batch 4 x 2 and plain Adam on the same schedule.
+4. join (only when asked: --only join): a fresh trainer (Adam moments at zero) that took a trained
+   donor's parameters at step S, with the schedule's warm-up run again from there (Trainer.start_from_download)
+   and without it (the full rate at once), against the donor itself going on with its own moments; the
+   validation loss 1-16 steps after the download, as ratios to the donor's at the same step.
 
-Run from the repository root: .venv/bin/python -m bench.bench_training [--only target,overlap,accum] [--quick]
+Run from the repository root: .venv/bin/python -m bench.bench_training [--only target,overlap,accum,join] [--quick]
 """
 
 from __future__ import annotations
@@ -222,6 +226,59 @@ def report_accum(results: list[AccumResult], accumulate: int) -> list[str]:
     return lines
 
 
+# ---- 4. a joiner's first steps on a download ------------------------------------------------------
+
+
+JOIN_AFTER = (0, 1, 2, 4, 8, 16)  # steps after the download that are evaluated
+
+
+async def join_arms(seed: int, steps: int, corpus: Corpus) -> dict[str, list[float]]:
+    """One seed: a donor trained `steps` DAdam-schedule steps alone (batch BATCH), then per arm the
+    validation loss at JOIN_AFTER steps past the download: the donor going on, and fresh joiners with
+    the re-warm-up (`rewarm`) and without it (`full_rate`)."""
+    optimizer = replace(SCHEDULES["dadam"], total_steps=10 * steps)
+    curves: dict[str, list[float]] = {}
+
+    async def follow(trainer: Trainer) -> list[float]:
+        losses = []
+        for after in range(JOIN_AFTER[-1] + 1):
+            if after in JOIN_AFTER:
+                losses.append(await trainer.evaluate())
+            if after < JOIN_AFTER[-1]:
+                await trainer.train_step()
+        return losses
+
+    async with tiny_trainer(corpus, optimizer, f"s{seed}-donor", seed, BATCH, corpus.train) as donor:
+        for _ in range(steps):
+            await donor.train_step()
+        downloaded = await donor.tensors()
+        for arm in ("full_rate", "rewarm"):
+            async with tiny_trainer(corpus, optimizer, f"s{seed}-joiner", seed + 100, BATCH, corpus.train) as joiner:
+                await joiner.load_tensors(downloaded)
+                if arm == "rewarm":
+                    await joiner.start_from_download(steps)
+                else:
+                    joiner.step = steps
+                curves[arm] = await follow(joiner)
+        curves["donor"] = await follow(donor)
+    return curves
+
+
+def report_join(results: list[dict[str, list[float]]], steps: int) -> list[str]:
+    mean = {arm: [statistics.mean(r[arm][i] for r in results) for i in range(len(JOIN_AFTER))]
+            for arm in ("donor", "full_rate", "rewarm")}
+    lines = ["| steps after the download | " + " | ".join(str(a) for a in JOIN_AFTER) + " |",
+             "|---|" + "---:|" * len(JOIN_AFTER)]
+    labels = {"donor": "donor going on (baseline), loss", "full_rate": "fresh joiner at the full rate / donor",
+              "rewarm": "fresh joiner, warm-up again / donor"}
+    for arm, label in labels.items():
+        cells = [f"{v:.3f}" if arm == "donor" else f"{v / d:.3f}" for v, d in zip(mean[arm], mean["donor"])]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += ["", f"mean validation loss over {len(results)} seeds; the donor trained {steps} steps alone before "
+              "the download"]
+    return lines
+
+
 # ---- 2. communication share of step time -----------------------------------------------------------
 
 
@@ -347,11 +404,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.bench_training", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="target,overlap",
-                        help="comma-separated parts to run: target, overlap, accum (default: target,overlap)")
+                        help="comma-separated parts to run: target, overlap, accum, join (default: target,overlap)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: S = 20 steps; 2 peers, 2 timed blocks of 1 step per mode")
     parser.add_argument("--algorithms", default="dsgd,dadam", help="schedules of the target part (default both)")
-    parser.add_argument("--seeds", default="0", help="model seeds of the target part, comma-separated (default 0)")
+    parser.add_argument("--seeds", default="0", help="model seeds of the target, accum and join parts, comma-separated (default 0)")
     parser.add_argument("--steps", type=int, help="S, the single process's steps (default: the tests' 60 / 80)")
     parser.add_argument("--every", type=int, default=5, help="evaluate every this many steps (default 5)")
     parser.add_argument("--max-factor", type=float, default=2.0,
@@ -367,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--accum-lr", type=float, help="peak lr of all arms of the accum part (default dadam's 1.5e-2)")
     args = parser.parse_args(argv)
     parts = {p.strip() for p in args.only.split(",") if p.strip()}
-    known = {"target", "overlap", "accum"}
+    known = {"target", "overlap", "accum", "join"}
     if parts - known:
         parser.error(f"--only: unknown part(s) {', '.join(sorted(parts - known))}")
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
@@ -403,6 +460,14 @@ def main(argv: list[str] | None = None) -> int:
         lines = [f"### 3. AccumAdam at a small local batch: {NODES} nodes x batch {args.accum_batch} (one-peer "
                  f"exponential, in-memory transport) vs one process x batch {NODES * args.accum_batch}, TINY model, "
                  f"dadam schedule (peak lr {args.accum_lr or SCHEDULES['dadam'].lr:g}), S = {total} steps", "", *report_accum(accum_results, args.accumulate), ""]
+        print("\n".join(lines), flush=True)
+    if "join" in parts:
+        corpus = embedded_corpus(size_bytes=CORPUS_BYTES)
+        total = args.steps or SCHEDULES["dadam"].total_steps
+        join_results = [asyncio.run(join_arms(seed, total, corpus)) for seed in seeds]
+        lines = [f"### 4. A joiner's first steps on a download: DAdam schedule (peak lr {SCHEDULES['dadam'].lr:g}, "
+                 f"warm-up {SCHEDULES['dadam'].warmup_steps} steps), TINY model, batch {BATCH}", "",
+                 *report_join(join_results, total), ""]
         print("\n".join(lines), flush=True)
     if "overlap" in parts:
         with tempfile.TemporaryDirectory(prefix="murmur-bench-") as tmp:

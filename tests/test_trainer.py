@@ -185,6 +185,41 @@ def test_a_restored_trainer_continues_exactly_where_the_saved_one_was(corpus: Co
     asyncio.run(main())
 
 
+def test_a_fresh_trainer_on_a_download_warms_up_again_and_a_restored_one_keeps_its_rate(corpus: Corpus) -> None:
+    # a joiner's Adam moments start at zero: without a warm-up its first step moves every coordinate by
+    # about the full rate (a sign step), away from the model it downloaded
+    config = OptimizerConfig(algorithm="dadam", lr=1e-2, warmup_steps=4, total_steps=200)
+    schedule, at = config.schedule, 30
+
+    async def main() -> None:
+        async with make_trainer(corpus, config, "donor") as donor, \
+                make_trainer(corpus, config, "joiner", seed=5) as joiner, \
+                make_trainer(corpus, config, "restarted", seed=7) as restarted, \
+                make_trainer(corpus, config, "resumed", seed=9) as resumed:
+            await train_alone(donor, at)
+            downloaded = await donor.tensors()
+            await joiner.load_tensors(downloaded)
+            await joiner.start_from_download(at)
+            assert joiner.step == at
+            expected = [schedule.lr_at(s) * min(1.0, (s - at + 1) / 4) for s in range(at, at + 6)]
+            assert [joiner.lr_at(s) for s in range(at, at + 6)] == pytest.approx(expected)
+            assert expected[0] < schedule.lr_at(at) / 3 and expected[-1] == schedule.lr_at(at + 5)
+            stats = await joiner.train_step()
+            assert stats.lr == pytest.approx(expected[0])
+            moved = max(float(np.max(np.abs(t - downloaded[n]))) for n, t in (await joiner.tensors()).items())
+            assert 0.5 * expected[0] < moved <= 1.001 * expected[0]  # |Adam's first direction| <= 1
+            # the warm-up survives a checkpoint of the joiner
+            await resumed.restore(await joiner.state())
+            assert resumed.lr_at(at + 1) == pytest.approx(joiner.lr_at(at + 1)) == pytest.approx(expected[1])
+            # a node restored from its own checkpoint has moments: it downloads and keeps the full rate
+            await restarted.restore(await donor.state())
+            await restarted.load_tensors(downloaded)
+            await restarted.start_from_download(at + 2)
+            assert restarted.lr_at(at + 2) == schedule.lr_at(at + 2)
+
+    asyncio.run(main())
+
+
 def test_evaluating_other_parameters_leaves_the_trained_model_alone(corpus: Corpus) -> None:
     async def main() -> None:
         async with make_trainer(corpus, OptimizerConfig(lr=1e-2), "peer-a") as trainer:

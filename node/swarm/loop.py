@@ -403,7 +403,7 @@ class SwarmLoop:
             return
         step = self._step_now(outcome.step, epoch, refused)
         await self.trainer.load_tensors(outcome.tensors)
-        self.trainer.step = step
+        await self.trainer.start_from_download(step)
         self.peer.set_tensors(outcome.tensors, step=step, moved=False)
         self.must_download = False
         await self.algorithm.adopt_download([r for r in judgement.candidates if r.peer_id in outcome.sources])

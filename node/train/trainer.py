@@ -42,7 +42,7 @@ LOSS_SCALE_GROWTH_INTERVAL = 1000
 
 # Checkpoint entry prefixes of Trainer.state().
 _PARAM, _OPT, _COUNT = "param/", "optimizer/", "optimizer_count/"
-_STEP, _SCALE = "trainer/step", "trainer/loss_scale"
+_STEP, _SCALE, _WARM_FROM = "trainer/step", "trainer/loss_scale", "trainer/warm_from"
 HELD_OUT_SEED = 20_251_206  # contribution scoring's held-out batches (Trainer._held_out)
 
 
@@ -140,6 +140,7 @@ class Trainer:
         self._good_steps = 0
         self._optimizer = LocalOptimizer(config.optimizer)
         self._schedule = config.optimizer.schedule
+        self._warm_from = 0  # the step its optimizer state started from where that was not 0 (start_from_download)
         self._pending: StepStats | None = None  # computed by compute_update, not yet applied
         self._state_bytes = 0
         self._eval_model: nn.Module | None = None
@@ -246,6 +247,28 @@ class Trainer:
                 if name in tensors:
                     p.copy_(_as_torch(tensors[name], name, p))
 
+    async def start_from_download(self, step: int) -> None:
+        """Continue from `step` on the parameters a download gave (load_tensors). A trainer without
+        optimizer state (a node that never trained) runs the schedule's warm-up again from `step`: the
+        first steps with fresh Adam moments are sign-like steps of the full rate, which would throw
+        the downloaded model off (and its neighbours with it). One restored from a checkpoint keeps its
+        state, and the rate."""
+        await self._on_worker(self._start_from_download_now, step)
+
+    def _start_from_download_now(self, step: int) -> None:
+        if not self._optimizer.state_counts() and not self._optimizer.state():
+            self._warm_from = step
+        self.step = step
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of step `step`: the schedule's, warmed up again from the step a fresh
+        optimizer state started at mid-run (start_from_download)."""
+        lr = self._schedule.lr_at(step)
+        warmup = self._schedule.warmup_steps
+        if self._warm_from and warmup and step >= self._warm_from:
+            lr *= min(1.0, (step - self._warm_from + 1) / warmup)
+        return lr
+
     # ---- steps -----------------------------------------------------------------------------------
 
     async def train_step(self) -> StepStats:
@@ -284,7 +307,7 @@ class Trainer:
                     if direction is not grad:
                         grad.copy_(direction)
         self._state_bytes = self._optimizer.state_bytes()
-        stats = StepStats(self.step, self._schedule.lr_at(self.step), loss, norm, skipped, time.perf_counter() - started)
+        stats = StepStats(self.step, self.lr_at(self.step), loss, norm, skipped, time.perf_counter() - started)
         self._pending = stats
         return stats
 
@@ -443,6 +466,8 @@ class Trainer:
         out.update({_OPT + key: value.detach().to("cpu", copy=True).numpy() for key, value in self._optimizer.state().items()})
         out.update({_COUNT + name: np.asarray(count, np.int64) for name, count in self._optimizer.state_counts().items()})
         out[_STEP] = np.asarray(self.step, np.int64)
+        if self._warm_from:
+            out[_WARM_FROM] = np.asarray(self._warm_from, np.int64)
         if self._loss_scale is not None:
             out[_SCALE] = np.asarray(self._loss_scale, np.float64)
         return out
@@ -458,6 +483,7 @@ class Trainer:
         self._optimizer.load_state(moments, counts)
         self._state_bytes = self._optimizer.state_bytes()
         self.step = int(_scalar(state[_STEP]))
+        self._warm_from = int(_scalar(state[_WARM_FROM])) if _WARM_FROM in state else 0
         if self._loss_scale is not None and _SCALE in state:
             self._loss_scale = float(_scalar(state[_SCALE]))
         self._pending = None
