@@ -354,6 +354,9 @@ class _Trainer:
     async def load_tensors(self, tensors: dict[str, np.ndarray]) -> None:
         self.loaded = tensors
 
+    async def start_from_download(self, step: int) -> None:
+        self.step = step
+
 
 def spes_joiner(view: list[PeerRecord], directory: dict[str, dict[ExpertKey, ExpertRecord]],
                 swarm: Swarm) -> SwarmLoop:
