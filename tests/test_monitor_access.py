@@ -4,7 +4,6 @@ the cap on event-stream clients; and its topology, computed off the event loop a
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import re
 import stat
@@ -175,6 +174,10 @@ def test_the_round_graph_is_computed_off_the_event_loop_and_only_when_its_inputs
 
     def recording(*args: Any, **kwargs: Any) -> dict[str, Any]:
         threads.append(threading.get_ident())
+        if len(threads) == 1:
+            # the first computation takes long enough to count the loop's ticks meanwhile: run on the
+            # loop, it would let none through (a count, not a wall-clock gap: the machine may be loaded)
+            time.sleep(0.3)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(topology_view, "round_graph", recording)
@@ -183,7 +186,7 @@ def test_the_round_graph_is_computed_off_the_event_loop_and_only_when_its_inputs
         cache = RoundGraphCache()
         members = MembershipView.of(f"p{i:03d}" for i in range(160))
         spec = TopologySpec("complete")
-        # the event loop keeps ticking while a 160 x 160 matrix and its eigenvalues are computed
+        # the event loop keeps ticking while the graph of 160 peers is computed
         ticks: list[float] = []
         stop = asyncio.Event()
 
@@ -193,21 +196,16 @@ def test_the_round_graph_is_computed_off_the_event_loop_and_only_when_its_inputs
                 await asyncio.sleep(0.005)
 
         ticking = asyncio.create_task(ticker())
-        # the graph's 25,000 edge objects can set off a full collection of this process's heap (torch and
-        # the rest imported), which holds every thread alike: that pause is the collector's, not the loop's
-        gc.disable()
-        try:
-            started = time.monotonic()
-            await cache.refresh(members.peer_ids, members, spec, "p000", 7)
-            elapsed = time.monotonic() - started
-        finally:
-            gc.enable()
+        await asyncio.sleep(0)  # the ticker's first tick
+        started = time.monotonic()
+        await cache.refresh(members.peer_ids, members, spec, "p000", 7)
+        ended = time.monotonic()
         stop.set()
         await ticking
         assert threads and threads[0] != threading.get_ident()
-        # the loop was never held for the computation: a held loop shows one gap as long as all of it
-        gaps = [b - a for a, b in zip(ticks, ticks[1:])]
-        assert len(ticks) >= 3 and max(gaps) < elapsed / 2, (max(gaps), elapsed)
+        # the loop was never held for the computation: it ticked all along (nominally 60 times)
+        during = [t for t in ticks if started < t < ended]
+        assert len(during) >= 5, (len(during), ended - started)
         graph = cache.latest(7)
         assert graph is not None and graph["rho"] is not None and len(graph["edges"]) == 160 * 159
         for round_index in (8, 9, 10):  # a static topology: the next rounds reuse it
