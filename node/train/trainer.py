@@ -256,7 +256,7 @@ class Trainer:
         await self._on_worker(self._start_from_download_now, step)
 
     def _start_from_download_now(self, step: int) -> None:
-        if not self._optimizer.state_counts() and not self._optimizer.state():
+        if not self._optimizer.state():  # Adam's moments and SGD's momentum alike
             self._warm_from = step
         self.step = step
 
