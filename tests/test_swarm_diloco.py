@@ -131,11 +131,16 @@ def test_diloco_swarm_survives_a_kill_mid_sync_and_a_joiner_mid_phase_and_matche
     # (below), so what it received is compared: a node receives its payloads in its own rounds (its pulls),
     # while what it serves follows its neighbours' rounds. Summed over the nodes, so a view that differs
     # for a moment between two nodes shifts bytes between them rather than adding any.
-    def outer_bytes(node) -> tuple[list[int], int]:
+    def outer_bytes(node) -> tuple[list[int], int, int] | None:
+        """The node's completed fragment rounds, bytes received and rounds whose neighbour was left out,
+        read only while no fragment exchange is in flight (else a round's bytes and its count straddle
+        the read); None while one is."""
         status = node.status()
         assert len(status["peers"]) == len(everyone), "the views hold every node"
         d = status["training"]["diloco"]
-        return d["fragment_rounds"], d["outer_bytes_received"]
+        if d["fragments_in_flight"]:
+            return None
+        return d["fragment_rounds"], d["outer_bytes_received"], sum(d["skipped"].values())
 
     swarm.wait_views(everyone, everyone)
     # Each node's stretch is its own, from when it reaches `start` until it has trained seven more phases:
@@ -145,31 +150,35 @@ def test_diloco_swarm_survives_a_kill_mid_sync_and_a_joiner_mid_phase_and_matche
     # after it passed a whole phase.
     start = max(training(n)["step"] for n in everyone) + H
     began: dict[str, int] = {}
-    first: dict[str, tuple[list[int], int]] = {}
-    last: dict[str, tuple[list[int], int]] = {}
+    first: dict[str, tuple[list[int], int, int]] = {}
+    last: dict[str, tuple[list[int], int, int]] = {}
 
     def sample_stretches() -> bool:
         for node in everyone:
             if node.name in last:
                 continue
             step = training(node)["step"]
-            if node.name not in first and step >= start:
-                first[node.name] = outer_bytes(node)
+            if node.name not in first and step >= start and (sample := outer_bytes(node)) is not None:
+                first[node.name] = sample
                 began[node.name] = step - (step - start) % H
-            elif node.name in first and step >= began[node.name] + 7 * H:
-                last[node.name] = outer_bytes(node)
+            elif node.name in first and step >= began[node.name] + 7 * H and (sample := outer_bytes(node)) is not None:
+                last[node.name] = sample
         return len(last) == len(everyone)
 
     wait_for(sample_stretches, 240, "seven phases on every node from step start", interval_s=0.05)
-    moved = predicted = 0
+    moved = predicted = left_out = 0
     for node in everyone:
-        (rounds0, moved0), (rounds1, moved1) = first[node.name], last[node.name]
+        (rounds0, moved0, skipped0), (rounds1, moved1, skipped1) = first[node.name], last[node.name]
         assert all(r1 - r0 >= 6 for r0, r1 in zip(rounds0, rounds1, strict=True)), (node.name, rounds0, rounds1)
         moved += moved1 - moved0
         per_round = fragment_round_bytes(ids, node.peer_id)
         predicted += sum((r1 - r0) * b for r0, r1, b in zip(rounds0, rounds1, per_round, strict=True))
-    # an exchange in flight at either end counts in part: one per fragment and node, of 6 or more each
-    assert abs(moved - predicted) <= BYTES_TOLERANCE * predicted, f"moved {moved}, predicted {predicted}"
+        # a round whose one neighbour was left out (it timed out, was stale or unreachable on a loaded
+        # machine) received nothing, or the part that arrived before its deadline
+        left_out += (skipped1 - skipped0) * max(per_round)
+    assert left_out <= predicted / 2, f"half the outer exchanges or more left their neighbour out: {left_out} of {predicted} bytes"
+    assert (1 - BYTES_TOLERANCE) * (predicted - left_out) <= moved <= (1 + BYTES_TOLERANCE) * predicted, \
+        f"moved {moved}, predicted {predicted - left_out} for the completed exchanges of {predicted} in all"
     for node in core:
         status = training(node)
         assert status["diloco"]["codec"] == "int8" and status["diloco"]["fragments"] == 2
