@@ -80,7 +80,12 @@ def test_a_compressed_gossip_swarm_trains_to_parity_with_the_planned_bytes(tmp_p
                       header=HeaderValues(swarm="murmur", sender=founder.peer_id))
     predicted = bytes_per_node(plan, STEPS)
     moved = np.mean([s["bytes_sent"] + s["bytes_received"] for s in statuses])
-    assert moved == pytest.approx(predicted, rel=0.10), f"moved {moved:.0f} bytes per node, plan {predicted:.0f}"
+    # a neighbour left out of a round (late, or failed, on a loaded machine) moves at most its edge's share
+    # of the round, both ways: two neighbours a round on a ring
+    left_out = np.mean([sum(s["skipped"].values()) for s in statuses]) * predicted / (STEPS * 2)
+    assert left_out <= predicted / 2, f"half the exchanges or more left their neighbour out: {statuses}"
+    assert 0.90 * (predicted - left_out) <= moved <= 1.10 * predicted, \
+        f"moved {moved:.0f} bytes per node, plan {predicted:.0f} ({left_out:.0f} of it in rounds that left a neighbour out)"
     # what compression buys: the same swarm gossiping whole fp32 parameters would move about 4 / (8 x 0.05) = 10x more
     whole = bytes_per_node(PlanConfig(specs, 0.0, LinkSpec(1.0), NODES, TopologySpec("ring")), STEPS)
     assert moved < 0.15 * whole
