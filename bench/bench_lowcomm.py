@@ -132,6 +132,9 @@ def default_setups() -> list[Setup]:
             setups.append(Setup(f"DiLoCo H={h} sparseloco 2% 2-bit + EF" + (f", anchors every {every}th sync"
                                                                             if every > 1 else ""),
                                 "diloco", DILOCO_LR, h, "sparseloco", SPARSELOCO_OPTIONS, anchor_every=every))
+    # and with DiLoCo's own outer step: what is then mixed, sparsified, is the next momentum buffer (mu b + Δ)
+    setups += [Setup(f"DiLoCo H={h} sparseloco 2% 2-bit + EF, outer lr 0.7 + Nesterov 0.9", "diloco", DILOCO_LR, h,
+                     "sparseloco", SPARSELOCO_OPTIONS, outer_lr=0.7, outer_momentum=0.9) for h in (25, 100)]
     return setups
 
 

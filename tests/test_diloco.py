@@ -35,6 +35,7 @@ from gossip.diloco import (
 )
 from gossip.diloco.unequal import GRACE_K
 from gossip.exchange import ExchangeSettings
+from gossip.knobs import SPARSELOCO_OUTER_LR, SPARSELOCO_OUTER_MOMENTUM
 from gossip.lockstep import Lockstep
 from gossip.memory import InMemoryNetwork
 from gossip.optimizers import LRSchedule, OptimizerConfig
@@ -65,6 +66,28 @@ def test_diloco_without_local_steps_syncs_every_hundred_steps(given: dict, expec
     resolved = merge_layers(read_flags({SETTINGS_BY_KEY[k]: v for k, v in given.items()}))
     assert resolved.config.training.local_steps == expected
     assert 50 <= DILOCO_LOCAL_STEPS <= 100
+
+
+@pytest.mark.parametrize(("given", "expected"), [
+    ({"gossip.codec": "sparseloco"}, (SPARSELOCO_OUTER_LR, SPARSELOCO_OUTER_MOMENTUM)),
+    ({"gossip.codec": "sparseloco", "training.outer_momentum": "0.5"}, (SPARSELOCO_OUTER_LR, 0.5)),
+    ({"gossip.codec": "sparseloco", "training.outer_lr": "0.7"}, (0.7, SPARSELOCO_OUTER_MOMENTUM)),
+    ({"gossip.codec": "int8"}, (DilocoConfig().outer_lr, DilocoConfig().outer_momentum))])
+def test_sparseloco_payloads_default_to_plain_averaging_unless_the_outer_step_is_given(given: dict,
+                                                                                        expected: tuple) -> None:
+    """SparseLoCo's error feedback stands in for outer momentum: with Nesterov 0.9 its payloads did far
+    worse (docs/benchmarks.md), so a founder who picks them without naming an outer step gets outer lr 1
+    and no momentum, with the source said; what the founder names is kept, and int8 keeps DiLoCo's step."""
+    from node.config.layers import SPARSELOCO_OUTER_SOURCE, merge_layers, read_flags
+    from node.config.table import SETTINGS_BY_KEY
+
+    flags = {"training.optimizer": "diloco", **given}
+    resolved = merge_layers(read_flags({SETTINGS_BY_KEY[k]: v for k, v in flags.items()}))
+    t = resolved.config.training
+    assert (t.outer_lr, t.outer_momentum) == expected
+    assert SPARSELOCO_OUTER_LR == 1.0 and SPARSELOCO_OUTER_MOMENTUM == 0.0
+    if "training.outer_momentum" not in given and given["gossip.codec"] == "sparseloco":
+        assert resolved.source("training.outer_momentum") == SPARSELOCO_OUTER_SOURCE
 
 
 # ---- the outer step ----------------------------------------------------------------------------------

@@ -41,12 +41,14 @@ class DilocoSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
 
     outer_lr: Annotated[float, msgspec.Meta(
         gt=0.0, le=MAX_OUTER_LR, extra={"metavar": "LR"},
-        description="diloco: outer learning rate of the Nesterov step on the mixed pseudo-gradient (the swarm's)",
+        description="diloco: outer learning rate of the Nesterov step on the mixed pseudo-gradient; 1 with --codec "
+        "sparseloco unless given (the swarm's)",
     )] = 0.7
     outer_momentum: Annotated[float, msgspec.Meta(
         ge=0.0, lt=1.0, extra={"metavar": "MU"},
         description="diloco: Nesterov momentum of the outer step; the nodes mix their buffers (mu b + the "
-        "pseudo-gradient), so the momentum stays in consensus at no extra bytes (the swarm's)",
+        "pseudo-gradient), so the momentum stays in consensus at no extra bytes; 0 with --codec sparseloco unless "
+        "given, its error feedback standing in for it (the swarm's)",
     )] = 0.9
     fragments: Annotated[int, msgspec.Meta(
         ge=1, le=MAX_FRAGMENTS, extra={"noun": "fragments"},
