@@ -66,6 +66,7 @@ def test_sim_table_is_printed_per_round():
         (["sim", "--peers", "8", "--drop", "1.5"], "--drop"),
         (["sim", "--peers", "8", "--mixing", "clipped"], "tau"),
         (["sim", "--peers", "8", "--frobnicate"], "unrecognized arguments"),
+        (["config"], "invalid choice: 'config' (choose from 'topology', 'sim', 'node', 'join'"),
     ],
 )
 def test_bad_values_exit_2_with_one_line(args, needle):

@@ -43,6 +43,9 @@ class Command(StrEnum):
     PLAN = "plan"
     INVITE = "invite"
 
+    def __repr__(self) -> str:  # argparse lists a bad command's choices by repr: 'node', not <Command.NODE: ...>
+        return repr(self.value)
+
 
 NODE = frozenset({Command.NODE, Command.JOIN})
 DAEMONS = NODE | {Command.BOOTSTRAP}
