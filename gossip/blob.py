@@ -82,7 +82,7 @@ async def fetch_blob(transport: Transport, peer: str, sha256: str, size: int, ti
         raise BlobFailed(f"{peer} did not answer within {timeout_s:g} s") from None
     except ConnectionError as exc:
         raise BlobFailed(f"{peer} is unreachable: {exc or type(exc).__name__}") from None
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
         raise BlobFailed(f"{peer} sent a malformed answer: {exc}") from None
     if len(data) != size or hashlib.sha256(data).hexdigest() != sha256:
         raise BlobFailed(f"{peer} sent {len(data)} bytes that do not hash to {sha256[:12]}")
@@ -101,7 +101,7 @@ async def serve_blobs(transport: Transport, source: BlobSource, timeout_s: float
             async with asyncio.timeout(timeout_s):
                 try:
                     request = msgspec.msgpack.decode(await _read_frame(stream, MAX_REQUEST_BYTES), type=BlobRequest)
-                except (BlobFailed, msgspec.DecodeError, msgspec.ValidationError) as exc:
+                except (BlobFailed, msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
                     logger.info("blob request from %s refused: %s", stream.remote_peer, exc)
                     request = None
                 limited = request is not None and not answered.take(stream.remote_peer)

@@ -204,6 +204,7 @@ def test_key_proofs_hold_for_the_right_key_and_this_peer_only(ids):
     for credential, peer in ((record_proof(b"w" * 64, SWARM, a, now), a),  # wrong key
                              (record_proof(KEY, SWARM, a, now), b),  # replayed for another peer id
                              (record_proof(KEY, "other", a, now), a),  # another swarm's
+                             ("é" * 64, a),  # characters compare_digest refuses to compare as str
                              ("", a), (None, a)):
         with pytest.raises(NotAdmitted):
             admission.check_record(peer, now, credential)
@@ -216,6 +217,8 @@ def test_key_proofs_hold_for_the_right_key_and_this_peer_only(ids):
             admission.admit(_header(_fields(a, **changed), dict(meta)))
     with pytest.raises(NotMember, match="proves no swarm key"):
         admission.admit(_header(fields, {}))
+    with pytest.raises(NotMember, match="proves another key"):
+        admission.admit(_header(fields, {PROOF_META: "é" * 64}))
     wrong = Admission.with_key(SWARM, b"w" * 64, key_check(b"w" * 64, SWARM))
     with pytest.raises(NotMember):
         admission.admit(_header(fields, dict(wrong.credentials(fields))))

@@ -138,6 +138,15 @@ def test_the_swarm_validator_refuses_hostile_records_and_never_raises(raw: bytes
         assert all(_parses_for_every_dialer(addr, entry.peer_id) for addr in entry.maddrs)
 
 
+def test_a_record_nested_past_the_stack_is_refused_as_malformed() -> None:
+    """msgspec recurses into an unknown field's nesting and raises RecursionError past the stack's depth;
+    a record like that, stored in the DHT, once made every view read fail and froze the view."""
+    fields = _fields([f"/ip4/127.0.0.1/tcp/4001/p2p/{PEER}"]) | {"x": "DEEP"}
+    raw = _raw(fields).replace(_raw("DEEP"), b"\x91" * 20_000 + b"\xc0")
+    with pytest.raises(ValueError, match="malformed"):
+        decode_peer_entry(raw)
+
+
 @pytest.mark.parametrize("addr", UNPARSEABLE + [f"/unix/tmp/sock/p2p/{PEER}", f"/p2p/{RELAY}/p2p-circuit/p2p/{PEER}",
                                                 f"/ip4/1.2.3.4/tcp/1/p2p/{PEER}" + "/" * 600])
 def test_an_unparseable_address_refuses_the_whole_record(addr: str) -> None:

@@ -651,3 +651,22 @@ def test_expectation_checks_the_sender_then_admission_before_the_payload() -> No
                        expected=Expectation("tiny-moe", "c0ffee", sender="12D3KooWother", admit=admit))
     assert decode_message(raw, expected=Expectation("tiny-moe", "c0ffee", sender="12D3KooWpeer", admit=admit))
     assert admitted == ["12D3KooWother", "12D3KooWpeer"]
+
+
+def test_hostile_headers_that_trip_python_itself_are_refused_as_malformed() -> None:
+    """Each of these once escaped the decoder as a plain Python error, which the callers that catch only
+    WireError (SPES fetches, DiLoCo's momentum fetch, the swarm evaluation) did not catch."""
+    # an empty tensor whose other dimension no array can span: numpy's reshape raised ValueError
+    with pytest.raises(FrameTooLarge, match="spans"):
+        decode_message(raw_message(header_dict(manifest=[["w", "float32", [2**62, 0], 0]])))
+    # a value nested a thousand lists deep: the error message's repr ran out of stack
+    body = msgpack.packb(header_dict(round="DEEP")).replace(msgpack.packb("DEEP"), b"\x91" * 1000 + b"\x01")
+    with pytest.raises(BadSchema):
+        decode_message(frame(body) + frame(PAYLOAD_24))
+    # whatever else a header trips inside an admission check is refused the same way
+    def trips(header) -> None:
+        raise TypeError("unsupported operand types")
+
+    with pytest.raises(BadSchema, match="malformed header"):
+        decode_message(raw_message(header_dict(), PAYLOAD_24),
+                       expected=Expectation("tiny-moe", "c0ffee", sender="12D3KooWpeer", admit=trips))

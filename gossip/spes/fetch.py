@@ -66,6 +66,7 @@ class FetchSkip(StrEnum):
     STALE = "stale"  # the copy sent is older than the directory showed
     VERSION_OUT_OF_BOUNDS = "version_out_of_bounds"  # the copy claims a version beyond the sync index's bound
     NO_RECORD = "no_record"  # no owner published a record of the expert
+    FAILED = "failed"  # an error of no declared kind (the backstop): this copy's loss, not the sync's
 
 
 RATE_LIMITED = "rate_limited"  # the reject's error when an asker fetched one copy too often
@@ -182,6 +183,8 @@ class ExpertFetch:
         except WireError as exc:
             self._accounting.count_refused(exc, source)
             raise RefreshFailed(exc.kind, str(exc)) from None
+        except Exception as exc:  # the backstop: whatever a holder's bytes trip, one copy is lost, not the sync
+            raise RefreshFailed(FetchSkip.FAILED, f"{type(exc).__name__}: {exc}") from None
         try:
             if reply.header.kind == REJECT:
                 raise RefreshFailed(FetchSkip.REJECTED, str(reply.header.meta.get("error", "unspecified")))

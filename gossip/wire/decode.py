@@ -186,7 +186,7 @@ class _PayloadAssembler:
     def _finish_entry(self, start_next: bool = True) -> None:
         entry = self._manifest[self._index]
         flat = self._guarded(lambda: self._current.finish())  # type: ignore[union-attr]
-        self.tensors[entry.name] = flat.reshape(entry.shape)
+        self.tensors[entry.name] = self._guarded(lambda: _reshaped(flat, entry.shape))
         self._index += 1
         if start_next:
             self._start_entry()
@@ -373,13 +373,26 @@ class MessageDecoder:
         self._phase = _Phase.CHUNK
 
     def _on_header(self, body: bytearray) -> None:
-        header, codec = parse_header(body, self._limits)
-        if self._expected is not None:
-            check_expectation(header, self._expected)
+        try:
+            header, codec = parse_header(body, self._limits)
+            if self._expected is not None:
+                check_expectation(header, self._expected)
+        except WireError:
+            raise
+        except (ValueError, TypeError, RecursionError, OverflowError, UnicodeError) as exc:
+            # the checks name what they refuse; whatever else a hostile header trips is refused as malformed
+            raise BadSchema(f"malformed header ({type(exc).__name__})") from None
         self._header = header
         self._assembler = _PayloadAssembler(header, codec, self._on_values)
         self._payload_left = header.payload_nbytes
         self._phase = _Phase.CHUNK_PREFIX if self._payload_left else _Phase.DONE
+
+
+def _reshaped(flat: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    try:
+        return flat.reshape(shape)
+    except ValueError as exc:  # the manifest's checks bound every shape; this is the backstop
+        raise BadSchema(f"shape {list(shape)[:8]} does not fit its {flat.size} elements: {exc}") from None
 
 
 def decode_message(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+import reprlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, NamedTuple, TypedDict, Unpack, cast
@@ -263,6 +264,14 @@ def _subject(parts: list[str], obj: dict[str, Any], key_at_fault: bool) -> tuple
     return (f"manifest entry {index} name" if rest[1] == "0" else what), value
 
 
+def _short(value: object) -> str:
+    """A peer's value as an error names it: bounded in depth and length (a value nested a thousand lists
+    deep would exhaust the stack of a plain repr, and a long one would flood the log)."""
+    shorter = reprlib.Repr()
+    shorter.maxlevel, shorter.maxstring, shorter.maxother, shorter.maxlist = 3, 80, 80, 8
+    return shorter.repr(value)
+
+
 def _problem(text: str, what: str, value: object) -> str:
     got = type(value).__name__
     if text.startswith("Expected `str` of length >= 1"):
@@ -272,7 +281,7 @@ def _problem(text: str, what: str, value: object) -> str:
     if text.startswith("Expected `bool | int | float | str | null`"):
         return f"must be None, bool, int, float or str, got {got}"
     if text.startswith("Expected `int`"):
-        return f"must be an integer in [0, 2^63), got {value!r}"
+        return f"must be an integer in [0, 2^63), got {_short(value)}"
     if text.startswith("Expected `str`"):
         return f"must be a string, got {got}"
     if text.startswith("Expected `object`"):
@@ -282,7 +291,7 @@ def _problem(text: str, what: str, value: object) -> str:
             return "must be [name, dtype, shape, nbytes]"
         return f"must be a list of integers, got {got}" if what.endswith("shape") else f"must be a list, got {got}"
     if text.startswith("Invalid enum value"):
-        return f"{value!r} is not one of {', '.join(WIRE_DTYPES)}"
+        return f"{_short(value)} is not one of {', '.join(WIRE_DTYPES)}"
     return f"is invalid: {text}"
 
 
@@ -343,6 +352,11 @@ def _check_manifest(manifest: tuple[ManifestEntry, ...], codec: Codec, limits: W
                 f"{where}: {entry.nbytes} bytes on the wire, but {codec.name} encodes {numel} elements "
                 f"in {codec.encoded_nbytes(numel)} bytes"
             )
+        # an empty tensor's other dimensions count too: numpy refuses a shape whose extent overflows
+        extent = math.prod(max(1, d) for d in entry.shape) * WIRE_DTYPES[entry.dtype].itemsize
+        if extent > limits.max_decoded_bytes:
+            raise FrameTooLarge(f"{where}: shape {_short(list(entry.shape))} spans {extent} bytes, over "
+                                f"max_decoded_bytes ({limits.max_decoded_bytes})")
         payload += entry.nbytes
         decoded += numel * WIRE_DTYPES[entry.dtype].itemsize
         if payload > limits.max_payload_bytes:

@@ -117,7 +117,8 @@ def stream_proof(key: bytes, fields: HeaderFields) -> str:
 def _check_key_proof(expected: str, given: object, peer_id: str) -> None:
     if not isinstance(given, str) or not given:
         raise NotAdmitted(KeyRefusal.MISSING, f"{peer_id} proves no swarm key")
-    if not hmac.compare_digest(expected, given):
+    # bytes: compare_digest refuses str with characters outside ASCII, which a peer may send
+    if not hmac.compare_digest(expected.encode(), given.encode()):
         raise NotAdmitted(KeyRefusal.WRONG, f"{peer_id} proves another key than the swarm's")
 
 
@@ -142,7 +143,7 @@ class Admission:
     @classmethod
     def with_key(cls, swarm: str, key: bytes, expected_check: str | None) -> Admission:
         """A key swarm's admission; SwarmKeyError if `key` is not the one the signed config names."""
-        if expected_check is None or not hmac.compare_digest(key_check(key, swarm), expected_check):
+        if expected_check is None or not hmac.compare_digest(key_check(key, swarm).encode(), expected_check.encode()):
             raise SwarmKeyError(f"this swarm key is not the key of swarm {swarm!r} (the founder's config names another "
                                 "one)")
         return cls(AdmissionMode.KEY, swarm, key=key)

@@ -131,7 +131,7 @@ class DialbackServer:
                 writer.write(_frame(reply))
                 await writer.drain()
                 await reader.read(1)  # the asker hangs up first (p2pd resets a stream closed first)
-        except (TimeoutError, ValueError, ConnectionError, asyncio.IncompleteReadError) as exc:
+        except (TimeoutError, ValueError, ConnectionError, asyncio.IncompleteReadError, RecursionError) as exc:
             self.refused += 1
             logger.debug("dial-back request from %s dropped: %s", info.peer_id, exc or type(exc).__name__)
         finally:
@@ -160,5 +160,5 @@ async def ask_dialback(stream: Stream, ports: tuple[int, ...]) -> DialbackReply:
         raise ValueError(f"a {length}-byte dial-back answer")
     try:
         return _REPLY.decode(await stream.read_exactly(length))
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:
         raise ValueError(f"a malformed dial-back answer: {exc}") from None

@@ -174,7 +174,7 @@ def verify_config(value: object, swarm: str, founder: str | None) -> SwarmConfig
         signed = _SIGNED_DECODER.decode(value)
         signer = peer_id_of_ssh_key(signed.founder_key)
         public_key = RSAPublicKey.from_bytes(signed.founder_key)
-    except (msgspec.DecodeError, ValueError):
+    except (msgspec.DecodeError, ValueError, RecursionError):
         raise ConfigRefused(ConfigRefusal.MALFORMED, "the swarm config in the DHT is not a signed config") from None
     if signed.swarm != swarm:
         raise ConfigRefused(ConfigRefusal.WRONG_SWARM, f"a config signed for swarm {signed.swarm!r}, not {swarm!r}")

@@ -198,7 +198,7 @@ def decode_peer_entry(raw: bytes) -> PeerRecord | Withdrawal:
         if head.withdrawn is True:
             return Withdrawal(head.peer_id)
         record = _RECORD_DECODER.decode(raw)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:  # msgspec recurses into an unknown field's nesting
         raise ValueError(f"peer record is malformed: {exc}") from None
     # The rules a schema cannot declare: every address names the record's own peer, and parses as
     # a multiaddr of dialable protocols (so no dialer ever meets one that does not).

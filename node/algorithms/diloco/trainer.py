@@ -386,6 +386,11 @@ class DilocoTrainer:
             logger.warning("outer momentum download from %s failed: %s; starting without", peer_id,
                            exc or type(exc).__name__)
             return None
+        except Exception as exc:  # the backstop: a peer's bytes must not end the join that asked for them
+            self.stats.errors["diloco_momentum_failed"] = self.stats.errors.get("diloco_momentum_failed", 0) + 1
+            logger.warning("outer momentum download from %s failed: %s: %s; starting without", peer_id,
+                           type(exc).__name__, exc)
+            return None
         norm, bound = global_norm(tensors.values()), MOMENTUM_NORM_BOUND * global_norm(self._anchor.values())
         if not math.isfinite(norm) or norm > bound:
             self.stats.errors["diloco_momentum_refused"] = self.stats.errors.get("diloco_momentum_refused", 0) + 1
