@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,6 +32,7 @@ from node.swarm.contributors import (
     plausible_tokens,
     tokens_from_meta,
 )
+from node.swarm.joining import plausible_steps
 from node.swarm.recipe import TrainingRecipe
 
 pytestmark = pytest.mark.unit
@@ -100,7 +102,7 @@ class StandInDht:
 @pytest.fixture(scope="module")
 def ids(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Identity]:
     directory = tmp_path_factory.mktemp("ids")
-    return {name: create_identity(directory / f"{name}.key") for name in ("me", "honest", "boaster")}
+    return {name: create_identity(directory / f"{name}.key") for name in ("me", "honest", "boaster", "liar")}
 
 
 def test_a_view_read_clips_tokens_beyond_step_times_tokens_per_step_and_counts_them(ids) -> None:
@@ -124,6 +126,17 @@ def test_a_view_read_clips_tokens_beyond_step_times_tokens_per_step_and_counts_t
     assert tokens[boaster.peer_id] == 640  # a trillion after 10 steps: held to what 10 steps allow
     assert discovery.errors.get("peer_record_tokens_clipped") == 1
     assert plausible_tokens(100, 0, 64) == 0 and plausible_tokens(10**20, 10**18, 64) == MAX_TOKENS
+    # a claimed step is held too: to the recipe's budget, and to what the swarm can have run since its founding
+    liar = ids["liar"]
+    dht.values[peers_key(swarm)] = dict([claim(liar, 2**62, 10**15)])  # type: ignore[index]
+    founded = time.time()
+    discovery._epoch = founded  # what enter() takes from the swarm's config; no step budget
+    asyncio.run(discovery._refresh_view())
+    claimed = {r.peer_id: r.tokens for r in discovery.view()}[liar.peer_id]
+    assert plausible_steps(founded, founded) * 64 <= claimed <= plausible_steps(founded, time.time()) * 64
+    discovery._step_budget, discovery._epoch = 1000, founded - 10**6  # an old swarm: its budget bounds the claim
+    asyncio.run(discovery._refresh_view())
+    assert {r.peer_id: r.tokens for r in discovery.view()}[liar.peer_id] == 1000 * 64
     # a restarted node takes its own count back from its checkpoint, held to its step the same way
     assert tokens_from_meta("640", 10, 64) == 640 and tokens_from_meta(10**9, 10, 64) == 640
     assert tokens_from_meta(None, 10, 64) == 0 and tokens_from_meta("lots", 10, 64) == 0
@@ -213,6 +226,20 @@ class SwarmNode:
 
     def counters(self) -> Counters:
         return Counters(step=12, round=1, bytes_sent=0, bytes_received=0, peers_alive=3)
+
+
+def test_a_swarm_point_over_huge_published_figures_stays_finite_json() -> None:
+    """Each record's loss and rate are finite, but two near the float maximum once summed to inf, and the
+    page's JSON (no NaN or inf) then failed every sample while that point stayed in the history."""
+    from node.monitor.swarm_view import swarm_point
+
+    peers = [{"peer_id": f"p{i}", "step": 1, "loss": 1.7e308, "tokens_per_s": 1.7e308, "tokens": 1} for i in range(3)]
+    point = swarm_point(swarm_peers(peers), 0.0)
+    assert point.loss == pytest.approx(1.7e308) and point.tokens_per_s == 0.0  # the sum overflows: no figure
+    json.dumps(msgspec.to_builtins(point), allow_nan=False)
+    honest = swarm_point(swarm_peers([{"peer_id": "a", "loss": 2.0, "tokens_per_s": 10.0},
+                                      {"peer_id": "b", "loss": 3.0, "tokens_per_s": 30.0}]), 0.0)
+    assert (honest.loss, honest.tokens_per_s) == (2.5, 40.0)
 
 
 def test_api_swarm_answers_with_its_schema_and_the_event_stream_carries_each_new_point() -> None:

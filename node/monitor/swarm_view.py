@@ -91,9 +91,12 @@ def swarm_peers(peers: Sequence[Mapping[str, Any]], contribution: object = None)
 
 
 def swarm_point(rows: Sequence[SwarmPeer], now: float) -> SwarmPoint:
+    # each published figure is finite, but a few huge ones can overflow a sum: the page's JSON takes no inf
     losses = [r.loss for r in rows if r.loss is not None]
-    return SwarmPoint(t=now, peers=len(rows), loss=sum(losses) / len(losses) if losses else None,
-                      tokens_per_s=sum(r.tokens_per_s for r in rows), tokens=sum(r.tokens for r in rows))
+    mean = _number(sum(loss / len(losses) for loss in losses)) if losses else None  # divided first: no overflow
+    return SwarmPoint(t=now, peers=len(rows), loss=mean,
+                      tokens_per_s=_number(sum(r.tokens_per_s for r in rows)) or 0.0,
+                      tokens=sum(r.tokens for r in rows))
 
 
 class SwarmHistory:

@@ -68,6 +68,7 @@ from node.net.validation import (
 from node.net.view import MAX_VIEW, FirstSeen, cap_view
 from node.net.work import cached_work, check_work, identity_work_bits
 from node.swarm.contributors import MAX_TOKENS, plausible_tokens, tokens_per_step
+from node.swarm.joining import plausible_steps
 from node.swarm.recipe import RecipeInvalid, SwarmSettings, parse_document
 
 logger = logging.getLogger(__name__)
@@ -220,6 +221,8 @@ class Discovery:
         self._read_done = asyncio.Condition()  # notified as each read ends
         self._started = time.monotonic()  # the record's uptime_s counts from here
         self._tokens_per_step = 0  # the recipe's, once entered: the most tokens a step may claim
+        self._epoch: float | None = None  # the swarm's founding time, once entered: bounds the steps claimed
+        self._step_budget = 0  # the recipe's steps (0: no budget), once entered: bounds them too
         self._work_bits = 0  # the proof of work (leading zero bits) a record must carry, once entered
         self._seen: dict[str, FirstSeen] = {}  # each live record's first sighting (node.net.view)
         self._view_rng = random.Random()  # draws the newcomers the view's cap admits, unlike any other node's
@@ -307,7 +310,10 @@ class Discovery:
         self._watch_config = watch_config
         self._local = msgspec.structs.replace(self._local, config_hash=config.config_hash)
         try:
-            self._tokens_per_step = tokens_per_step(SwarmSettings.from_doc(config.config).training)
+            settings = SwarmSettings.from_doc(config.config)
+            self._tokens_per_step = tokens_per_step(settings.training)
+            self._epoch = settings.clock.epoch
+            self._step_budget = settings.training.steps if settings.training is not None else 0
         except (RecipeInvalid, ValueError):  # a config this node runs has parsed before; never 0 tokens for it
             self._tokens_per_step = 0
         self._work_bits = identity_work_bits(config.config) if admission.is_open else 0
@@ -711,7 +717,10 @@ class Discovery:
             return None
         if not isinstance(entry, PeerRecord):
             return None
-        tokens = plausible_tokens(entry.tokens, entry.step, self._tokens_per_step)
+        # tokens are held to the steps claimed, and those to what the swarm can have run since its founding
+        steps = min(entry.step, plausible_steps(self._epoch, now)) if self._epoch is not None else entry.step
+        steps = min(steps, self._step_budget) if self._step_budget > 0 else steps
+        tokens = plausible_tokens(entry.tokens, steps, self._tokens_per_step)
         if tokens != entry.tokens:
             # more than its steps could have processed (or any, in a swarm without a model): clipped
             self._errors["peer_record_tokens_clipped"] += 1

@@ -18,7 +18,14 @@ from node.runtime.saving import write_checkpoint
 from node.runtime.status import NodeRuntime
 from node.swarm.progress import PeerProgress, leave_out_stalled, record_lag_rounds, stalled_after
 from node.swarm.recipe import SwarmSettings
-from node.swarm.rounds import PeerTiming, announce_round, participants, start_round
+from node.swarm.rounds import (
+    PeerTiming,
+    announce_round,
+    latest_announcement,
+    participants,
+    plausible_timings,
+    start_round,
+)
 from node.train.checkpoint import Checkpoint
 from topology import TopologyCache, peer_round
 
@@ -49,6 +56,7 @@ async def gossip_until(stop: asyncio.Event, runtime: NodeRuntime, settings: Swar
     lead_s = 4 * config.heartbeat_s + 1.0
     announced, waiting_since = 0, time.monotonic()
     start: int | None = None
+    implausible: set[str] = set()  # peers whose announced start was left out
     topologies = TopologyCache(settings.topology)
     progress = PeerProgress(stalled_after(config.heartbeat_s, config.gossip.exchange_timeout_s))
     lag_rounds = record_lag_rounds(config.heartbeat_s, config.gossip.exchange_timeout_s, clock.interval_s)
@@ -70,10 +78,17 @@ async def gossip_until(stop: asyncio.Event, runtime: NodeRuntime, settings: Swar
             runtime.gossip_from = announced
             waiting_since = time.monotonic()
         if announced and start is None:
-            start = start_round(timings, announced)
+            plausible, beyond = plausible_timings(timings, latest_announcement(clock, time.time(), lead_s))
+            for timing in beyond:
+                if timing.peer_id not in implausible:  # once a peer: the wait below runs every round
+                    implausible.add(timing.peer_id)
+                    runtime.count("peer_start_implausible")
+                    logger.info("ignoring %s's announced start round %d: later than any peer could announce now",
+                                timing.peer_id, timing.gossip_from)
+            start = start_round(plausible, announced)
             if start is None and time.monotonic() - waiting_since > 2 * lead_s:
                 # a peer that never announces (it waits for a larger quorum) must not hold us back
-                start = start_round([t for t in timings if t.gossip_from], announced)
+                start = start_round([t for t in plausible if t.gossip_from], announced)
             if start is not None:
                 logger.info("gossip starts at round %d (now %d)", start, next_round)
                 # our tensors are our input to that round: label replies so, not as `stale`

@@ -57,8 +57,24 @@ def announce_round(clock: RoundClock, now: float, lead_s: float) -> int:
     return clock.round_at(now + lead_s) + 1
 
 
+def latest_announcement(clock: RoundClock, now: float, lead_s: float) -> int:
+    """The latest start an honest peer can have announced by `now`: its announce_round, with as much lead
+    again for clock skew. A later one is a hostile record's (which would hold this node back for good)."""
+    return announce_round(clock, now, 2 * lead_s) + 1
+
+
+def plausible_timings(peers: Iterable[PeerTiming], latest: int) -> tuple[list[PeerTiming], list[PeerTiming]]:
+    """The peers' announcements split into those at or before `latest` and those beyond it."""
+    kept: list[PeerTiming] = []
+    beyond: list[PeerTiming] = []
+    for p in peers:
+        (kept if p.gossip_from <= latest else beyond).append(p)
+    return kept, beyond
+
+
 def start_round(peers: Iterable[PeerTiming], own_announced: int) -> int | None:
-    """The round this node starts gossiping in: the latest one announced by the peers it sees.
+    """The round this node starts gossiping in: the latest one announced by the peers it sees (the
+    caller leaves out announcements beyond `latest_announcement`).
 
     None while a peer in view has not announced yet: starting before it would let two peers
     that see different announcements start in different rounds.
