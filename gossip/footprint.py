@@ -29,7 +29,8 @@ unless it says otherwise; the peak of a round is counted, not the average:
   weights) beside the anchor.
 - SPES: the terms of DiLoCo's outer groups over the trained part (the shared weights and the owned
   experts), and the first trained values its main peer keeps as the base of its moves; the other
-  experts stay frozen on the device in bfloat16 (node/algorithms/spes/swarm.py).
+  experts stay frozen on the device in float32, or in bfloat16 where `SpesConfig.frozen_bf16` asks
+  (node/algorithms/spes/node.py; the daemon's recipe leaves it off).
 - A checkpoint (node/runtime/saving.py, Trainer.state) is written from a host snapshot of the
   parameters (every one in float32) and the optimizer state; DiLoCo's outer state in it shares the arrays it already holds.
 """
@@ -42,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 F32 = 4  # bytes of one float32 copy, per parameter
-FROZEN_EXPERT_BYTES = 2  # SPES keeps experts it does not own in bfloat16
+BF16 = 2  # bytes of one bfloat16 copy, per parameter
 LOSSLESS_CODECS = ("fp32",)
 
 
@@ -74,6 +75,7 @@ class MemoryInputs:
     spes: bool = False
     expert_parameters: int = 0
     owned_share: float = 1.0
+    frozen_bf16: bool = False  # SPES keeps the experts it does not own in bfloat16 (SpesConfig.frozen_bf16)
 
     def __post_init__(self) -> None:
         if self.parameters < 0 or self.expert_parameters < 0 or self.expert_parameters > self.parameters:
@@ -170,7 +172,7 @@ def footprint(m: MemoryInputs) -> Footprint:
     trainer = Where.DEVICE if m.device == "cuda" else Where.HOST
     opt = _optimizer_floats(m)
     terms = [
-        Term("parameters", trainer, F32 * trained + FROZEN_EXPERT_BYTES * frozen),
+        Term("parameters", trainer, F32 * trained + (BF16 if m.frozen_bf16 else F32) * frozen),
         Term("gradients", trainer, F32 * trained),
         Term(f"optimizer moments ({m.inner})", trainer, opt * F32 * trained),
     ]

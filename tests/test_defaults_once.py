@@ -105,7 +105,7 @@ def test_choco_gamma_default_is_choco_s() -> None:
 # `murmur plan` flag -> the setting whose default it takes
 PLAN_FLAGS = {
     "model": "training.model", "topology": "gossip.topology.name", "optimizer": "training.optimizer",
-    "overlap": "training.overlap", "outer_lr": "training.outer_lr", "outer_momentum": "training.outer_momentum",
+    "overlap": "training.overlap",
     "anchor_every": "training.anchor_every", "anchor_codec": "training.anchor_codec", "codec": "gossip.codec",
     "topk_ratio": "gossip.topk_ratio", "topk_packed": "gossip.topk_packed", "topk_elias_fano": "gossip.topk_elias_fano",
     "gossip_compression": "gossip.compression", "batch_size": "training.batch_size", "context": "training.context",
@@ -127,6 +127,8 @@ def test_plan_fragments_and_local_steps_defaults() -> None:
     args = build_parser().parse_args(["plan"])
     assert args.fragments is DILOCO_DEFAULTS.fragments
     assert args.local_steps is None  # 1 (the node's) or, for diloco, the plan's own PLAN_DILOCO_LOCAL_STEPS
+    # the node's DiLoCo outer step, or the one --codec calls for (gossip.knobs.codec_outer_step), as a node takes it
+    assert args.outer_lr is None and args.outer_momentum is None
 
 
 def test_choices_are_the_gossip_layers() -> None:

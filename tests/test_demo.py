@@ -111,3 +111,18 @@ def test_the_demo_passes_its_own_period_defaults_to_the_founder(monkeypatch, arg
     parsed = build_parser().parse_args(["demo", *args])
     assert parsed.run(parsed) == 0
     assert list(started[0].recipe_flags) == flags
+
+
+@pytest.mark.unit
+def test_the_demos_help_says_its_own_period_defaults():
+    """`murmur demo --help` says the periods the demo uses, not a node's (which it names beside them)."""
+    import argparse
+
+    from node.cli.demo import DEMO_DILOCO_LOCAL_STEPS, DEMO_SPES_SYNC_EVERY
+    from node.cli.main import build_parser
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    text = " ".join(commands.choices["demo"].format_help().split())
+    assert f"(default: 1; {DEMO_DILOCO_LOCAL_STEPS} with --optimizer diloco, where a node takes 100;" in text
+    assert f"(default: {DEMO_SPES_SYNC_EVERY}, where a node takes 50;" in text
+    assert "unset with --optimizer diloco: 100" not in text

@@ -78,7 +78,7 @@ def test_sparseloco_payloads_default_to_plain_averaging_unless_the_outer_step_is
     """SparseLoCo's error feedback stands in for outer momentum: with Nesterov 0.9 its payloads did far
     worse (docs/benchmarks.md), so a founder who picks them without naming an outer step gets outer lr 1
     and no momentum, with the source said; what the founder names is kept, and int8 keeps DiLoCo's step."""
-    from node.config.layers import SPARSELOCO_OUTER_SOURCE, merge_layers, read_flags
+    from node.config.layers import CODEC_OUTER_SOURCE, merge_layers, read_flags
     from node.config.table import SETTINGS_BY_KEY
 
     flags = {"training.optimizer": "diloco", **given}
@@ -87,7 +87,7 @@ def test_sparseloco_payloads_default_to_plain_averaging_unless_the_outer_step_is
     assert (t.outer_lr, t.outer_momentum) == expected
     assert SPARSELOCO_OUTER_LR == 1.0 and SPARSELOCO_OUTER_MOMENTUM == 0.0
     if "training.outer_momentum" not in given and given["gossip.codec"] == "sparseloco":
-        assert resolved.source("training.outer_momentum") == SPARSELOCO_OUTER_SOURCE
+        assert resolved.source("training.outer_momentum") == CODEC_OUTER_SOURCE
 
 
 # ---- the outer step ----------------------------------------------------------------------------------

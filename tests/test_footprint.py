@@ -87,12 +87,15 @@ def test_diloco_keeps_anchor_momentum_residuals_and_two_peers():
 
 
 @pytest.mark.unit
-def test_spes_trains_its_owned_experts_and_keeps_the_others_frozen_in_bf16():
+@pytest.mark.parametrize(("frozen_bf16", "frozen_bytes"), [(False, 4), (True, 2)])
+def test_spes_trains_its_owned_experts_and_keeps_the_others_frozen_as_the_recipe_says(frozen_bf16, frozen_bytes):
+    """The daemon keeps the experts it does not own in float32 (its recipe leaves frozen_bf16 off), so
+    the preflight counts 4 bytes for each, not bfloat16's 2."""
     f = footprint(MemoryInputs(100, "dadam", "cuda", codec="int8", spes=True, expert_parameters=80, owned_share=0.25,
-                               outer_momentum=0.0))
+                               outer_momentum=0.0, frozen_bf16=frozen_bf16))
     device = {t.name: t.per_parameter for t in f.terms if t.where is Where.DEVICE}
     trained, frozen = 0.4, 0.6  # 20 shared + 20 owned of 100
-    assert device["parameters"] == pytest.approx(4 * trained + 2 * frozen)
+    assert device["parameters"] == pytest.approx(4 * trained + frozen_bytes * frozen)
     assert device["optimizer moments (adam)"] == pytest.approx(8 * trained)
 
 

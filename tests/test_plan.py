@@ -331,6 +331,18 @@ def test_plan_text_names_the_winner():
     assert "gossip wins:" in out.stdout and "| ring all-reduce |" in out.stdout
 
 
+@pytest.mark.parametrize(("args", "outer"), [
+    (["--codec", "sparseloco"], "outer lr 1 momentum 0"),
+    (["--codec", "sparseloco", "--outer-momentum", "0.5"], "outer lr 1 momentum 0.5"),
+    (["--codec", "int8"], "outer lr 0.7 momentum 0.9")])
+def test_plan_takes_the_outer_step_a_node_would(args, outer):
+    """A plan models the swarm a founder's flags make: SparseLoCo payloads without a named outer step
+    average plainly there (node.config.layers), so the plan says so."""
+    out = run_cli("--params", "1000000", "--step-time", "0.5", "--optimizer", "diloco", *args)
+    assert out.returncode == 0, out.stderr
+    assert f", {outer}," in out.stdout, out.stdout
+
+
 def test_plan_counts_the_models_parameters():
     out = run_cli("--model", "dense", "--step-time", "0.3", "--json")
     assert out.returncode == 0, out.stderr

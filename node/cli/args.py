@@ -110,12 +110,14 @@ def add_config_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def add_setting_flag(
-    container: argparse._ActionsContainer, setting: Setting, required_note: bool = False, help: str | None = None
+    container: argparse._ActionsContainer, setting: Setting, required_note: bool = False, help: str | None = None,
+    default_text: str | None = None,
 ) -> None:
-    """A flag whose default is SUPPRESS, so the namespace holds only the flags the user gave."""
+    """A flag whose default is SUPPRESS, so the namespace holds only the flags the user gave; `default_text`
+    is the default in words where the command's own differs from the setting's."""
     choices = f"; one of: {', '.join(setting.kind.choices)}" if isinstance(setting.kind, Choice) else ""
     note = "required: at least one, from this flag, the env var or the config file; " if required_note else ""
-    help_text = (f"{help or setting.help}{choices} ({note}default: {default_in_words(setting)}; "
+    help_text = (f"{help or setting.help}{choices} ({note}default: {default_text or default_in_words(setting)}; "
                  f"env {setting.env}; config key {setting.key})").replace("%", "%%")
     common: dict[str, Any] = {"dest": setting.dest, "default": argparse.SUPPRESS, "help": help_text}
     if isinstance(setting.kind, Boolean):

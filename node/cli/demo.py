@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 
+from gossip.knobs import DILOCO_LOCAL_STEPS
 from node.cli.args import UsageError, add_setting_flag, number
 from node.cli.status import fetch_status
 from node.config import (
@@ -46,7 +47,7 @@ STOP_TIMEOUT_S = 15.0
 POLL_S = 1.0
 STALL_TIMEOUT_S = 300.0  # no node made a step for this long: the demo gives up and says why
 DEMO_DILOCO_LOCAL_STEPS = 20  # --optimizer diloco without --local-steps: 7 outer steps in the default 100 (4 warm-up)
-DEMO_SPES_SYNC_EVERY = 10  # --spes without --spes-sync-every: 10 syncs in the default 100 steps, not the node's 2
+DEMO_SPES_SYNC_EVERY = 10  # --spes without --spes-sync-every: 10 syncs in the default 100 steps, not a node's 2
 DEMO_IDENTITY_WORK = 8  # bits of proof of work per identity in the demo's loopback swarm (a node's default: 20)
 
 
@@ -387,7 +388,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                                      "SPES's period and the codec); default: the node's, --local-steps 20 with "
                                      "diloco, --spes-sync-every 10 with --spes")
     for key in DEMO_RECIPE_KEYS:
-        add_setting_flag(recipe, SETTINGS_BY_KEY[key])
+        help_text, default_text = DEMO_FLAG_TEXT.get(key, (None, None))
+        add_setting_flag(recipe, SETTINGS_BY_KEY[key], help=help_text, default_text=default_text)
     demo.add_argument("--dir", type=Path, help="keep node logs and checkpoints in this directory")
     demo.add_argument("--json", action="store_true",
                       help="end with one JSON object: initial_val_loss, averaged_val_loss, nodes (peer_id, "
@@ -396,6 +398,13 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     demo.set_defaults(run=_run_demo)
 
 
+# help and default in words where the demo's own default differs from a node's (the settings table's)
+DEMO_FLAG_TEXT = {
+    "training.local_steps": ("H: optimizer steps between gossip rounds (the swarm's)",
+                             f"1; {DEMO_DILOCO_LOCAL_STEPS} with --optimizer diloco, where a node takes "
+                             f"{DILOCO_LOCAL_STEPS}"),
+    "training.spes_sync_every": (None, f"{DEMO_SPES_SYNC_EVERY}, where a node takes {DEFAULTS.training.spes_sync_every}"),
+}
 # recipe settings `murmur demo` passes through to its founder
 DEMO_RECIPE_KEYS = ("gossip.codec", "gossip.topk_ratio", "gossip.topk_packed", "gossip.topk_elias_fano",
                     "training.local_steps", "training.fragments", "training.overlap", "training.outer_lr", "training.outer_momentum",

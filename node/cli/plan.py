@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from gossip.codecs import Codec, TopKCodec, get_codec
 from gossip.diloco import DILOCO_DEFAULTS, DILOCO_LOCAL_STEPS
+from gossip.knobs import codec_outer_step
 from gossip.plan import (
     DEFAULT_LINK_EFFICIENCY,
     Algorithm,
@@ -314,10 +315,13 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                       help="P: diloco's streaming fragments, each synced once per H steps (default %(default)s)")
     add_knob_flag(plan, "training.overlap",
                   help="diloco: the outer sync runs while the next phase computes (default off, as a node's)")
-    add_knob_flag(plan, "training.outer_lr",
-                  help="diloco: outer learning rate (default %(default)s; with 1, momentum 0 and --anchor-codec equal "
-                  "to --codec a sync that mixes anchors sends one message instead of two)")
-    add_knob_flag(plan, "training.outer_momentum", help="diloco: outer Nesterov momentum (default %(default)s)")
+    add_knob_flag(plan, "training.outer_lr", default=None,
+                  help=f"diloco: outer learning rate (default {DILOCO_DEFAULTS.outer_lr:g}, 1 with --codec sparseloco, "
+                  "as a node's; with 1, momentum 0 and --anchor-codec equal to --codec a sync that mixes anchors "
+                  "sends one message instead of two)")
+    add_knob_flag(plan, "training.outer_momentum", default=None,
+                  help=f"diloco: outer Nesterov momentum (default {DILOCO_DEFAULTS.outer_momentum:g}, 0 with --codec "
+                  "sparseloco, as a node's)")
     add_knob_flag(plan, "training.anchor_every",
                   help="diloco: the anchors are mixed too at every this-many-th sync, a second round; 0: never "
                   "(default %(default)s)")
@@ -382,11 +386,14 @@ def _run_plan(args: argparse.Namespace) -> int:
         except (ValueError, ImportError, AttributeError, TypeError) as exc:
             raise UsageError(f"--model {args.model}: {exc}") from None
     local_steps = args.local_steps or (PLAN_DILOCO_LOCAL_STEPS if algorithm is Algorithm.DILOCO else 1)
+    outer_lr, outer_momentum = codec_outer_step(args.codec) or (DILOCO_DEFAULTS.outer_lr, DILOCO_DEFAULTS.outer_momentum)
+    outer_lr = outer_lr if args.outer_lr is None else args.outer_lr
+    outer_momentum = outer_momentum if args.outer_momentum is None else args.outer_momentum
     with values_checked():
         config = PlanConfig(specs, 0.0 if args.step_time is None else args.step_time, link, args.peers, topology,
                             algorithm=algorithm, codec=codec, local_steps=local_steps, fragments=args.fragments,
-                            compression=compression, overlap=args.overlap, outer_lr=args.outer_lr,
-                            outer_momentum=args.outer_momentum, anchor_every=args.anchor_every,
+                            compression=compression, overlap=args.overlap, outer_lr=outer_lr,
+                            outer_momentum=outer_momentum, anchor_every=args.anchor_every,
                             anchor_codec=get_codec(args.anchor_codec),
                             tokens_per_step=args.batch_size * args.context * args.micro_batches)
     # a step time given from elsewhere (say a GPU) says nothing of this machine's CPU: then 0 unless asked

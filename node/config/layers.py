@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, TypeVar, cast
 
 from gossip.diloco import DILOCO_LOCAL_STEPS
-from gossip.knobs import SPARSELOCO_OUTER_LR, SPARSELOCO_OUTER_MOMENTUM
+from gossip.knobs import codec_outer_step
 from gossip.rules import Knobs, Rule, broken_rules
 from node.config.kinds import toml_type
 from node.config.settings import DEFAULTS, ConfigError, NodeConfig, setting_value
@@ -133,9 +133,10 @@ def merge_layers(*layers: Layer) -> ResolvedConfig:
     if _current(merged, "training.optimizer") == "diloco" and "training.local_steps" not in merged:
         # DiLoCo's H is its own (gossip.diloco.DILOCO_LOCAL_STEPS), not the per-step optimizers' 1
         merged["training.local_steps"] = Sourced(DILOCO_LOCAL_STEPS, DILOCO_H_SOURCE)
-    if _current(merged, "training.optimizer") == "diloco" and _current(merged, "gossip.codec") == "sparseloco":
-        merged.setdefault("training.outer_lr", Sourced(SPARSELOCO_OUTER_LR, SPARSELOCO_OUTER_SOURCE))
-        merged.setdefault("training.outer_momentum", Sourced(SPARSELOCO_OUTER_MOMENTUM, SPARSELOCO_OUTER_SOURCE))
+    if _current(merged, "training.optimizer") == "diloco" and (
+            outer := codec_outer_step(str(_current(merged, "gossip.codec")))) is not None:
+        merged.setdefault("training.outer_lr", Sourced(outer[0], CODEC_OUTER_SOURCE))
+        merged.setdefault("training.outer_momentum", Sourced(outer[1], CODEC_OUTER_SOURCE))
     _check_combinations(merged)
     values = {key: item.value for key, item in merged.items()}
     for key, value in values.items():
@@ -151,7 +152,7 @@ def merge_layers(*layers: Layer) -> ResolvedConfig:
 
 
 DILOCO_H_SOURCE = "--optimizer diloco's default --local-steps"
-SPARSELOCO_OUTER_SOURCE = "--codec sparseloco's default outer step"
+CODEC_OUTER_SOURCE = "--codec's default outer step"
 
 
 def _current(merged: Mapping[str, Sourced], key: str) -> object:

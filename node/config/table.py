@@ -344,8 +344,8 @@ SETTINGS: tuple[Setting, ...] = (
     *struct_settings(SpesSyncSettings, "training.spes_", NODE),
     Setting("training.experts", Integer(1, noun="experts"), "MURMUR_EXPERTS", "--experts",
             "SPES capacity: experts per MoE layer this node trains (this node's own)", NODE, optional=True,
-            default_text="all on CPU (the most that fit, when all do not); on CUDA as many as fit in half the free "
-                         "GPU memory (docs/spes.md)"),
+            default_text="all on CPU (the most that fit, when all do not); on CUDA as many as fit in 90% of the free "
+                         "GPU memory after one micro-batch's activations (docs/spes.md)"),
 )
 
 SETTINGS_BY_KEY: Mapping[str, Setting] = {setting.key: setting for setting in SETTINGS}

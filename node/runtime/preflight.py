@@ -157,7 +157,7 @@ def memory_inputs(parameters: int, experts: int, recipe: TrainingRecipe, setting
     if recipe.spes is not None:
         return MemoryInputs(algorithm=recipe.optimizer.algorithm, spes=True, expert_parameters=experts,
                             owned_share=capacity_share, outer_momentum=0.0, anchor_codec=settings.codec.name,
-                            **common)
+                            frozen_bf16=recipe.spes.frozen_bf16, **common)
     return MemoryInputs(algorithm=recipe.optimizer.algorithm, **common)
 
 
