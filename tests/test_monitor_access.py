@@ -158,8 +158,21 @@ def test_event_stream_clients_are_capped_and_a_closed_one_frees_its_place():
                             if again.status == 200:
                                 break
                 second.close()
+                # a page elsewhere cannot take the places: its cross-origin EventSource carries its Origin
+                for _ in range(3):
+                    async with session.get(server.url + "/api/events",
+                                           headers={"Origin": "https://evil.example"}) as foreign:
+                        assert foreign.status == 403 and "evil.example" in (await foreign.json())["error"]
+                async with asyncio.timeout(5):  # the monitor's own page, same origin (once a place is free)
+                    while True:
+                        await asyncio.sleep(0.3)
+                        async with session.get(server.url + "/api/events", headers={"Origin": server.url}) as own:
+                            if own.status == 200:
+                                break
                 async with session.get(server.url + "/metrics") as answer:
-                    assert 'murmur_monitor_refused_total{reason="event_clients"}' in await answer.text()
+                    text = await answer.text()
+                    assert 'murmur_monitor_refused_total{reason="event_clients"}' in text
+                    assert 'murmur_monitor_refused_total{reason="origin"} 3.0' in text
         finally:
             await server.close()
 

@@ -32,6 +32,7 @@ class AccessRefusal(enum.StrEnum):
     HOST = "host"  # 403: a Host header that names neither loopback nor --monitor-host
     TOKEN = "token"  # 401: a POST without this run's token
     EVENT_CLIENTS = "event_clients"  # 503: MAX_EVENT_CLIENTS event streams are open already
+    ORIGIN = "origin"  # 403: an event stream asked for by a page of another origin
 
 
 def host_name(host_header: str) -> str:

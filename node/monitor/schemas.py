@@ -57,7 +57,11 @@ def openapi_document() -> dict[str, Any]:
     paths["/api/events"] = {"get": {
         "summary": "server-sent events: an `update` event each sampling interval with "
                    "{status, peers, topology, sample, log, swarm} (swarm's history: the newest point)",
-        "responses": {"200": {"description": "an event stream", "content": {"text/event-stream": {}}}}}}
+        "responses": {"200": {"description": "an event stream", "content": {"text/event-stream": {}}},
+                      "403": {"description": "asked for by a page of another origin (a browser's cross-site request)",
+                              "content": {"application/json": {"schema": {"$ref": "#/components/schemas/error"}}}},
+                      "503": {"description": "the most event streams are open already (Retry-After says when to retry)",
+                              "content": {"application/json": {"schema": {"$ref": "#/components/schemas/error"}}}}}}}
     paths["/api/eval/average"] = {"post": {
         "summary": "evaluate the swarm-average model: pull every live peer's parameters, average them with "
                    "this node's, and return the validation loss (takes seconds; one at a time)",

@@ -44,6 +44,12 @@ class BadQuery(ValueError):
     """A query string the endpoint does not accept (answered with 400)."""
 
 
+def _foreign_origin(request: web.Request) -> str | None:
+    """The Origin a browser sent with `request` when it is another page's than the monitor's own, else None."""
+    origin = request.headers.get("Origin")
+    return origin if origin is not None and origin != f"{request.scheme}://{request.host}" else None
+
+
 def _dumps(obj: object) -> str:
     return json.dumps(obj, allow_nan=False, separators=(",", ":"))
 
@@ -277,6 +283,11 @@ def build_app(source: MonitorSource, sampler: Sampler, *, host: str = "127.0.0.1
 
     async def events(request: web.Request) -> web.StreamResponse:
         _parse_query(request.query, {})
+        if (origin := _foreign_origin(request)) is not None:
+            # a page elsewhere in the user's browser could hold every place and leave the monitor's own
+            # page none (browsers send Origin with a cross-origin EventSource)
+            refused[AccessRefusal.ORIGIN] += 1
+            return _error(403, f"a page at {origin} may not open this node's event stream")
         if event_clients[0] >= max_event_clients:
             refused[AccessRefusal.EVENT_CLIENTS] += 1
             logger.info("monitor: 503 for an event stream: %d are open", event_clients[0])
@@ -312,8 +323,7 @@ def build_app(source: MonitorSource, sampler: Sampler, *, host: str = "127.0.0.1
 
     async def swarm_average(request: web.Request) -> web.Response:
         query = _parse_query(request.query, {"save": Boolean().from_text})
-        origin = request.headers.get("Origin")
-        if origin is not None and origin != f"{request.scheme}://{request.host}":
+        if (origin := _foreign_origin(request)) is not None:
             # a page elsewhere in the user's browser may POST here without reading the answer; it must
             # not be able to make the node pull every peer's parameters over and over
             return _error(403, f"a request from the page at {origin} may not start an evaluation")
@@ -326,8 +336,7 @@ def build_app(source: MonitorSource, sampler: Sampler, *, host: str = "127.0.0.1
 
     async def doctor(request: web.Request) -> web.Response:
         _parse_query(request.query, {})
-        origin = request.headers.get("Origin")
-        if origin is not None and origin != f"{request.scheme}://{request.host}":
+        if (origin := _foreign_origin(request)) is not None:
             return _error(403, f"a request from the page at {origin} may not start reachability checks")
         try:
             return _json(await source.doctor())
