@@ -269,3 +269,38 @@ def test_the_hostile_creeping_record_holds_rounds_until_its_budget_is_spent(monk
     elapsed = 40 * TRAIN_S + sum(waits)
     assert sum(waits) <= WAIT_BUDGET_S + elapsed * WAIT_BUDGET_S / WAIT_BUDGET_WINDOW_S + 1.0
     assert training.peer.stats.skipped["laggard_wait_spent"] >= 30
+
+
+class CaughtUp:
+    """A SwarmLoop's parts `_step` reads: a laggard check whose catch-up lands the node on `lands_at`."""
+
+    def __init__(self, budget: int, at: int, lands_at: int) -> None:
+        self.recipe = SimpleNamespace(steps=budget)
+        self.trainer = SimpleNamespace(step=at)
+        self.lands_at = lands_at
+        self.steps_taken = 0
+
+        async def step(plan_for: object) -> str:
+            self.steps_taken += 1
+            self.trainer.step += 1
+            return "report"
+
+        self.algorithm = SimpleNamespace(step=step)
+        self.plan_for = None
+
+    @property
+    def finished(self) -> bool:
+        return loop.SwarmLoop._done(self, self.trainer.step)  # type: ignore[arg-type]
+
+    async def _rejoin_if_left_behind(self) -> None:
+        self.trainer.step = self.lands_at
+
+
+@pytest.mark.parametrize(("lands_at", "stepped"), [(320, False), (312, True)])
+def test_a_catch_up_to_the_budgets_end_takes_no_step_past_it(lands_at: int, stepped: bool) -> None:
+    """A DiLoCo laggard at step 300 of 320 caught up with a swarm whose donors had finished: it adopted
+    step 320 and then took one more step, ending at 321 (a suite run's DiLoCo test saw it)."""
+    node = CaughtUp(budget=320, at=300, lands_at=lands_at)
+    report = asyncio.run(loop.SwarmLoop._step(node))  # type: ignore[arg-type]
+    assert (report is not None, node.steps_taken) == (stepped, int(stepped))
+    assert node.trainer.step == (lands_at + 1 if stepped else 320) and node.trainer.step <= 320

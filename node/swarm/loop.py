@@ -539,12 +539,13 @@ class SwarmLoop:
         self.discovery.update(step=self.trainer.step, round=self.peer.round)
         while not stop.is_set() and not self.finished:
             report = await self._one_step(stop)
-            if report is None:
-                return
+            if report is None and not self.finished:
+                return  # stopped
             if self.finished:
                 # what peers pull from now on (downloads, evaluations, their final merge) is the final model
                 await self.algorithm.publish_final()
-            self._record(report)
+            if report is not None:  # None: a laggard's catch-up took it to the budget's end, no step to take
+                self._record(report)
             step = self.trainer.step
             if step % every_eval == 0 or self.finished:
                 await self.evaluate()
@@ -584,8 +585,12 @@ class SwarmLoop:
                 return None
         return stepping.result()
 
-    async def _step(self) -> StepReport:
+    async def _step(self) -> StepReport | None:
+        """One step, after the laggard check; None when that check's catch-up took the node to the end of
+        its budget (the swarm's final step), which leaves no step to take."""
         await self._rejoin_if_left_behind()
+        if self.finished:
+            return None
         return await self.algorithm.step(self.plan_for)
 
     async def _final_merge(self, merge: Merge, stop: asyncio.Event, save: Callable[[], Awaitable[None]]) -> None:
