@@ -35,13 +35,13 @@ DILOCO_LOCAL_STEPS = 100
 # held-back entries come out in bursts the momentum amplifies (docs/benchmarks.md, SparseLoCo with
 # DiLoCo's own outer step: 1.69x the baseline's loss against 1.37x at outer lr 1).
 SPARSELOCO_OUTER_LR, SPARSELOCO_OUTER_MOMENTUM = 1.0, 0.0
+MAX_STEPS = 10**9  # any step count a swarm document names (the optimizer's, SPES's)
 
 
 def codec_outer_step(codec: str) -> tuple[float, float] | None:
     """DiLoCo's outer lr and momentum where the founder names neither, when `codec` (of the pseudo-gradients)
     calls for other than DiLoCo's own: the node's settings (node.config.layers) and `murmur plan` ask here."""
     return (SPARSELOCO_OUTER_LR, SPARSELOCO_OUTER_MOMENTUM) if codec == "sparseloco" else None
-MAX_STEPS = 10**9  # any step count a swarm document names (the optimizer's, SPES's)
 
 
 @dataclass(frozen=True)
