@@ -18,7 +18,15 @@ from gossip.spes import ExpertRecord
 from node.algorithms.spes.directory import DhtExpertDirectory
 from node.net.discovery import Discovery, DiscoverySettings
 from node.net.identity import Identity, create_identity
-from node.net.records import PeerRecord, encode_expert_records, encode_peer_record, experts_key, peers_key
+from node.net.records import (
+    PeerRecord,
+    ShardedKey,
+    encode_expert_records,
+    encode_peer_record,
+    experts_key,
+    peer_shard,
+    peers_key,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -34,10 +42,10 @@ def ids(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Identity]:
 class StandInDht:
     """What Discovery asks of hivemind's DHTNode for reads: `get(key, latest=True)`. `answer` is what
     the next gets do: a mapping key -> {subkey: value bytes} (a key it lacks: nothing found), an
-    exception to raise, or "hang"."""
+    exception to raise, or "hang"; an exception in place of one key's entries fails the reads of that key."""
 
     def __init__(self) -> None:
-        self.answer: Mapping[str, Mapping[bytes, bytes]] | Exception | str = {}
+        self.answer: Mapping[str, Mapping[bytes, bytes] | Exception] | Exception | str = {}
         self.gets = 0
 
     async def get(self, key: str, latest: bool = False) -> ValueWithExpiration | None:
@@ -47,11 +55,14 @@ class StandInDht:
         if self.answer == "hang":
             await asyncio.sleep(3600)
         assert isinstance(self.answer, Mapping)
-        if key not in self.answer:
+        entries = self.answer.get(key)
+        if entries is None:
             return None
+        if isinstance(entries, Exception):
+            raise entries
         expires = get_dht_time() + 30
         return ValueWithExpiration({subkey: ValueWithExpiration(value, expires)
-                                    for subkey, value in self.answer[key].items()}, expires)
+                                    for subkey, value in entries.items()}, expires)
 
 
 def subkey(identity: Identity) -> bytes:
@@ -105,21 +116,25 @@ def test_read_owned_returns_none_on_a_failed_read_and_an_empty_mapping_when_noth
     me, a = ids["me"], ids["a"]
     dht = StandInDht()
     discovery = discovery_over(dht, me)
-    key = experts_key(SWARM)
+    key = ShardedKey(experts_key(SWARM))
+
+    async def values() -> Mapping[str, bytes] | None:
+        found = await discovery.read_owned(key, what="expert records")
+        return None if found is None else found.values
 
     async def scenario() -> None:
         dht.answer = {peers_key(SWARM): {subkey(a): peer_record(a, 1)}}
         await discovery._refresh_view()  # a is a member: its values are read
-        dht.answer = {key: {subkey(a): b"a's value", b"no owner": b"x"}}
-        assert await discovery.read_owned(key, what="expert records") == {a.peer_id: b"a's value"}
+        dht.answer = {key.base: {subkey(a): b"a's value", b"no owner": b"x"}}
+        assert await values() == {a.peer_id: b"a's value"}
         assert discovery.errors.get("expert_records_invalid") == 1  # the subkey naming no owner
         dht.answer = RuntimeError("boom")
-        assert await discovery.read_owned(key, what="expert records") is None
+        assert await values() is None
         dht.answer = "hang"
-        assert await discovery.read_owned(key, what="expert records") is None
+        assert await values() is None
         assert discovery.errors.get("dht_get_failed") == 1 and discovery.errors.get("dht_get_timeout") == 1
         dht.answer = {}
-        assert await discovery.read_owned(key, what="expert records") == {}
+        assert await values() == {}
 
     asyncio.run(scenario())
 
@@ -149,7 +164,6 @@ def test_the_spes_directory_keeps_its_last_read_when_a_read_fails_and_forgets_on
     asyncio.run(scenario())
 
 
-
 def test_an_experts_entry_of_an_owner_without_a_peer_record_in_the_view_is_ignored_and_counted(ids) -> None:
     """SPES's `<swarm>.experts` is membership-checked in an open swarm too: any DHT node may store signed
     expert records, but only an owner whose peer record the view holds owns experts."""
@@ -175,6 +189,93 @@ def test_an_experts_entry_of_an_owner_without_a_peer_record_in_the_view_is_ignor
         assert discovery.errors.get("expert_records_not_member") == 1
 
     asyncio.run(scenario())
+
+
+def sharded_discovery(dht: StandInDht, me: Identity, a: Identity, b: Identity) -> tuple[Discovery, int]:
+    """A Discovery entered into a swarm whose per-peer keys are split so that `a` and `b` sit in different
+    shards (the fewest shards that do), as `enter` sets it from the config."""
+    shards = next(n for n in range(2, 17) if peer_shard(a.peer_id, n) != peer_shard(b.peer_id, n))
+    discovery = discovery_over(dht, me)
+    discovery._membership.shards = shards
+    discovery._peers_key = discovery.sharded(peers_key(SWARM))
+    return discovery, shards
+
+
+def test_a_sharded_view_reads_every_shard_and_a_failed_shard_keeps_only_its_own_peers(ids) -> None:
+    """`<swarm>.peers` split over shards (issues 24 and 26: no key outgrows what a DHT node answers): each
+    peer's record is in its own shard's key, the view is the union of all shards, and a shard whose read
+    fails keeps its peers of the last view while the others' changes are taken."""
+    me, a, b = ids["me"], ids["a"], ids["b"]
+    dht = StandInDht()
+    discovery, shards = sharded_discovery(dht, me, a, b)
+    key = ShardedKey(peers_key(SWARM), shards)
+    assert len(set(key.shard_keys())) == shards and peers_key(SWARM) not in key.shard_keys()
+
+    async def read(answer: Mapping[str, Mapping[bytes, bytes] | Exception] | Exception) -> dict[str, int]:
+        dht.answer = answer
+        await discovery._refresh_view()
+        return {p.peer_id: p.step for p in discovery.view()}
+
+    async def scenario() -> None:
+        both = {key.key_of(a.peer_id): {subkey(a): peer_record(a, 5)}, key.key_of(b.peer_id): {subkey(b): peer_record(b, 7)}}
+        assert await read(both) == {me.peer_id: 0, a.peer_id: 5, b.peer_id: 7}
+        assert dht.gets == shards  # one read of each shard
+        # a's shard fails, b's moves on: a is kept as last read, b's new step is taken
+        moved = {key.key_of(a.peer_id): ConnectionError("down"), key.key_of(b.peer_id): {subkey(b): peer_record(b, 9)}}
+        assert await read(moved) == {me.peer_id: 0, a.peer_id: 5, b.peer_id: 9}
+        assert discovery.errors.get("dht_get_failed") == 1
+        # b's shard answers empty: b is gone; a's shard still fails: a stays
+        gone = {key.key_of(a.peer_id): ConnectionError("down"), key.key_of(b.peer_id): {}}
+        assert await read(gone) == {me.peer_id: 0, a.peer_id: 5}
+        # every shard failing keeps the whole view, as an unsharded key's failed read does
+        assert await read(RuntimeError("boom")) == {me.peer_id: 0, a.peer_id: 5}
+        # a record under the unsharded key is not where a sharded swarm looks
+        assert await read({peers_key(SWARM): {subkey(a): peer_record(a, 6)}}) == {me.peer_id: 0}
+
+    asyncio.run(scenario())
+
+
+def test_a_sharded_spes_directory_keeps_a_failed_shards_peers_and_forgets_an_empty_shards(ids) -> None:
+    me, a, b = ids["me"], ids["a"], ids["b"]
+    dht = StandInDht()
+    discovery, shards = sharded_discovery(dht, me, a, b)
+    directory = DhtExpertDirectory(discovery, SWARM, heartbeat_s=1e-9, ttl_s=10.0)
+    peers, experts = ShardedKey(peers_key(SWARM), shards), ShardedKey(experts_key(SWARM), shards)
+    records = {(0, 1): ExpertRecord(3, "ab" * 32, True)}
+
+    async def scenario() -> None:
+        dht.answer = {peers.key_of(a.peer_id): {subkey(a): peer_record(a, 1)},
+                      peers.key_of(b.peer_id): {subkey(b): peer_record(b, 1)}}
+        await discovery._refresh_view()
+        dht.answer = {experts.key_of(a.peer_id): {subkey(a): encode_expert_records(records)},
+                      experts.key_of(b.peer_id): {subkey(b): encode_expert_records(records)}}
+        found = await directory.read()
+        assert found.get(a.peer_id) == records and found.get(b.peer_id) == records
+        dht.answer = {experts.key_of(a.peer_id): ConnectionError("down"), experts.key_of(b.peer_id): {}}
+        found = await directory.read()
+        assert found.get(a.peer_id) == records and b.peer_id not in found  # a's shard kept, b's emptied
+
+    asyncio.run(scenario())
+
+
+def test_a_shard_near_the_dht_response_limit_is_warned_of_once(ids, caplog: pytest.LogCaptureFixture) -> None:
+    me, a, b = ids["me"], ids["a"], ids["b"]
+    dht = StandInDht()
+    discovery, shards = sharded_discovery(dht, me, a, b)
+    key = ShardedKey(peers_key(SWARM), shards)
+    # values the validators would refuse (the stand-in validates nothing): only their size counts here
+    stuffed = {key.key_of(a.peer_id): {f"filler {i}".encode(): b"x" * (64 << 10) for i in range(40)}}
+
+    async def scenario() -> None:
+        for _ in range(2):
+            dht.answer = stuffed
+            await discovery._refresh_view()
+
+    with caplog.at_level("WARNING", logger="node.net.discovery"):
+        asyncio.run(scenario())
+    warned = [r.getMessage() for r in caplog.records if "membership-shards" in r.getMessage()]
+    assert len(warned) == 1 and key.key_of(a.peer_id) in warned[0]
+    assert discovery.errors.get("dht_shard_near_limit") == 1
 
 
 class AskingDht(StandInDht):
@@ -221,7 +322,7 @@ def test_a_read_no_dht_peer_answered_keeps_the_view_and_is_counted_one_they_answ
         # every replica fails (e.g. the value grew past the response limit): hivemind finds "nothing"
         assert await view({"r1": None, "r2": None}) == everyone
         assert discovery.errors.get("dht_get_unanswered") == 1
-        assert await discovery.read_owned(experts_key(SWARM), what="expert records") is None
+        assert await discovery.read_owned(ShardedKey(experts_key(SWARM)), what="expert records") is None
         assert discovery.errors.get("dht_get_unanswered") == 2
         # a replica that answers with nothing is an answer: the peers are gone
         assert await view({"r1": {}, "r2": None}) == {me.peer_id}

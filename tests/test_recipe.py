@@ -15,7 +15,7 @@ import pytest
 from gossip.optimizers import ALGORITHMS
 from gossip.spes.rules import REFRESH_CODECS
 from node.config import NODE_CODECS, GossipConfig, NodeConfig, TrainingConfig
-from node.net.records import canonical_config_bytes
+from node.net.records import canonical_config_bytes, membership_shards
 from node.runtime import founding
 from node.swarm import recipe
 from node.swarm.recipe import RecipeInvalid, check_model_allowed
@@ -106,6 +106,17 @@ def test_a_founders_settings_give_the_document_murmur_always_published():
     assert founding.swarm_document(worked, 1234.5) == {**MODEL_DOC, "identity_work": 20}
     assert "identity_work" not in founding.swarm_document(
         worked, 1234.5, recipe.AdmissionDoc(mode=recipe.AdmissionMode.KEY, key_check=KEY_CHECK))
+    # membership shards are written only above one (one is the unsharded key, the bytes above), and are
+    # held to 1..MAX_MEMBERSHIP_SHARDS when read back
+    sharded = founding.swarm_document(replace(config, membership_shards=8), 1234.5)
+    assert sharded == {**MODEL_DOC, "membership_shards": 8}
+    assert founding.swarm_document(replace(config, membership_shards=1), 1234.5) == MODEL_DOC
+    assert membership_shards(sharded) == 8 and membership_shards(MODEL_DOC) == 1
+    for bad in (0, recipe.MAX_MEMBERSHIP_SHARDS + 1):
+        with pytest.raises(recipe.RecipeInvalid, match="membership_shards"):
+            recipe.parse_document({**MODEL_DOC, "membership_shards": bad})
+        assert membership_shards({"membership_shards": bad}) == 1
+    assert membership_shards({"membership_shards": True}) == 1
 
 
 def test_the_schemas_names_are_the_projects():

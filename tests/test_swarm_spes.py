@@ -31,6 +31,7 @@ RECIPE = {"model": "tiny_moe:build", "context": TINY_MOE.context, "batch_size": 
 NODE = {"threads": 1, "eval_every": 50, "checkpoint_every": 5, "exchange_timeout": 3, "experts": CAPACITY,
         "min_peers": 4}
 HEARTBEAT_S = 1
+SHARDS = 3  # `<swarm>.peers` and `<swarm>.experts` split over 3 DHT keys each: the swarm must work the same
 
 
 @pytest.fixture
@@ -52,7 +53,7 @@ def expected_trainable(owned: int) -> int:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_spes_swarm_trains_only_owned_experts_and_survives_losing_both_owners(swarm):
-    founder = swarm.found(**RECIPE, **NODE, extra_args=["--spes"])
+    founder = swarm.found(**RECIPE, **NODE, membership_shards=SHARDS, extra_args=["--spes"])
     nodes = [founder, *(swarm.spawn(f"n{i}", seed=i, join=founder, **NODE, model=RECIPE["model"]) for i in range(1, 4))]
     swarm.wait_ready(nodes[1:])
     ids = sorted(n.peer_id for n in nodes)
@@ -87,6 +88,7 @@ def test_spes_swarm_trains_only_owned_experts_and_survives_losing_both_owners(sw
         # Adam: two float32 moments per trained parameter, nothing for a frozen expert
         assert s["training"]["optimizer_state_bytes"] == 8 * expected_trainable(CAPACITY), s["training"]
         assert s["experts"] == mine  # published in the node's <swarm>.peers record too
+        assert s["limits"]["membership_shards"] == SHARDS  # the founder's, taken by every joiner from the config
         # SPES traffic (its own protocols) shows in the node's byte counters
         assert s["bytes_sent"] >= s["spes"]["bytes_sent"] > 0 and s["bytes_received"] >= s["spes"]["bytes_received"] > 0
         refused = {"hash_mismatch", "bad_schema", "manifest_mismatch", "expert_records_invalid"}

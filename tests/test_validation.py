@@ -4,6 +4,7 @@ bootstrap` (no swarm) refuses."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from node.net.founder import issue_certificate, sign_config
 from node.net.identity import Identity, create_identity
 from node.net.records import (
     PeerRecord,
+    ShardedKey,
     config_key,
     encode_expert_records,
     encode_peer_record,
@@ -44,7 +46,7 @@ from node.net.validation import (
     make_record_validator,
 )
 from node.runtime.founding import swarm_document
-from node.swarm.recipe import AdmissionDoc, AdmissionMode
+from node.swarm.recipe import MAX_MEMBERSHIP_SHARDS, AdmissionDoc, AdmissionMode
 
 pytestmark = pytest.mark.unit
 
@@ -140,6 +142,50 @@ def test_peer_records_are_bounded_and_speak_only_for_their_owner(ids):
     assert not validator.validate(_record(m.signing_key, peers_key(SWARM), b"not a record"))
     assert not validator.validate(_record(m.signing_key, peers_key(SWARM), record + b"x" * 70_000))
     assert dict(counts.counts) == {"expiration": 1, "not_owner": 1, "malformed": 1, "too_large": 1}
+
+
+def test_a_sharded_key_names_one_key_per_shard_and_spreads_peers_evenly():
+    one = ShardedKey(peers_key(SWARM))
+    assert one.shard_keys() == (peers_key(SWARM),) and one.key_of("anyone") == peers_key(SWARM)  # swarms before shards
+    eight = ShardedKey(peers_key(SWARM), 8)
+    assert eight.shard_keys() == tuple(f"{SWARM}.peers.{i}" for i in range(8))
+    ids = [f"Qm{i:044d}" for i in range(4000)]
+    counts = collections.Counter(eight.shard_of(peer) for peer in ids)
+    assert sorted(counts) == list(range(8)) and max(counts.values()) < 1.2 * min(counts.values()), counts
+    assert [eight.key_of(peer) for peer in ids[:50]] == [ShardedKey(peers_key(SWARM), 8).key_of(p) for p in ids[:50]]
+    for bad in (0, MAX_MEMBERSHIP_SHARDS + 1):
+        with pytest.raises(ValueError, match="shards"):
+            ShardedKey(peers_key(SWARM), bad)
+
+
+def test_a_sharded_swarm_keeps_a_record_only_under_its_owners_shard_once_the_shard_count_is_known(ids):
+    """`<swarm>.peers` and `<swarm>.experts` split over the founder's shards: each shard's key holds the
+    swarm's records under the same rules, and once the config says how many shards there are, a record
+    stands only under the key of its owner's shard (not another shard's, nor the unsharded key)."""
+    membership = SwarmMembership()
+    validator, counts = _node(ids, membership)
+    m = ids["member"]
+    peer, experts = encode_peer_record(_peer_record(m.peer_id)), encode_expert_records({(0, 1): ExpertRecord(3, "ab" * 32, True)})
+    for base, value in ((peers_key(SWARM), peer), (experts_key(SWARM), experts)):
+        sharded = ShardedKey(base, 4)
+        other = next(key for key in sharded.shard_keys() if key != sharded.key_of(m.peer_id))
+        # before the config is read, any shard's key is checked as the key itself is, and kept
+        membership.shards = None
+        assert validator.validate(_record(m.signing_key, other, value))
+        assert not validator.validate(_record(m.signing_key, other, b"not a record"))
+        membership.shards = 4
+        assert validator.validate(_record(m.signing_key, sharded.key_of(m.peer_id), value))
+        assert not validator.validate(_record(m.signing_key, other, value))
+        assert not validator.validate(_record(m.signing_key, base, value))
+        membership.shards = 1  # an unsharded swarm: the key itself only
+        assert validator.validate(_record(m.signing_key, base, value))
+        assert not validator.validate(_record(m.signing_key, sharded.key_of(m.peer_id), value))
+    assert dict(counts.counts) == {"malformed": 2, "wrong_shard": 6}
+    # the same subkey rules hold under a shard's key: a record about another peer is refused
+    membership.shards = 4
+    key = ShardedKey(peers_key(SWARM), 4).key_of(ids["stranger"].peer_id)
+    assert not validator.validate(_record(ids["stranger"].signing_key, key, peer))
+    assert counts.counts["not_owner"] == 1
 
 
 def test_a_key_swarm_refuses_records_without_the_members_own_proof(ids):

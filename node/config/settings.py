@@ -191,6 +191,7 @@ class NodeConfig:
     swarm_key_file: Path | None = None  # key swarms: the swarm key (the founder creates it)
     certificate_file: Path | None = None  # allowlist swarms: this node's certificate from the founder
     identity_work: int = DEFAULT_IDENTITY_WORK_BITS  # open swarms: proof-of-work bits per identity, the swarm's
+    membership_shards: int = 1  # DHT keys `<swarm>.peers` and `<swarm>.experts` are each split over, the swarm's
     data_dir: Path = Path("murmur-data")  # identity, checkpoints and logs; relative to the working dir
     identity_file: Path | None = None  # None: <data_dir>/identity.key (see `identity_path`)
     heartbeat_s: float = 2.0  # seconds between DHT heartbeats; a record lives for 3 of them

@@ -21,7 +21,7 @@ from gossip.scoring import ScoringSettings
 from gossip.spes import NODE_REFRESH_CODECS, SpesSettings, SpesSyncSettings
 from node.config.kinds import Boolean, Choice, EdgeList, Integer, Kind, Multiaddrs, Named, Number, PathKind, Text
 from node.net.reach_mode import ReachMode
-from node.swarm.recipe import MAX_IDENTITY_WORK_BITS
+from node.swarm.recipe import MAX_IDENTITY_WORK_BITS, MAX_MEMBERSHIP_SHARDS
 from node.train.model_names import HF_PRESET_NAMES, MODEL_NAME_PATTERN
 from topology import TOPOLOGY_NAMES, WEIGHT_SCHEMES
 
@@ -173,6 +173,12 @@ SETTINGS: tuple[Setting, ...] = (
             "open swarms: the proof of work each peer identity must carry, in leading zero bits of a sha256 "
             "(each bit doubles it; 20 is about a second of one core, minted once per identity; 0: none) (the "
             "swarm's)", FOUNDING),
+    Setting("membership_shards", Integer(1, MAX_MEMBERSHIP_SHARDS, noun="shard count", metavar="N"),
+            "MURMUR_MEMBERSHIP_SHARDS", "--membership-shards",
+            f"how many DHT keys the swarm's peer records and SPES expert records are each split over (1-"
+            f"{MAX_MEMBERSHIP_SHARDS}), so none outgrows the 4 MiB a DHT node answers: 1 holds thousands of peers, "
+            "but 34 of a 24x64 MoE's SPES peers or 64 records padded by hostile peers fill it; every view read "
+            "reads every shard (the swarm's)", FOUNDING),
     Setting("swarm_key_file", PathKind(metavar="FILE"), "MURMUR_SWARM_KEY_FILE", "--swarm-key-file",
             "the swarm key of a key-admission swarm; the founder creates it (mode 0600) if missing. Give it to "
             "members out of band", NODE, optional=True, default_text="none"),

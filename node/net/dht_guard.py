@@ -67,21 +67,23 @@ RECOUNT_INTERVAL_S = 1.0
 #   half heartbeat, the SPES directory at most as often), up to MAX_VALIDATED_PER_STORE validated each:
 #   4 * 128 + 3 = 515 entries; once, when a node first meets another, the keys it should hold (one request,
 #   at most MAX_VALIDATED_PER_STORE validated);
-# - find keys: each get or store visits a node at most once per key: 4 reads, 3 stores and the config watch,
-#   ~8 keys, plus on-demand view reads (an unknown peer's stream, node.net.membership): ~10.
-# At the shortest heartbeat murmur's own swarms run (MIN_RATED_HEARTBEAT_S) that is ~1030 entries and ~20
-# keys a second; the rates are at least twice that and each burst is two seconds of its rate (a hand-off
-# and a stalled heartbeat's backlog). A bootstrap's peers send it the same (it is a DHT node like any, and bootstraps
-# heartbeat nothing of their own). What the rates bound: per peer id, ~2048 verifies a second (off the
-# event loop; ~0.1 ms each for a 2048-bit key, 0.3 ms at MAX_OWNER_KEY_BITS) and ~64 lookups a second
+# - find keys: each get or store visits a node at most once per key: 4 reads of keys split over S shards
+#   (node.net.records.ShardedKey, S at most MAX_MEMBERSHIP_SHARDS), 3 stores and the config watch, 4S + 4
+#   keys, plus on-demand view reads (an unknown peer's stream, node.net.membership): ~5S + 4, 84 at S = 16.
+# At the shortest heartbeat murmur's own swarms run (MIN_RATED_HEARTBEAT_S) that is ~1030 entries and ~170
+# keys a second; the rates are at least about twice that and each burst is two seconds of its rate (a hand-off
+# and a stalled heartbeat's backlog). A bootstrap's peers send it the same (it is a DHT node like any, and
+# bootstraps heartbeat nothing of their own). What the rates bound: per peer id, ~2048 verifies a second (off
+# the event loop; ~0.1 ms each for a 2048-bit key, 0.3 ms at MAX_OWNER_KEY_BITS) and ~320 lookups a second
 # (each a value of at most MAX_STORED_BYTES serialized, on the loop). A swarm whose heartbeat is shorter
-# than MIN_RATED_HEARTBEAT_S and which holds more than ~100 peers may see its cache stores refused: they
-# are a cache, and its records still reach their replicas.
+# than MIN_RATED_HEARTBEAT_S and which holds more than ~100 peers may see its cache stores refused (a
+# sharded key's shards are stored back one request each, N entries in all for N peers): they are a cache,
+# and its records still reach their replicas.
 MIN_RATED_HEARTBEAT_S = 0.5
 STORE_ENTRIES_PER_S = 2048.0
 STORE_ENTRY_BURST = 4096
-FIND_KEYS_PER_S = 64.0
-FIND_KEY_BURST = 128
+FIND_KEYS_PER_S = 320.0
+FIND_KEY_BURST = 640
 # Peers whose buckets are kept: a node meets its bucket_size (20) nearest DHT nodes per key and the peers of
 # its swarms (a view holds at most 256). Beyond this, buckets that refilled are forgotten (a new bucket
 # starts full: nothing is lost), else the fullest eighth: a peer that spends its rate keeps its bucket.

@@ -45,12 +45,14 @@ from node.net.records import (
     BadAddress,
     DiscoveryError,
     PeerRecord,
+    ShardedKey,
     SwarmConfigInvalid,
     config_key,
     decode_peer_entry,
     encode_peer_record,
     encode_withdrawal,
     experts_key,
+    membership_shards,
     owner_peer_id,
     peers_key,
     validate_swarm_name,
@@ -73,12 +75,18 @@ from node.swarm.recipe import RecipeInvalid, SwarmSettings, parse_document
 
 logger = logging.getLogger(__name__)
 
+# hivemind answers a find over p2pd, whose messages stop at 4 MiB: a key whose value outgrows it is found by
+# no one. A shard past half of it is warned of, while the swarm can still be re-founded with more shards.
+DHT_RESPONSE_BYTES = 4 << 20
+SHARD_WARN_BYTES = DHT_RESPONSE_BYTES // 2
+
 __all__ = [
     "BootstrapFailed",
     "ConfigRead",
     "Discovery",
     "DiscoveryError",
     "DiscoverySettings",
+    "OwnedValues",
     "SwarmConfig",
     "SwarmConfigInvalid",
     "experts_key",
@@ -100,6 +108,15 @@ class ConfigRead:
     failed: str | None = None  # why the DHT read failed; None when it answered (even with nothing)
     founders: frozenset[str] = frozenset()
     refused: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class OwnedValues:
+    """What one read of a per-peer key found (Discovery.read_owned): each member's value, and the shards
+    whose read failed (their peers' values are unknown, not gone)."""
+
+    values: Mapping[str, bytes]
+    failed: frozenset[int] = frozenset()
 
 
 def _software_version() -> str:
@@ -224,12 +241,23 @@ class Discovery:
         self._epoch: float | None = None  # the swarm's founding time, once entered: bounds the steps claimed
         self._step_budget = 0  # the recipe's steps (0: no budget), once entered: bounds them too
         self._work_bits = 0  # the proof of work (leading zero bits) a record must carry, once entered
+        self._peers_key = ShardedKey(peers_key(settings.swarm))  # split over the recipe's shards, once entered
+        self._shard_full_warned: set[str] = set()  # keys whose size was warned of (once each)
         self._seen: dict[str, FirstSeen] = {}  # each live record's first sighting (node.net.view)
         self._view_rng = random.Random()  # draws the newcomers the view's cap admits, unlike any other node's
 
     @property
     def peer_id(self) -> str:
         return self._identity.peer_id
+
+    @property
+    def shards(self) -> int:
+        """How many DHT keys this swarm's per-peer keys are each split over (one until entered)."""
+        return self._membership.shards or 1
+
+    def sharded(self, base: str) -> ShardedKey:
+        """A per-peer key of this swarm split as its config says (one shard until entered)."""
+        return ShardedKey(base, self.shards)
 
     @property
     def local_record(self) -> PeerRecord:
@@ -317,6 +345,8 @@ class Discovery:
         except (RecipeInvalid, ValueError):  # a config this node runs has parsed before; never 0 tokens for it
             self._tokens_per_step = 0
         self._work_bits = identity_work_bits(config.config) if admission.is_open else 0
+        self._membership.shards = membership_shards(config.config)
+        self._peers_key = self.sharded(peers_key(self._settings.swarm))
         if self._work_bits:
             # minted once per identity and kept beside it (node.net.work); CPU-bound, so in a thread
             nonce = await asyncio.to_thread(cached_work, self._identity.path, self._settings.swarm, self.peer_id,
@@ -487,21 +517,22 @@ class Discovery:
         signature is accepted there), expiring after `ttl_s`. A failure is counted and logged."""
         await self._store_entry(self._require_started(), key, value, get_dht_time() + ttl_s, what=what)
 
-    async def read_owned(self, key: str, *, what: str) -> dict[str, bytes] | None:
-        """The live values under `key`, by the peer whose signed subkey holds each, of the peers in the
-        membership view only (a value of any other owner, or under a subkey naming no single owner, is
-        counted and skipped); None when the DHT read failed.
+    async def read_owned(self, key: ShardedKey, *, what: str) -> OwnedValues | None:
+        """The live values under every shard of `key`, by the peer whose signed subkey holds each, of the
+        peers in the membership view only (a value of any other owner, or under a subkey naming no single
+        owner, is counted and skipped), and the shards whose read failed; None when every read failed.
 
         Any DHT node may store a value it signed under any key, so a value says nothing of its owner's
         membership: in an open swarm as in a key or allowlist one, only an owner whose peer record the
         view holds (valid, admitted, with the swarm's proof of work) speaks for the swarm here (SPES's
         `<swarm>.experts`: no record-less identity owns an expert)."""
-        entries, _ = await self._read_entries(key, f"reading the swarm's {what}")
-        if entries is None:
+        shards = await self._read_shards(key, f"reading the swarm's {what}")
+        failed = frozenset(shard for shard, entries in shards.items() if entries is None)
+        if len(failed) == len(shards):
             return None
         now, out = get_dht_time(), {}
         members = {record.peer_id for record in self._view}
-        for subkey, item in entries.items():
+        for subkey, item in ((k, v) for entries in shards.values() if entries is not None for k, v in entries.items()):
             if item.expiration_time <= now:
                 continue
             owner = owner_peer_id(subkey) if isinstance(subkey, bytes) else None
@@ -512,7 +543,7 @@ class Discovery:
                 self._errors[f"{what.replace(' ', '_')}_not_member"] += 1
                 continue
             out[owner] = item.value
-        return out
+        return OwnedValues(out, failed)
 
     # ---- internals -------------------------------------------------------------------------
 
@@ -565,7 +596,7 @@ class Discovery:
         # Remember before storing: a store that times out may still have reached some replicas,
         # and the withdrawal must outrank every record that might be out there.
         self._last_expiration = max(self._last_expiration, expiration)
-        await self._store_entry(dht, peers_key(self._settings.swarm), encode_peer_record(self._local), expiration,
+        await self._store_entry(dht, self._peers_key.key_of(self.peer_id), encode_peer_record(self._local), expiration,
                                 what="peer record")
 
     async def _withdraw(self) -> None:
@@ -574,7 +605,7 @@ class Discovery:
         # A newer expiration than our last record's makes the tombstone win everywhere; it is only
         # needed until that record would have expired anyway.
         expiration = max(self._last_expiration + 1e-3, now + 1.0)
-        await self._store_entry(self._dht, peers_key(self._settings.swarm), encode_withdrawal(self.peer_id),
+        await self._store_entry(self._dht, self._peers_key.key_of(self.peer_id), encode_withdrawal(self.peer_id),
                                 expiration, what="withdrawal")
 
     async def _store_entry(self, dht: DHTNode, key: str, value: bytes, expiration: float, *, what: str) -> None:
@@ -641,6 +672,25 @@ class Discovery:
             logger.warning("%s in the DHT failed: %s", doing, exc)
         return entries, failure
 
+    async def _read_shards(self, key: ShardedKey, doing: str) -> dict[int, dict[Any, Any] | None]:
+        """Every shard of `key`, read at once: its subkey entries, or None where its read failed (counted).
+        A shard that nears what a DHT node can answer is warned of once: the founder should split the key
+        further (`--membership-shards`) before it grows unreadable."""
+        async with asyncio.TaskGroup() as group:
+            reads = {shard: group.create_task(self._read_entries(key.key(shard), doing)) for shard in range(key.shards)}
+        shards = {shard: read.result()[0] for shard, read in reads.items()}
+        for shard, entries in shards.items():
+            if entries is None or key.key(shard) in self._shard_full_warned:
+                continue
+            size = sum(len(item.value) for item in entries.values() if isinstance(item.value, bytes))
+            if size > SHARD_WARN_BYTES:
+                self._shard_full_warned.add(key.key(shard))
+                self._errors["dht_shard_near_limit"] += 1
+                logger.warning("the DHT key %s holds %.1f MiB of the %d MiB a DHT node answers: the swarm needs more "
+                               "--membership-shards (now %d) before it grows unreadable", key.key(shard),
+                               size / 2**20, DHT_RESPONSE_BYTES >> 20, key.shards)
+        return shards
+
     async def read_after(self, since: float, min_interval_s: float) -> None:
         """Return once a read of the view that began at or after loop time `since` has ended (the
         background reads count); start one if none is running and none began in the last
@@ -675,12 +725,15 @@ class Discovery:
                 self._read_done.notify_all()
 
     async def _read_view(self) -> None:
-        entries, _ = await self._read_entries(peers_key(self._settings.swarm), "reading the swarm's peers")
-        if entries is None:
+        shards = await self._read_shards(self._peers_key, "reading the swarm's peers")
+        failed = {shard for shard, entries in shards.items() if entries is None}
+        if len(failed) == len(shards):
             return  # keep the last view rather than report everyone gone after one failed read
-        records = {self.peer_id: self._local}
+        # A shard whose read failed keeps its peers of the last view, as an unsharded key keeps them all.
+        records = {r.peer_id: r for r in self._view if self._peers_key.shard_of(r.peer_id) in failed}
+        records[self.peer_id] = self._local
         now = get_dht_time()
-        for subkey, item in entries.items():
+        for subkey, item in ((k, v) for entries in shards.values() if entries is not None for k, v in entries.items()):
             record = self._live_record(subkey, item.value, item.expiration_time, now)
             if record is not None and record.peer_id != self.peer_id:
                 records[record.peer_id] = record

@@ -12,6 +12,7 @@ import json
 import re
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Any
 
@@ -24,6 +25,7 @@ from gossip.spes import ExpertKey, ExpertRecord, records_from_wire
 from node.net.identity import owner_key_bits, peer_id_of_ssh_key
 from node.net.work import MAX_NONCE_CHARS
 from node.swarm.contributors import MAX_TOKENS
+from node.swarm.recipe import MAX_MEMBERSHIP_SHARDS
 
 _SWARM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _OWNER_KEY = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
@@ -126,8 +128,54 @@ def peers_key(swarm: str) -> str:
 
 
 def experts_key(swarm: str) -> str:
-    """Reserved for SPES expert ownership."""
+    """SPES expert ownership (node.algorithms.spes.directory)."""
     return f"{validate_swarm_name(swarm)}.experts"
+
+
+@dataclass(frozen=True)
+class ShardedKey:
+    """A per-peer swarm key (`<swarm>.peers`, `<swarm>.experts`) spread over `shards` DHT keys, so that no
+    one key outgrows what a DHT node can answer (hivemind's 4 MiB response): a peer's subkey lives under
+    `<base>.<i>`, i its shard, and a reader reads every shard. One shard is `<base>` itself, the key
+    swarms founded before shards have."""
+
+    base: str
+    shards: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.shards <= MAX_MEMBERSHIP_SHARDS:
+            raise ValueError(f"a key is split over 1 to {MAX_MEMBERSHIP_SHARDS} shards, not {self.shards}")
+
+    def shard_of(self, peer_id: str) -> int:
+        return peer_shard(peer_id, self.shards)
+
+    def key(self, shard: int) -> str:
+        return self.base if self.shards == 1 else f"{self.base}.{shard}"
+
+    def key_of(self, peer_id: str) -> str:
+        """The DHT key that holds `peer_id`'s subkey."""
+        return self.key(self.shard_of(peer_id))
+
+    def shard_keys(self) -> tuple[str, ...]:
+        return tuple(self.key(shard) for shard in range(self.shards))
+
+
+def peer_shard(peer_id: str, shards: int) -> int:
+    """The shard of a peer: a hash of its id, so every node agrees and no one chooses another's."""
+    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:8], "big") % shards
+
+
+def membership_shards(config: Mapping[str, Any]) -> int:
+    """The shard count a swarm's config document names (1: none named, or a malformed value, which the
+    config's validators have refused already)."""
+    shards = config.get("membership_shards", 1)
+    valid = isinstance(shards, int) and not isinstance(shards, bool) and 1 <= shards <= MAX_MEMBERSHIP_SHARDS
+    return shards if valid else 1
+
+
+def every_shard_key(base: str) -> tuple[str, ...]:
+    """Every DHT key a sharded `base` can be stored under, whatever the swarm's shard count (validators)."""
+    return (base, *(f"{base}.{shard}" for shard in range(MAX_MEMBERSHIP_SHARDS)))
 
 
 # Unknown fields are ignored so newer peers can add some; known ones must be well-formed.

@@ -10,7 +10,8 @@ must be before it is stored or taken from another node (hivemind calls them on b
 - A swarm's own keys (`SwarmRules`, on that swarm's nodes): `<swarm>.peers` holds a peer record or a
   withdrawal about the subkey's owner, expiring within MAX_RECORD_TTL_S and, in a key or allowlist
   swarm, proving the owner's membership; `<swarm>.experts` holds SPES records within their bounds and
-  the same expiry; `<swarm>.config` holds a config envelope signed by the swarm's founder (the pinned
+  the same expiry; both may be split over shards (`<swarm>.peers.<i>`, node.net.records.ShardedKey), and
+  once the swarm's shard count is known a record stands only under its owner's shard; `<swarm>.config` holds a config envelope signed by the swarm's founder (the pinned
   one, once known) whose document is inside the recipe schema's bounds.
 
 hivemind refuses a whole dictionary from a node when one of its entries fails, so a node that stored
@@ -47,9 +48,11 @@ from node.net.records import (
     config_key,
     decode_expert_records,
     decode_peer_entry,
+    every_shard_key,
     experts_key,
     owner_key,
     owner_peer_id,
+    peer_shard,
     peers_key,
 )
 from node.swarm.recipe import RecipeInvalid, parse_document
@@ -85,6 +88,7 @@ class RecordRefusal(enum.StrEnum):
     BAD_ADDRESS = "bad_address"  # a peer record with an address no dialer takes (node.net.records.check_maddr)
     NOT_OWNER = "not_owner"  # a record about another peer than the subkey's owner
     NOT_MEMBER = "not_member"  # a record that proves no membership in a key or allowlist swarm
+    WRONG_SHARD = "wrong_shard"  # a peer's record under another shard's key than its own (node.net.records.ShardedKey)
     DUPLICATE = "duplicate"  # an entry repeated in one store request: dropped unvalidated (node.net.dht_guard)
     OVER_BUDGET = "over_budget"  # beyond MAX_VALIDATED_PER_STORE entries of one store request, unvalidated
     STORAGE_FULL = "storage_full"  # a new entry beyond the local storage's bound (node.net.dht_guard)
@@ -168,6 +172,7 @@ class SwarmMembership:
 
     founder: str | None = None
     admission: Admission | None = None
+    shards: int | None = None  # how many keys `<swarm>.peers` and `<swarm>.experts` are split over
 
 
 class SwarmRules(RecordValidatorBase):  # type: ignore[misc]  # hivemind is untyped
@@ -177,12 +182,17 @@ class SwarmRules(RecordValidatorBase):  # type: ignore[misc]  # hivemind is unty
         self._swarm = swarm
         self._membership = membership
         self._refused = refused
-        self._peers = DHTID.generate(source=peers_key(swarm)).to_bytes()
-        self._experts = DHTID.generate(source=experts_key(swarm)).to_bytes()
+        # every key a shard of `<swarm>.peers` or `<swarm>.experts` can have, by DHT id: its shard (0 for the
+        # unsharded key), whether it holds peer records, and the shard count it implies (1 or more)
+        self._sharded: dict[bytes, tuple[int, bool, bool]] = {}
+        for base, is_peers in ((peers_key(swarm), True), (experts_key(swarm), False)):
+            for index, key in enumerate(every_shard_key(base)):
+                self._sharded[DHTID.generate(source=key).to_bytes()] = (max(index - 1, 0), is_peers, index > 0)
         self._config = DHTID.generate(source=config_key(swarm)).to_bytes()
 
     def validate(self, record: DHTRecord) -> bool:
-        if record.key not in (self._peers, self._experts, self._config):
+        sharded = self._sharded.get(record.key)
+        if sharded is None and record.key != self._config:
             return True
         try:
             value = MSGPackSerializer.loads(record.value)
@@ -190,11 +200,14 @@ class SwarmRules(RecordValidatorBase):  # type: ignore[misc]  # hivemind is unty
             return self._refused.refuse(RecordRefusal.MALFORMED)
         if not isinstance(value, bytes):
             return self._refused.refuse(RecordRefusal.MALFORMED)
-        if record.key == self._config:
+        if sharded is None:
             return self._valid_config(record, value)
         if record.expiration_time > get_dht_time() + MAX_RECORD_TTL_S + MAX_CLOCK_SKEW_S:
             return self._refused.refuse(RecordRefusal.EXPIRATION)
-        if record.key == self._peers:
+        shard, is_peers, split = sharded
+        if not self._in_own_shard(record.subkey, shard, split):
+            return self._refused.refuse(RecordRefusal.WRONG_SHARD)
+        if is_peers:
             return self._valid_peer_entry(record, value)
         if len(value) > MAX_EXPERT_RECORDS_BYTES:
             return self._refused.refuse(RecordRefusal.TOO_LARGE)
@@ -203,6 +216,17 @@ class SwarmRules(RecordValidatorBase):  # type: ignore[misc]  # hivemind is unty
         except ValueError:
             return self._refused.refuse(RecordRefusal.MALFORMED)
         return True
+
+    def _in_own_shard(self, subkey: object, shard: int, split: bool) -> bool:
+        """Whether a record sits under the key its owner's shard names, once the swarm's shard count is known
+        (before, a record under any shard's key passes here; the reader looks only where it belongs)."""
+        shards = self._membership.shards
+        if shards is None:
+            return True
+        if not split:
+            return shards == 1
+        owner = owner_peer_id(subkey) if isinstance(subkey, bytes) else None
+        return shards > 1 and owner is not None and peer_shard(owner, shards) == shard
 
     def _valid_peer_entry(self, record: DHTRecord, value: bytes) -> bool:
         if len(value) > MAX_RECORD_BYTES:

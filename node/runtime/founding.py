@@ -114,6 +114,8 @@ def build_document(config: NodeConfig, epoch: float, admission: AdmissionDoc | N
         raw["admission"] = msgspec.to_builtins(admission)
     elif config.identity_work:  # key and allowlist swarms' identities cost the founder's consent instead
         raw["identity_work"] = config.identity_work
+    if config.membership_shards > 1:  # one shard is the unsharded key: written only when more
+        raw["membership_shards"] = config.membership_shards
     return parse_document(raw)
 
 
@@ -160,7 +162,7 @@ SETTING_OF_FIELD = {
     "gossip.topk_elias_fano": "gossip.topk_elias_fano",
     "gossip.compression": "gossip.compression",
     "gossip.compression.kind": "gossip.compression", "gossip.compression.gamma": "gossip.choco_gamma",
-    "identity_work": "identity_work",
+    "identity_work": "identity_work", "membership_shards": "membership_shards",
 }
 
 

@@ -260,6 +260,7 @@ class NodeRuntime:
             "dials": dict(dialer.counts) if dialer else {},
             "dials_backing_off": dialer.backing_off if dialer else 0,
             "view_overflow": discovery.view_overflow if discovery else 0,
+            "membership_shards": discovery.shards if discovery else 1,
         }
 
     def status(self) -> dict[str, Any]:

@@ -55,6 +55,11 @@ MAX_KEY_CHECK = 128
 # open swarms: the leading zero bits of an identity's proof of work (node.net.work); 20 is ~1 s of one core
 MAX_IDENTITY_WORK_BITS = 32
 DEFAULT_IDENTITY_WORK_BITS = 20
+# `<swarm>.peers` and `<swarm>.experts` are split over `membership_shards` DHT keys (node.net.records.ShardedKey).
+# A reader reads every shard each view read, so shards cost DHT lookups (node.net.dht_guard's find rate is
+# sized for this many). A shard answers up to 4 MiB: ~64 peer records padded to their 64 KiB bound (thousands
+# of honest ones), or ~34 SPES peers of a 24x64 MoE (each holds every expert's record, ~120 KiB).
+MAX_MEMBERSHIP_SHARDS = 16
 # A Hugging Face model config (node.train.models.hf bounds its size and the fields that decide memory)
 MAX_MODEL_CONFIG_KEYS = 512
 MAX_MODEL_CONFIG_KEY = 128
@@ -214,6 +219,9 @@ class SwarmDocument(_Doc, frozen=True):
     # an open swarm's proof of work per identity, in leading zero bits (node.net.work); absent: none, so
     # documents of swarms founded before it keep their hash
     identity_work: Annotated[int, msgspec.Meta(ge=0, le=MAX_IDENTITY_WORK_BITS)] = 0
+    # how many DHT keys `<swarm>.peers` and `<swarm>.experts` are each split over; absent: one, the key
+    # itself, so documents of swarms founded before shards keep their hash
+    membership_shards: Annotated[int, msgspec.Meta(ge=1, le=MAX_MEMBERSHIP_SHARDS)] = 1
 
     @property
     def admission_mode(self) -> AdmissionMode:

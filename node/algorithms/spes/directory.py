@@ -1,5 +1,5 @@
-"""SPES's expert directory over the DHT: each peer's expert records under `<swarm>.experts`, one
-signed, expiring subkey per peer (as its `<swarm>.peers` record), batched to the heartbeat.
+"""SPES's expert directory over the DHT: each peer's expert records under `<swarm>.experts` (split over the
+swarm's shards as `<swarm>.peers` is), one signed, expiring subkey per peer, batched to the heartbeat.
 
 `SpesNode` publishes after every sync and reads before every refresh; the DHT is written at most
 every half heartbeat (and at least every heartbeat, so the record outlives no peer by more than
@@ -27,7 +27,7 @@ class DhtExpertDirectory:
 
     def __init__(self, discovery: Discovery, swarm: str, heartbeat_s: float, ttl_s: float) -> None:
         self._discovery = discovery
-        self._key = experts_key(swarm)
+        self._base = experts_key(swarm)
         self._heartbeat_s = heartbeat_s
         self._ttl_s = ttl_s
         self._mine: dict[ExpertKey, ExpertRecord] = {}
@@ -68,16 +68,19 @@ class DhtExpertDirectory:
             self._dirty.clear()
             started = loop.time()
             if self._mine:
-                await self._discovery.store_own(self._key, encode_expert_records(self._mine), self._ttl_s,
+                key = self._discovery.sharded(self._base).key_of(self.peer_id)
+                await self._discovery.store_own(key, encode_expert_records(self._mine), self._ttl_s,
                                                 what="expert records")
             await asyncio.sleep(max(0.0, self._heartbeat_s / 2 - (loop.time() - started)))
 
     async def _read_now(self) -> None:
-        found = await self._discovery.read_owned(self._key, what="expert records")
+        key = self._discovery.sharded(self._base)
+        found = await self._discovery.read_owned(key, what="expert records")
         if found is None:
             return  # the DHT did not answer: keep the last read rather than forget every peer
-        others: dict[str, dict[ExpertKey, ExpertRecord]] = {}
-        for peer, raw in found.items():
+        # a shard whose read failed keeps its peers' last records
+        others = {peer: held for peer, held in self._others.items() if key.shard_of(peer) in found.failed}
+        for peer, raw in found.values.items():
             if peer == self.peer_id:
                 continue
             try:
