@@ -38,8 +38,8 @@ class ScoringSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     score_every: Annotated[int, msgspec.Meta(
         ge=0, le=10**6, extra={"metavar": "K", "noun": "round count"},
         description="score what each neighbour's update does to this node's held-out loss every K-th round "
-                    "(dsgd and dadam without --gossip-compression), rate peers over time, and down-weight, then "
-                    "exclude, those whose updates do not help; 0: off",
+                    "(dsgd and dadam without --gossip-compression, and diloco's outer rounds), rate peers over time, "
+                    "and down-weight, then exclude, those whose updates do not help; 0: off",
     )] = 8
     score_alpha: Annotated[float, msgspec.Meta(
         gt=0.0, le=1.0, extra={"metavar": "ALPHA"},

@@ -207,28 +207,34 @@ def test_a_round_scales_a_down_weighted_neighbour_and_leaves_an_excluded_one_out
 # ---- real trainers ---------------------------------------------------------------------------------
 
 
+def tiny_trainers(corpus, ids: list[str]) -> dict:
+    """One tiny-model DAdam trainer per id, each on its own shard, all from the same initial model."""
+    from gossip.optimizers import OptimizerConfig
+    from node.train.data import peer_shard
+    from node.train.models import build_model
+    from node.train.trainer import Trainer, TrainerConfig
+    from support.tiny_model import TINY
+
+    config = TrainerConfig(optimizer=OptimizerConfig(algorithm="dadam", lr=1.5e-2, warmup_steps=8), batch_size=8,
+                           context=TINY.context, device="cpu", precision="fp32", eval_batch_size=16, eval_batches=2)
+    return {p: Trainer(build_model(TINY, seed=0), config, peer_id=p, train_tokens=peer_shard(corpus, p),
+                       val_tokens=corpus.val) for p in ids}
+
+
 @pytest.mark.slow
 def test_with_real_trainers_random_updates_of_honest_norm_rate_below_every_honest_peer(corpus):
     """Five tiny-model trainers on their own shards mix uniformly every step (as a complete graph); "e" serves
     its last mix plus a random update of its honest update's norm. Node "a" scores its four neighbours
     every round: within 12 rounds e's score is below every honest peer's, e is excluded, and no honest
     peer is excluded or down-weighted."""
-    from gossip.optimizers import OptimizerConfig
     from node.swarm.contribution import ContributionScorer
-    from node.train.data import peer_shard
-    from node.train.models import build_model
-    from node.train.trainer import Trainer, TrainerConfig
     from support.hostile import random_of_norm
-    from support.tiny_model import TINY
 
     ids = ["a", "b", "c", "d", "e"]
-    config = TrainerConfig(optimizer=OptimizerConfig(algorithm="dadam", lr=1.5e-2, warmup_steps=8), batch_size=8,
-                           context=TINY.context, device="cpu", precision="fp32", eval_batch_size=16, eval_batches=2)
     rng = np.random.default_rng(0)
 
     async def main():
-        trainers = {p: Trainer(build_model(TINY, seed=0), config, peer_id=p, train_tokens=peer_shard(corpus, p),
-                               val_tokens=corpus.val) for p in ids}
+        trainers = tiny_trainers(corpus, ids)
         try:
             scorer = ContributionScorer(trainers["a"], ScoringSettings(score_every=1))
             last_mix = await trainers["a"].tensors()
@@ -282,5 +288,100 @@ def test_a_round_with_many_neighbours_scores_a_few_in_turns():
         assert trainer.scored == [MAX_SCORED] * 3
         assert set(scorer.status()) == set(received)  # three rounds rated each of the twelve once
         assert all(s["rated_rounds"] == 1 for s in scorer.status().values())
+
+    asyncio.run(main())
+
+
+# ---- gossip DiLoCo's outer rounds ------------------------------------------------------------------
+
+
+def test_a_diloco_fragments_messages_are_scored_as_the_models_they_lead_to_from_the_anchor():
+    """A fragment round's values are messages m (pseudo-gradients): the scorer measures from the node's
+    anchor A (whole), toward A - m_i (its own) and A - m_j (each neighbour's), for the fragment's tensors
+    only; a judge with no values (rounds of plain anchors) only answers the ratings."""
+    from node.algorithms.diloco.scoring import FragmentJudge, models_from_messages
+    from node.swarm.contribution import ContributionScorer
+
+    class Losses:
+        def __init__(self) -> None:
+            self.calls: list[tuple[dict, list]] = []
+
+        async def moved_losses(self, own, toward, sequences, budget_s):
+            self.calls.append((own, toward))
+            return 1.0, [0.5] * len(toward)
+
+    async def main():
+        trainer = Losses()
+        scorer = ContributionScorer(trainer, ScoringSettings(score_every=1))
+        anchor = {"a": np.full(2, 1.0, np.float32), "b": np.full(3, 5.0, np.float32)}  # fragment: "a"
+        judge = FragmentJudge(scorer, lambda: dict(anchor), models_from_messages)
+        own, theirs = {"a": np.full(2, 0.25, np.float32)}, {"a": np.full(2, -0.5, np.float32)}
+        assert judge.weigh(0, own, None, {"p": theirs}, {"p": 0.5}) == {"p": 1.0}
+        anchor["a"] = np.zeros(2, np.float32)  # replaced after the round's values arrived: not what is measured
+        await scorer.wait_idle()
+        (base, toward), = trainer.calls
+        assert base["b"] is not None and set(base) == {"a", "b"}
+        np.testing.assert_allclose(base["a"], 1.0)
+        (own_model, own_weight), (their_model, weight) = toward
+        assert set(own_model) == set(their_model) == {"a"} and (own_weight, weight) == (0.5, 0.5)
+        np.testing.assert_allclose(own_model["a"], 0.75)
+        np.testing.assert_allclose(their_model["a"], 1.5)
+        assert scorer.status()["p"]["rated_rounds"] == 1
+        weighed_only = FragmentJudge(scorer, lambda: dict(anchor), None)
+        assert weighed_only.weigh(1, own, None, {"p": theirs}, {"p": 0.5}) == {"p": 1.0}
+        await scorer.wait_idle()
+        assert len(trainer.calls) == 1  # not scored
+        # an anchor not known yet (nothing to measure from): not rated
+        empty = FragmentJudge(scorer, dict, models_from_messages)
+        empty.weigh(2, own, None, {"p": theirs}, {"p": 0.5})
+        await scorer.wait_idle()
+        assert len(trainer.calls) == 1 and scorer.status()["p"]["rated_rounds"] == 1
+
+    asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_with_real_trainers_a_diloco_neighbours_random_pseudo_gradients_rate_below_every_honest_one(corpus):
+    """Gossip DiLoCo's outer rounds: five tiny-model trainers run H = 4 inner steps from a shared anchor on
+    their own shards, then average their pseudo-gradients (outer lr 1, a complete graph); "e" sends a random
+    pseudo-gradient of its honest one's norm. Node "a" scores its four neighbours' messages every round from
+    the anchor: e falls below every honest peer within 3 rounds and is excluded; no honest peer is
+    down-weighted or excluded."""
+    from node.algorithms.diloco.scoring import FragmentJudge, models_from_messages
+    from node.swarm.contribution import ContributionScorer
+    from support.hostile import random_of_norm
+
+    ids = ["a", "b", "c", "d", "e"]
+    rng = np.random.default_rng(0)
+
+    async def main():
+        trainers = tiny_trainers(corpus, ids)
+        try:
+            scorer = ContributionScorer(trainers["a"], ScoringSettings(score_every=1))
+            anchor = await trainers["a"].tensors()
+            judge = FragmentJudge(scorer, lambda: dict(anchor), models_from_messages)
+            below = None
+            for r in range(10):
+                messages = {}
+                for p, trainer in trainers.items():
+                    for _ in range(4):
+                        await trainer.train_step()
+                    x = await trainer.tensors()
+                    messages[p] = {n: anchor[n] - x[n] for n in anchor}
+                messages["e"] = {n: random_of_norm(rng, m.shape, float(np.linalg.norm(m))) for n, m in messages["e"].items()}
+                judge.weigh(r, messages["a"], None, {p: messages[p] for p in "bcde"}, dict.fromkeys("bcde", 0.2))
+                await scorer.wait_idle()
+                anchor = {n: anchor[n] - np.mean([messages[p][n] for p in ids], axis=0) for n in anchor}
+                for trainer in trainers.values():
+                    await trainer.load_tensors(anchor)
+                scores = scorer.status()
+                assert all(scores[p]["state"] == "rated" for p in "bcd"), scores
+                if below is None and all(scores["e"]["score"] < scores[p]["score"] for p in "bcd"):
+                    below = r
+            assert below is not None and below <= 2, scores
+            assert scores["e"]["state"] == "excluded" and scorer.ratings.exclusions == 1, scores
+        finally:
+            for trainer in trainers.values():
+                trainer.close()
 
     asyncio.run(main())

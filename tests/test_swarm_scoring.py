@@ -1,8 +1,8 @@
 """Contribution scoring among real `murmur` processes: one hostile node among five serves plausible but useless
 updates (support.hostile's `useless`: its last value plus a random update of its honest update's norm, which
-the value screen and the clipping radius both let through). Every honest node rates it below every honest
-peer within a bounded number of scored rounds, excludes it, counts that on /metrics, and excludes no
-honest peer meanwhile."""
+the value screen and the clipping radius both let through; in gossip DiLoCo a random pseudo-gradient of its
+honest one's norm). Every honest node rates it below every honest peer within a bounded number of scored
+rounds, excludes it, counts that on /metrics, and excludes no honest peer meanwhile."""
 
 from __future__ import annotations
 
@@ -24,6 +24,9 @@ pytestmark = pytest.mark.multiprocess
 # complete graph: every round a node mixes with (and scores) all four others; every round is scored
 RECIPE = {"model": "tiny_model:build", "context": TINY.context, "batch_size": 16, "optimizer": "dadam", "lr": 1.5e-2,
           "warmup_steps": 8, "steps": 0, "topology": "complete", "min_peers": 5}
+# gossip DiLoCo: an outer round every 2 inner steps (every round scored), its default outer Nesterov step, so
+# its rounds of plain anchors are weighed without being scored
+DILOCO = {**RECIPE, "optimizer": "diloco", "inner_optimizer": "adam", "local_steps": 2, "codec": "int8"}
 NODE = {"threads": 1, "eval_every": 1000, "checkpoint_every": 1000, "exchange_timeout": 3, "heartbeat": 1,
         "score_every": 1}
 # defaults: 4 ratings before any action, excluded at the 3rd low rating in a row, so at the 6th at the
@@ -41,12 +44,19 @@ def judged(status: dict, hostile: str) -> bool:
             and all(mine["score"] < s for s in honest))
 
 
+def skipped(status: dict) -> dict[str, int]:
+    """Neighbours left out of rounds, by reason: the main peer's, or gossip DiLoCo's fragment rounds'."""
+    diloco = (status.get("training") or {}).get("diloco")
+    return diloco["skipped"] if diloco else status["skipped"]
+
+
 @pytest.mark.timeout(600)
-def test_a_useless_updater_is_rated_below_every_honest_peer_and_excluded(tmp_path, monkeypatch):
+@pytest.mark.parametrize("recipe", [RECIPE, DILOCO], ids=["dadam", "diloco"])
+def test_a_useless_updater_is_rated_below_every_honest_peer_and_excluded(tmp_path, monkeypatch, recipe):
     monkeypatch.setenv("PYTHONPATH", with_support_path(os.environ))
     model = {"model": RECIPE["model"]}
     with Swarm(tmp_path) as swarm:
-        n0 = swarm.found("n0", seed=0, **RECIPE, **NODE)
+        n0 = swarm.found("n0", seed=0, **recipe, **NODE)
         nodes = {"n0": n0}
         for i in (1, 2, 3, 4):
             name = f"n{i}"
@@ -73,7 +83,7 @@ def test_a_useless_updater_is_rated_below_every_honest_peer_and_excluded(tmp_pat
         print(f"judged in {time.monotonic() - started:.0f} s")
 
         def left_out() -> bool:  # a round after the exclusion leaves it out of the mix
-            return all_judged() and all(n.status()["skipped"].get("excluded", 0) >= 1 for n in honest)
+            return all_judged() and all(skipped(n.status()).get("excluded", 0) >= 1 for n in honest)
 
         wait_for(left_out, 120, "a round of every honest node leaving the useless updater out", interval_s=0.5)
         statuses = {n.name: n.status() for n in honest}
@@ -92,11 +102,12 @@ def test_a_useless_updater_is_rated_below_every_honest_peer_and_excluded(tmp_pat
                                     logs[name])
         assert excluded_after and int(excluded_after[0]) <= MAX_RATINGS, (name, excluded_after, scores)
         assert scores[hostile]["rated_rounds"] >= int(excluded_after[0]), (name, scores)
-        assert status["contribution_exclusions"] >= 1 and status["skipped"].get("excluded", 0) >= 1, (name, status)
+        assert status["contribution_exclusions"] >= 1 and skipped(status).get("excluded", 0) >= 1, (name, status)
         text = metrics[name]
         assert metric(text, "murmur_peer_exclusions_total") >= 1, text
         assert f'murmur_peer_contribution_score{{peer_id="{hostile}"}}' in text, text
-        assert metric(text, "murmur_skipped_total", '{reason="excluded"}') >= 1
+        if recipe is RECIPE:  # the main peer's rounds (DiLoCo's fragment rounds count in its status only)
+            assert metric(text, "murmur_skipped_total", '{reason="excluded"}') >= 1
     # no honest peer was ever excluded (each was seen rated by the others all along)
     assert set(seen_states) == honest_ids, seen_states
     assert all("excluded" not in states for states in seen_states.values()), seen_states

@@ -14,6 +14,7 @@ from typing import Any
 from gossip.exchange import GossipPeer
 from gossip.optimizers import consensus_distance
 from node.swarm.algorithm import PlanFor, RoundReport, StepReport
+from node.swarm.contribution import ContributionScorer
 from node.swarm.loop import TrainingStatus
 from node.swarm.peers import SwarmRecord
 from node.swarm.recipe import TrainingRecipe
@@ -105,6 +106,10 @@ class DsgdAlgorithm:
         before = self.trainer.step
         await catch_up()
         return self.trainer.step > before + margin
+
+    def score_with(self, scorer: ContributionScorer) -> bool:
+        self.peer.judge = scorer  # the main peer's rounds mix parameters: scored as they are
+        return True
 
     async def record_refusals(self, view: Sequence[SwarmRecord], step: int) -> dict[str, str]:
         return {}

@@ -114,13 +114,15 @@ async def start_training(runtime: NodeRuntime, recipe: TrainingRecipe, settings:
     except ValueError as exc:  # SPES: no MoE layers; DiLoCo: fewer tensors than fragments, another model's checkpoint
         raise StartupError(f"cannot train the swarm's model with {entry.label} here: {exc}") from None
     scoring = config.gossip.scoring
-    # scored on the main peer's rounds of whole parameters: D-SGD and DAdam (DiLoCo and SPES mix on peers of
-    # their own; compressed gossip exchanges differences)
-    if scoring.enabled and algorithm_name(recipe) in ("dsgd", "dadam") and choco is None:
+    # scored where rounds mix whole values: D-SGD and DAdam's parameters, gossip DiLoCo's outer messages
+    # (compressed gossip exchanges differences; SPES averages experts over their owners)
+    if scoring.enabled and choco is None:
         from node.swarm.contribution import ContributionScorer
 
-        scorer = runtime.contribution = peer.judge = ContributionScorer(trainer, scoring)
-        stack.push_async_callback(scorer.close)
+        scorer = ContributionScorer(trainer, scoring)
+        if algorithm.score_with(scorer):
+            runtime.contribution = scorer
+            stack.push_async_callback(scorer.close)
     training = SwarmLoop(trainer, peer, discovery, recipe, local, topology_for, connect, lag_window, algorithm,
                          record=runtime.record)
     training.status.started_from = StartedFrom.CHECKPOINT if resumed else StartedFrom.INIT

@@ -17,6 +17,7 @@ from node.train.trainer import StepStats
 from topology import PeerRound
 
 if TYPE_CHECKING:
+    from node.swarm.contribution import ContributionScorer
     from node.swarm.loop import TrainingStatus
 
 # Round index -> this peer's plan for it, returned when the round may start: the daemon waits for its
@@ -70,6 +71,12 @@ class Algorithm(Protocol):
         flight and `catch_up` (as a joiner does); whether that moved this node more than `margin` steps on
         (what the records claimed was backed by what its downloads found). Called only where
         `rejoins_when_left_behind`."""
+        ...
+
+    def score_with(self, scorer: ContributionScorer) -> bool:
+        """Rate what each neighbour's updates do to this node's held-out loss in this algorithm's rounds, and
+        weigh the neighbours by their ratings (node.swarm.contribution); whether this algorithm does. Called
+        before `start`."""
         ...
 
     async def record_refusals(self, view: Sequence[SwarmRecord], step: int) -> dict[str, str]:

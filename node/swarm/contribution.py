@@ -1,7 +1,8 @@
 """Contribution scoring on a node: every `score_every`-th round, the held-out loss at the node's last mix
 against the loss there moved toward each neighbour's value by its weight, and toward the node's own update
 (the yardstick), measured in the background on the trainer's worker; and the ratings (gossip.scoring) that
-scale each neighbour's weight in later rounds.
+scale each neighbour's weight in later rounds. Rounds whose values are not parameters (gossip DiLoCo's
+pseudo-gradients) say how to turn them into parameters first (`ValuesOf`, `ContributionScorer.weigh_with`).
 
 docs/training.md ("Contribution scoring") gives the knobs and the cost; docs/threat-model.md what it bounds."""
 
@@ -11,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import msgspec
@@ -27,6 +28,18 @@ BUDGET_S = 30.0  # the most worker time one scored round takes; neighbours not r
 # neighbours scored in one round at most: bounds the work, and the copies of their values held until it is
 # done (with the node's own and its base, MAX_SCORED + 2 copies of the parameters)
 MAX_SCORED = 4
+
+
+# What a scored round measures, from what the round holds (own, base, received): the parameters to measure
+# from, the node's own value and each neighbour's, as parameters; None: nothing to measure (no own update).
+# A value may hold some of the parameters only (a DiLoCo fragment's): the others stay at the base's.
+Measured = tuple[Tensors, Tensors, dict[str, Tensors]]
+ValuesOf = Callable[[Tensors, "Tensors | None", Mapping[str, Tensors]], "Measured | None"]
+
+
+def parameters_as_given(own: Tensors, base: Tensors | None, received: Mapping[str, Tensors]) -> Measured | None:
+    """Dense gossip: the round's values are parameters, measured from the last mix."""
+    return None if base is None else (base, own, dict(received))
 
 
 class MovedLosses(Protocol):
@@ -58,29 +71,47 @@ class ContributionScorer:
 
     def weigh(self, round_index: int, own: Tensors, base: Tensors | None, received: Mapping[str, Tensors],
               weights: Mapping[str, float]) -> dict[str, float]:
-        if self.settings.scored(round_index) and base is not None and not self.busy:
+        """gossip.exchange.Judge, for rounds of parameters (D-SGD, DAdam)."""
+        if base is None:  # no own update to compare with: not scored
+            return self.factors(received)
+        return self.weigh_with(parameters_as_given, round_index, own, base, received, weights)
+
+    def weigh_with(self, values: ValuesOf, round_index: int, own: Tensors, base: Tensors | None,
+                   received: Mapping[str, Tensors], weights: Mapping[str, float]) -> dict[str, float]:
+        """Score a scored round's neighbours in the background, their values turned into parameters by
+        `values` (on a thread, as the scoring starts); answer each one's weight factor."""
+        if self.settings.scored(round_index) and not self.busy:
             peers = [p for p in sorted(received) if weights.get(p, 0.0) > 0.0]
             if len(peers) > MAX_SCORED:  # a different few each scored round, so every neighbour is rated in turn
                 turn = (round_index // self.settings.score_every) * MAX_SCORED % len(peers)
                 peers = (peers[turn:] + peers[:turn])[:MAX_SCORED]
             if peers:
                 self._running = asyncio.create_task(
-                    self._score(round_index, own, base, {p: received[p] for p in peers}, {p: float(weights[p]) for p in peers}),
+                    self._score(round_index, values, own, base, {p: received[p] for p in peers},
+                                {p: float(weights[p]) for p in peers}),
                     name=f"contribution scoring of round {round_index}")
+        return self.factors(received)
+
+    def factors(self, received: Mapping[str, object]) -> dict[str, float]:
+        """Each neighbour's weight factor from its rating so far."""
         return {peer: self.ratings.factor(peer) for peer in received}
 
-    async def _score(self, round_index: int, own: Tensors, base: Tensors, received: Mapping[str, Tensors],
-                     weights: Mapping[str, float]) -> None:
-        """Measure from `base` (the last mix): the loss there, moved toward our own update by the neighbours'
-        mean weight, and toward each neighbour's value by its weight; then rate the neighbours."""
+    async def _score(self, round_index: int, values: ValuesOf, own: Tensors, base: Tensors | None,
+                     received: Mapping[str, Tensors], weights: Mapping[str, float]) -> None:
+        """Measure from the base (the last mix): the loss there, moved toward our own update by the
+        neighbours' mean weight, and toward each neighbour's value by its weight; then rate the neighbours."""
         started = time.monotonic()
         own_weight = sum(weights.values()) / len(weights)
-        peers = list(received)
-        toward = [(own, own_weight), *((received[p], weights[p]) for p in peers)]
         limit = self._budget_s * 2 + 10.0  # the worker may be in a step first
         try:
+            measured = await asyncio.to_thread(values, own, base, received)
+            if measured is None:
+                return
+            base_value, own_value, theirs = measured
+            peers = list(theirs)
+            toward = [(own_value, own_weight), *((theirs[p], weights[p]) for p in peers)]
             async with asyncio.timeout(limit):
-                loss, losses = await self._trainer.moved_losses(base, toward, self._sequences, self._budget_s)
+                loss, losses = await self._trainer.moved_losses(base_value, toward, self._sequences, self._budget_s)
         except TimeoutError:
             logger.warning("contribution scoring of round %d took over %g s; not rated", round_index, limit)
             return

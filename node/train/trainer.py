@@ -430,8 +430,9 @@ class Trainer:
     async def moved_losses(self, own: Tensors, toward: Sequence[tuple[Tensors, float]], sequences: int,
                            budget_s: float) -> tuple[float, list[float]]:
         """Held-out loss (on `sequences` fixed windows drawn across the validation split) of `own` and, for
-        each (tensors, w) of `toward` in order, of own + w (tensors - own): contribution scoring's
-        measurements (node.swarm.contribution). Those not reached within `budget_s` of work are left off."""
+        each (tensors, w) of `toward` in order, of own + w (tensors - own), a parameter that `tensors` lacks
+        staying at own's (a DiLoCo fragment): contribution scoring's measurements (node.swarm.contribution).
+        Those not reached within `budget_s` of work are left off."""
         return await self._on_worker(self._moved_losses_now, own, toward, sequences, budget_s)
 
     def _moved_losses_now(self, own: Tensors, toward: Sequence[tuple[Tensors, float]], sequences: int,
@@ -445,7 +446,7 @@ class Trainer:
                 break
             w = np.float32(weight)
             losses.append(self._evaluate_now({name: x + w * (np.asarray(theirs[name], np.float32) - x)
-                                              for name, x in own.items()}, held_out))
+                                              if name in theirs else x for name, x in own.items()}, held_out))
         return base, losses
 
     # ---- checkpoints -----------------------------------------------------------------------------

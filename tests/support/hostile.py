@@ -21,7 +21,9 @@ Everything before `--` configures the attack; everything after it is a `murmur` 
 - stale-replay: it serves, forever, the first tensors it ever served (its seeded initial parameters,
   or whatever it downloaded on joining).
 - useless: plausible but useless updates: with x_prev and x as for sign-flip, it serves x_prev + r, r a
-  random direction of the honest update's norm ||x - x_prev|| per tensor (its own training is honest).
+  random direction of the honest update's norm ||x - x_prev|| per tensor (its own training is honest); a
+  peer whose values are updates themselves (gossip DiLoCo's fragment messages, pseudo-gradients) serves r
+  of the honest message's norm.
 - creeping: its record's step creeps: each heartbeat it claims one step more than the last, within
   `depth` (default 40) steps below the floor, the lowest step its neighbours' records show less the lag
   window (its own node's, the same as theirs); where one more would reach the floor (its neighbours were
@@ -210,6 +212,7 @@ class Served:
     current: dict[str, np.ndarray] | None = None
     current_round: int = -1
     cache: dict[tuple[Mode, int], dict[str, np.ndarray]] = field(default_factory=dict)  # this round's answers
+    updates: bool = False  # its values are updates (a DiLoCo fragment's messages), not parameters
 
 
 def tampered(ctx: HostileContext, served: Served, mode: Mode, tensors: Mapping[str, np.ndarray],
@@ -234,6 +237,8 @@ def tampered(ctx: HostileContext, served: Served, mode: Mode, tensors: Mapping[s
         out = {n: (before[n] - k * (t - before[n])).astype(np.float32) for n, t in honest.items()}
     elif mode is Mode.STALE_REPLAY:
         out = dict(served.first)
+    elif mode is Mode.USELESS and served.updates:
+        out = {n: random_of_norm(ctx.rng, t.shape, float(np.linalg.norm(t))).astype(np.float32) for n, t in honest.items()}
     elif mode is Mode.USELESS:
         before = served.previous or honest
         out = {n: (before[n] + random_of_norm(ctx.rng, t.shape, float(np.linalg.norm(t - before[n])))).astype(np.float32)
@@ -251,6 +256,9 @@ def random_of_norm(rng: np.random.Generator, shape: tuple[int, ...], norm: float
     return direction * (norm / length) if length > 0.0 else direction * 0.0
 
 
+_DILOCO_MESSAGES = re.compile(r"/murmur/diloco/\d+/1")  # node.algorithms.diloco.trainer.fragment_protocol
+
+
 def install_tensor_modes(ctx: HostileContext) -> None:
     """Replace the tensors of every message a GossipPeer sends with tensors (exchange requests, replies
     to pulls and exchanges, downloads): the one seam every served tensor passes."""
@@ -266,7 +274,8 @@ def install_tensor_modes(ctx: HostileContext) -> None:
             r = self.round if round_index is None else round_index
             mode = ctx.tensor_mode(r)
             if mode is not None:
-                tensors = tampered(ctx, served.setdefault(id(self), Served()), mode, tensors, r)
+                kept = served.setdefault(id(self), Served(updates=_DILOCO_MESSAGES.fullmatch(self._protocol) is not None))
+                tensors = tampered(ctx, kept, mode, tensors, r)
                 ctx.count(mode, f"tampered {kind}")
         return original(self, tensors, round_index, kind, meta, codec)
 

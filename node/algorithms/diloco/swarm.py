@@ -20,6 +20,7 @@ from gossip.exchange import ExchangeSettings, GossipPeer
 from gossip.transport import Transport
 from node.algorithms.diloco.trainer import DilocoTrainer
 from node.swarm.algorithm import PlanFor, RoundReport, StepReport
+from node.swarm.contribution import ContributionScorer
 from node.swarm.joining import combine
 from node.swarm.loop import TrainingStatus
 from node.swarm.peers import SwarmRecord
@@ -107,6 +108,10 @@ class DilocoAlgorithm:
             return True
         self.rejoins_unbacked += 1
         return False
+
+    def score_with(self, scorer: ContributionScorer) -> bool:
+        self.diloco.score_with(scorer)
+        return True
 
     async def record_refusals(self, view: Sequence[SwarmRecord], step: int) -> dict[str, str]:
         return {}

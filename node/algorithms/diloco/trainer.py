@@ -23,7 +23,9 @@ from gossip.errors import WireError
 from gossip.exchange import ExchangeSettings, GossipPeer, PeerRejected, RoundOutcome
 from gossip.optimizers import global_norm
 from gossip.transport import Transport
+from node.algorithms.diloco.scoring import FragmentJudge, models_from_anchor, models_from_messages
 from node.algorithms.outer_group import GroupSync, OuterGroup
+from node.swarm.contribution import ContributionScorer
 from node.train.trainer import StepStats, Tensors, Trainer
 from topology import PeerRound
 
@@ -120,6 +122,7 @@ class DilocoTrainer:
         self._applied = [0] * len(self.fragments)
         self._in_sync = 0  # exchanges being awaited in the foreground (overlap off)
         self._residuals: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None  # from restore()
+        self._scorer: ContributionScorer | None = None  # rates the neighbours' messages (score_with)
         self.stats = DilocoStats()
 
     # ---- set-up ------------------------------------------------------------------------------------
@@ -135,11 +138,22 @@ class DilocoTrainer:
             await group.start(self._anchor, count, self.schedule.last_sync(p, count))
             if self._residuals is not None:
                 group.load_residuals(*self._residuals)
+            if self._scorer is not None:
+                assert group.peer is not None and group.anchor_peer is not None
+                anchor = lambda: self.anchor  # noqa: E731  # the anchor as it is when a round's values arrive
+                group.peer.judge = FragmentJudge(self._scorer, anchor, models_from_messages)
+                # a fused sync mixes models (A_j - Δ_j): scored from the anchor; plain anchors only weighed
+                group.anchor_peer.judge = FragmentJudge(self._scorer, anchor, models_from_anchor if group.fused else None)
         momentum_settings = replace(self._state_settings, config_hash=f"{self._settings.config_hash}/diloco/momentum")
         self._momentum_peer = GossipPeer(self._transport, momentum_settings, self._momentum_tensors(),
                                          step=self.trainer.step, protocol=MOMENTUM_PROTOCOL)
         await self._momentum_peer.start()
         self._publish()
+
+    def score_with(self, scorer: ContributionScorer) -> None:
+        """Rate the neighbours by what their messages do to this node's held-out loss from its anchor, and
+        weigh them so in every fragment round (node.algorithms.diloco.scoring); before start()."""
+        self._scorer = scorer
 
     def _reset_start(self) -> None:
         if self._start is not None:

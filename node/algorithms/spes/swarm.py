@@ -35,6 +35,7 @@ from node.algorithms.spes.node import VERSION_SLACK, SpesNode
 from node.algorithms.spes.partition import ModelPartition, spes_average
 from node.net.discovery import Discovery
 from node.swarm.algorithm import PlanFor, StepReport
+from node.swarm.contribution import ContributionScorer
 from node.swarm.joining import Refused
 from node.swarm.loop import TrainingStatus
 from node.swarm.peers import SwarmRecord
@@ -134,6 +135,9 @@ class SpesAlgorithm:
         capacities = capped_capacities(claimed, self.partition.experts_per_layer)
         return assign_experts(capacities, capacities, self.partition.experts_per_layer, self.partition.layers,
                               self.spes_config.replication)
+
+    def score_with(self, scorer: ContributionScorer) -> bool:
+        return False  # SPES's syncs average each expert over its owners: not scored (docs/training.md)
 
     async def record_refusals(self, view: Sequence[SwarmRecord], step: int) -> dict[str, str]:
         """A joiner downloads from no peer whose peer record claims a capacity above the layer's expert
