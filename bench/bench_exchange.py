@@ -6,13 +6,16 @@
    stream); a round that pulls the same vector and mixes it in is timed beside it;
 2. link: the same pull, and the raw stream, across a 100 Mbit/s tc-tbf link between two network
    namespaces, one process per side (target: goodput at least 0.85 of the link rate; needs root);
+2b. duplex: symmetric exchange rounds across a 50 Mbit/s link shaped on both sides, alternating the duplex
+   exchange (the request and the reply cross at once) with the sequential one (the reply after the whole
+   request, the baseline), one process per side (needs root);
 3. rounds: 8 GossipPeers x 10M float32 parameters over 8 p2pd daemons on loopback, one-peer
    exponential topology, fp32 and fp16: median round time, against encoding + decoding the same
    vector once in-process;
 3b. nodes: the same rounds with one process per node (each a GossipPeer on its own p2pd), against
    the in-process rounds of part 3 measured in the same run.
 
-Run from the repository root: .venv/bin/python -m bench.bench_exchange [--only goodput,link,rounds,nodes]
+Run from the repository root: .venv/bin/python -m bench.bench_exchange [--only goodput,link,duplex,rounds,nodes]
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +42,7 @@ import numpy as np
 from gossip.codecs import get_codec
 from gossip.exchange import ExchangeSettings, GossipPeer
 from gossip.mixing import MixingRule, mix
-from gossip.transport import Stream
+from gossip.transport import GOSSIP_PROTOCOL, Stream
 from gossip.wire import decode_message, encode_message
 from topology import MembershipView, PeerRound, build_topology, peer_round
 
@@ -331,6 +334,65 @@ def link_goodput(mib: float, repeats: int, workdir: Path) -> PullResult:
     return PullResult(**result)
 
 
+# ---- 2b. duplex exchanges across a link shaped both ways ---------------------------------------------
+
+DUPLEX_LINK_MBIT = 50.0
+SEQUENTIAL_PROTOCOL = "/murmur/bench-sequential/1"
+
+
+async def duplex_role(spec: dict) -> None:
+    """One side of the duplex benchmark (inside its namespace): two GossipPeers on the same p2pd, one asking
+    for duplex exchanges and one not (each on its own protocol); rounds alternate between them, each a
+    symmetric exchange with the other side. Writes its round times to `<side>.result.json`."""
+    workdir, side = Path(spec["workdir"]), spec["side"]
+    x = _vector(_numel(spec["mib"]), seed=side)
+    async with p2pd_daemons(1, workdir / f"side{side}", [spec["listen"]]) as p2ps, transports_on(p2ps) as (transport,):
+        peers = {mode: GossipPeer(transport, replace(_settings("fp32"), duplex=mode == "duplex"), {"params": x},
+                                  protocol=protocol)
+                 for mode, protocol in (("duplex", GOSSIP_PROTOCOL), ("sequential", SEQUENTIAL_PROTOCOL))}
+        for peer in peers.values():
+            await peer.start()
+        _write_json(workdir / f"{side}.json", {"peer_id": transport.peer_id, "maddrs": list(await transport.maddrs())})
+        other = await asyncio.to_thread(_wait_for_file, workdir / f"{1 - side}.json", SOURCE_READY_TIMEOUT_S)
+        await transport.connect(other["peer_id"], other["maddrs"])
+        plan = PeerRound(0.5, {other["peer_id"]: 0.5}, (other["peer_id"],))
+        times: dict[str, list[float]] = {"duplex": [], "sequential": []}
+        skipped: list[str] = []
+        for r in range(2 * (spec["rounds"] + 1)):  # a warm-up round of each, then alternating
+            mode = "duplex" if r % 2 == 0 else "sequential"
+            outcome = await peers[mode].run_round(r // 2, plan)
+            if outcome.skipped:
+                skipped.append(f"{mode} round {r // 2}: {outcome.skipped}")
+            elif r >= 2:
+                times[mode].append(outcome.duration_s)
+        asker = transport.peer_id < other["peer_id"]
+        _write_json(workdir / f"{side}.result.json", {"times": times, "skipped": skipped, "asker": asker,
+                                                       "nbytes": int(x.nbytes)})
+        # the other side may still be in its last round: keep serving until it is done too
+        await asyncio.to_thread(_wait_for_file, workdir / f"{1 - side}.result.json", ROLE_TIMEOUT_S)
+
+
+def duplex_rounds(mib: float, rounds: int, workdir: Path) -> list[dict]:
+    from node.net.proc import popen
+    from tests.support.netns import veth_link
+
+    with veth_link("d", rate_mbit=DUPLEX_LINK_MBIT, limited_sides=(0, 1)) as link:
+        spec = {"workdir": str(workdir), "mib": mib, "rounds": rounds}
+        with contextlib.ExitStack() as logs:
+            sides = [popen(link.command(i, _role_command("duplex", {**spec, "side": i, "listen": link.tcp_maddr(i)})),
+                           cwd=REPO, stdin=subprocess.DEVNULL,
+                           stderr=logs.enter_context((workdir / f"{i}.log").open("w"))) for i in (0, 1)]
+            try:
+                results = [_wait_for_file(workdir / f"{i}.result.json", ROLE_TIMEOUT_S * 2, sides) for i in (0, 1)]
+            except (TimeoutError, RuntimeError):
+                for i in (0, 1):
+                    print(f"side {i}'s log:\n{(workdir / f'{i}.log').read_text()[-3000:]}", file=sys.stderr)
+                raise
+            finally:
+                stop_children(sides, 15)
+    return results
+
+
 def _wait_for_file(path: Path, timeout_s: float, children: Sequence[subprocess.Popen] = ()) -> dict:
     """The JSON another process writes to `path` (atomically, see `_write_json`), once it is there."""
     deadline = time.monotonic() + timeout_s
@@ -515,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m bench.bench_exchange", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="goodput,link,rounds,nodes",
+    parser.add_argument("--only", default="goodput,link,duplex,rounds,nodes",
                         help="comma-separated parts to run (default: all)")
     parser.add_argument("--mib", type=float, default=100, help="vector size of the loopback pull in MiB (default 100)")
     parser.add_argument("--link-mib", type=float, default=24,
@@ -524,7 +586,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", type=int, default=8, help="peers of the round benchmark (default 8)")
     parser.add_argument("--dim", type=int, default=10_000_000, help="parameters per peer in the round benchmark")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per codec, after a warm-up (default 3)")
-    parser.add_argument("--role", choices=("serve", "pull", "node"), help=argparse.SUPPRESS)
+    parser.add_argument("--duplex-mib", type=float, default=24,
+                        help="vector size of the duplex exchange rounds across the 50 Mbit/s link in MiB (default 24)")
+    parser.add_argument("--role", choices=("serve", "pull", "node", "duplex"), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.role == "serve":
@@ -539,9 +603,13 @@ def main(argv: list[str] | None = None) -> int:
         _show_exchange_logs()
         _run_async(lambda: node_role(json.loads(args.spec)))
         return 0
+    if args.role == "duplex":
+        _show_exchange_logs()
+        _run_async(lambda: duplex_role(json.loads(args.spec)))
+        return 0
     _show_exchange_logs()
     parts = {p.strip() for p in args.only.split(",") if p.strip()}
-    unknown = parts - {"goodput", "link", "rounds", "nodes"}
+    unknown = parts - {"goodput", "link", "duplex", "rounds", "nodes"}
     if unknown:
         parser.error(f"--only: unknown part(s) {', '.join(sorted(unknown))}")
 
@@ -575,6 +643,31 @@ def main(argv: list[str] | None = None) -> int:
             lines += [f"exchange goodput / link rate: {link_ratio:.2f} ({_verdict(link_ratio, TARGETS['link'])}); "
                       f"raw stream / link rate: {raw_ratio:.2f}; exchange / raw stream: {result.ratio:.2f}x", ""]
             print("\n".join(lines), flush=True)
+        if "duplex" in parts:
+            (workdir / "duplex").mkdir(parents=True)
+            sides = duplex_rounds(args.duplex_mib, args.rounds, workdir / "duplex")
+            transfer_s = sides[0]["nbytes"] * 8 / (DUPLEX_LINK_MBIT * 1e6)
+            lines = [f"### 2b. Duplex exchanges across a {DUPLEX_LINK_MBIT:g} Mbit/s link shaped both ways: "
+                     f"{args.duplex_mib:g} MiB fp32 each way, one process per side, {args.rounds} rounds of each "
+                     "alternating, after a warm-up of each", "",
+                     "| side | exchange | round s (median) | rounds s | / one transfer at the link rate |",
+                     "|---|---|---:|---|---:|"]
+            for side in sides:
+                role = "asker" if side["asker"] else "answerer"
+                for mode in ("sequential", "duplex"):
+                    times = side["times"][mode]
+                    if times:
+                        median = statistics.median(times)
+                        lines.append(f"| {role} | {mode} | {median:.2f} | {', '.join(f'{t:.2f}' for t in times)} | "
+                                     f"{median / transfer_s:.2f} |")
+            asker = next(s for s in sides if s["asker"])
+            if asker["times"]["duplex"] and asker["times"]["sequential"]:
+                ratio = statistics.median(asker["times"]["sequential"]) / statistics.median(asker["times"]["duplex"])
+                lines.append(f"\nsequential / duplex round time (the asker's medians): {ratio:.2f}x "
+                             f"(one transfer at the link rate: {transfer_s:.2f} s)")
+            for side in sides:
+                lines += [f"skipped: {s}" for s in side["skipped"]]
+            print("\n".join(lines + [""]), flush=True)
         if "rounds" in parts:
             results = _run_async(lambda: round_latency(args.peers, args.dim, ("fp32", "fp16"), args.rounds,
                                                        workdir / "rounds"))

@@ -33,10 +33,10 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum, StrEnum
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -55,6 +55,7 @@ from gossip.wire import (
     Expectation,
     Header,
     HeaderFields,
+    Message,
     MetaValue,
     TensorSpec,
     ValuesSink,
@@ -71,6 +72,10 @@ logger = logging.getLogger(__name__)
 PULL, EXCHANGE, REPLY, REJECT, ACK = "pull", "exchange", "reply", "reject", "ack"
 # meta flag of a pull outside any round (`fetch`): answered at once with the current tensors
 CURRENT = "current"
+# meta flag of an exchange request whose asker reads the reply while it writes the request: the answering
+# peer replies as it reads the request, so a symmetric exchange takes one transfer's time, not two (an
+# asker without the flag writes its whole request before it reads, and is answered after it)
+DUPLEX = "duplex"
 # The codec of that answer, whatever codec the rounds use: a joiner, a node catching up, the swarm
 # average and the final merge take an exact copy of the parameters, not the round codec's lossy image
 # (as DiLoCo's and compressed gossip's main peers, whose settings codec is fp32, always did). Every
@@ -143,6 +148,9 @@ class ExchangeSettings:
     # payloads once their size is known (a round's requests and replies, fetch and its answer): deadlines
     # on progress and size
     pace: TransferPace = DEFAULT_PACE
+    # dense exchanges ask for a duplex answer (DUPLEX); False: write the whole request, then read (the
+    # exchange as it was before, kept for benchmarks to compare)
+    duplex: bool = True
 
 
 @dataclass
@@ -588,9 +596,10 @@ class GossipPeer:
     async def _request(self, peer: str, kind: str, own: Tensors, round_index: int, deadline: float,
                        on_values: ValuesSink | None = None, meta: Mapping[str, MetaValue] | None = None) -> _Received:
         """One request to `peer` and its answer. The dial and the answer's header are due by `deadline`
-        (pushed back by as long as sending an exchange's tensors took: the answer starts after them);
+        (pushed back by as long as sending an exchange's tensors took, where the answer starts after them);
         then the answer's payload is paced by its size (gossip.pace), so a slow but moving link finishes
-        and a stalled one is cut at the stall timeout."""
+        and a stalled one is cut at the stall timeout. A dense exchange is duplex: it asks the answering
+        peer to reply while it still reads our tensors, and reads the reply as it writes them."""
         loop = asyncio.get_running_loop()
         pace, wait_s = self._settings.pace, self._settings.exchange_timeout_s
         async with asyncio.timeout_at(deadline):
@@ -599,22 +608,15 @@ class GossipPeer:
             outgoing = None
             sent: Tensors = own if kind == EXCHANGE else {}
             codec = self._settings.codec
+            duplex = kind == EXCHANGE and self._choco is None and self._settings.duplex
             if kind == EXCHANGE and self._choco is not None:
                 outgoing = self._choco.prepare(peer, own)
                 sent, codec = outgoing.wire, self._choco.settings.codec
                 frames = self._frames(sent, round_index, kind, self._choco.meta(outgoing.count), codec=codec)
             else:
-                frames = self._frames(sent, round_index, kind, meta)
-            async with asyncio.timeout_at(deadline) as bound:
-                if sent:
-                    # Our tensors at the goodput floor (what we send is not measured); the answering peer
-                    # may leave them unread for up to its exchange deadline while its round has not begun.
-                    began = loop.time()
-                    bound.reschedule(max(deadline, began + wait_s + pace.whole_s(message_nbytes(sent, codec))))
-                    await stream.send(frames, stall_s=max(pace.stall_timeout_s, wait_s))
-                    bound.reschedule(deadline + (loop.time() - began))
-                else:
-                    await stream.send(frames)
+                frames = self._frames(sent, round_index, kind, {**(meta or {}), DUPLEX: True} if duplex else meta)
+
+            async def read_reply(bound: asyncio.Timeout, at_least: float) -> Message:
                 incoming = await self._read_reply_header(stream, pace.stall_timeout_s, None, on_values)
                 header = incoming.header
                 if header.kind == REJECT:
@@ -624,8 +626,32 @@ class GossipPeer:
                 _check_manifest(header, self._specs)
                 # the size is known: the payload gets as long as it needs at the pace, never less than before
                 paced = loop.time() + pace.whole_s(header.payload_nbytes, self._goodput(peer))
-                bound.reschedule(max(deadline, paced))
-                reply = await incoming.rest()
+                bound.reschedule(max(deadline, paced, at_least))
+                return await incoming.rest()
+
+            async with asyncio.timeout_at(deadline) as bound:
+                if sent:
+                    # Our tensors at the goodput floor (what we send is not measured); the answering peer
+                    # may leave them unread for up to its exchange deadline while its round has not begun.
+                    began = loop.time()
+                    sent_by = began + wait_s + pace.whole_s(message_nbytes(sent, codec))
+                    stall_s = max(pace.stall_timeout_s, wait_s)
+                    if duplex:
+                        # the answer's header is due by the deadline (it does not wait for our tensors); our
+                        # tensors by their own bound, which the answer's payload then never cuts
+                        async def send_own() -> None:
+                            async with asyncio.timeout_at(sent_by):
+                                await stream.send(frames, stall_s=stall_s)
+
+                        _, reply = await _both(send_own(), read_reply(bound, sent_by))
+                    else:  # the answer starts once our tensors are read
+                        bound.reschedule(max(deadline, sent_by))
+                        await stream.send(frames, stall_s=stall_s)
+                        bound.reschedule(deadline + (loop.time() - began))
+                        reply = await read_reply(bound, deadline)
+                else:
+                    await stream.send(frames)
+                    reply = await read_reply(bound, deadline)
                 if outgoing is not None:
                     assert self._choco is not None
                     self._choco.check(peer, reply.header.meta)  # Desync: no ack, so neither end mixes
@@ -791,14 +817,25 @@ class GossipPeer:
             # link as fast each way; gossip.plan counts the two transfers in a row (RoleCounts.transfers).
             wait_s, pace = self._settings.exchange_timeout_s, self._settings.pace
             read_s = max(wait_s, pace.whole_s(request.header.payload_nbytes, self._goodput(peer)))
-            phase = "reading the request's payload"
-            try:
+
+            async def read_request() -> Message:
                 async with asyncio.timeout(read_s):
                     message = await request.rest()
                     if outgoing is not None:  # OutOfRange: rejected, so neither end commits the exchange
                         await self._choco_screen(peer, message.tensors, inputs)
-                phase = "sending the reply"
-                replied = await self._send_paced(stream, frames, reply_nbytes)
+                return message
+
+            try:
+                if outgoing is None and request.header.meta.get(DUPLEX) is True:
+                    # the asker reads as it writes: reply as its request is read (a request found bad then
+                    # cuts our reply, which the asker reads as truncated and does not ack)
+                    phase = "reading the request's payload and sending the reply"
+                    message, replied = await _both(read_request(), self._send_paced(stream, frames, reply_nbytes))
+                else:
+                    phase = "reading the request's payload"
+                    message = await read_request()
+                    phase = "sending the reply"
+                    replied = await self._send_paced(stream, frames, reply_nbytes)
                 phase = "waiting for the ack"
                 # the asker acks once it has read all of our reply (whose tail may still be in buffers)
                 async with asyncio.timeout_at(max(replied, asyncio.get_running_loop().time()) + wait_s):
@@ -919,6 +956,21 @@ class GossipPeer:
         proof = self._settings.admission.credentials(fields)
         return iter_message(tensors, codec or self._settings.codec, meta={**(meta or {}), **proof},
                             limits=self._settings.limits, **fields)
+
+
+_A = TypeVar("_A")
+_B = TypeVar("_B")
+
+
+async def _both(first: Coroutine[Any, Any, _A], second: Coroutine[Any, Any, _B]) -> tuple[_A, _B]:
+    """Both at once (a duplex exchange's writing and reading); the first to fail cancels the other and is
+    raised as itself, not in an ExceptionGroup: the callers sort a round's failures by their type."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            a, b = group.create_task(first), group.create_task(second)
+    except BaseExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+    return a.result(), b.result()
 
 
 def _weighed(plan: PeerRound, factors: Mapping[str, float],

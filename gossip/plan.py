@@ -17,7 +17,7 @@ from typing import Any
 
 from gossip.codecs import SPARSE_CODECS, Codec, Fp32Codec, get_codec
 from gossip.diloco.config import DILOCO_DEFAULTS
-from gossip.exchange import WHOLE_MODEL_CODEC
+from gossip.exchange import DUPLEX, WHOLE_MODEL_CODEC
 from gossip.optimizers import OptimizerConfig
 from gossip.pace import DEFAULT_PACE, TransferPace
 from gossip.rules import Knobs, Rule, broken_rules
@@ -185,20 +185,23 @@ class MessageSizes:
     reply: int  # an answer, with the answerer's tensors
     ack: int  # header only
     pull: int  # header only
+    duplex: bool = True  # an exchange's request and reply cross at once (dense gossip; not compressed gossip)
 
     @classmethod
     def of(cls, specs: Sequence[TensorSpec], codec: Codec, header: HeaderValues,
-           meta: Mapping[str, MetaValue] | None = None, control_codec: Codec | None = None) -> MessageSizes:
+           meta: Mapping[str, MetaValue] | None = None, control_codec: Codec | None = None,
+           duplex: bool = True) -> MessageSizes:
         """`control_codec` is the codec named in header-only messages (acks, pulls), when it is not the
         tensors' (compressed gossip sends differences in its own codec and the rest in the exchange's)."""
-        def size(kind: str, tensors: Sequence[TensorSpec], with_meta: bool, named: Codec) -> int:
+        def size(kind: str, tensors: Sequence[TensorSpec], named: Codec, with_meta: Mapping[str, MetaValue] | None) -> int:
             return message_nbytes(tensors, named, swarm=header.swarm, config_hash=header.config_hash,
                                   sender=header.sender, round=header.round, step=header.step, kind=kind,
-                                  meta=meta if with_meta else None)
+                                  meta=with_meta)
 
         control = control_codec or codec
-        return cls(exchange=size("exchange", specs, True, codec), reply=size("reply", specs, True, codec),
-                   ack=size("ack", (), False, control), pull=size("pull", (), False, control))
+        asked = {**(meta or {}), DUPLEX: True} if duplex else meta  # the asker's flag (gossip.exchange)
+        return cls(exchange=size("exchange", specs, codec, asked), reply=size("reply", specs, codec, meta),
+                   ack=size("ack", (), control, None), pull=size("pull", (), control, None), duplex=duplex)
 
 
 @dataclass(frozen=True)
@@ -216,11 +219,14 @@ class RoleCounts:
     def received(self, m: MessageSizes) -> int:
         return self.asks * m.reply + self.answers * (m.exchange + m.ack) + self.pulls * m.reply + self.serves * m.pull
 
-    def transfers(self) -> int:
-        """Tensor messages in a row on this rank's busier direction: requests go out (and come in) before
-        the replies can (an answer waits for the whole request), so an exchange costs two; pulls only
-        carry tensors one way, concurrently in both directions."""
-        return 2 * max(self.asks, self.answers) + max(self.pulls, self.serves)
+    def transfers(self, duplex: bool = True) -> int:
+        """Tensor messages in a row on this rank's busier direction. A duplex exchange's request and reply
+        cross at once, so each direction carries one message per exchange asked or answered; without
+        duplex (compressed gossip) requests go out (and come in) before the replies can (an answer waits
+        for the whole request), so an exchange costs two. Pulls only carry tensors one way, concurrently
+        in both directions."""
+        exchanges = self.asks + self.answers if duplex else 2 * max(self.asks, self.answers)
+        return exchanges + max(self.pulls, self.serves)
 
 
 def round_roles(topology: Topology, round_index: int) -> list[RoleCounts]:
@@ -268,11 +274,12 @@ def gossip_round(topology: Topology, sizes: MessageSizes, link: LinkSpec, *along
         sent += sum(r.sent(m) for r in roles for m in groups) / len(roles)
         received += sum(r.received(m) for r in roles for m in groups) / len(roles)
         # the slowest rank paces the swarm: its neighbours wait for it to begin the next round
-        slowest = max(roles, key=RoleCounts.transfers)
+        duplex = all(m.duplex for m in groups)
+        slowest = max(roles, key=lambda r: r.transfers(duplex))
         tensor_bytes = sum(max(m.exchange, m.reply) for m in groups)
         trips = (EXCHANGE_ROUND_TRIPS if any(r.asks or r.answers for r in roles)
                  else PULL_ROUND_TRIPS if any(r.pulls for r in roles) else 0)
-        time_s += slowest.transfers() * link.transfer_s(tensor_bytes) + trips * 2 * link.latency_s
+        time_s += slowest.transfers(duplex) * link.transfer_s(tensor_bytes) + trips * 2 * link.latency_s
     p = topology.period
     return RoundCost(sent / p, received / p, time_s / p)
 
@@ -355,8 +362,10 @@ def round_messages(config: PlanConfig) -> list[MessageSizes]:
     """The message sizes of each tensor group a sync moves: the whole model, or each DiLoCo fragment."""
     meta = config.meta if config.meta is not None else _default_meta(config.compression)
     # compressed gossip: the exchange's own codec (fp32, what downloads use) names the header-only messages
-    control = Fp32Codec() if config.compression is Compression.CHOCO else None
-    return [MessageSizes.of(group, config.codec, config.header, meta, control) for group in fragment_groups(config)]
+    choco = config.compression is Compression.CHOCO
+    control = Fp32Codec() if choco else None
+    return [MessageSizes.of(group, config.codec, config.header, meta, control, duplex=not choco)
+            for group in fragment_groups(config)]
 
 
 def anchor_messages(config: PlanConfig) -> list[MessageSizes]:

@@ -64,12 +64,14 @@ class IncomingMessage:
 class MessageStream:
     """A `Stream` that moves whole wire messages and counts what it moves (see `Accounting`)."""
 
-    __slots__ = ("_accounting", "_stream", "received")
+    __slots__ = ("_accounting", "_stream", "mid_message", "received")
 
     def __init__(self, stream: Stream, accounting: Accounting) -> None:
         self._stream = stream
         self._accounting = accounting
         self.received = 0  # bytes read from this stream so far
+        # a message of ours was cut partway (a failure or a cancel mid-send): nothing more may follow it
+        self.mid_message = False
 
     @property
     def remote_peer(self) -> str:
@@ -83,6 +85,7 @@ class MessageStream:
         closes the stream, which the receiver reads as a truncated message. With `stall_s`, frames are
         written in pieces of at most PIECE_BYTES, and a piece the peer does not take within that long raises
         TransferStalled (gossip.pace): a 1 MiB frame may take longer than that on a slow but moving link."""
+        self.mid_message = True
         try:
             for frame in frames:
                 if stall_s is None:
@@ -93,6 +96,7 @@ class MessageStream:
                         await _within_stall(self._stream.write(view[at:at + PIECE_BYTES]), stall_s,
                                             "writing to", self.remote_peer)
                 self._accounting.counts.bytes_sent += len(frame)
+            self.mid_message = False
         except WireError as exc:
             self._accounting.counts.errors["unsendable"] += 1
             self._accounting.logger.error("stopped sending our tensors to %s halfway: %s: %s", self.remote_peer,
@@ -147,7 +151,10 @@ class MessageStream:
         self._accounting.count_refused(exc, self.remote_peer)
 
     async def try_reject(self, reject: Callable[[], Frames], timeout_s: float) -> None:
-        """Send the `reject` message `reject()` encodes, if the peer still listens within `timeout_s`."""
+        """Send the `reject` message `reject()` encodes, if the peer still listens within `timeout_s` and no
+        message of ours was cut partway (the peer would read the reject as that message's bytes)."""
+        if self.mid_message:
+            return
         try:
             async with asyncio.timeout(timeout_s):
                 await self.send(reject())

@@ -14,7 +14,7 @@ import pytest
 
 from gossip.choco import ChocoSettings, ChocoState, typical_meta
 from gossip.codecs import Int8Codec, TopKCodec, get_codec
-from gossip.exchange import ExchangeSettings, GossipPeer
+from gossip.exchange import DUPLEX, ExchangeSettings, GossipPeer
 from gossip.lockstep import Lockstep
 from gossip.memory import InMemoryNetwork
 from gossip.plan import (
@@ -87,7 +87,7 @@ def test_message_sizes_are_the_wire_sizes():
     tensors = {"w": np.ones(3000, np.float32), "b": np.ones(17, np.float32)}
     specs = specs_for_vectors({"w": 3000, "b": 17})
     for codec in (get_codec("fp32"), get_codec("bf16"), Int8Codec(), TopKCodec(0.1)):
-        sizes = MessageSizes.of(specs, codec, header, typical_meta(5))
+        sizes = MessageSizes.of(specs, codec, header, typical_meta(5), duplex=False)  # CHOCO: no duplex flag
 
         def wire(kind, tensors, meta=None):
             frames = encode_message(tensors, codec, swarm="s", config_hash="c" * 64, sender="Q" * 46, round=700,
@@ -97,6 +97,9 @@ def test_message_sizes_are_the_wire_sizes():
         assert sizes.exchange == wire("exchange", tensors, typical_meta(5))
         assert sizes.reply == wire("reply", tensors, typical_meta(5))
         assert sizes.ack == wire("ack", {}) and sizes.pull == wire("pull", {})
+        # a dense exchange's request carries the asker's duplex flag (gossip.exchange.DUPLEX), its reply not
+        dense = MessageSizes.of(specs, codec, header)
+        assert dense.exchange == wire("exchange", tensors, {DUPLEX: True}) and dense.reply == wire("reply", tensors)
 
 
 def test_ring_round_by_hand():
@@ -104,8 +107,11 @@ def test_ring_round_by_hand():
     cost = gossip_round(build_topology("ring", 8), sizes, LINK)
     # every edge carries a request, its ack and a reply; 8 edges over 8 nodes
     assert cost.sent_bytes == cost.received_bytes == pytest.approx(2_000_100)
-    # rank 0 sends both requests, then receives both replies: 4 messages in a row at 1 MB/s, plus 3 round trips
-    assert cost.time_s == pytest.approx(4.0 + 3 * 0.020)
+    # rank 0 sends both requests and receives both replies at once (duplex): 2 messages in a row each way
+    # at 1 MB/s, plus 3 round trips; compressed gossip's exchanges answer after the request: 4 in a row
+    assert cost.time_s == pytest.approx(2.0 + 3 * 0.020)
+    sequential = gossip_round(build_topology("ring", 8), dataclasses.replace(sizes, duplex=False), LINK)
+    assert sequential.time_s == pytest.approx(4.0 + 3 * 0.020)
 
 
 def test_pull_round_by_hand():

@@ -6,6 +6,7 @@ within the stall timeout. Over the in-memory transport, whose links are shaped."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import numpy as np
@@ -16,7 +17,7 @@ from gossip.codecs import get_codec
 from gossip.exchange import ExchangeSettings, GossipPeer
 from gossip.memory import InMemoryNetwork, LinkModel
 from gossip.pace import TransferPace
-from gossip.plan import LinkSpec, PlanConfig, gossip_estimate, specs_for_vectors
+from gossip.plan import Algorithm, Compression, LinkSpec, PlanConfig, gossip_estimate, specs_for_vectors
 from gossip.transport import GOSSIP_PROTOCOL
 from gossip.wire import message_nbytes
 from topology import PeerRound, TopologySpec
@@ -45,8 +46,8 @@ def pair(net: InMemoryNetwork, a_timeout_s: float = EXCHANGE_TIMEOUT_S,
 def test_a_round_whose_payload_takes_three_exchange_deadlines_over_a_slow_link_completes_and_mixes(kind: str) -> None:
     async def main() -> None:
         nbytes = message_nbytes({"w": np.zeros(SIZE, np.float32)}, get_codec("fp32"))
-        # the payload crosses the link in 3 exchange deadlines: an exchange's request, then its reply, 1.5 each
-        rate = nbytes / (3 * EXCHANGE_TIMEOUT_S) * (2 if kind == "exchange" else 1)
+        # the payload crosses the link in 3 exchange deadlines (an exchange's request and reply at once: duplex)
+        rate = nbytes / (3 * EXCHANGE_TIMEOUT_S)
         net = InMemoryNetwork(LinkModel(bandwidth_bytes_per_s=rate))
         a, b = pair(net)
         for peer in (a, b):
@@ -132,14 +133,17 @@ def test_a_neighbour_that_sends_the_header_and_then_nothing_is_cut_within_the_st
 
 
 def test_murmur_plan_predicts_a_rounds_time_from_its_payload_over_the_link() -> None:
-    """An exchange's request and then its reply cross the link one after the other: a 100M-parameter int8
-    model's round at 50 Mbit/s takes about two of its transfers (~16 s each), far past a 5 s deadline."""
+    """A duplex exchange's request and reply cross the link at once: a 100M-parameter int8 model's round at
+    50 Mbit/s takes about one of its transfers (~16 s), far past a 5 s deadline; compressed gossip's, which
+    answers after the request, two."""
     link = LinkSpec(50.0)
     specs = specs_for_vectors({"w": 100_000_000})
     config = PlanConfig(specs, 1.0, link, 8, TopologySpec("hypercube"), codec=get_codec("int8"))  # one partner a round
     one = link.transfer_s(message_nbytes(specs, get_codec("int8")))
     assert 15.0 < one < 20.0
-    assert gossip_estimate(config).sync_s == pytest.approx(2 * one, rel=0.05)
+    assert gossip_estimate(config).sync_s == pytest.approx(one, rel=0.05)
+    choco = dataclasses.replace(config, algorithm=Algorithm.DADAM, compression=Compression.CHOCO)
+    assert gossip_estimate(choco).sync_s == pytest.approx(2 * one, rel=0.05)
 
 
 def test_a_spes_expert_fetch_over_a_slow_but_moving_link_is_not_cut_at_the_exchange_deadline() -> None:
@@ -174,3 +178,98 @@ def test_a_spes_expert_fetch_over_a_slow_but_moving_link_is_not_cut_at_the_excha
         return took
 
     assert asyncio.run(main()) > 2 * EXCHANGE_TIMEOUT_S  # the fixed deadline would have cut it
+
+
+@pytest.mark.parametrize("compressed", [False, True], ids=["dense", "choco"])
+def test_a_dense_exchange_reads_the_reply_while_it_writes_the_request(compressed: bool, monkeypatch) -> None:
+    """A symmetric exchange over a slow link is duplex (gossip.exchange.DUPLEX): the asker has the whole reply
+    before it has finished writing its request, so the pair's round takes one transfer's time, not two.
+    Compressed gossip answers only a request it has read and screened: its reply comes after."""
+    from gossip import stream as stream_module
+    from gossip.choco import ChocoSettings, ChocoState
+
+    events: list[tuple[str, str]] = []  # (what, on which side), in the order they happened
+    send, read_header = stream_module.MessageStream.send, stream_module.MessageStream.read_header
+
+    async def recorded_send(self, frames, stall_s=None):
+        await send(self, frames, stall_s)
+        events.append(("sent", self.remote_peer))
+
+    async def recorded_read_header(self, *args, **kwargs):
+        incoming = await read_header(self, *args, **kwargs)
+        message = incoming.header.kind
+        events.append((f"read {message}", self.remote_peer))
+        return incoming
+
+    monkeypatch.setattr(stream_module.MessageStream, "send", recorded_send)
+    monkeypatch.setattr(stream_module.MessageStream, "read_header", recorded_read_header)
+
+    async def main() -> None:
+        nbytes = message_nbytes({"w": np.zeros(SIZE, np.float32)}, get_codec("fp32"))
+        net = InMemoryNetwork(LinkModel(bandwidth_bytes_per_s=nbytes / (3 * EXCHANGE_TIMEOUT_S)))
+        values = {"a": 0.0, "b": 2.0}
+
+        def choco() -> ChocoState | None:
+            return ChocoState(ChocoSettings(get_codec("fp32"), 0.5), {"w": np.zeros(SIZE, np.float32)}) if compressed else None
+
+        a, b = (GossipPeer(net.transport(p), settings(), {"w": np.full(SIZE, v, np.float32)}, choco=choco())
+                for p, v in values.items())
+        for peer in (a, b):
+            await peer.start()
+        out_a, out_b = await asyncio.gather(a.run_round(0, PeerRound(0.5, {"b": 0.5}, ("b",))),
+                                            b.run_round(0, PeerRound(0.5, {"a": 0.5}, ("a",))))
+        assert out_a.mixed_with == ("b",) and out_b.mixed_with == ("a",), (out_a.skipped, out_b.skipped)
+        on_a = [what for what, remote in events if remote == "b"]  # the asker's stream to b
+        request_sent, reply_read = on_a.index("sent"), on_a.index("read reply")
+        if compressed:
+            assert request_sent < reply_read, on_a
+        else:
+            assert reply_read < request_sent, on_a
+
+    asyncio.run(main())
+
+
+def test_a_message_cut_partway_is_followed_by_nothing_not_even_a_reject() -> None:
+    """A duplex answer that is cut (its request turned out bad, or the round ended) must not be followed by a
+    reject: the asker would read the reject's bytes as the rest of the answer. The stream says a message of
+    its own was cut, and `try_reject` then writes nothing; the other end reads a truncated message."""
+    import logging
+
+    from gossip.errors import Truncated
+    from gossip.exchange import REJECT, ExchangeStats
+    from gossip.stream import Accounting, MessageStream
+    from gossip.wire import DEFAULT_LIMITS, iter_message
+
+    def accounting() -> Accounting:
+        return Accounting(ExchangeStats(), logging.getLogger("test"), "refused")
+
+    async def main() -> None:
+        net = InMemoryNetwork(LinkModel(bandwidth_bytes_per_s=1_000_000))
+        sender, receiver = net.transport("s"), net.transport("r")
+        arrived: asyncio.Queue = asyncio.Queue()
+
+        async def handler(raw) -> None:
+            stream = MessageStream(raw, accounting())
+            try:
+                await arrived.put(await stream.read(DEFAULT_LIMITS, None))
+            except Truncated as exc:
+                await arrived.put(exc)
+
+        await receiver.serve("/t/1", handler)
+        stream = MessageStream(await sender.open_stream("r", "/t/1"), accounting())
+        frames = iter_message({"w": np.ones(SIZE, np.float32)}, get_codec("fp32"), swarm="t", config_hash="h",
+                              sender="s", round=0, step=0, kind="reply")
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.3):  # 1.2 MB at 1 MB/s: cut partway
+                await stream.send(frames)
+        assert stream.mid_message
+        reject = iter_message({}, get_codec("fp32"), swarm="t", config_hash="h", sender="s", round=0, step=0,
+                              kind=REJECT)
+        cut_at = sender.bytes_sent
+        await stream.try_reject(lambda: reject, 1.0)
+        assert sender.bytes_sent == cut_at  # nothing written after the cut message
+        await stream.close()
+        got = await asyncio.wait_for(arrived.get(), 10)
+        assert isinstance(got, Truncated), got
+
+    asyncio.run(main())
