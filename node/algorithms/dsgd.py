@@ -142,5 +142,8 @@ class DsgdAlgorithm:
     def errors(self) -> dict[str, int]:
         return {}
 
+    def skipped(self) -> dict[str, int]:
+        return {}  # the main peer's rounds, counted there
+
 
 __all__ = ["DsgdAlgorithm", "GossipTrainer"]

@@ -263,6 +263,14 @@ class NodeRuntime:
             "membership_shards": discovery.shards if discovery else 1,
         }
 
+    def _skipped(self) -> dict[str, int]:
+        """Neighbours left out of this node's rounds, by reason: the main peer's and the algorithm's own
+        (DiLoCo's fragment rounds, whose main peer runs none)."""
+        skipped: dict[str, int] = dict(self.peer.stats.skipped) if self.peer else {}
+        for reason, n in (self.training.extra_skipped() if self.training is not None else {}).items():
+            skipped[reason] = skipped.get(reason, 0) + n
+        return skipped
+
     def status(self) -> dict[str, Any]:
         peer, discovery, view = self.peer, self.discovery, self._view()
         errors: dict[str, int] = dict(self.node_errors)
@@ -289,7 +297,7 @@ class NodeRuntime:
             "rounds_run": peer.stats.rounds if peer else 0,
             **dict(zip(("bytes_sent", "bytes_received"), self._traffic(), strict=True)),
             "last_round_s": peer.stats.last_round_s if peer else 0.0,
-            "skipped": dict(peer.stats.skipped) if peer else {},
+            "skipped": self._skipped(),
             "errors": errors,
             "mixing": self._mixing(),
             "payload": {"dim": int(vector.size), "mean": float(vector.mean()) if vector.size else 0.0,

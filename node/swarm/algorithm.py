@@ -120,3 +120,7 @@ class Algorithm(Protocol):
     def errors(self) -> dict[str, int]:
         """Refused input counted on this algorithm's protocols besides the main gossip peer's."""
         ...
+
+    def skipped(self) -> dict[str, int]:
+        """Neighbours left out of this algorithm's rounds besides the main gossip peer's, by reason."""
+        ...

@@ -641,6 +641,10 @@ class SwarmLoop:
         """Refused input counted on protocols besides the main gossip peer's (DiLoCo's fragments)."""
         return self.algorithm.errors()
 
+    def extra_skipped(self) -> dict[str, int]:
+        """Neighbours left out of rounds besides the main gossip peer's (DiLoCo's fragments), by reason."""
+        return self.algorithm.skipped()
+
     def checkpoint_meta(self) -> dict[str, str]:
         """What the checkpoint carries beyond its tensors (SPES: the expert records; the tokens this node
         processed and the contributors it saw)."""

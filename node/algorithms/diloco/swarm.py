@@ -164,6 +164,9 @@ class DilocoAlgorithm:
     def errors(self) -> dict[str, int]:
         return self.diloco.errors()
 
+    def skipped(self) -> dict[str, int]:
+        return self.diloco.skipped()
+
     def show(self, status: TrainingStatus) -> None:
         status.diloco = self.diloco_status()
 

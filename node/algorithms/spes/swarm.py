@@ -224,6 +224,9 @@ class SpesAlgorithm:
     def errors(self) -> dict[str, int]:
         return {}
 
+    def skipped(self) -> dict[str, int]:
+        return {}  # the shared weights' rounds run on the main peer; expert fetches count in the spes section
+
     def show(self, status: TrainingStatus) -> None:
         # SPES trains only the shared weights and this node's experts; they change with the ownership
         if self._trainable_params is not None:
