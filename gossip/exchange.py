@@ -32,6 +32,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
+import random
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field, replace
@@ -84,6 +86,9 @@ DUPLEX = "duplex"
 WHOLE_MODEL_CODEC: Codec = Fp32Codec()
 # exchange requests held at once until their round begins
 MAX_WAITING_REQUESTS = 16  # each holds the request's header: its tensors are read once its round claims it
+# A pull refused as `uploading` is asked again after a pause that doubles from this, up to the max
+BUSY_RETRY_S = 1.0
+MAX_BUSY_RETRY_S = 16.0
 # How long a round waits for a symmetric partner to ask again after its stream was cut: the asker does
 # so at once (on another connection, or another relay's circuit); a dead one must not hold the round.
 RETRY_GRACE_S = 0.5
@@ -100,6 +105,7 @@ class Refusal(StrEnum):
     DESYNC = "desync"
     UNSUPPORTED = "unsupported"  # a round pull to a peer that gossips compressed differences (symmetric edges only)
     RATE_LIMITED = "rate_limited"  # the asker pulled this round, or the current tensors, too often (IncomingLimits)
+    UPLOADING = "uploading"  # IncomingLimits.concurrent_uploads answers of the current tensors are being sent
 
 
 class Skip(StrEnum):
@@ -292,6 +298,7 @@ class GossipPeer:
         self._round_pulls: CountPerKey[tuple[str, int]] = CountPerKey(incoming.round_pulls, incoming.tracked_peers * 4)
         self._current_pulls = PeerBuckets(incoming.current_pulls_per_s, incoming.current_pulls_burst,
                                           incoming.tracked_peers)
+        self._uploads = 0  # answers of the current tensors being sent now
         # notified when a round begins or a sender's latest request round grows
         self._round_began = asyncio.Condition()
 
@@ -527,8 +534,33 @@ class GossipPeer:
         pace, wait_s = self._settings.pace, self._settings.exchange_timeout_s
         return 3 * wait_s + 1.0 + 2 * pace.whole_s(self._request_limits.max_payload_bytes)
 
-    async def fetch(self, peer: str, progress: TransferProgress | None = None, *,
-                    answer_timeout_s: float | None = None) -> tuple[dict[str, np.ndarray], int, int]:
+    async def fetch(self, peer: str, progress: TransferProgress | None = None, *, answer_timeout_s: float | None = None,
+                    busy_wait_s: float = 0.0) -> tuple[dict[str, np.ndarray], int, int]:
+        """`_fetch_once`, asked again while `peer` refuses it as busy uploading to others (`uploading`, its
+        IncomingLimits.concurrent_uploads) for up to `busy_wait_s`, at growing random intervals, so peers
+        that all pull from one donor at once (a final merge) are served in turns rather than left out; a
+        joiner asks none (busy_wait_s 0) and takes the next donor instead."""
+        loop = asyncio.get_running_loop()
+        until, pause = loop.time() + busy_wait_s, BUSY_RETRY_S
+        while True:
+            try:
+                return await self._fetch_once(peer, progress, answer_timeout_s=answer_timeout_s)
+            except PeerRejected as exc:
+                left = until - loop.time()
+                if str(exc) != Refusal.UPLOADING or left <= 0:
+                    raise
+                await asyncio.sleep(min(left, random.uniform(pause / 2, pause)))
+                pause = min(2 * pause, MAX_BUSY_RETRY_S)
+
+    def busy_wait_s(self, askers: int) -> float:
+        """How long one of `askers` peers pulling the current tensors from one donor at once may wait for its
+        turn: the donor's uploads of a model of ours' size, concurrent_uploads at a time, each within its
+        bound at the goodput floor (what `fetch`'s `busy_wait_s` should be for a final merge)."""
+        turns = math.ceil(max(0, askers - 1) / self._settings.incoming.concurrent_uploads)
+        return turns * self._settings.pace.whole_s(message_nbytes(self._tensors, WHOLE_MODEL_CODEC))
+
+    async def _fetch_once(self, peer: str, progress: TransferProgress | None = None, *,
+                          answer_timeout_s: float | None = None) -> tuple[dict[str, np.ndarray], int, int]:
         """`peer`'s current tensors, round and step: a pull outside any round (a joiner's download, the
         swarm-average evaluation, the final merge), answered in WHOLE_MODEL_CODEC (fp32) whatever codec the
         rounds use (an older peer answers in the round codec). Validated like every reply; raises WireError,
@@ -728,6 +760,8 @@ class GossipPeer:
         `round_pulls` times, or any round pull under compressed gossip; a pull of the current tensors
         beyond the asker's token bucket."""
         if header.meta.get(CURRENT) is True:
+            if self._uploads >= self._settings.incoming.concurrent_uploads:
+                return Refusal.UPLOADING  # before the bucket: a refused pull costs the asker no token
             return None if self._current_pulls.take(peer) else Refusal.RATE_LIMITED
         if self._choco is not None:  # compressed gossip has symmetric edges only: no round pulls
             return Refusal.UNSUPPORTED
@@ -759,7 +793,12 @@ class GossipPeer:
         # The reply gets its own deadline: one shared with the wait above could cut the reply
         # halfway, and the asker, still within its deadline, would read a truncated message.
         nbytes = message_nbytes(answer[0], codec)
-        replied = await self._send_paced(stream, self._frames(*answer, REPLY, codec=codec), nbytes)
+        uploading = header.meta.get(CURRENT) is True
+        self._uploads += uploading
+        try:
+            replied = await self._send_paced(stream, self._frames(*answer, REPLY, codec=codec), nbytes)
+        finally:
+            self._uploads -= uploading
         self.stats.exchanges_ok += 1
         return max(wait_s, replied - asyncio.get_running_loop().time())
 

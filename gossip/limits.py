@@ -55,6 +55,10 @@ class IncomingLimits:
     # evaluation): a token bucket per peer. Each costs a whole model of upload.
     current_pulls_burst: int = 4
     current_pulls_per_s: float = 0.5
+    # Those answers being sent at once, all askers together; beyond, a pull of the current parameters is
+    # refused `uploading` at once and the asker takes the next donor: a home uplink serves two joiners at
+    # half its rate each, not ten at a tenth, which their stall timeouts would cut.
+    concurrent_uploads: int = 2
     # Answers to a pull of one round, per peer (a retry is allowed, a loop is not).
     round_pulls: int = 2
     # SPES: answers per peer for one expert at one version (a refresh fetches a changed copy once).
@@ -64,7 +68,7 @@ class IncomingLimits:
 
     def __post_init__(self) -> None:
         if min(self.per_peer_streams, self.total_streams, self.current_pulls_burst, self.round_pulls,
-               self.fetches_per_version, self.tracked_peers, self.unknown_streams) < 1:
+               self.fetches_per_version, self.tracked_peers, self.unknown_streams, self.concurrent_uploads) < 1:
             raise ValueError("every limit must be at least 1")
         if self.per_protocol_streams < 0 or self.header_timeout_s <= 0 or self.current_pulls_per_s <= 0:
             raise ValueError("per_protocol_streams must be >= 0, header_timeout_s and current_pulls_per_s > 0")

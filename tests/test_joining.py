@@ -48,7 +48,25 @@ def test_a_huge_claim_is_ignored_and_the_reference_is_the_honest_median() -> Non
     judged = judge_steps(view, ME, step=0, margin=2, budget=0)
     assert judged is not None
     assert judged.reference == 500 and judged.ignored == ("evil",)
-    assert [p.peer_id for p in judged.candidates] == ["a", "c", "b"]  # closest to the reference first
+    assert {p.peer_id for p in judged.candidates} == {"a", "b", "c"}  # all within a band of the reference
+
+
+def test_joiners_rank_equally_good_donors_each_their_own_way_and_nearer_bands_first() -> None:
+    """Donors within step_slack of the reference serve alike: each joiner orders them by its own hash, so
+    joiners that start together spread over them (a donor uploads to two at once); a donor a band further
+    from the reference comes after them for every joiner."""
+    donors = [record(f"d{i}", 500) for i in range(12)]
+    far = record("far", 530)
+    orders = []
+    for joiner in ("j1", "j2", "j3"):
+        judged = judge_steps([record(joiner, 0), *donors, far], joiner, step=0, margin=2, budget=0)
+        assert judged is not None and judged.reference == 500
+        ranked = [p.peer_id for p in judged.candidates]
+        assert ranked[-1] == "far" and set(ranked[:-1]) == {p.peer_id for p in donors}
+        again = judge_steps([record(joiner, 0), *reversed(donors), far], joiner, step=0, margin=2, budget=0)
+        assert again is not None and [p.peer_id for p in again.candidates] == ranked  # not the view's order
+        orders.append(tuple(ranked[:3]))
+    assert len(set(orders)) == 3, orders  # three joiners, three different first choices of sources
 
 
 def test_a_node_is_left_behind_only_when_most_of_the_swarm_is_beyond_the_bound() -> None:
@@ -194,12 +212,14 @@ def test_a_noisy_peer_among_the_sources_is_refused_by_loss_and_the_next_one_stan
 
 
 def test_a_failed_download_is_replaced_by_the_next_candidate() -> None:
-    swarm = Swarm({"a": (near(0.0), 300), "gone": (ConnectionError("down"), 300), "b": (near(0.01), 301),
-                   "c": (near(-0.01), 305), "bad": (WireError("broken"), 300)})
-    outcome = run_join(swarm, [record(p, s) for p, s in [("a", 300), ("gone", 300), ("b", 301), ("c", 305),
+    # a, gone and bad claim the reference step (the first band of candidates, asked first); b and c are a
+    # band further (21 and 25 steps on) and stand in for the two that fail
+    swarm = Swarm({"a": (near(0.0), 300), "gone": (ConnectionError("down"), 300), "b": (near(0.01), 321),
+                   "c": (near(-0.01), 325), "bad": (WireError("broken"), 300)})
+    outcome = run_join(swarm, [record(p, s) for p, s in [("a", 300), ("gone", 300), ("b", 321), ("c", 325),
                                                          ("bad", 300)]])
     assert outcome.refused == {"gone": Refused.UNREACHABLE, "bad": "wire_error"}
-    assert outcome.sources == ("a", "b", "c") and outcome.step == 301  # the median of 300, 301, 305
+    assert outcome.sources == ("a", "b", "c") and outcome.step == 321  # the median of 300, 321, 325
 
 
 def test_scaled_parameters_are_refused_by_the_value_bound_before_they_are_evaluated() -> None:

@@ -273,3 +273,31 @@ def test_a_message_cut_partway_is_followed_by_nothing_not_even_a_reject() -> Non
         assert isinstance(got, Truncated), got
 
     asyncio.run(main())
+
+
+def test_a_donor_uploads_its_model_to_a_few_at_once_and_the_others_ask_again_or_go_elsewhere() -> None:
+    """Pulls of the current parameters (a joiner's download, a final merge) are served
+    IncomingLimits.concurrent_uploads at a time: a pull beyond is refused `uploading` at once. A joiner's
+    fetch (no busy wait) takes that as a refusal and moves on; a final merge's (busy_wait_s) asks again
+    and is served once the donor has room."""
+    from gossip.exchange import PeerRejected, Refusal
+    from gossip.limits import IncomingLimits
+
+    async def main() -> None:
+        nbytes = message_nbytes({"w": np.zeros(SIZE, np.float32)}, get_codec("fp32"))
+        net = InMemoryNetwork(LinkModel(bandwidth_bytes_per_s=nbytes / 1.0))  # an upload takes about 1 s
+        one_at_a_time = dataclasses.replace(settings(), incoming=IncomingLimits(concurrent_uploads=1))
+        donor = GossipPeer(net.transport("donor"), one_at_a_time, {"w": np.full(SIZE, 3.0, np.float32)})
+        askers = [GossipPeer(net.transport(p), settings(), {"w": np.zeros(SIZE, np.float32)}) for p in ("a", "b", "c")]
+        for peer in (donor, *askers):
+            await peer.start()
+        first = asyncio.create_task(askers[0].fetch("donor"))
+        await asyncio.sleep(0.3)  # the first upload is under way
+        with pytest.raises(PeerRejected, match=str(Refusal.UPLOADING)):
+            await askers[1].fetch("donor")  # a joiner: refused at once, takes another donor
+        patient = await askers[2].fetch("donor", busy_wait_s=askers[2].busy_wait_s(3))
+        tensors, _, _ = await first
+        assert all(np.array_equal(t["w"], np.full(SIZE, 3.0, np.float32)) for t in (tensors, patient[0]))
+        assert donor.stats.refused[str(Refusal.UPLOADING)] >= 2  # b's, and c's until a's upload ended
+
+    asyncio.run(main())

@@ -7,6 +7,7 @@ step is adopted (docs/training.md, "Joining mid-run")."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -137,9 +138,18 @@ def judge_steps(view: Sequence[SwarmRecord], me: str, step: int, margin: int, bu
     tolerance = rules.step_tolerance(reference)
     believable = [p for p in possible if p.step <= reference + tolerance]
     ignored = sorted({p.peer_id for p in ahead} - {p.peer_id for p in believable} - {p.peer_id for p in crowded})
-    # closest to the reference first, then the higher step, then the id: every joiner ranks alike
-    ranked = sorted(believable, key=lambda p: (abs(p.step - reference), -p.step, p.peer_id))
+    # closest to the reference first, by bands of step_slack steps (peers of one phase serve alike), and
+    # within a band in an order of this joiner's own: joiners that start together spread over the donors
+    # instead of all asking the same few (each donor uploads to a few at once: IncomingLimits)
+    ranked = sorted(believable, key=lambda p: (abs(p.step - reference) // max(1, rules.step_slack),
+                                               _donor_order(me, p.peer_id)))
     return StepJudgement(reference, tolerance, tuple(ranked), tuple(ignored), left_out)
+
+
+def _donor_order(joiner: str, donor: str) -> bytes:
+    """A joiner's own order of equally good donors: a hash of both ids, so it differs between joiners and
+    no donor can choose to come first for all of them."""
+    return hashlib.sha256(f"{joiner}\0{donor}".encode()).digest()
 
 
 def swarm_left_behind(view: Sequence[SwarmRecord], me: str, step: int, margin: int, budget: int,

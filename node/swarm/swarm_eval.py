@@ -212,7 +212,10 @@ class SwarmEvaluator:
             if self._connect is not None:
                 async with asyncio.timeout(self._fetch_timeout_s):
                     await self._connect(record)
-            tensors, _, step = await self._peer.fetch(peer, answer_timeout_s=self._fetch_timeout_s)
+            # every node of a final merge pulls from every other at once: a donor serves a few at a time
+            # (IncomingLimits.concurrent_uploads) and the others ask again until it has room
+            tensors, _, step = await self._peer.fetch(peer, answer_timeout_s=self._fetch_timeout_s,
+                                                      busy_wait_s=self._peer.busy_wait_s(len(self._view())))
         except TransferStalled as exc:
             logger.info("swarm eval: the pull from %s was cut: %s", peer, exc)
             return "stalled"
