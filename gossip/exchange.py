@@ -554,7 +554,7 @@ class GossipPeer:
 
     def busy_wait_s(self, askers: int) -> float:
         """How long one of `askers` peers pulling the current tensors from one donor at once may wait for its
-        turn: the donor's uploads of a model of ours' size, concurrent_uploads at a time, each within its
+        turn: the donor's uploads of a model the size of ours, concurrent_uploads at a time, each within its
         bound at the goodput floor (what `fetch`'s `busy_wait_s` should be for a final merge)."""
         turns = math.ceil(max(0, askers - 1) / self._settings.incoming.concurrent_uploads)
         return turns * self._settings.pace.whole_s(message_nbytes(self._tensors, WHOLE_MODEL_CODEC))

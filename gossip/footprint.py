@@ -33,6 +33,13 @@ unless it says otherwise; the peak of a round is counted, not the average:
   (node/algorithms/spes/node.py; the daemon's recipe leaves it off).
 - A checkpoint (node/runtime/saving.py, Trainer.state) is written from a host snapshot of the
   parameters (every one in float32) and the optimizer state; DiLoCo's outer state in it shares the arrays it already holds.
+- The trainer evaluates values other than its own (a joiner's downloads, the swarm average, contribution
+  scoring) on a copy of the model it keeps once made (Trainer._eval_model), beside the parameters.
+- Contribution scoring (node/swarm/contribution.py), where the node scores (dense gossip without CHOCO,
+  gossip DiLoCo's fragments): while it measures, into the next round, it holds the values of up to
+  MAX_SCORED neighbours and the node's base beyond their round (the own value is a round input), and one
+  moved copy at a time; DiLoCo's are the fragment's models, A - m, its own among them, measured from the
+  anchor (node/algorithms/diloco/scoring.py).
 """
 
 from __future__ import annotations
@@ -76,6 +83,7 @@ class MemoryInputs:
     expert_parameters: int = 0
     owned_share: float = 1.0
     frozen_bf16: bool = False  # SPES keeps the experts it does not own in bfloat16 (SpesConfig.frozen_bf16)
+    scoring: bool = False  # contribution scoring (--score-every > 0) where the algorithm scores
 
     def __post_init__(self) -> None:
         if self.parameters < 0 or self.expert_parameters < 0 or self.expert_parameters > self.parameters:
@@ -146,6 +154,11 @@ class Footprint:
                            "bytes": round(t.per_parameter * self.parameters)} for t in self.terms]}
 
 
+# node.swarm.contribution.MAX_SCORED: the neighbours one scored round measures at most (gossip does not
+# import node; tests/test_footprint.py checks the two agree)
+MAX_SCORED = 4
+
+
 def _optimizer_floats(m: MemoryInputs) -> int:
     if m.inner == "adam":
         return 2
@@ -176,8 +189,15 @@ def footprint(m: MemoryInputs) -> Footprint:
         Term("gradients", trainer, F32 * trained),
         Term(f"optimizer moments ({m.inner})", trainer, opt * F32 * trained),
     ]
+    # the parameters' own dtype, as the trainer's copy is made (frozen SPES experts as they are kept)
+    terms.append(Term("evaluation model (others' values)", trainer, F32 * trained + (BF16 if m.frozen_bf16 else F32) * frozen))
     if m.device == "cuda":
         terms.append(Term("pinned staging buffers", Where.HOST, F32 * trained))
+    scored = m.scoring and not m.choco and not m.spes
+    if scored:  # beyond their round: the scored neighbours' values and the base (DiLoCo: the own model), and
+        held = min(m.in_neighbours, MAX_SCORED) + 2  # one moved copy at a time; a fragment's in DiLoCo
+        share = 1.0 / max(1, m.fragments) if m.outer else 1.0
+        terms.append(Term(f"contribution scoring ({held} copies while it measures)", Where.HOST, held * F32 * share))
     if not m.outer:
         terms += _peer_terms("", 1.0, m, 1.0)
         if m.choco:
@@ -213,12 +233,14 @@ def footprint(m: MemoryInputs) -> Footprint:
 # The table of docs/training.md ("Memory per parameter"): CUDA, max_staleness 2, a ring (2 neighbours a
 # round) unless it says one-peer-exp (the default topology: 1 neighbour a round).
 TABLE_CASES: Mapping[str, MemoryInputs] = {
-    "dadam (one-peer-exp, the defaults)": MemoryInputs(1, "dadam", "cuda", in_neighbours=1),
-    "dsgd (momentum 0.9, fp32)": MemoryInputs(1, "dsgd", "cuda", inner="sgd", momentum=0.9),
-    "dadam (fp32)": MemoryInputs(1, "dadam", "cuda"),
+    "dadam (one-peer-exp, the defaults)": MemoryInputs(1, "dadam", "cuda", in_neighbours=1, scoring=True),
+    "dadam (one-peer-exp, --score-every 0)": MemoryInputs(1, "dadam", "cuda", in_neighbours=1),
+    "dsgd (momentum 0.9, fp32)": MemoryInputs(1, "dsgd", "cuda", inner="sgd", momentum=0.9, scoring=True),
+    "dadam (fp32)": MemoryInputs(1, "dadam", "cuda", scoring=True),
     "dadam + CHOCO": MemoryInputs(1, "dadam", "cuda", choco=True),
-    "diloco (bf16, anchors int8)": MemoryInputs(1, "diloco", "cuda", codec="bf16"),
-    "diloco (bf16, 4 fragments, overlap)": MemoryInputs(1, "diloco", "cuda", codec="bf16", fragments=4, overlap=True),
+    "diloco (bf16, anchors int8)": MemoryInputs(1, "diloco", "cuda", codec="bf16", scoring=True),
+    "diloco (bf16, 4 fragments, overlap)": MemoryInputs(1, "diloco", "cuda", codec="bf16", fragments=4, overlap=True,
+                                                        scoring=True),
     "SPES (int8, 1/4 of 3/4 experts owned)": MemoryInputs(4, "dadam", "cuda", codec="int8", spes=True,
                                                           expert_parameters=3, owned_share=0.25, outer_momentum=0.0),
 }

@@ -27,15 +27,35 @@ def per(inputs: MemoryInputs, where: Where) -> dict[str, float]:
 @pytest.mark.unit
 def test_dadam_on_cuda_counts_the_trainer_on_the_gpu_and_the_gossip_peer_on_the_host():
     f = footprint(MemoryInputs(10**9, "dadam", "cuda", max_staleness=2, in_neighbours=2))
-    # parameters, gradients (fp32) and Adam's two moments
-    assert f.device_per_parameter == 4 + 4 + 8
+    # parameters, gradients (fp32), Adam's two moments, and the copy others' values are evaluated on
+    assert f.device_per_parameter == 4 + 4 + 8 + 4
     # staging 4; round inputs (S+1)*4 = 12; last mix 4; 2 neighbours' decoded values 8; the mix 4;
     # checkpoint: params 4 + moments 8 (messages stream a chunk at a time: nothing model-sized)
     assert f.host_per_parameter == 4 + 12 + 4 + 8 + 4 + 12
-    assert f.host_bytes == 44 * 10**9 and f.device_bytes == 16 * 10**9
+    assert f.host_bytes == 44 * 10**9 and f.device_bytes == 20 * 10**9
     # the default topology (one-peer-exp) receives one neighbour a round: the issue's 28 (+ 12 at a checkpoint)
     one = footprint(MemoryInputs(10**9, "dadam", "cuda", in_neighbours=1))
     assert one.host_per_parameter - 12 == 28
+
+
+@pytest.mark.unit
+def test_contribution_scoring_holds_the_scored_values_and_the_base_where_the_algorithm_scores():
+    import gossip.footprint as model
+    from node.swarm import contribution
+
+    assert model.MAX_SCORED == contribution.MAX_SCORED
+    off, on = (per(MemoryInputs(1, "dadam", "cpu", in_neighbours=2, scoring=s), Where.HOST) for s in (False, True))
+    # beyond their round: 2 neighbours' values and the base; one moved copy at a time
+    assert on["contribution scoring (4 copies while it measures)"] == 16 and set(on) - set(off) == {
+        "contribution scoring (4 copies while it measures)"}
+    assert per(MemoryInputs(1, "dadam", "cpu", in_neighbours=9, scoring=True), Where.HOST)[
+        "contribution scoring (6 copies while it measures)"] == 24  # at most MAX_SCORED neighbours
+    # DiLoCo measures a fragment at a time; CHOCO and SPES do not score
+    diloco = per(MemoryInputs(1, "diloco", "cpu", in_neighbours=2, fragments=4, scoring=True), Where.HOST)
+    assert diloco["contribution scoring (4 copies while it measures)"] == 4
+    for unscored in (MemoryInputs(1, "dadam", "cpu", choco=True, scoring=True),
+                     MemoryInputs(4, "dadam", "cpu", spes=True, expert_parameters=3, scoring=True)):
+        assert not [t for t in per(unscored, Where.HOST) if t.startswith("contribution scoring")]
 
 
 @pytest.mark.unit
@@ -187,7 +207,7 @@ def test_murmur_status_shows_the_estimate_in_one_line():
     status = {"peer_id": "QmMe", "swarm": "s", "maddrs": [], "round": 0, "step": 0, "peers": [], "bytes_sent": 0,
               "bytes_received": 0, "errors": {}, "memory": memory}
     lines = [line for line in format_status(status).splitlines() if line.startswith("memory")]
-    assert lines == ["memory   ~41.0 GiB RAM (44 B/param), ~14.9 GiB GPU (16 B/param) for 1,000,000,000 parameters"]
+    assert lines == ["memory   ~41.0 GiB RAM (44 B/param), ~18.6 GiB GPU (20 B/param) for 1,000,000,000 parameters"]
     assert not [line for line in format_status({**status, "memory": None}).splitlines() if line.startswith("memory")]
 
 
@@ -250,3 +270,15 @@ def test_experts_are_counted_in_the_embedded_and_the_fused_transformers_layout()
         assert settings.training is not None
         size = parameter_split(settings.training)
         assert size is not None and 0 < size.expert_parameters < size.parameters and size.experts_per_layer > 1, model
+
+
+@pytest.mark.unit
+def test_a_node_that_fits_only_without_scoring_is_told_so():
+    from node.runtime.preflight import Machine, judge
+
+    inputs = MemoryInputs(10**9, "dadam", "cpu", in_neighbours=1, scoring=True)
+    on, off = footprint(inputs).host_bytes, footprint(MemoryInputs(10**9, "dadam", "cpu", in_neighbours=1)).host_bytes
+    _, refusal = judge(inputs, Machine(ram=(on + off) // 2, vram=None))
+    assert refusal is not None and "--score-every 0 (no contribution scoring) fits" in refusal
+    _, roomy = judge(inputs, Machine(ram=on, vram=None))
+    assert roomy is None

@@ -138,14 +138,15 @@ def neighbours(spec: TopologySpec) -> tuple[int, int]:
 
 
 def memory_inputs(parameters: int, experts: int, recipe: TrainingRecipe, settings: SwarmSettings,
-                  device: str, capacity_share: float = 1.0) -> MemoryInputs:
-    """The footprint's inputs for the swarm's recipe on a `device` ("cpu" or "cuda") node."""
+                  device: str, capacity_share: float = 1.0, scoring: bool = False) -> MemoryInputs:
+    """The footprint's inputs for the swarm's recipe on a `device` ("cpu" or "cuda") node; `scoring`: this
+    node's contribution scoring is on (--score-every > 0)."""
     inner = recipe.inner_optimizer
     per_round, distinct = neighbours(settings.topology)
     common: dict[str, Any] = {
         "parameters": parameters, "device": device, "codec": settings.codec.name,
         "inner": "adam" if inner.algorithm in ("dadam", "adam") else "sgd", "momentum": inner.momentum,
-        "max_staleness": settings.max_staleness, "in_neighbours": per_round,
+        "max_staleness": settings.max_staleness, "in_neighbours": per_round, "scoring": scoring,
     }
     if settings.choco is not None:
         common.update(choco=True, choco_edges=min(settings.choco.max_edges, distinct))
@@ -213,6 +214,10 @@ def judge(inputs: MemoryInputs, machine: Machine, hints: Sequence[str] = ()) -> 
         others.append((ok, g.host_bytes, f"{algorithm} would need {needs}"))
     fitting = [what.replace("would need", "fits with") for ok, _, what in others if ok]
     suggestions = [*hints, *((fitting or [min(others)[2]]) if others else [])]
+    if inputs.scoring:
+        unscored = replace(inputs, scoring=False)
+        if not _shortfalls(footprint(unscored), unscored, machine):
+            suggestions.insert(0, "--score-every 0 (no contribution scoring) fits")
     if not hints and inputs.spes and inputs.expert_parameters and inputs.owned_share >= 0.5:
         suggestions.append("SPES with fewer owned experts (--experts) needs less")
     others_text = "; ".join(suggestions)
@@ -283,20 +288,21 @@ class DoesNotFit(StartupError):
 
 
 def _largest_fitting(size: ModelSize, recipe: TrainingRecipe, settings: SwarmSettings, device: str,
-                     machine: Machine) -> int:
+                     machine: Machine, scoring: bool) -> int:
     """The most experts per layer a SPES node here can train (0: not even one)."""
     for n in range(size.experts_per_layer, 0, -1):
         inputs = memory_inputs(size.parameters, size.expert_parameters, recipe, settings, device,
-                               capacity_share=n / size.experts_per_layer)
+                               capacity_share=n / size.experts_per_layer, scoring=scoring)
         if not _shortfalls(footprint(inputs), inputs, machine):
             return n
     return 0
 
 
 def check_fit(recipe: TrainingRecipe, settings: SwarmSettings, device: str,
-              wanted_experts: int | None = None) -> Fit | None:
+              wanted_experts: int | None = None, scoring: bool = False) -> Fit | None:
     """Whether the swarm's model fits this machine with the swarm's algorithm, and this node's choices
-    (SPES's capacity); DoesNotFit when it does not, None when the model cannot be counted cheaply."""
+    (SPES's capacity, `scoring`: its contribution scoring); DoesNotFit when it does not, None when the
+    model cannot be counted cheaply."""
     try:
         machine = this_machine(device)
     except ValueError as exc:  # the mock's text, or a CUDA device torch does not see
@@ -309,12 +315,13 @@ def check_fit(recipe: TrainingRecipe, settings: SwarmSettings, device: str,
     capacity, largest, hints = None, 0, []
     share = owned_share(size, kind, wanted_experts)
     if recipe.spes is not None and size.experts_per_layer:
-        largest = _largest_fitting(size, recipe, settings, kind, machine)
+        largest = _largest_fitting(size, recipe, settings, kind, machine, scoring)
         capacity = choose_capacity(size.experts_per_layer, wanted_experts, kind, largest)
         share = (capacity.experts or 1) / size.experts_per_layer
         if largest and capacity.experts is not None and capacity.experts > largest:
             hints.append(f"SPES with --experts {largest} (of {size.experts_per_layer} per layer) fits here")
-    inputs = memory_inputs(size.parameters, size.expert_parameters, recipe, settings, kind, capacity_share=share)
+    inputs = memory_inputs(size.parameters, size.expert_parameters, recipe, settings, kind, capacity_share=share,
+                           scoring=scoring)
     f, refusal = judge(inputs, machine, hints)
     if refusal is not None:
         raise DoesNotFit(refusal, size.parameters)
@@ -327,10 +334,10 @@ def check_fit(recipe: TrainingRecipe, settings: SwarmSettings, device: str,
 
 
 def preflight(recipe: TrainingRecipe, settings: SwarmSettings, device: str,
-              wanted_experts: int | None = None) -> dict[str, Any] | None:
+              wanted_experts: int | None = None, scoring: bool = False) -> dict[str, Any] | None:
     """Refuse (DoesNotFit, a StartupError) a model that would not fit here with the swarm's algorithm; else
     log one line and return the footprint for the status (None when the model cannot be counted cheaply)."""
-    fit = check_fit(recipe, settings, device, wanted_experts)
+    fit = check_fit(recipe, settings, device, wanted_experts, scoring)
     return fit.as_json() if fit is not None else None
 
 

@@ -219,7 +219,8 @@ async def _preflight(runtime: NodeRuntime, swarm: SwarmConfig, settings: SwarmSe
     refused: DoesNotFit | None = None
     if recipe is not None:
         try:
-            fit = await asyncio.to_thread(check_fit, recipe, settings, config.training.device, config.training.experts)
+            fit = await asyncio.to_thread(check_fit, recipe, settings, config.training.device, config.training.experts,
+                                          config.gossip.scoring.enabled)
         except DoesNotFit as exc:
             if link is None:
                 raise
