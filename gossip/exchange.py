@@ -280,7 +280,7 @@ class GossipPeer:
         self._tensors_are_base = True
         self._base: dict[str, np.ndarray] | None = None
         self._parked = False  # see park()
-        self.judge: Judge | None = None  # contribution scoring: set by the daemon (dense gossip only)
+        self.judge: Judge | None = None  # contribution scoring: set by the daemon (dense gossip, DiLoCo fragments)
         self._begun = -1  # the latest round whose run_round has begun
         # round -> our tensors as that round began, for the last max_staleness + 1 rounds (see _pull_answer);
         # they are the values the rounds replaced, so this holds up to that many extra copies

@@ -42,10 +42,15 @@ from node.cli.args import (
     values_checked,
 )
 from node.config import DEFAULTS, Command, setting_value
+from node.net.validation import MAX_HEARTBEAT_S
+from node.swarm.recipe import MAX_MEMBERSHIP_SHARDS
 from topology import Topology, build_topology
 
 # steps run before the timed ones: the first step allocates and warms the allocator
 WARMUP_STEPS = 1
+DEFAULT_HEARTBEAT_S = DEFAULTS.heartbeat_s
+# a DHT entry beyond its value: the owner's subkey (an OpenSSH RSA key, ~400 bytes) and the signature (~350)
+DHT_ENTRY_OVERHEAD = 800
 
 
 @dataclass(frozen=True)
@@ -233,14 +238,61 @@ def describe(plan: Plan, config: PlanConfig, step: StepTime, model: str) -> list
     dp = plan.data_parallel
     lines.append(f"against data-parallel fp32 all-reduce every step: {dp.step_s / plan.gossip.step_s:.2f}x faster, "
                  f"{plan.gossip.sent_bytes_per_step / dp.sent_bytes_per_step:.4f}x the bytes")
-    lines.append(f"a gossip sync: {plan.gossip.sync_s:.1f} s, its messages over this link (a symmetric exchange's request, "
-                 "then its reply); --exchange-timeout bounds only how long a neighbour takes to start answering, the "
-                 "payload is paced as a download is")
+    lines.append(f"a gossip sync: {plan.gossip.sync_s:.1f} s, its messages over this link (a symmetric exchange's request "
+                 "and reply at once; compressed gossip's one after the other); --exchange-timeout bounds only how long "
+                 "a neighbour takes to start answering, the payload is paced as a download is")
     d = plan.download
     lines.append(f"a joiner's download from one donor: {_mb(d.nbytes)} MB in {d.seconds:.1f} s over this link; cut "
                  f"only when it stalls or falls below the goodput floor (at most {d.bound_s:.0f} s before any goodput "
                  "is measured: --stall-timeout, --goodput-floor)")
+    m = membership(c.peers)
+    calm = m.heartbeat_for(c.link.bandwidth_mbit / 10)
+    lines.append(f"membership: {c.peers} peer records of ~{m.record_bytes} B make a view read of ~{m.read_bytes / 1024:.0f} "
+                 f"KiB, read every half heartbeat and stored back once: ~{m.mbit_s(DEFAULT_HEARTBEAT_S):.2f} Mbit/s each "
+                 f"way at the default {DEFAULT_HEARTBEAT_S:g} s heartbeat"
+                 + ("" if calm <= DEFAULT_HEARTBEAT_S else f" (a tenth of this link from --heartbeat {calm:.0f}"
+                    + (")" if calm <= MAX_HEARTBEAT_S else f", beyond the {MAX_HEARTBEAT_S:g} s it allows: too many peers "
+                       "for every node to read them all)"))
+                 + "; one DHT key answers at most 4 MiB: "
+                 + ("one key holds them" if m.shards == 1 else f"found the swarm with --membership-shards {m.shards}"
+                    if m.shards <= MAX_MEMBERSHIP_SHARDS else f"more than {MAX_MEMBERSHIP_SHARDS} shards would be needed"))
     return lines
+
+
+@dataclass(frozen=True)
+class Membership:
+    """What reading the swarm's membership costs a node (node.net.discovery reads every shard of
+    `<swarm>.peers` every half heartbeat; hivemind stores what it found back on the nearest node that
+    lacked it)."""
+
+    record_bytes: int  # one peer record as the DHT stores it
+    read_bytes: int  # every record, once
+    shards: int  # the fewest shards that keep every key under half of what a DHT node answers
+
+    def mbit_s(self, heartbeat_s: float) -> float:
+        """Each way at `heartbeat_s`: two reads a heartbeat in, each stored back once out."""
+        return 2 * self.read_bytes * 8 / heartbeat_s / 1e6
+
+    def heartbeat_for(self, mbit_s: float) -> float:
+        """The shortest heartbeat that keeps the membership's traffic within `mbit_s`."""
+        return self.mbit_s(1.0) / mbit_s
+
+    def as_json(self) -> dict[str, float]:
+        return {"record_bytes": self.record_bytes, "read_bytes": self.read_bytes, "shards": self.shards,
+                "mbit_s_at_default_heartbeat": self.mbit_s(DEFAULT_HEARTBEAT_S)}
+
+
+def membership(peers: int) -> Membership:
+    from node.net.discovery import SHARD_WARN_BYTES
+    from node.net.records import PeerRecord, encode_peer_record
+
+    peer = "Qm" + "x" * 44  # a peer id's length; three addresses, a step, a credential's length
+    record = PeerRecord(peer_id=peer, maddrs=tuple(f"/ip4/203.0.113.{i}/tcp/31337/p2p/{peer}" for i in range(3)),
+                        step=10**6, round=10**5, experts=(), capacity=0, version="0.1.0", heartbeat=1.7e9,
+                        credential="c" * 64, config_hash="h" * 64)
+    size = len(encode_peer_record(record)) + DHT_ENTRY_OVERHEAD
+    read = peers * size
+    return Membership(size, read, max(1, math.ceil(read / SHARD_WARN_BYTES)))
 
 
 def print_plan(plan: Plan, config: PlanConfig, step: StepTime, model: str, *, as_json: bool) -> None:
@@ -255,7 +307,7 @@ def print_plan(plan: Plan, config: PlanConfig, step: StepTime, model: str, *, as
                   "outer_momentum": config.outer_momentum, "anchor_every": config.anchor_every,
                   "anchor_codec": config.anchor_codec.name,
                   "tokens_per_step": config.tokens_per_step, "round_cpu_s": config.round_cpu_s}
-        print(json.dumps({"inputs": inputs, **plan.as_json()}))
+        print(json.dumps({"inputs": inputs, **plan.as_json(), "membership": membership(config.peers).as_json()}))
         return
     print("\n".join(describe(plan, config, step, model)))
 
