@@ -16,7 +16,7 @@ from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from gossip.spes import ExpertRecord
 from node.algorithms.spes.directory import DhtExpertDirectory
-from node.net.discovery import Discovery, DiscoverySettings
+from node.net.discovery import MEMBERSHIP_BUDGET_MBIT_S, Discovery, DiscoverySettings
 from node.net.identity import Identity, create_identity
 from node.net.records import (
     PeerRecord,
@@ -332,3 +332,28 @@ def test_a_read_no_dht_peer_answered_keeps_the_view_and_is_counted_one_they_answ
         assert await view({}) == {me.peer_id} and discovery.errors.get("dht_get_unanswered") == 2
 
     asyncio.run(scenario())
+
+
+def test_background_reads_of_a_big_view_are_spaced_to_the_membership_budget(ids) -> None:
+    """Every node reads the whole membership: a big swarm's view is read less often than every half
+    heartbeat, so the reads (and hivemind's store-backs) cost about MEMBERSHIP_BUDGET_MBIT_S each way; a
+    small one's as before."""
+    me, a, b = ids["me"], ids["a"], ids["b"]
+    dht = StandInDht()
+    discovery = discovery_over(dht, me)
+    refresh = discovery._settings.refresh_s
+
+    async def scenario() -> tuple[float, float]:
+        dht.answer = {peers_key(SWARM): {subkey(a): peer_record(a, 1), subkey(b): peer_record(b, 1)}}
+        await discovery._refresh_view()
+        small = discovery.read_interval_s()
+        # values the validators would refuse (the stand-in validates nothing): only their size counts here
+        dht.answer = {peers_key(SWARM): {f"filler {i}".encode(): b"x" * 1000 for i in range(2000)}}
+        await discovery._refresh_view()
+        return small, discovery.read_interval_s()
+
+    small, big = asyncio.run(scenario())
+    assert small == refresh
+    read = sum(1000 + len(f"filler {i}") for i in range(2000))
+    assert big == pytest.approx(read * 8 / (MEMBERSHIP_BUDGET_MBIT_S * 1e6)) and big > refresh
+

@@ -42,7 +42,6 @@ from node.cli.args import (
     values_checked,
 )
 from node.config import DEFAULTS, Command, setting_value
-from node.net.validation import MAX_HEARTBEAT_S
 from node.swarm.recipe import MAX_MEMBERSHIP_SHARDS
 from topology import Topology, build_topology
 
@@ -246,13 +245,12 @@ def describe(plan: Plan, config: PlanConfig, step: StepTime, model: str) -> list
                  f"only when it stalls or falls below the goodput floor (at most {d.bound_s:.0f} s before any goodput "
                  "is measured: --stall-timeout, --goodput-floor)")
     m = membership(c.peers)
-    calm = m.heartbeat_for(c.link.bandwidth_mbit / 10)
+    every = m.read_interval_s(DEFAULT_HEARTBEAT_S)
     lines.append(f"membership: {c.peers} peer records of ~{m.record_bytes} B make a view read of ~{m.read_bytes / 1024:.0f} "
-                 f"KiB, read every half heartbeat and stored back once: ~{m.mbit_s(DEFAULT_HEARTBEAT_S):.2f} Mbit/s each "
-                 f"way at the default {DEFAULT_HEARTBEAT_S:g} s heartbeat"
-                 + ("" if calm <= DEFAULT_HEARTBEAT_S else f" (a tenth of this link from --heartbeat {calm:.0f}"
-                    + (")" if calm <= MAX_HEARTBEAT_S else f", beyond the {MAX_HEARTBEAT_S:g} s it allows: too many peers "
-                       "for every node to read them all)"))
+                 f"KiB, stored back once; a node reads it every {every:.1f} s, "
+                 + ("every half of the default heartbeat" if every <= DEFAULT_HEARTBEAT_S / 2 else
+                    f"as often as ~{m.budget_mbit_s:g} Mbit/s each way allows (every half heartbeat would "
+                    f"cost {m.mbit_s(DEFAULT_HEARTBEAT_S):.1f} Mbit/s), so its view is up to that stale")
                  + "; one DHT key answers at most 4 MiB: "
                  + ("one key holds them" if m.shards == 1 else f"found the swarm with --membership-shards {m.shards}"
                     if m.shards <= MAX_MEMBERSHIP_SHARDS else f"more than {MAX_MEMBERSHIP_SHARDS} shards would be needed"))
@@ -268,22 +266,25 @@ class Membership:
     record_bytes: int  # one peer record as the DHT stores it
     read_bytes: int  # every record, once
     shards: int  # the fewest shards that keep every key under half of what a DHT node answers
+    budget_mbit_s: float  # what a node's background reads of it may cost each way
 
     def mbit_s(self, heartbeat_s: float) -> float:
-        """Each way at `heartbeat_s`: two reads a heartbeat in, each stored back once out."""
+        """Each way, were it read every half of `heartbeat_s`: two reads a heartbeat in, each stored back once out."""
         return 2 * self.read_bytes * 8 / heartbeat_s / 1e6
 
-    def heartbeat_for(self, mbit_s: float) -> float:
-        """The shortest heartbeat that keeps the membership's traffic within `mbit_s`."""
-        return self.mbit_s(1.0) / mbit_s
+    def read_interval_s(self, heartbeat_s: float) -> float:
+        """How often a node reads it: every half heartbeat, or as often as the budget allows
+        (node.net.discovery.Discovery.read_interval_s)."""
+        return max(heartbeat_s / 2, self.read_bytes * 8 / (self.budget_mbit_s * 1e6))
 
     def as_json(self) -> dict[str, float]:
         return {"record_bytes": self.record_bytes, "read_bytes": self.read_bytes, "shards": self.shards,
-                "mbit_s_at_default_heartbeat": self.mbit_s(DEFAULT_HEARTBEAT_S)}
+                "read_interval_s": self.read_interval_s(DEFAULT_HEARTBEAT_S),
+                "mbit_s_unspaced": self.mbit_s(DEFAULT_HEARTBEAT_S)}
 
 
 def membership(peers: int) -> Membership:
-    from node.net.discovery import SHARD_WARN_BYTES
+    from node.net.discovery import MEMBERSHIP_BUDGET_MBIT_S, SHARD_WARN_BYTES
     from node.net.records import PeerRecord, encode_peer_record
 
     peer = "Qm" + "x" * 44  # a peer id's length; three addresses, a step, a credential's length
@@ -292,7 +293,7 @@ def membership(peers: int) -> Membership:
                         credential="c" * 64, config_hash="h" * 64)
     size = len(encode_peer_record(record)) + DHT_ENTRY_OVERHEAD
     read = peers * size
-    return Membership(size, read, max(1, math.ceil(read / SHARD_WARN_BYTES)))
+    return Membership(size, read, max(1, math.ceil(read / SHARD_WARN_BYTES)), MEMBERSHIP_BUDGET_MBIT_S)
 
 
 def print_plan(plan: Plan, config: PlanConfig, step: StepTime, model: str, *, as_json: bool) -> None:

@@ -79,6 +79,13 @@ logger = logging.getLogger(__name__)
 # no one. A shard past half of it is warned of, while the swarm can still be re-founded with more shards.
 DHT_RESPONSE_BYTES = 4 << 20
 SHARD_WARN_BYTES = DHT_RESPONSE_BYTES // 2
+# Every node reads the whole membership (every shard), and hivemind stores what a read found back once: at
+# 1000 peers a read is ~1.4 MB, 11 Mbit/s each way every half of a 2 s heartbeat. Background reads are
+# spaced so they cost at most about this much each way (the next read waits the last one's size over it:
+# the read comes in, its store-back goes out): a swarm of up to ~90 peers reads every half heartbeat as
+# before, one of 1000 every ~11 s. A bigger view is a staler one (joiners appear, the departed go, a little
+# later); reads asked for (an unknown peer's stream, node.net.membership) are not spaced by it.
+MEMBERSHIP_BUDGET_MBIT_S = 1.0
 
 __all__ = [
     "BootstrapFailed",
@@ -119,6 +126,12 @@ class OwnedValues:
     failed: frozenset[int] = frozenset()
 
 
+def _entries_bytes(entries: Mapping[Any, Any]) -> int:
+    """What a read of one DHT key moved, about: its entries' values and subkeys (owner keys)."""
+    return sum(len(item.value) + (len(subkey) if isinstance(subkey, bytes) else 0)
+               for subkey, item in entries.items() if isinstance(item.value, bytes))
+
+
 def _software_version() -> str:
     try:
         return importlib.metadata.version("murmur")
@@ -132,6 +145,9 @@ class DiscoverySettings:
     heartbeat_s: float = 2.0
     ttl_heartbeats: int = RECORD_TTL_HEARTBEATS  # a record outlives its heartbeat by this many periods
     view_refresh_s: float | None = None  # how often the view is re-read; default half a heartbeat
+    # what the background reads of the view may cost each way (MEMBERSHIP_BUDGET_MBIT_S): a big swarm's
+    # view is read less often than every refresh_s
+    membership_budget_mbit_s: float = MEMBERSHIP_BUDGET_MBIT_S
     rpc_timeout_s: float = 2.0  # one DHT RPC to one peer
     request_timeout_s: float = 5.0  # one whole DHT store/get (several RPCs)
     bootstrap_timeout_s: float = 10.0
@@ -243,6 +259,7 @@ class Discovery:
         self._work_bits = 0  # the proof of work (leading zero bits) a record must carry, once entered
         self._peers_key = ShardedKey(peers_key(settings.swarm))  # split over the recipe's shards, once entered
         self._shard_full_warned: set[str] = set()  # keys whose size was warned of (once each)
+        self._last_read_bytes = 0  # what the last read of the view found, every shard (spaces the reads)
         self._seen: dict[str, FirstSeen] = {}  # each live record's first sighting (node.net.view)
         self._view_rng = random.Random()  # draws the newcomers the view's cap admits, unlike any other node's
 
@@ -574,8 +591,15 @@ class Discovery:
 
     async def _watch_loop(self) -> None:
         while True:
-            await asyncio.sleep(self._settings.refresh_s)
+            await asyncio.sleep(self.read_interval_s())
             await self._refresh_view()
+
+    def read_interval_s(self) -> float:
+        """How long the background reads of the view wait between two: refresh_s, or longer where the last
+        read was big enough that reading it (and its store-back) every refresh_s would exceed the budget."""
+        # a read comes in, and hivemind stores it back out once: its size each way
+        spaced = self._last_read_bytes * 8 / (self._settings.membership_budget_mbit_s * 1e6)
+        return max(self._settings.refresh_s, spaced)
 
     async def _config_watch_loop(self) -> None:
         current = self._config
@@ -682,7 +706,7 @@ class Discovery:
         for shard, entries in shards.items():
             if entries is None or key.key(shard) in self._shard_full_warned:
                 continue
-            size = sum(len(item.value) for item in entries.values() if isinstance(item.value, bytes))
+            size = _entries_bytes(entries)
             if size > SHARD_WARN_BYTES:
                 self._shard_full_warned.add(key.key(shard))
                 self._errors["dht_shard_near_limit"] += 1
@@ -729,6 +753,7 @@ class Discovery:
         failed = {shard for shard, entries in shards.items() if entries is None}
         if len(failed) == len(shards):
             return  # keep the last view rather than report everyone gone after one failed read
+        self._last_read_bytes = sum(_entries_bytes(entries) for entries in shards.values() if entries is not None)
         # A shard whose read failed keeps its peers of the last view, as an unsharded key keeps them all.
         records = {r.peer_id: r for r in self._view if self._peers_key.shard_of(r.peer_id) in failed}
         records[self.peer_id] = self._local
