@@ -76,7 +76,7 @@ from node.swarm.recipe import RecipeInvalid, SwarmSettings, parse_document
 logger = logging.getLogger(__name__)
 
 # hivemind answers a find over p2pd, whose messages stop at 4 MiB: a key whose value outgrows it is found by
-# no one. A shard past half of it is warned of, while the swarm can still be re-founded with more shards.
+# no one. A shard past half of it is warned of, before it grows unreadable.
 DHT_RESPONSE_BYTES = 4 << 20
 SHARD_WARN_BYTES = DHT_RESPONSE_BYTES // 2
 # Every node reads the whole membership (every shard), and hivemind stores what a read found back once: at
