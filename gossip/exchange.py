@@ -1003,12 +1003,22 @@ _B = TypeVar("_B")
 
 async def _both(first: Coroutine[Any, Any, _A], second: Coroutine[Any, Any, _B]) -> tuple[_A, _B]:
     """Both at once (a duplex exchange's writing and reading); the first to fail cancels the other and is
-    raised as itself, not in an ExceptionGroup: the callers sort a round's failures by their type."""
+    raised as itself: the callers sort a round's failures by their type. A cancel of the caller (a stop, a
+    timeout) cancels both and propagates as itself.
+
+    Not a TaskGroup: on Python 3.11 one whose task fails while it waits cancels the caller's task and
+    never uncancels it (the count stays up for the caller's later timeouts), and it gives a task's failure
+    priority over the caller's own cancel (a stop would read as a skipped neighbour)."""
+    a, b = asyncio.ensure_future(first), asyncio.ensure_future(second)
     try:
-        async with asyncio.TaskGroup() as group:
-            a, b = group.create_task(first), group.create_task(second)
-    except BaseExceptionGroup as failed:
-        raise failed.exceptions[0] from None
+        await asyncio.wait((a, b), return_when=asyncio.FIRST_EXCEPTION)
+    finally:  # done, failed, or cancelled ourselves: neither half outlives the call
+        for half in (a, b):
+            half.cancel()
+        await asyncio.wait((a, b))
+    for half in (a, b):
+        if not half.cancelled() and half.exception() is not None:
+            raise half.exception()  # type: ignore[misc]  # checked just above
     return a.result(), b.result()
 
 

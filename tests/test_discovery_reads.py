@@ -357,3 +357,24 @@ def test_background_reads_of_a_big_view_are_spaced_to_the_membership_budget(ids)
     read = sum(1000 + len(f"filler {i}") for i in range(2000))
     assert big == pytest.approx(read * 8 / (MEMBERSHIP_BUDGET_MBIT_S * 1e6)) and big > refresh
 
+
+
+def test_a_stop_during_a_view_read_ends_the_read_even_when_the_dht_closes_under_it(ids) -> None:
+    """Discovery.close() marks the node closed and cancels its reads. A read whose per-shard tasks start
+    after that must end cancelled, not as one more failed read the loop retries for ever (a TaskGroup
+    gives its tasks' errors priority over a cancel of its own task): close() awaits the loop."""
+    me, a, b = ids["me"], ids["a"], ids["b"]
+    dht = StandInDht()
+    discovery, shards = sharded_discovery(dht, me, a, b)
+
+    async def scenario() -> None:
+        reading = asyncio.create_task(discovery._read_shards(ShardedKey(peers_key(SWARM), shards), "reading"))
+        await asyncio.sleep(0)  # the read has made its per-shard tasks; they have not run yet
+        discovery._closed = True
+        reading.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(reading, 5)
+        # the loop that reads the view ends once the node is closed
+        await asyncio.wait_for(discovery._watch_loop(), 5)
+
+    asyncio.run(scenario())

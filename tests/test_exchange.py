@@ -704,7 +704,9 @@ def test_a_partner_whose_second_try_is_cut_too_is_skipped_after_a_short_grace():
         plan = PeerRound(0.5, {"a": 0.5}, ("a",)), PeerRound(0.5, {"b": 0.5}, ("b",))
         out_b, out_a = await asyncio.gather(b.run_round(0, plan[0]), a.run_round(0, plan[1]))
         assert b_transport.cut == 2 and a.stats.retried == 1
-        assert out_b.skipped == {"a": "unreachable"} and out_a.mixed_with == ()
+        # the cut is seen by the read of the request (truncated) or by the duplex reply's write (unreachable)
+        assert set(out_b.skipped) == {"a"} and out_b.skipped["a"] in ("unreachable", "truncated"), out_b.skipped
+        assert out_a.mixed_with == ()
         assert out_b.duration_s < 8.0 / 2, out_b.duration_s  # the grace, not the deadline
         np.testing.assert_array_equal(b.tensors["w"], 2.0)
         np.testing.assert_array_equal(a.tensors["w"], 0.0)

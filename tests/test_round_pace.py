@@ -301,3 +301,43 @@ def test_a_donor_uploads_its_model_to_a_few_at_once_and_the_others_ask_again_or_
         assert donor.stats.refused[str(Refusal.UPLOADING)] >= 2  # b's, and c's until a's upload ended
 
     asyncio.run(main())
+
+
+def test_a_duplex_exchange_cancelled_from_outside_is_cancelled_whatever_its_halves_raise() -> None:
+    """A stop or a timeout cancels a round in the middle of a duplex exchange: the half that is cancelled
+    aborts the stream, and the other half then fails with a ConnectionError before its own cancel lands. The
+    exchange must end cancelled, not as that ConnectionError (a skip the round would carry on after: the
+    stop would be lost and the node would not end)."""
+    from gossip.exchange import _both
+
+    async def main() -> None:
+        aborted = asyncio.Event()
+
+        async def writing() -> None:
+            try:
+                await asyncio.sleep(3600)
+            finally:
+                aborted.set()  # a cancelled write aborts the stream (node.net.transport.p2pd.P2PDStream)
+
+        async def reading() -> None:
+            await aborted.wait()
+            raise ConnectionError("the stream was aborted")
+
+        task = asyncio.create_task(_both(writing(), reading()))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # a half that fails on its own is raised as itself
+        async def failing() -> None:
+            raise ConnectionError("gone")
+
+        with pytest.raises(ConnectionError, match="gone"):
+            await _both(failing(), asyncio.sleep(3600))
+        # and an outer timeout still reads as one
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.05):
+                aborted.clear()
+                await _both(writing(), reading())
+
+    asyncio.run(main())

@@ -590,7 +590,7 @@ class Discovery:
                 await self._store_config(self._config)
 
     async def _watch_loop(self) -> None:
-        while True:
+        while not self._closed:
             await asyncio.sleep(self.read_interval_s())
             await self._refresh_view()
 
@@ -672,7 +672,9 @@ class Discovery:
         """The subkey entries under `key` (empty when there are none), or None and why the read failed (counted):
         it timed out, raised, or found nothing after asking peers of which none answered (hivemind reports
         that as nothing found; node.net.hivemind_adapter.FindWatch tells them apart)."""
-        dht = self._require_started()
+        if self._closed or self._dht is None:
+            return None, "discovery is closed"  # a read that began as the node stopped: nothing to count
+        dht = self._dht
         if self._finds is None or self._finds.node is not dht:
             self._finds = FindWatch(dht)
         entries = None
@@ -700,8 +702,17 @@ class Discovery:
         """Every shard of `key`, read at once: its subkey entries, or None where its read failed (counted).
         A shard that nears what a DHT node can answer is warned of once: the founder should split the key
         further (`--membership-shards`) before it grows unreadable."""
-        async with asyncio.TaskGroup() as group:
-            reads = {shard: group.create_task(self._read_entries(key.key(shard), doing)) for shard in range(key.shards)}
+        try:
+            async with asyncio.TaskGroup() as group:
+                reads = {shard: group.create_task(self._read_entries(key.key(shard), doing))
+                         for shard in range(key.shards)}
+        except BaseExceptionGroup as failed:
+            # _read_entries counts its failures and raises none; should one escape as the node stops, the
+            # stop wins (a TaskGroup gives its tasks' errors priority over a cancel of its own task): the
+            # loop reading the view must end, not count one more failed read and retry for ever.
+            if self._closed:
+                raise asyncio.CancelledError from None
+            raise failed.exceptions[0] from None
         shards = {shard: read.result()[0] for shard, read in reads.items()}
         for shard, entries in shards.items():
             if entries is None or key.key(shard) in self._shard_full_warned:
