@@ -197,7 +197,6 @@ def sharded_discovery(dht: StandInDht, me: Identity, a: Identity, b: Identity) -
     shards = next(n for n in range(2, 17) if peer_shard(a.peer_id, n) != peer_shard(b.peer_id, n))
     discovery = discovery_over(dht, me)
     discovery._membership.shards = shards
-    discovery._peers_key = discovery.sharded(peers_key(SWARM))
     return discovery, shards
 
 

@@ -257,7 +257,6 @@ class Discovery:
         self._epoch: float | None = None  # the swarm's founding time, once entered: bounds the steps claimed
         self._step_budget = 0  # the recipe's steps (0: no budget), once entered: bounds them too
         self._work_bits = 0  # the proof of work (leading zero bits) a record must carry, once entered
-        self._peers_key = ShardedKey(peers_key(settings.swarm))  # split over the recipe's shards, once entered
         self._shard_full_warned: set[str] = set()  # keys whose size was warned of (once each)
         self._last_read_bytes = 0  # what the last read of the view found, every shard (spaces the reads)
         self._seen: dict[str, FirstSeen] = {}  # each live record's first sighting (node.net.view)
@@ -271,6 +270,11 @@ class Discovery:
     def shards(self) -> int:
         """How many DHT keys this swarm's per-peer keys are each split over (one until entered)."""
         return self._membership.shards or 1
+
+    @property
+    def _peers_key(self) -> ShardedKey:
+        """`<swarm>.peers`, split over the recipe's shards once entered."""
+        return self.sharded(peers_key(self._settings.swarm))
 
     def sharded(self, base: str) -> ShardedKey:
         """A per-peer key of this swarm split as its config says (one shard until entered)."""
@@ -363,7 +367,6 @@ class Discovery:
             self._tokens_per_step = 0
         self._work_bits = identity_work_bits(config.config) if admission.is_open else 0
         self._membership.shards = membership_shards(config.config)
-        self._peers_key = self.sharded(peers_key(self._settings.swarm))
         if self._work_bits:
             # minted once per identity and kept beside it (node.net.work); CPU-bound, so in a thread
             nonce = await asyncio.to_thread(cached_work, self._identity.path, self._settings.swarm, self.peer_id,
