@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
 import math
 import random
@@ -74,6 +75,9 @@ logger = logging.getLogger(__name__)
 PULL, EXCHANGE, REPLY, REJECT, ACK = "pull", "exchange", "reply", "reject", "ack"
 # meta flag of a pull outside any round (`fetch`): answered at once with the current tensors
 CURRENT = "current"
+# meta of a pull of the current tensors: the manifest index of the first tensor wanted (a download resumed
+# where another donor's broke off, `fetch`'s `start`); the answer's manifest is ours from there on
+FROM = "from"
 # meta flag of an exchange request whose asker reads the reply while it writes the request: the answering
 # peer replies as it reads the request, so a symmetric exchange takes one transfer's time, not two (an
 # asker without the flag writes its whole request before it reads, and is answered after it)
@@ -192,6 +196,16 @@ class _Received:
     step: int
     tensors: dict[str, np.ndarray]
     sent: Outgoing | None = None  # compressed gossip: what we sent on this exchange
+
+
+@dataclass
+class Delivered:
+    """What a pull of the current tensors delivered (`GossipPeer.fetch`), also when it broke off: the step
+    and round its reply claimed, and the tensors that arrived whole, in manifest order."""
+
+    step: int | None = None
+    round: int | None = None
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 class PeerRejected(Exception):
@@ -535,7 +549,8 @@ class GossipPeer:
         return 3 * wait_s + 1.0 + 2 * pace.whole_s(self._request_limits.max_payload_bytes)
 
     async def fetch(self, peer: str, progress: TransferProgress | None = None, *, answer_timeout_s: float | None = None,
-                    busy_wait_s: float = 0.0) -> tuple[dict[str, np.ndarray], int, int]:
+                    busy_wait_s: float = 0.0, start: int = 0,
+                    delivered: Delivered | None = None) -> tuple[dict[str, np.ndarray], int, int]:
         """`_fetch_once`, asked again while `peer` refuses it as busy uploading to others (`uploading`, its
         IncomingLimits.concurrent_uploads) for up to `busy_wait_s`, at growing random intervals, so peers
         that all pull from one donor at once (a final merge) are served in turns rather than left out; a
@@ -544,7 +559,8 @@ class GossipPeer:
         until, pause = loop.time() + busy_wait_s, BUSY_RETRY_S
         while True:
             try:
-                return await self._fetch_once(peer, progress, answer_timeout_s=answer_timeout_s)
+                return await self._fetch_once(peer, progress, answer_timeout_s=answer_timeout_s, start=start,
+                                              delivered=delivered)
             except PeerRejected as exc:
                 left = until - loop.time()
                 if str(exc) != Refusal.UPLOADING or left <= 0:
@@ -560,7 +576,8 @@ class GossipPeer:
         return turns * self._settings.pace.whole_s(message_nbytes(self._tensors, WHOLE_MODEL_CODEC))
 
     async def _fetch_once(self, peer: str, progress: TransferProgress | None = None, *,
-                          answer_timeout_s: float | None = None) -> tuple[dict[str, np.ndarray], int, int]:
+                          answer_timeout_s: float | None = None, start: int = 0,
+                          delivered: Delivered | None = None) -> tuple[dict[str, np.ndarray], int, int]:
         """`peer`'s current tensors, round and step: a pull outside any round (a joiner's download, the
         swarm-average evaluation, the final merge), answered in WHOLE_MODEL_CODEC (fp32) whatever codec the
         rounds use (an older peer answers in the round codec). Validated like every reply; raises WireError,
@@ -570,24 +587,40 @@ class GossipPeer:
         deadlines); then the payload, whose
         size the header fixes, is read frame by frame, each within the stall timeout, and all of it
         within its size over the goodput measured for `peer` (`TransferPace.whole_s`): a slow but
-        moving link finishes, a stalled or trickling one is cut. `progress`, if given, follows the payload."""
+        moving link finishes, a stalled or trickling one is cut. `progress`, if given, follows the payload.
+
+        With `start` > 0 only the tensors from that manifest index on are asked for (and returned: a
+        download resumed from another donor; a peer of an older murmur answers all of them). `delivered`,
+        if given, gets the reply's step and round once its header is read, and the tensors that arrived
+        whole, also when the payload breaks off partway."""
+        if not 0 <= start < max(1, len(self._specs)):
+            raise ValueError(f"start {start} is outside our {len(self._specs)} tensors")
         loop = asyncio.get_running_loop()
         pace = self._settings.pace
         answer_s = 4 * self._settings.exchange_timeout_s if answer_timeout_s is None else answer_timeout_s
+        meta: dict[str, MetaValue] = {CURRENT: True, **({FROM: start} if start else {})}
+        incoming: IncomingMessage | None = None
         async with asyncio.timeout(answer_s) as deadline:
             stream = MessageStream(await self._transport.open_stream(peer, self._protocol), self._accounting)
             try:
-                await stream.send(self._frames({}, 0, PULL, {CURRENT: True}))
+                await stream.send(self._frames({}, 0, PULL, meta))
                 incoming = await self._read_reply_header(stream, pace.stall_timeout_s,
                                                          progress.add if progress is not None else None)
                 header = incoming.header
                 if header.kind == REPLY:
-                    _check_manifest(header, self._specs)
+                    if start and tuple(entry.spec for entry in header.manifest) != self._specs:
+                        _check_manifest(header, self._specs[start:])
+                    else:
+                        _check_manifest(header, self._specs)
+                    if delivered is not None:
+                        delivered.step, delivered.round = header.step, header.round
                     deadline.reschedule(loop.time() + pace.whole_s(header.payload_nbytes, self._goodput(peer)))
                     if progress is not None:
                         progress.begin(peer, header.payload_nbytes)
                 reply = await incoming.rest()
             finally:
+                if delivered is not None and incoming is not None and incoming.header.kind == REPLY:
+                    delivered.tensors = incoming.completed()
                 await stream.close()
         if header.kind == REJECT:
             raise PeerRejected(str(header.meta.get("error", "unspecified")))
@@ -759,6 +792,9 @@ class GossipPeer:
         with a reject instead of tensors the asker would drop as stale) or asked more than
         `round_pulls` times, or any round pull under compressed gossip; a pull of the current tensors
         beyond the asker's token bucket."""
+        if FROM in header.meta and (header.meta.get(CURRENT) is not True or not _is_index(header.meta[FROM], self._specs)):
+            raise BadSchema(f"a pull's {FROM!r} must be the index of one of our {len(self._specs)} tensors, in a pull "
+                            f"of the current ones; got {header.meta[FROM]!r}")
         if header.meta.get(CURRENT) is True:
             if self._uploads >= self._settings.incoming.concurrent_uploads:
                 return Refusal.UPLOADING  # before the bucket: a refused pull costs the asker no token
@@ -782,7 +818,10 @@ class GossipPeer:
         answer: tuple[Tensors, int]
         codec = self._settings.codec
         if header.meta.get(CURRENT) is True:
-            answer = self._tensors, self.round  # a whole model outside any round: at once
+            # a whole model outside any round, at once; or its tail, for a download resumed here
+            start = header.meta.get(FROM, 0)  # an index: checked by _pull_refusal
+            assert type(start) is int
+            answer = dict(itertools.islice(self._tensors.items(), start, None)), self.round
             codec = WHOLE_MODEL_CODEC
         else:
             try:
@@ -1040,6 +1079,10 @@ def _check_manifest(header: Header, specs: tuple[TensorSpec, ...]) -> None:
     got = tuple(entry.spec for entry in header.manifest)
     if got != specs:
         raise ManifestMismatch(f"{header.kind} manifest {_describe(got)} differs from the local {_describe(specs)}")
+
+
+def _is_index(value: MetaValue, specs: tuple[TensorSpec, ...]) -> bool:
+    return type(value) is int and 0 <= value < len(specs)
 
 
 def _describe(specs: tuple[TensorSpec, ...]) -> str:

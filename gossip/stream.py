@@ -13,6 +13,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Protocol, TypeVar
 
+import numpy as np
+
 from gossip.errors import BadSchema, WireError
 from gossip.pace import PIECE_BYTES, TransferStalled
 from gossip.transport import Stream
@@ -59,6 +61,10 @@ class IncomingMessage:
 
     async def rest(self) -> Message:
         return await self._reader.rest()
+
+    def completed(self) -> dict[str, np.ndarray]:
+        """The tensors read whole so far: after `rest()` failed, what arrived before it did."""
+        return self._reader.completed()
 
 
 class MessageStream:

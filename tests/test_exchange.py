@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 
 from gossip.codecs import get_codec
-from gossip.exchange import ExchangeSettings, GossipPeer
+from gossip.errors import Truncated
+from gossip.exchange import CURRENT, FROM, PULL, Delivered, ExchangeSettings, GossipPeer
 from gossip.memory import InMemoryNetwork, LinkModel
+from gossip.stream import MessageStream
 from gossip.transport import GOSSIP_PROTOCOL
 from gossip.wire import encode_message
 from topology import MembershipView, PeerRound, build_topology, peer_round
@@ -574,6 +576,89 @@ def test_fetch_gets_the_current_tensors_and_step_at_once_whatever_round_the_peer
         tensors, round_index, step = await asyncio.wait_for(a.fetch("b"), 2)
         np.testing.assert_array_equal(tensors["w"], 7.0)
         assert (round_index, step) == (0, 12)
+
+    asyncio.run(main())
+
+
+def _three(value: float, size: int = DIM) -> dict[str, np.ndarray]:
+    return {name: np.full(size, value, np.float32) for name in ("a", "b", "c")}
+
+
+def test_a_fetch_from_a_start_gets_the_tail_and_a_cut_one_keeps_what_arrived_whole():
+    """A joiner resumes a download where a dead donor's broke off: `start` asks the next donor for the
+    tensors from that index on, and `delivered` keeps the tensors a broken-off reply had completed
+    (and its step), while the tensor cut partway is not among them."""
+    async def main():
+        net = InMemoryNetwork()
+        a = GossipPeer(net.transport("a"), settings(), _three(0.0, 300_000))
+        b = GossipPeer(net.transport("b"), settings(), _three(2.0, 300_000), step=9)
+        for peer in (a, b):
+            await peer.start()
+        delivered = Delivered()
+        tensors, _, step = await asyncio.wait_for(a.fetch("b", start=1, delivered=delivered), 2)
+        assert list(tensors) == ["b", "c"] and step == 9 and delivered.step == 9
+        np.testing.assert_array_equal(tensors["c"], 2.0)
+        assert list(delivered.tensors) == ["b", "c"]
+        # a donor that dies inside the third tensor (its payload framed in 1 MiB chunks, the fourth cut):
+        # the first two arrived whole and are kept
+        big = 300_000  # 1.2 MB a tensor
+        whole = b"".join(bytes(f) for f in encode_message(
+            _three(5.0, big), get_codec("fp32"), swarm=SWARM, config_hash=HASH, sender="c", round=0, step=4,
+            kind="reply"))
+
+        async def dying(stream) -> None:
+            await stream.read_exactly(64)
+            await stream.write(whole[: len(whole) - big])
+            await stream.close()
+
+        await net.transport("c").serve(GOSSIP_PROTOCOL, dying)
+        cut = Delivered()
+        with pytest.raises(Truncated):
+            await asyncio.wait_for(a.fetch("c", delivered=cut), 2)
+        assert cut.step == 4 and list(cut.tensors) == ["a", "b"]
+        np.testing.assert_array_equal(cut.tensors["b"], 5.0)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("start", [3, -1, "1", 1.0])
+def test_a_pull_from_a_start_that_is_no_tensor_index_is_refused_and_counted(start):
+    """A `from` that names no tensor of ours (past the end, negative, not an int) is a malformed request:
+    refused as such, counted, and nothing is sent."""
+    async def main():
+        net = InMemoryNetwork()
+        a = GossipPeer(net.transport("a"), settings(), _three(0.0))
+        b = GossipPeer(net.transport("b"), settings(), _three(2.0))
+        for peer in (a, b):
+            await peer.start()
+        frames = a._frames({}, 0, PULL, {CURRENT: True, FROM: start})
+        stream = MessageStream(await a._transport.open_stream("b", GOSSIP_PROTOCOL), a._accounting)
+        await stream.send(frames)
+        answer = await asyncio.wait_for(stream.read(a._request_limits, None), 2)
+        await stream.close()
+        assert answer.header.kind == "reject" and answer.header.meta["error"] == "bad_schema"
+        assert b.stats.errors == {"bad_schema": 1} and b.stats.bytes_sent < 1024
+
+    asyncio.run(main())
+
+
+def test_a_resumed_fetch_takes_a_whole_answer_from_a_donor_that_ignores_the_start():
+    """A donor of an older murmur knows no `from` and answers the whole model: accepted, all of it."""
+    async def main():
+        net = InMemoryNetwork()
+        a = GossipPeer(net.transport("a"), settings(), _three(0.0))
+        whole = b"".join(bytes(f) for f in encode_message(
+            _three(3.0), get_codec("fp32"), swarm=SWARM, config_hash=HASH, sender="old", round=0, step=2,
+            kind="reply"))
+
+        async def old(stream) -> None:
+            await stream.read_exactly(64)
+            await stream.write(whole)
+
+        await net.transport("old").serve(GOSSIP_PROTOCOL, old)
+        await a.start()
+        tensors, _, step = await asyncio.wait_for(a.fetch("old", start=2), 2)
+        assert list(tensors) == ["a", "b", "c"] and step == 2
 
     asyncio.run(main())
 

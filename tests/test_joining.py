@@ -12,8 +12,9 @@ import pytest
 
 from gossip.codecs import get_codec
 from gossip.errors import WireError
-from gossip.exchange import ExchangeSettings, GossipPeer
-from gossip.memory import InMemoryNetwork
+from gossip.exchange import Delivered, ExchangeSettings, GossipPeer
+from gossip.memory import InMemoryNetwork, LinkModel
+from gossip.pace import TransferProgress, TransferStalled
 from gossip.spes import ExpertKey, ExpertRecord, overclaiming_peers, version_bound
 from node.algorithms.spes.swarm import SpesAlgorithm
 from node.net.records import PeerRecord
@@ -176,7 +177,8 @@ class Swarm:
         self.asked: list[str] = []
         self.trained = np.full(16, 1.0, np.float32)
 
-    async def fetch(self, peer: str, progress: object = None) -> tuple[dict[str, np.ndarray], int, int]:
+    async def fetch(self, peer: str, progress: object = None, *, start: int = 0,
+                    delivered: object = None) -> tuple[dict[str, np.ndarray], int, int]:
         self.asked.append(peer)
         value, step = self.answers[peer]
         if isinstance(value, Exception):
@@ -220,6 +222,77 @@ def test_a_failed_download_is_replaced_by_the_next_candidate() -> None:
                                                          ("bad", 300)]])
     assert outcome.refused == {"gone": Refused.UNREACHABLE, "bad": "wire_error"}
     assert outcome.sources == ("a", "b", "c") and outcome.step == 321  # the median of 300, 321, 325
+
+
+NAMES = ("x", "y", "z")
+
+
+class PartsSwarm(Swarm):
+    """Peers serving a three-tensor model from any start; a peer in `breaks` sends that many tensors of
+    it whole and then breaks off with the given error, as a donor that dies or stalls mid-download."""
+
+    def __init__(self, answers: dict[str, tuple[np.ndarray | Exception, int]],
+                 breaks: dict[str, tuple[int, Exception]]) -> None:
+        super().__init__(answers)
+        self.breaks = breaks
+        self.starts: list[tuple[str, int]] = []
+        self.trained = np.full(3 * 16, 1.0, np.float32)
+
+    async def fetch(self, peer: str, progress: object = None, *, start: int = 0,
+                    delivered: Delivered | None = None) -> tuple[dict[str, np.ndarray], int, int]:
+        self.asked.append(peer)
+        self.starts.append((peer, start))
+        value, step = self.answers[peer]
+        assert isinstance(value, np.ndarray) and delivered is not None
+        tensors = {name: value.copy() for name in NAMES[start:]}
+        if peer in self.breaks:
+            sent, error = self.breaks[peer]
+            delivered.step, delivered.tensors = step, dict(list(tensors.items())[:sent])
+            raise error
+        return tensors, 0, step
+
+    async def evaluate(self, tensors: object) -> float:
+        if tensors is None:
+            return 1.0 + float(np.linalg.norm(self.trained))
+        joined = np.concatenate([tensors[name] for name in NAMES])  # type: ignore[index]
+        return 1.0 + float(np.linalg.norm(joined - self.trained))
+
+
+def run_parts_join(swarm: PartsSwarm, claims: list[tuple[str, int]]) -> JoinOutcome:
+    judged = judge_steps([record(p, s) for p, s in claims], ME, step=0, margin=2, budget=0)
+    assert judged is not None
+    own = {name: np.zeros(16, np.float32) for name in NAMES}
+    return asyncio.run(join_swarm(judged, swarm.fetch, swarm.evaluate, own))
+
+
+def test_a_copy_whose_donor_breaks_off_is_finished_by_the_next_donor_from_the_first_missing_tensor() -> None:
+    """A donor that dies or stalls mid-download leaves the tensors it sent whole: the next candidate
+    sends only the rest of that copy, and both are its sources (its loss is theirs)."""
+    swarm = PartsSwarm({"a": (near(0.01), 300), "b": (near(-0.01), 300), "c": (near(0.0), 300),
+                        "d": (near(0.02), 321)}, breaks={"a": (2, TransferStalled("no piece for 10 s"))})
+    outcome = run_parts_join(swarm, [("a", 300), ("b", 300), ("c", 300), ("d", 321)])
+    assert sorted(swarm.starts) == [("a", 0), ("b", 0), ("c", 0), ("d", 2)]
+    assert outcome.sources == ("a", "b", "c", "d") and outcome.refused == {}
+    assert outcome.losses["a"] == outcome.losses["d"] and outcome.step == 300
+
+
+def test_a_copy_no_donor_is_left_to_finish_is_dropped_and_its_donor_reported_as_broken_off() -> None:
+    swarm = PartsSwarm({"a": (near(0.01), 300), "b": (near(-0.01), 300)},
+                       breaks={"a": (1, ConnectionError("reset"))})
+    outcome = run_parts_join(swarm, [("a", 300), ("b", 300)])
+    assert outcome.sources == ("b",) and outcome.refused == {"a": Refused.UNREACHABLE} and "a" not in outcome.losses
+
+
+@pytest.mark.parametrize("case", ["out_of_range", "step_out_of_bounds"])
+def test_what_a_donor_sent_before_breaking_off_is_kept_only_if_its_values_and_step_pass(case: str) -> None:
+    """A hostile donor cannot slip a few tensors into a copy by breaking off after them: they are checked
+    like a whole download's, and a copy whose donor failed a check starts over with the next one."""
+    value, step = (near(0.0) * 1e5, 300) if case == "out_of_range" else (near(0.0), 10**9)
+    swarm = PartsSwarm({"bad": (value, step), "b": (near(-0.01), 300), "c": (near(0.0), 300),
+                        "d": (near(0.02), 321)}, breaks={"bad": (2, TimeoutError())})
+    outcome = run_parts_join(swarm, [("bad", 300), ("b", 300), ("c", 300), ("d", 321)])
+    assert ("d", 0) in swarm.starts and outcome.refused == {"bad": case}
+    assert outcome.sources == ("b", "c", "d") and "bad" not in outcome.losses
 
 
 def test_scaled_parameters_are_refused_by_the_value_bound_before_they_are_evaluated() -> None:
@@ -295,6 +368,64 @@ def test_a_joiner_of_an_int8_swarm_starts_from_its_donors_exact_parameters() -> 
     outcome = asyncio.run(main())
     assert outcome.sources == ("a", "b", "c") and outcome.tensors is not None
     np.testing.assert_array_equal(outcome.tensors["w"], combine([{"w": w} for w in donors.values()])["w"])
+
+
+def test_over_real_gossip_peers_a_donor_killed_mid_download_leaves_its_whole_tensors_and_the_next_sends_the_rest(
+) -> None:
+    """Four donors, three copies wanted: the donor on a slow link killed once it sent more than one of the
+    three 1.2 MB tensors leaves those it sent whole (its stream cut inside the next), and the fourth donor
+    is asked only from the first tensor missing; the copy's tensors are the first donor's, then the
+    fourth's, exactly."""
+    size = 300_000
+    rng = np.random.default_rng(11)
+    trained = {name: rng.standard_normal(size).astype(np.float32) for name in NAMES}
+    donors = {p: {name: (w + 0.01 * rng.standard_normal(size)).astype(np.float32) for name, w in trained.items()}
+              for p in ("a", "b", "c", "d")}
+    starts: list[tuple[str, int]] = []
+
+    async def main() -> JoinOutcome:
+        net = InMemoryNetwork()
+        settings = ExchangeSettings(swarm="s", config_hash="h", codec=get_codec("fp32"), exchange_timeout_s=2.0)
+        me = GossipPeer(net.transport(ME), settings, {name: np.zeros(size, np.float32) for name in NAMES})
+        peers = [GossipPeer(net.transport(p), settings, tensors, step=300) for p, tensors in donors.items()]
+        for peer in (me, *peers):
+            await peer.start()
+        net.set_link("a", ME, LinkModel(bandwidth_bytes_per_s=2e6))  # ~1.8 s for a's 3.6 MB
+
+        async def kill_a_after(progress: TransferProgress) -> None:
+            while progress.bytes_done < 2_600_000:  # more than two 1 MiB chunks: tensor x whole, y not
+                await asyncio.sleep(0.005)
+            await net.kill("a")
+
+        async def fetch(peer: str, progress: TransferProgress | None = None, *, start: int = 0,
+                        delivered: Delivered | None = None) -> tuple[dict[str, np.ndarray], int, int]:
+            starts.append((peer, start))
+            assert progress is not None
+            killer = asyncio.create_task(kill_a_after(progress)) if peer == "a" else None
+            try:
+                return await me.fetch(peer, progress, start=start, delivered=delivered)
+            finally:
+                if killer is not None:
+                    await asyncio.wait_for(killer, 10)
+
+        async def evaluate(tensors: object) -> float:
+            got = {name: np.zeros(size, np.float32) for name in NAMES} if tensors is None else tensors
+            return 1.0 + sum(float(np.linalg.norm(got[n] - trained[n])) for n in NAMES)  # type: ignore[index]
+
+        judged = judge_steps([record(p, 300) for p in ("a", "b", "c")] + [record("d", 321)], ME, step=0, margin=2,
+                             budget=0)
+        assert judged is not None
+        return await asyncio.wait_for(join_swarm(judged, fetch, evaluate, me.tensors), 30)
+
+    outcome = asyncio.run(main())
+    # a is killed inside its third 1 MiB chunk, or (on a loaded machine) a little later: inside y or z
+    resume_at = dict(starts)["d"]
+    assert sorted(starts) == [("a", 0), ("b", 0), ("c", 0), ("d", resume_at)] and resume_at in (1, 2), starts
+    assert outcome.sources == ("a", "b", "c", "d") and outcome.refused == {} and outcome.tensors is not None
+    resumed = {name: donors["a" if i < resume_at else "d"][name] for i, name in enumerate(NAMES)}
+    expected = combine([donors["b"], donors["c"], resumed])
+    for name in NAMES:
+        np.testing.assert_array_equal(outcome.tensors[name], expected[name])
 
 
 # ---- records that claim what no honest peer does (SPES) ---------------------------------------------

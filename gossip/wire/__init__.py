@@ -36,6 +36,8 @@ Header (a msgpack map with exactly these keys; any other key is a schema error; 
 Meta keys
     ``error``       str, in a ``reject``: why (a `gossip.errors` kind or a refusal such as "late")
     ``current``     true, in a ``pull`` outside any round (a joiner's download): answer with the current tensors
+    ``from``        int, with ``current``: answer with the current tensors from this manifest index on (a
+                    download resumed where another donor's broke off); not an index of ours: BadSchema
     ``expert``, ``version``, ``hash``   the SPES fetch protocol's (gossip.spes.fetch)
     ``proof``       str, in a swarm admitting by key: the sender's HMAC-SHA256 (hex) under the swarm key of
                     (swarm, config_hash, sender, round, kind) (node.net.admission)

@@ -3,6 +3,7 @@ which validates the header and then decodes each tensor as its bytes arrive (ste
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -273,6 +274,16 @@ class MessageDecoder:
         if not self.done or self._header is None or self._assembler is None:
             raise RuntimeError(f"message incomplete: still reading the {self.reading}")
         return Message(self._header, self._assembler.tensors)
+
+    def completed(self) -> dict[str, np.ndarray]:
+        """The tensors decoded whole so far, in manifest order: what a message cut partway (a peer that
+        died or stalled) delivered, for a reader that resumes it elsewhere. None after a wire error: a
+        sender of garbage vouches for none of its earlier tensors either. Decodes what is framed but still
+        queued first (less than a reader's batch), so call it once the reading is over."""
+        if self._queued and self._error is None:
+            with contextlib.suppress(WireError):  # the decoder is failed now, and nothing is kept
+                self.decode_queued(self.take_queued())
+        return dict(self._assembler.tensors) if self._assembler is not None else {}
 
     def feed(self, data: bytes | bytearray | memoryview, *, decode: bool = True) -> None:
         """Read `data`; with decode=False its payload is only queued (see `take_queued`)."""

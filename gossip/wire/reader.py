@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
+import numpy as np
+
 from gossip.errors import Truncated
 from gossip.wire.decode import Message, MessageDecoder, ValuesSink
 from gossip.wire.header import DEFAULT_LIMITS, Expectation, Header, WireLimits
@@ -52,6 +54,10 @@ class MessageReader:
         while decoder.header is None:
             decoder.feed(await self._next(), decode=False)
         return decoder.header
+
+    def completed(self) -> dict[str, np.ndarray]:
+        """The tensors read whole so far (`MessageDecoder.completed`): after `rest()` failed, what arrived."""
+        return self._decoder.completed()
 
     async def rest(self) -> Message:
         """The whole message (reading the header first if `header()` was not awaited)."""

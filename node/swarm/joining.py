@@ -18,8 +18,8 @@ from typing import Protocol
 import msgspec
 import numpy as np
 
-from gossip.errors import OutOfRange, WireError
-from gossip.exchange import PeerRejected
+from gossip.errors import OutOfRange, Truncated, WireError
+from gossip.exchange import Delivered, PeerRejected
 from gossip.mixing import coordinate_median
 from gossip.pace import TransferProgress, TransferStalled
 from gossip.robust import ValueBound, check_values
@@ -200,9 +200,16 @@ def combine(downloads: Sequence[Tensors]) -> dict[str, np.ndarray]:
 
 @dataclass(frozen=True)
 class Download:
-    peer_id: str
+    """One whole copy of the swarm's parameters: from one donor, or from several in turn when a donor broke
+    off and the next one sent the tensors from where it stopped (`donors`, in that order)."""
+
+    donors: tuple[str, ...]
     tensors: dict[str, np.ndarray]
-    step: int
+    step: int  # the lowest its donors claimed
+
+    @property
+    def label(self) -> str:
+        return "+".join(self.donors)
 
 
 @dataclass
@@ -232,10 +239,12 @@ class JoinOutcome:
 
 class Fetch(Protocol):
     """A pull of a peer's current tensors, round and step (GossipPeer.fetch: its deadlines follow the
-    download's progress and size, gossip.pace), its payload counted in `progress`."""
+    download's progress and size, gossip.pace), its payload counted in `progress`; from the tensor at
+    manifest index `start` on. When it breaks off, `delivered` holds what arrived whole and the step
+    the reply claimed."""
 
-    def __call__(self, peer: str, progress: TransferProgress | None = None) -> Awaitable[
-            tuple[dict[str, np.ndarray], int, int]]: ...
+    def __call__(self, peer: str, progress: TransferProgress | None = None, *, start: int = 0,
+                 delivered: Delivered | None = None) -> Awaitable[tuple[dict[str, np.ndarray], int, int]]: ...
 
 
 class JoinProgress(msgspec.Struct, frozen=True):
@@ -289,94 +298,139 @@ Evaluate = Callable[[Tensors | None], Awaitable[float]]  # validation loss of te
 async def join_swarm(judgement: StepJudgement, fetch: Fetch, evaluate: Evaluate, own: Tensors,
                      rules: JoinRules = DEFAULT_RULES, bound: ValueBound = DEFAULT_BOUND,
                      watch: DownloadWatch | None = None) -> JoinOutcome:
-    """Download from up to `rules.sources` believable peers, check each by its values and validation
+    """Download up to `rules.sources` copies from believable peers, check each by its values and validation
     loss (the next candidate stands in for one that fails or is refused), and combine the survivors
     (see `combine`). The combined model is evaluated too: if it is worse than the limit (copies too
     far apart to average), the best single download is taken. The step adopted is the lower median of
     the survivors' steps. `own` is the node's current parameters (the value bound's and the loss's
     reference: the seeded initial model for a fresh node). `watch` follows the downloads as they run.
 
-    A donor that dies or stalls mid-download is replaced by the next candidate, whose download starts
-    over from the first byte (no resumption at an offset)."""
+    A donor that dies or stalls mid-download leaves what it sent whole; the next candidate sends the rest
+    of that copy, from the first tensor missing (`_fill`). A copy's loss is every one of its donors' in
+    the outcome, and a copy refused for its loss refuses them all."""
     watch = watch or DownloadWatch()
     outcome = JoinOutcome(judgement.reference, refused=judgement.refusals())
     waiting = list(judgement.candidates)
     evaluated: list[Download] = []
     kept: list[Download] = []
+    losses: dict[str, float] = {}  # Download.label -> its validation loss
     while waiting and len(kept) < rules.sources:
-        new, waiting = await _download(waiting, rules.sources - len(kept), judgement, fetch, own, bound, outcome,
-                                       watch)
+        new = await _download(waiting, rules.sources - len(kept), judgement, fetch, own, bound, outcome, watch)
         if not new:
             break
         if outcome.own_loss is None:
             outcome.own_loss = await evaluate(None)
         for d in new:
-            outcome.losses[d.peer_id] = await evaluate(d.tensors)
+            losses[d.label] = await evaluate(d.tensors)
+            outcome.losses.update(dict.fromkeys(d.donors, losses[d.label]))
         evaluated += new
-        verdicts = loss_verdicts(outcome.own_loss, {d.peer_id: outcome.losses[d.peer_id] for d in evaluated}, rules)
-        kept = [d for d in evaluated if verdicts[d.peer_id]]
+        verdicts = loss_verdicts(outcome.own_loss, {d.label: losses[d.label] for d in evaluated}, rules)
+        kept = [d for d in evaluated if verdicts[d.label]]
     for d in evaluated:
         if d not in kept:
-            outcome.refused[d.peer_id] = Refused.LOSS
+            outcome.refused.update(dict.fromkeys(d.donors, str(Refused.LOSS)))
     if not kept:
         return outcome
     assert outcome.own_loss is not None
     combined = await asyncio.to_thread(combine, [d.tensors for d in kept])
     if len(kept) > 1:
         outcome.combined_loss = await evaluate(combined)
-        limit = rules.combined_limit(outcome.own_loss, min(outcome.losses[d.peer_id] for d in kept))
+        limit = rules.combined_limit(outcome.own_loss, min(losses[d.label] for d in kept))
         if not outcome.combined_loss <= limit:
-            best = min(kept, key=lambda d: outcome.losses[d.peer_id])
+            best = min(kept, key=lambda d: losses[d.label])
             logger.warning("the combined download evaluates to %.4f, worse than %.4f: taking %s's alone",
-                           outcome.combined_loss, limit, best.peer_id)
+                           outcome.combined_loss, limit, best.label)
             kept, combined = [best], best.tensors
     steps = sorted(d.step for d in kept)
     outcome.tensors, outcome.step = combined, steps[(len(steps) - 1) // 2]
-    outcome.sources = tuple(sorted(d.peer_id for d in kept))
+    outcome.sources = tuple(sorted(peer for d in kept for peer in d.donors))
     return outcome
 
 
+@dataclass
+class _Copy:
+    """One copy being downloaded: the tensors that arrived whole so far (a prefix of the manifest), from
+    whom, the steps they claimed, and why each donor that gave part of it broke off."""
+
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    donors: list[str] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    breaks: dict[str, str] = field(default_factory=dict)
+
+
 async def _download(waiting: list[SwarmRecord], wanted: int, judgement: StepJudgement, fetch: Fetch, own: Tensors,
-                    bound: ValueBound, outcome: JoinOutcome,
-                    watch: DownloadWatch) -> tuple[list[Download], list[SwarmRecord]]:
-    """Up to `wanted` valid downloads from the first of `waiting`, asked in parallel, the next ones
-    standing in for failures; returns them (by peer id) and the candidates not asked."""
+                    bound: ValueBound, outcome: JoinOutcome, watch: DownloadWatch) -> list[Download]:
+    """Up to `wanted` valid whole copies, downloaded in parallel, each from the first of `waiting` (taken
+    off it), the next ones standing in for donors that fail; returns them by label. Each candidate serves
+    one copy at most: a hostile donor's values reach one copy of the median, whatever it does."""
     limits = bound.limits(own)
+    names = list(own)
     got: list[Download] = []
 
-    async def one(record: SwarmRecord) -> None:
-        peer = record.peer_id
-        try:
-            try:
-                tensors, _, step = await fetch(peer, watch.start(peer))
-            finally:
-                watch.end(peer)
-            await asyncio.to_thread(check_values, tensors, limits)
-        except OutOfRange as exc:
-            outcome.refused[peer] = exc.kind
-            logger.warning("parameter download from %s refused: %s", peer, exc)
-            return
-        except (TimeoutError, ConnectionError, WireError, PeerRejected) as exc:
-            reason = (exc.kind if isinstance(exc, WireError) else Refused.STALLED if isinstance(exc, TransferStalled)
-                      else Refused.TIMEOUT if isinstance(exc, TimeoutError)
-                      else Refused.REJECTED if isinstance(exc, PeerRejected) else Refused.UNREACHABLE)
-            outcome.refused[peer] = reason
-            logger.warning("parameter download from %s failed: %s", peer, exc or type(exc).__name__)
-            return
-        except Exception as exc:  # the backstop: one peer's failure never ends the catch-up
-            outcome.refused[peer] = Refused.FAILED
-            logger.warning("parameter download from %s failed: %s: %s", peer, type(exc).__name__, exc)
-            return
-        if not judgement.believable(step):
-            outcome.refused[peer] = Refused.STEP_OUT_OF_BOUNDS
-            logger.warning("parameter download from %s refused: it claims step %d, the swarm's is about %d",
-                           peer, step, judgement.reference)
-            return
-        got.append(Download(peer, tensors, step))
+    async def one_copy() -> None:
+        copy = _Copy()
+        while waiting:
+            if await _fill(copy, waiting.pop(0).peer_id, names, judgement, fetch, limits, outcome, watch):
+                got.append(Download(tuple(copy.donors), copy.tensors, min(copy.steps)))
+                return
+        for peer, why in copy.breaks.items():  # no donor was left to finish it: what they sent is dropped
+            outcome.refused[peer] = why
 
-    while waiting and len(got) < wanted:
-        batch, waiting = waiting[: wanted - len(got)], waiting[wanted - len(got):]
-        async with asyncio.TaskGroup() as group:
-            for record in batch:
-                group.create_task(one(record))
-    return sorted(got, key=lambda d: d.peer_id), waiting
+    async with asyncio.TaskGroup() as group:
+        for _ in range(wanted):
+            group.create_task(one_copy())
+    return sorted(got, key=lambda d: d.label)
+
+
+async def _fill(copy: _Copy, peer: str, names: Sequence[str], judgement: StepJudgement, fetch: Fetch,
+                limits: Mapping[str, float], outcome: JoinOutcome, watch: DownloadWatch) -> bool:
+    """Ask `peer` for the tensors `copy` lacks; whether the copy is whole now. What a donor that broke off
+    (died, stalled, cut, timed out) sent whole is kept, if its values and step pass; a donor that
+    refused, sent something malformed or out of range, or claims an unbelievable step adds nothing."""
+    start = len(copy.tensors)
+    delivered = Delivered()
+    broke: str | None = None
+    step: int | None
+    try:
+        try:
+            tensors, _, step = await fetch(peer, watch.start(peer), start=start, delivered=delivered)
+        finally:
+            watch.end(peer)
+    except (TimeoutError, ConnectionError, Truncated) as exc:
+        tensors, step = delivered.tensors, delivered.step
+        broke = (Refused.STALLED if isinstance(exc, TransferStalled) else Refused.TIMEOUT
+                 if isinstance(exc, TimeoutError) else Truncated.kind if isinstance(exc, Truncated)
+                 else Refused.UNREACHABLE)
+        logger.warning("parameter download from %s broke off after %d of %d tensors: %s", peer,
+                       start + len(delivered.tensors), len(names), exc or type(exc).__name__)
+    except (WireError, PeerRejected) as exc:
+        outcome.refused[peer] = exc.kind if isinstance(exc, WireError) else Refused.REJECTED
+        logger.warning("parameter download from %s failed: %s", peer, exc)
+        return False
+    except Exception as exc:  # the backstop: one peer's failure never ends the catch-up
+        outcome.refused[peer] = Refused.FAILED
+        logger.warning("parameter download from %s failed: %s: %s", peer, type(exc).__name__, exc)
+        return False
+    try:
+        await asyncio.to_thread(check_values, tensors, limits)
+    except OutOfRange as exc:
+        outcome.refused[peer] = exc.kind
+        logger.warning("parameter download from %s refused: %s", peer, exc)
+        return False
+    if step is not None and not judgement.believable(step):
+        outcome.refused[peer] = Refused.STEP_OUT_OF_BOUNDS
+        logger.warning("parameter download from %s refused: it claims step %d, the swarm's is about %d",
+                       peer, step, judgement.reference)
+        return False
+    if not tensors or step is None:
+        outcome.refused[peer] = broke or Refused.FAILED
+        return False
+    if start:
+        logger.info("resumed a download at tensor %d of %d from %s, after %s broke off", start, len(names), peer,
+                    ", ".join(copy.donors))
+    copy.tensors.update(tensors)
+    copy.donors.append(peer)
+    copy.steps.append(step)
+    if broke is not None:
+        copy.breaks[peer] = broke
+    return len(copy.tensors) == len(names)
