@@ -27,7 +27,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -280,6 +280,12 @@ class ChocoState:
                 move += (weights[peer] * scales[name][peer]) * diff
             out[name] = (flat[name] + gamma * move).astype(flat[name].dtype).reshape(np.shape(x))
         return ChocoStep(out, clipped)
+
+    def estimates(self, peers: Iterable[str]) -> dict[str, dict[str, np.ndarray]]:
+        """Our estimate of each of `peers`' parameters, in the model's shapes (what contribution scoring
+        measures a neighbour by). Views, not copies: a commit replaces an edge's arrays, never writes them."""
+        return {peer: {name: x.reshape(self._shapes[name]) for name, x in self._edges[peer].theirs.items()}
+                for peer in peers if peer in self._edges}
 
     def _edge(self, peer: str) -> _Edge:
         edge = self._edges.get(peer)

@@ -44,7 +44,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from gossip.admission import OPEN, StreamAdmission
-from gossip.choco import ChocoState, ChocoStep, Desync, Outgoing
+from gossip.choco import ChocoState, Desync, Outgoing
 from gossip.codecs import Codec, Fp32Codec
 from gossip.errors import BadSchema, ManifestMismatch, Truncated, WireError
 from gossip.limits import DEFAULT_INCOMING, CountPerKey, IncomingLimits, PeerBuckets
@@ -135,7 +135,8 @@ class Judge(Protocol):
     neighbours: called on the event loop once their values arrived and passed the screen, it may start
     scoring them in the background, and returns the factor each one's mixing weight is scaled by (0:
     not mixed, as a skipped neighbour; a peer left out keeps its weight). `base` is what the node's
-    tensors were after the last round's mix (`own - base`: its own update since; None: unknown)."""
+    tensors were after the last round's mix (`own - base`: its own update since; None: unknown). Under
+    compressed gossip a neighbour's value is the node's estimate of its parameters (ChocoState.estimates)."""
 
     def weigh(self, round_index: int, own: Tensors, base: Tensors | None, received: Mapping[str, Tensors],
               weights: Mapping[str, float]) -> Mapping[str, float]: ...
@@ -446,7 +447,16 @@ class GossipPeer:
         mixed = running.result() if running is not None and received.keys() == set(plan.in_weights) else None
         clipped: tuple[str, ...] = ()
         if self._choco is not None:
-            step = await asyncio.to_thread(self._choco_mix, own_snapshot, received, plan, base)
+            weights = await asyncio.to_thread(self._choco_commit, received, plan)
+            if weights and self.judge is not None:
+                # a neighbour's value here is our estimate of its parameters, as this round's difference left it
+                factors = self.judge.weigh(round_index, own_snapshot, base, self._choco.estimates(weights), weights)
+                weights = {p: w * min(1.0, max(0.0, float(factors.get(p, 1.0)))) for p, w in weights.items()}
+                for peer in [p for p, w in weights.items() if w == 0.0]:  # committed all the same: edges stay in step
+                    skip(peer, Skip.EXCLUDED)
+                    del received[peer], weights[peer]
+            choco = self._choco
+            step = await asyncio.to_thread(lambda: choco.step(own_snapshot, weights, self._mixer, base))
             mixed, clipped = step.tensors, step.clipped
         elif mixed is None:
             outcome = await asyncio.to_thread(self._mixer.mix, own_snapshot,
@@ -474,11 +484,10 @@ class GossipPeer:
         self_weight, weights = effective_weights(plan.self_weight, plan.in_weights, plan.in_weights.keys())
         return IncrementalMix(own, self_weight, *weights.values())
 
-    def _choco_mix(self, own: dict[str, np.ndarray], received: Mapping[str, _Received], plan: PeerRound,
-                   base: Tensors | None) -> ChocoStep:
-        """Compressed gossip: both ends of every completed exchange add what crossed to their estimates,
-        then this node moves towards its neighbours' estimates under its own mixing rule
-        (gossip.choco.ChocoState.step; what crossed was screened before the ack, `_choco_screen`)."""
+    def _choco_commit(self, received: Mapping[str, _Received], plan: PeerRound) -> dict[str, float]:
+        """Compressed gossip: both ends of every completed exchange add what crossed to their estimates
+        (what crossed was screened before the ack, `_choco_screen`); returns the weights of the edges
+        committed, which this node then moves along under its own mixing rule (ChocoState.step)."""
         assert self._choco is not None
         weights = {}
         for peer, got in received.items():
@@ -489,7 +498,7 @@ class GossipPeer:
                 self._desync(peer, self.round, str(exc))
                 continue
             weights[peer] = plan.in_weights[peer]
-        return self._choco.step(own, weights, self._mixer, base)
+        return weights
 
     async def _choco_screen(self, peer: str, received: Tensors, own: Tensors) -> None:
         """Raise OutOfRange unless `peer`'s differences, and the estimate of `peer` they would make, are

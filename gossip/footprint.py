@@ -35,10 +35,10 @@ unless it says otherwise; the peak of a round is counted, not the average:
   parameters (every one in float32) and the optimizer state; DiLoCo's outer state in it shares the arrays it already holds.
 - The trainer evaluates values other than its own (a joiner's downloads, the swarm average, contribution
   scoring) on a copy of the model it keeps once made (Trainer._eval_model), beside the parameters.
-- Contribution scoring (node/swarm/contribution.py), where the node scores (dense gossip without CHOCO,
-  gossip DiLoCo's fragments): while it measures, into the next round, it holds the values of up to
-  MAX_SCORED neighbours and the node's base beyond their round (the own value is a round input), and one
-  moved copy at a time; DiLoCo's are the fragment's models, A - m, its own among them, measured from the
+- Contribution scoring (node/swarm/contribution.py), where the node scores (dense gossip, CHOCO's
+  estimates of its neighbours, gossip DiLoCo's fragments): while it measures, into the next round, it
+  holds the values of up to MAX_SCORED neighbours (CHOCO: the estimates the next commit replaces) and the
+  node's base beyond their round (the own value is a round input), and one moved copy at a time; DiLoCo's are the fragment's models, A - m, its own among them, measured from the
   anchor (node/algorithms/diloco/scoring.py).
 """
 
@@ -193,7 +193,7 @@ def footprint(m: MemoryInputs) -> Footprint:
     terms.append(Term("evaluation model (others' values)", trainer, F32 * trained + (BF16 if m.frozen_bf16 else F32) * frozen))
     if m.device == "cuda":
         terms.append(Term("pinned staging buffers", Where.HOST, F32 * trained))
-    scored = m.scoring and not m.choco and not m.spes
+    scored = m.scoring and not m.spes
     if scored:  # beyond their round: the scored neighbours' values and the base (DiLoCo: the own model), and
         held = min(m.in_neighbours, MAX_SCORED) + 2  # one moved copy at a time; a fragment's in DiLoCo
         share = 1.0 / max(1, m.fragments) if m.outer else 1.0
@@ -237,7 +237,7 @@ TABLE_CASES: Mapping[str, MemoryInputs] = {
     "dadam (one-peer-exp, --score-every 0)": MemoryInputs(1, "dadam", "cuda", in_neighbours=1),
     "dsgd (momentum 0.9, fp32)": MemoryInputs(1, "dsgd", "cuda", inner="sgd", momentum=0.9, scoring=True),
     "dadam (fp32)": MemoryInputs(1, "dadam", "cuda", scoring=True),
-    "dadam + CHOCO": MemoryInputs(1, "dadam", "cuda", choco=True),
+    "dadam + CHOCO": MemoryInputs(1, "dadam", "cuda", choco=True, scoring=True),
     "diloco (bf16, anchors int8)": MemoryInputs(1, "diloco", "cuda", codec="bf16", scoring=True),
     "diloco (bf16, 4 fragments, overlap)": MemoryInputs(1, "diloco", "cuda", codec="bf16", fragments=4, overlap=True,
                                                         scoring=True),

@@ -182,3 +182,39 @@ def test_the_default_mixing_is_accepted_with_compressed_gossip():
 
     config = parse_node_config(["node", "--gossip-compression", "choco", "--topology", "ring"], {})
     assert config.gossip.mixing.kind is MixingKind.ADAPTIVE_CLIP
+
+
+class _Excluding:
+    """A contribution judge (gossip.exchange.Judge) that excludes one peer and records what it was shown."""
+
+    def __init__(self, excluded: str) -> None:
+        self.excluded = excluded
+        self.shown: list[dict[str, dict[str, np.ndarray]]] = []
+
+    def weigh(self, round_index, own, base, received, weights):
+        self.shown.append({p: {n: np.array(x) for n, x in t.items()} for p, t in received.items()})
+        return {p: 0.0 if p == self.excluded else 1.0 for p in received}
+
+
+def test_a_scored_choco_round_shows_the_estimates_and_an_excluded_neighbour_moves_nothing_but_stays_in_step():
+    """Contribution scoring under compressed gossip: the judge is shown each neighbour's estimate (the
+    hostile's claimed parameters exactly, fp32 differences), and a neighbour it excludes moves the node
+    nothing, even under plain `weighted` mixing that the same attack drags many times away, while its
+    differences are still committed at both ends (no edge is reset, the hostile keeps taking part)."""
+    guarded = Ring(WEIGHTED, _far)
+    judges = {pid: _Excluding(HOSTILE) for pid in ("p1", "p3")}
+    for pid, judge in judges.items():
+        guarded.peers[pid].judge = judge
+    outcomes = asyncio.run(guarded.run())
+    spread = float(np.sqrt(sum(np.sum((_start()[IDS[0]][n] - guarded.target[n]) ** 2) for n in SIZES)))
+    assert guarded.distance() < 0.5 * spread, (guarded.distance(), spread)
+    for pid, judge in judges.items():
+        shown = [r[HOSTILE] for r in judge.shown if HOSTILE in r]
+        assert len(shown) > ROUNDS // 2
+        for n in SIZES:  # the estimate of the hostile is the point it claims, once its first difference crossed
+            np.testing.assert_allclose(shown[-1][n], _far(0)[n], rtol=1e-6)
+        excluded = sum(o[pid].skipped.get(HOSTILE) == "excluded" for o in outcomes)
+        assert excluded == len(shown) and all(HOSTILE not in o[pid].mixed_with for o in outcomes)
+        assert guarded.states[pid].resets == 0 and guarded.states[HOSTILE].resets == 0
+        # the hostile's own end committed every exchange the honest end did: the edge counts agree
+        assert guarded.states[pid].count(HOSTILE) == guarded.states[HOSTILE].count(pid) >= len(shown)

@@ -50,12 +50,13 @@ def test_contribution_scoring_holds_the_scored_values_and_the_base_where_the_alg
         "contribution scoring (4 copies while it measures)"}
     assert per(MemoryInputs(1, "dadam", "cpu", in_neighbours=9, scoring=True), Where.HOST)[
         "contribution scoring (6 copies while it measures)"] == 24  # at most MAX_SCORED neighbours
-    # DiLoCo measures a fragment at a time; CHOCO and SPES do not score
+    # DiLoCo measures a fragment at a time; CHOCO its estimates of the neighbours; SPES does not score
     diloco = per(MemoryInputs(1, "diloco", "cpu", in_neighbours=2, fragments=4, scoring=True), Where.HOST)
     assert diloco["contribution scoring (4 copies while it measures)"] == 4
-    for unscored in (MemoryInputs(1, "dadam", "cpu", choco=True, scoring=True),
-                     MemoryInputs(4, "dadam", "cpu", spes=True, expert_parameters=3, scoring=True)):
-        assert not [t for t in per(unscored, Where.HOST) if t.startswith("contribution scoring")]
+    choco = per(MemoryInputs(1, "dadam", "cpu", in_neighbours=2, choco=True, scoring=True), Where.HOST)
+    assert choco["contribution scoring (4 copies while it measures)"] == 16
+    unscored = MemoryInputs(4, "dadam", "cpu", spes=True, expert_parameters=3, scoring=True)
+    assert not [t for t in per(unscored, Where.HOST) if t.startswith("contribution scoring")]
 
 
 @pytest.mark.unit

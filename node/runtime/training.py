@@ -114,9 +114,10 @@ async def start_training(runtime: NodeRuntime, recipe: TrainingRecipe, settings:
     except ValueError as exc:  # SPES: no MoE layers; DiLoCo: fewer tensors than fragments, another model's checkpoint
         raise StartupError(f"cannot train the swarm's model with {entry.label} here: {exc}") from None
     scoring = config.gossip.scoring
-    # scored where rounds mix whole values: D-SGD and DAdam's parameters, gossip DiLoCo's outer messages
-    # (compressed gossip exchanges differences; SPES averages experts over their owners)
-    if scoring.enabled and choco is None:
+    # scored where rounds mix whole values: D-SGD and DAdam's parameters (under compressed gossip, the
+    # estimates of them its differences build), gossip DiLoCo's outer messages (SPES averages experts over
+    # their owners: not scored)
+    if scoring.enabled:
         from node.swarm.contribution import ContributionScorer
 
         scorer = ContributionScorer(trainer, scoring)

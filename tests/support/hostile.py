@@ -261,15 +261,33 @@ _DILOCO_MESSAGES = re.compile(r"/murmur/diloco/\d+/1")  # node.algorithms.diloco
 
 def install_tensor_modes(ctx: HostileContext) -> None:
     """Replace the tensors of every message a GossipPeer sends with tensors (exchange requests, replies
-    to pulls and exchanges, downloads): the one seam every served tensor passes."""
-    from gossip import exchange
+    to pulls and exchanges, downloads): the one seam every served tensor passes. Under compressed gossip
+    the `useless` mode instead claims its useless parameters and encodes them as CHOCO differences
+    honestly (ChocoState.prepare), so its edges stay in step and only the values are useless; the other
+    modes replace the differences themselves."""
+    from gossip import choco, exchange
 
     original = exchange.GossipPeer._frames
+    original_prepare = choco.ChocoState.prepare
     served: dict[int, Served] = {}
+    claims: dict[int, tuple[int, int]] = {}  # ChocoState -> (id of the round input last seen, its count)
+
+    def prepare(self: Any, peer: str, own: Any) -> Any:
+        seen, count = claims.get(id(self), (None, -1))
+        if seen != id(own):  # one round input per round, the same for every edge
+            seen, count = id(own), count + 1
+            claims[id(self)] = (seen, count)
+        if ctx.tensor_mode(count) is Mode.USELESS:
+            own = tampered(ctx, served.setdefault(id(self), Served()), Mode.USELESS, own, count)
+            ctx.count(Mode.USELESS, "tampered choco claim")
+        return original_prepare(self, peer, own)
 
     def frames(self: GossipPeer, tensors: Any, round_index: int | None, kind: str, meta: Any = None,
                codec: Any = None) -> Any:
-        # under compressed gossip (`codec` given) the tensors are the CHOCO differences: those are replaced
+        # under compressed gossip (`codec` given) the tensors are the CHOCO differences: those are replaced,
+        # but for `useless`, whose claim `prepare` encodes
+        if self._choco is not None and ctx.tensor_mode(self.round if round_index is None else round_index) is Mode.USELESS:
+            return original(self, tensors, round_index, kind, meta, codec)
         if tensors and kind in (exchange.REPLY, exchange.EXCHANGE):
             r = self.round if round_index is None else round_index
             mode = ctx.tensor_mode(r)
@@ -280,6 +298,7 @@ def install_tensor_modes(ctx: HostileContext) -> None:
         return original(self, tensors, round_index, kind, meta, codec)
 
     exchange.GossipPeer._frames = frames  # type: ignore[method-assign]
+    choco.ChocoState.prepare = prepare  # type: ignore[method-assign]
 
 
 # ---- records ------------------------------------------------------------------------------------
