@@ -157,6 +157,22 @@ def test_the_median_of_three_keeps_every_coordinate_between_the_honest_two() -> 
     assert combined.shape == (4, 8) and np.all(low <= combined) and np.all(combined <= high)
 
 
+def test_a_combination_into_one_of_the_downloads_replaces_its_tensors_and_reads_the_others_first() -> None:
+    """The joiner combines in place of one download's tensors (one tensor beyond the downloads, not a
+    fourth copy): the result is the same as a fresh combination, and the other downloads are untouched."""
+    rng = np.random.default_rng(5)
+    downloads = [{"w": rng.standard_normal(64).astype(np.float32), "b": rng.standard_normal(3).astype(np.float32)}
+                 for _ in range(3)]
+    originals = [{n: t.copy() for n, t in d.items()} for d in downloads]
+    fresh = combine(originals)
+    into = combine(downloads, downloads[1])
+    assert into is downloads[1]
+    for name in ("w", "b"):
+        np.testing.assert_array_equal(into[name], fresh[name])
+        np.testing.assert_array_equal(downloads[0][name], originals[0][name])
+        np.testing.assert_array_equal(downloads[2][name], originals[2][name])
+
+
 def test_two_downloads_are_averaged_and_one_is_copied() -> None:
     a, b = {"w": np.array([1.0, 3.0], np.float32)}, {"w": np.array([3.0, 5.0], np.float32)}
     np.testing.assert_array_equal(combine([a, b])["w"], [2.0, 4.0])

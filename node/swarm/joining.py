@@ -185,17 +185,23 @@ def loss_verdicts(own_loss: float, losses: Mapping[str, float], rules: JoinRules
     return verdicts
 
 
-def combine(downloads: Sequence[Tensors]) -> dict[str, np.ndarray]:
+def combine(downloads: Sequence[Tensors], into: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """The coordinate-wise median of the downloads: of 3, the middle value of each coordinate (one
     hostile copy cannot move any coordinate beyond the honest two); of 2, their mean (the median of
-    two values); of 1, a copy. More than 3 are not combined (the caller keeps at most `sources`)."""
+    two values); of 1, a copy. More than 3 are not combined (the caller keeps at most `sources`).
+
+    `into`, if given (one of the downloads, say), gets each combined tensor in place of its own as soon
+    as it is made, so the combination costs one tensor beyond the downloads, not one more copy of the
+    model; that download is the combination afterwards."""
     if not downloads:
         raise ValueError("nothing to combine")
-    if len(downloads) == 2:
-        return {name: ((a.astype(np.float64) + downloads[1][name]) / 2).astype(a.dtype)
-                for name, a in downloads[0].items()}
-    return {name: coordinate_median([d[name].reshape(-1) for d in downloads]).reshape(first.shape)
-            for name, first in downloads[0].items()}
+    out: dict[str, np.ndarray] = {} if into is None else into
+    for name, first in list(downloads[0].items()):
+        if len(downloads) == 2:
+            out[name] = ((first.astype(np.float64) + downloads[1][name]) / 2).astype(first.dtype)
+        else:
+            out[name] = coordinate_median([d[name].reshape(-1) for d in downloads]).reshape(first.shape)
+    return out
 
 
 @dataclass(frozen=True)
@@ -332,12 +338,16 @@ async def join_swarm(judgement: StepJudgement, fetch: Fetch, evaluate: Evaluate,
     if not kept:
         return outcome
     assert outcome.own_loss is not None
-    combined = await asyncio.to_thread(combine, [d.tensors for d in kept])
-    if len(kept) > 1:
+    if len(kept) == 1:
+        combined = kept[0].tensors
+    else:
+        # the combination is made in one of the downloads, not the best: that stays whole for the fallback
+        best = min(kept, key=lambda d: losses[d.label])
+        spent = next(d for d in kept if d is not best)
+        combined = await asyncio.to_thread(combine, [d.tensors for d in kept], spent.tensors)  # is spent's now
         outcome.combined_loss = await evaluate(combined)
         limit = rules.combined_limit(outcome.own_loss, min(losses[d.label] for d in kept))
         if not outcome.combined_loss <= limit:
-            best = min(kept, key=lambda d: losses[d.label])
             logger.warning("the combined download evaluates to %.4f, worse than %.4f: taking %s's alone",
                            outcome.combined_loss, limit, best.label)
             kept, combined = [best], best.tensors
