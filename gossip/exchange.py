@@ -78,6 +78,9 @@ CURRENT = "current"
 # meta of a pull of the current tensors: the manifest index of the first tensor wanted (a download resumed
 # where another donor's broke off, `fetch`'s `start`); the answer's manifest is ours from there on
 FROM = "from"
+# with FROM (or from the first tensor), the manifest index the answer stops before: a few tensors only (a
+# joiner's spot check of a download against other donors)
+UNTIL = "until"
 # meta flag of an exchange request whose asker reads the reply while it writes the request: the answering
 # peer replies as it reads the request, so a symmetric exchange takes one transfer's time, not two (an
 # asker without the flag writes its whole request before it reads, and is answered after it)
@@ -558,7 +561,7 @@ class GossipPeer:
         return 3 * wait_s + 1.0 + 2 * pace.whole_s(self._request_limits.max_payload_bytes)
 
     async def fetch(self, peer: str, progress: TransferProgress | None = None, *, answer_timeout_s: float | None = None,
-                    busy_wait_s: float = 0.0, start: int = 0,
+                    busy_wait_s: float = 0.0, start: int = 0, stop: int | None = None,
                     delivered: Delivered | None = None) -> tuple[dict[str, np.ndarray], int, int]:
         """`_fetch_once`, asked again while `peer` refuses it as busy uploading to others (`uploading`, its
         IncomingLimits.concurrent_uploads) for up to `busy_wait_s`, at growing random intervals, so peers
@@ -569,7 +572,7 @@ class GossipPeer:
         while True:
             try:
                 return await self._fetch_once(peer, progress, answer_timeout_s=answer_timeout_s, start=start,
-                                              delivered=delivered)
+                                              stop=stop, delivered=delivered)
             except PeerRejected as exc:
                 left = until - loop.time()
                 if str(exc) != Refusal.UPLOADING or left <= 0:
@@ -585,7 +588,7 @@ class GossipPeer:
         return turns * self._settings.pace.whole_s(message_nbytes(self._tensors, WHOLE_MODEL_CODEC))
 
     async def _fetch_once(self, peer: str, progress: TransferProgress | None = None, *,
-                          answer_timeout_s: float | None = None, start: int = 0,
+                          answer_timeout_s: float | None = None, start: int = 0, stop: int | None = None,
                           delivered: Delivered | None = None) -> tuple[dict[str, np.ndarray], int, int]:
         """`peer`'s current tensors, round and step: a pull outside any round (a joiner's download, the
         swarm-average evaluation, the final merge), answered in WHOLE_MODEL_CODEC (fp32) whatever codec the
@@ -599,15 +602,19 @@ class GossipPeer:
         moving link finishes, a stalled or trickling one is cut. `progress`, if given, follows the payload.
 
         With `start` > 0 only the tensors from that manifest index on are asked for (and returned: a
-        download resumed from another donor; a peer of an older murmur answers all of them). `delivered`,
-        if given, gets the reply's step and round once its header is read, and the tensors that arrived
-        whole, also when the payload breaks off partway."""
-        if not 0 <= start < max(1, len(self._specs)):
-            raise ValueError(f"start {start} is outside our {len(self._specs)} tensors")
+        download resumed from another donor; a peer of an older murmur answers all of them), and with
+        `stop` only those before that index (a spot check: a peer that answers others is refused as a
+        manifest mismatch). `delivered`, if given, gets the reply's step and round once its header is
+        read, and the tensors that arrived whole, also when the payload breaks off partway."""
+        count = len(self._specs)
+        stop = count if stop is None else stop
+        if not 0 <= start < max(1, stop) <= max(1, count):
+            raise ValueError(f"tensors {start} to {stop} are not a range of our {count}")
         loop = asyncio.get_running_loop()
         pace = self._settings.pace
         answer_s = 4 * self._settings.exchange_timeout_s if answer_timeout_s is None else answer_timeout_s
-        meta: dict[str, MetaValue] = {CURRENT: True, **({FROM: start} if start else {})}
+        meta: dict[str, MetaValue] = {CURRENT: True, **({FROM: start} if start else {}),
+                                      **({UNTIL: stop} if stop < count else {})}
         incoming: IncomingMessage | None = None
         async with asyncio.timeout(answer_s) as deadline:
             stream = MessageStream(await self._transport.open_stream(peer, self._protocol), self._accounting)
@@ -617,8 +624,8 @@ class GossipPeer:
                                                          progress.add if progress is not None else None)
                 header = incoming.header
                 if header.kind == REPLY:
-                    if start and tuple(entry.spec for entry in header.manifest) != self._specs:
-                        _check_manifest(header, self._specs[start:])
+                    if stop < count or (start and tuple(entry.spec for entry in header.manifest) != self._specs):
+                        _check_manifest(header, self._specs[start:stop])
                     else:
                         _check_manifest(header, self._specs)
                     if delivered is not None:
@@ -801,9 +808,9 @@ class GossipPeer:
         with a reject instead of tensors the asker would drop as stale) or asked more than
         `round_pulls` times, or any round pull under compressed gossip; a pull of the current tensors
         beyond the asker's token bucket."""
-        if FROM in header.meta and (header.meta.get(CURRENT) is not True or not _is_index(header.meta[FROM], self._specs)):
-            raise BadSchema(f"a pull's {FROM!r} must be the index of one of our {len(self._specs)} tensors, in a pull "
-                            f"of the current ones; got {header.meta[FROM]!r}")
+        if (FROM in header.meta or UNTIL in header.meta) and _tensor_range(header.meta, len(self._specs)) is None:
+            raise BadSchema(f"a pull's {FROM!r} and {UNTIL!r} must be a range of our {len(self._specs)} tensors, in a "
+                            f"pull of the current ones; got {header.meta.get(FROM)!r} to {header.meta.get(UNTIL)!r}")
         if header.meta.get(CURRENT) is True:
             if self._uploads >= self._settings.incoming.concurrent_uploads:
                 return Refusal.UPLOADING  # before the bucket: a refused pull costs the asker no token
@@ -828,9 +835,9 @@ class GossipPeer:
         codec = self._settings.codec
         if header.meta.get(CURRENT) is True:
             # a whole model outside any round, at once; or its tail, for a download resumed here
-            start = header.meta.get(FROM, 0)  # an index: checked by _pull_refusal
-            assert type(start) is int
-            answer = dict(itertools.islice(self._tensors.items(), start, None)), self.round
+            wanted = _tensor_range(header.meta, len(self._specs))  # checked by _pull_refusal
+            assert wanted is not None
+            answer = dict(itertools.islice(self._tensors.items(), *wanted)), self.round
             codec = WHOLE_MODEL_CODEC
         else:
             try:
@@ -1090,8 +1097,13 @@ def _check_manifest(header: Header, specs: tuple[TensorSpec, ...]) -> None:
         raise ManifestMismatch(f"{header.kind} manifest {_describe(got)} differs from the local {_describe(specs)}")
 
 
-def _is_index(value: MetaValue, specs: tuple[TensorSpec, ...]) -> bool:
-    return type(value) is int and 0 <= value < len(specs)
+def _tensor_range(meta: Mapping[str, MetaValue], count: int) -> tuple[int, int] | None:
+    """The tensors a pull of the current ones asks for, [FROM, UNTIL) (default: all `count`); None unless
+    that is a non-empty range of them, in a pull of the current tensors."""
+    start, stop = meta.get(FROM, 0), meta.get(UNTIL, count)
+    if meta.get(CURRENT) is not True or type(start) is not int or type(stop) is not int:
+        return None
+    return (start, stop) if 0 <= start < stop <= count else None
 
 
 def _describe(specs: tuple[TensorSpec, ...]) -> str:

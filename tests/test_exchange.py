@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from gossip.codecs import get_codec
-from gossip.errors import Truncated
-from gossip.exchange import CURRENT, FROM, PULL, Delivered, ExchangeSettings, GossipPeer
+from gossip.errors import ManifestMismatch, Truncated
+from gossip.exchange import CURRENT, FROM, PULL, UNTIL, Delivered, ExchangeSettings, GossipPeer
 from gossip.memory import InMemoryNetwork, LinkModel
 from gossip.stream import MessageStream
 from gossip.transport import GOSSIP_PROTOCOL
@@ -621,17 +621,17 @@ def test_a_fetch_from_a_start_gets_the_tail_and_a_cut_one_keeps_what_arrived_who
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("start", [3, -1, "1", 1.0])
-def test_a_pull_from_a_start_that_is_no_tensor_index_is_refused_and_counted(start):
-    """A `from` that names no tensor of ours (past the end, negative, not an int) is a malformed request:
-    refused as such, counted, and nothing is sent."""
+@pytest.mark.parametrize("start,stop", [(3, None), (-1, None), ("1", None), (1.0, None), (1, 1), (0, 4), (2, "3")])
+def test_a_pull_of_a_range_that_is_no_range_of_our_tensors_is_refused_and_counted(start, stop):
+    """A `from` / `until` that name no non-empty range of our tensors (past the end, negative, empty, not
+    ints) are a malformed request: refused as such, counted, and nothing is sent."""
     async def main():
         net = InMemoryNetwork()
         a = GossipPeer(net.transport("a"), settings(), _three(0.0))
         b = GossipPeer(net.transport("b"), settings(), _three(2.0))
         for peer in (a, b):
             await peer.start()
-        frames = a._frames({}, 0, PULL, {CURRENT: True, FROM: start})
+        frames = a._frames({}, 0, PULL, {CURRENT: True, FROM: start, **({UNTIL: stop} if stop is not None else {})})
         stream = MessageStream(await a._transport.open_stream("b", GOSSIP_PROTOCOL), a._accounting)
         await stream.send(frames)
         answer = await asyncio.wait_for(stream.read(a._request_limits, None), 2)
@@ -642,20 +642,46 @@ def test_a_pull_from_a_start_that_is_no_tensor_index_is_refused_and_counted(star
     asyncio.run(main())
 
 
+async def _serve_as_an_older_donor(net: InMemoryNetwork) -> None:
+    """Peer "old": a donor of an older murmur, which answers any pull with all three tensors at step 2."""
+    whole = b"".join(bytes(f) for f in encode_message(
+        _three(3.0), get_codec("fp32"), swarm=SWARM, config_hash=HASH, sender="old", round=0, step=2, kind="reply"))
+
+    async def old(stream) -> None:
+        await stream.read_exactly(64)
+        await stream.write(whole)
+
+    await net.transport("old").serve(GOSSIP_PROTOCOL, old)
+
+
+def test_a_fetch_of_a_range_gets_those_tensors_only_and_a_donor_answering_more_is_refused():
+    """A spot check asks a donor for a few tensors: it gets exactly those; an answer with others (a peer
+    that ignores `until`) is a manifest mismatch, not a download of the rest of the model."""
+    async def main():
+        net = InMemoryNetwork()
+        a = GossipPeer(net.transport("a"), settings(), _three(0.0))
+        b = GossipPeer(net.transport("b"), settings(), _three(2.0))
+        for peer in (a, b):
+            await peer.start()
+        tensors, _, _ = await asyncio.wait_for(a.fetch("b", start=1, stop=2), 2)
+        assert list(tensors) == ["b"] and b.stats.bytes_sent < 2 * 4 * DIM
+        tensors, _, _ = await asyncio.wait_for(a.fetch("b", stop=1), 2)
+        assert list(tensors) == ["a"]
+        await _serve_as_an_older_donor(net)
+        with pytest.raises(ManifestMismatch):
+            await asyncio.wait_for(a.fetch("old", start=1, stop=2), 2)
+        with pytest.raises(ValueError):
+            await a.fetch("b", start=2, stop=2)
+
+    asyncio.run(main())
+
+
 def test_a_resumed_fetch_takes_a_whole_answer_from_a_donor_that_ignores_the_start():
     """A donor of an older murmur knows no `from` and answers the whole model: accepted, all of it."""
     async def main():
         net = InMemoryNetwork()
         a = GossipPeer(net.transport("a"), settings(), _three(0.0))
-        whole = b"".join(bytes(f) for f in encode_message(
-            _three(3.0), get_codec("fp32"), swarm=SWARM, config_hash=HASH, sender="old", round=0, step=2,
-            kind="reply"))
-
-        async def old(stream) -> None:
-            await stream.read_exactly(64)
-            await stream.write(whole)
-
-        await net.transport("old").serve(GOSSIP_PROTOCOL, old)
+        await _serve_as_an_older_donor(net)
         await a.start()
         tensors, _, step = await asyncio.wait_for(a.fetch("old", start=2), 2)
         assert list(tensors) == ["a", "b", "c"] and step == 2

@@ -19,10 +19,13 @@ from gossip.spes import ExpertKey, ExpertRecord, overclaiming_peers, version_bou
 from node.algorithms.spes.swarm import SpesAlgorithm
 from node.net.records import PeerRecord
 from node.swarm.joining import (
+    SPOT_CHECK_BYTES,
+    JoinCheck,
     JoinOutcome,
     JoinRules,
     Refused,
     combine,
+    join_check,
     join_swarm,
     judge_steps,
     loss_verdicts,
@@ -252,16 +255,19 @@ class PartsSwarm(Swarm):
         super().__init__(answers)
         self.breaks = breaks
         self.starts: list[tuple[str, int]] = []
+        self.ranges: list[tuple[str, int, int]] = []  # (peer, start, stop) of every fetch
         self.trained = np.full(3 * 16, 1.0, np.float32)
 
-    async def fetch(self, peer: str, progress: object = None, *, start: int = 0,
+    async def fetch(self, peer: str, progress: object = None, *, start: int = 0, stop: int | None = None,
                     delivered: Delivered | None = None) -> tuple[dict[str, np.ndarray], int, int]:
         self.asked.append(peer)
         self.starts.append((peer, start))
+        self.ranges.append((peer, start, len(NAMES) if stop is None else stop))
         value, step = self.answers[peer]
-        assert isinstance(value, np.ndarray) and delivered is not None
-        tensors = {name: value.copy() for name in NAMES[start:]}
+        assert isinstance(value, np.ndarray)
+        tensors = {name: value.copy() for name in NAMES[start:stop]}
         if peer in self.breaks:
+            assert delivered is not None
             sent, error = self.breaks[peer]
             delivered.step, delivered.tensors = step, dict(list(tensors.items())[:sent])
             raise error
@@ -274,11 +280,76 @@ class PartsSwarm(Swarm):
         return 1.0 + float(np.linalg.norm(joined - self.trained))
 
 
-def run_parts_join(swarm: PartsSwarm, claims: list[tuple[str, int]]) -> JoinOutcome:
+def run_parts_join(swarm: PartsSwarm, claims: list[tuple[str, int]], rules: JoinRules = JoinRules()) -> JoinOutcome:
     judged = judge_steps([record(p, s) for p, s in claims], ME, step=0, margin=2, budget=0)
     assert judged is not None
     own = {name: np.zeros(16, np.float32) for name in NAMES}
-    return asyncio.run(join_swarm(judged, swarm.fetch, swarm.evaluate, own))
+    return asyncio.run(join_swarm(judged, swarm.fetch, swarm.evaluate, own, rules))
+
+
+SPOT = JoinRules(check=JoinCheck.SPOT)
+
+
+def ranked(peers: list[str], step: int = 300) -> list[str]:
+    """The order this joiner asks equally good donors in (its own hash order, judge_steps)."""
+    judged = judge_steps([record(p, step) for p in peers], ME, step=0, margin=2, budget=0)
+    assert judged is not None
+    return [r.peer_id for r in judged.candidates]
+
+
+def test_a_spot_checked_join_downloads_one_copy_and_a_block_of_it_from_two_other_donors() -> None:
+    """With three or more donors, `--join-check spot` downloads one whole copy and one block of it from two
+    other donors (not three copies); the block keeps the median of the three, the rest is the donor's."""
+    first, second, third, fourth = ranked(["a", "b", "c", "d"])
+    values = {first: near(0.01), second: near(-0.01), third: near(0.03), fourth: near(0.0)}
+    swarm = PartsSwarm({p: (v, 300) for p, v in values.items()}, breaks={})
+    outcome = run_parts_join(swarm, [(p, 300) for p in values], SPOT)
+    assert outcome.check == JoinCheck.SPOT and outcome.sources == (first,) and outcome.refused == {}
+    assert outcome.checked == {first: [second, third]} and outcome.as_dict()["check"] == "spot"
+    (block,) = {(a, b) for p, a, b in swarm.ranges if p != first}
+    assert sorted(swarm.ranges) == sorted([(first, 0, 3), (second, *block), (third, *block)]) and block[1] - block[0] == 1
+    assert outcome.tensors is not None
+    for i, name in enumerate(NAMES):
+        expected = near(0.01) if i != block[0] else np.median([values[first], values[second], values[third]], axis=0)
+        np.testing.assert_allclose(outcome.tensors[name], expected, atol=1e-7)
+
+
+@pytest.mark.parametrize("hostile_at", [0, 1, 2])
+def test_a_spot_check_refuses_a_far_donor_and_a_far_checker_cannot_frame_an_honest_one(hostile_at: int) -> None:
+    """A donor whose copy is far from the swarm's (within the value bound) is refused by the spot check
+    and the copy comes from the next; a far checker, either one, does not get the honest donor refused."""
+    order = ranked(["a", "b", "c", "d", "e"])
+    hostile = order[hostile_at]
+    swarm = PartsSwarm({p: (near(3.0) if p == hostile else near(0.01 * i), 300) for i, p in enumerate(order)},
+                       breaks={})
+    outcome = run_parts_join(swarm, [(p, 300) for p in order], SPOT)
+    assert outcome.check == JoinCheck.SPOT and hostile not in outcome.sources
+    if hostile_at == 0:
+        assert outcome.refused == {hostile: Refused.SPOT_CHECK} and outcome.sources == (order[1],), outcome
+        assert set(outcome.checked) == {hostile, order[1]} and hostile not in outcome.checked[order[1]]
+    else:
+        assert outcome.refused == {} and outcome.sources == (order[0],) and hostile in outcome.checked[order[0]]
+    assert outcome.tensors is not None and all(np.abs(t - 1.0).max() < 0.05 for t in outcome.tensors.values())
+
+
+def test_a_spot_checked_copy_that_does_not_beat_the_own_model_falls_back_to_three_copies() -> None:
+    order = ranked(["a", "b", "c", "d"])
+    swarm = PartsSwarm({p: (near(-3.0 - 0.01 * i), 300) for i, p in enumerate(order)}, breaks={})
+    outcome = run_parts_join(swarm, [(p, 300) for p in order], SPOT)
+    assert outcome.check == JoinCheck.MEDIAN and outcome.tensors is None
+    assert outcome.refused[order[0]] == Refused.LOSS and set(outcome.refused) == set(order)
+
+
+def test_with_fewer_than_three_donors_a_spot_check_join_takes_the_median_of_what_there_is() -> None:
+    swarm = PartsSwarm({"a": (near(0.01), 300), "b": (near(-0.01), 300)}, breaks={})
+    outcome = run_parts_join(swarm, [("a", 300), ("b", 300)], SPOT)
+    assert outcome.check == JoinCheck.MEDIAN and outcome.sources == ("a", "b") and not outcome.checked
+
+
+def test_auto_spot_checks_a_model_of_a_quarter_gib_and_more() -> None:
+    big = SPOT_CHECK_BYTES // 4
+    assert join_check(JoinCheck.AUTO, big - 1) is JoinCheck.MEDIAN and join_check(JoinCheck.AUTO, big) is JoinCheck.SPOT
+    assert join_check(JoinCheck.MEDIAN, big) is JoinCheck.MEDIAN and join_check(JoinCheck.SPOT, 4) is JoinCheck.SPOT
 
 
 def test_a_copy_whose_donor_breaks_off_is_finished_by_the_next_donor_from_the_first_missing_tensor() -> None:
@@ -533,6 +604,7 @@ def spes_joiner(view: list[PeerRecord], directory: dict[str, dict[ExpertKey, Exp
     joiner.peer, joiner.trainer = _Peer(swarm), _Trainer(swarm)  # type: ignore[assignment]
     joiner.discovery = SimpleNamespace(view=lambda: view)  # type: ignore[assignment]
     joiner.recipe = SimpleNamespace(steps=0, optimizer=SimpleNamespace(local_steps=1))  # type: ignore[assignment]
+    joiner.settings = SimpleNamespace(join_check="auto")  # type: ignore[assignment]
     joiner.status = TrainingStatus(model="m", optimizer="adamw", steps_target=0, trainable_params=16)
     joiner.must_download, joiner._record_sample, joiner._catch_up_with = False, None, None
     spes = joiner.algorithm = object.__new__(SpesAlgorithm)

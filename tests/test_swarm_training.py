@@ -86,13 +86,18 @@ def test_kill_join_restart_and_parity(swarm, tmp_path):
     checkpointed = int(load_checkpoint(victim.data_dir / "checkpoint.safetensors").meta["step"])
 
     # a fifth node joins mid-run (started now, it is ready some way into the run, depending on the
-    # machine's load): it starts from the swarm's parameters, not from scratch, then trains with it
-    joiner = swarm.spawn("n4", seed=4, join=founder, **NODE, **JOINER)
+    # machine's load): it starts from the swarm's parameters, not from scratch, then trains with it. It
+    # spot-checks one download against two other donors (the restarted node below takes three copies)
+    joiner = swarm.spawn("n4", seed=4, join=founder, join_check="spot", **NODE, **JOINER)
     swarm.wait_ready([joiner])
     untrained = single_process_val_loss(1, tmp_path, _initial())
     joined = wait_for(lambda: (t := training(joiner))["started_from"].startswith("peer") and t["val_step"] is not None and t,
                       120, "the joiner's download and first evaluation")
     joined_at = int(joined["started_from"].rsplit(" ", 1)[1])
+    outcome = wait_for(lambda: training(joiner)["joined"], 60, "the joiner's catch-up report")
+    (donor,) = outcome["sources"]  # one copy, checked against the two other survivors
+    assert outcome["check"] == "spot" and sorted([donor, *outcome["checked"][donor]]) == sorted(
+        n.peer_id for n in survivors), outcome
     assert STEPS // 4 <= joined_at < STEPS, f"the joiner came at step {joined_at}, not mid-run"
     source_val = min(training(n)["val_loss"] for n in survivors)
     assert abs(joined["val_loss"] - source_val) < abs(joined["val_loss"] - untrained), (

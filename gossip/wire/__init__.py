@@ -38,6 +38,8 @@ Meta keys
     ``current``     true, in a ``pull`` outside any round (a joiner's download): answer with the current tensors
     ``from``        int, with ``current``: answer with the current tensors from this manifest index on (a
                     download resumed where another donor's broke off); not an index of ours: BadSchema
+    ``until``       int, with ``current``: ... and only the tensors before this index (a joiner's spot check);
+                    ``from`` and ``until`` must make a non-empty range of the answerer's tensors
     ``expert``, ``version``, ``hash``   the SPES fetch protocol's (gossip.spes.fetch)
     ``proof``       str, in a swarm admitting by key: the sender's HMAC-SHA256 (hex) under the swarm key of
                     (swarm, config_hash, sender, round, kind) (node.net.admission)

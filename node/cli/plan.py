@@ -42,6 +42,7 @@ from node.cli.args import (
     values_checked,
 )
 from node.config import DEFAULTS, Command, setting_value
+from node.swarm.joining import JoinCheck, join_check
 from node.swarm.recipe import MAX_MEMBERSHIP_SHARDS
 from topology import Topology, build_topology
 
@@ -241,9 +242,13 @@ def describe(plan: Plan, config: PlanConfig, step: StepTime, model: str) -> list
                  "and reply at once; compressed gossip's one after the other); --exchange-timeout bounds only how long "
                  "a neighbour takes to start answering, the payload is paced as a download is")
     d = plan.download
+    check = join_check(JoinCheck.AUTO, plan.numel)
+    copies = ("one such copy and two blocks of ~5% of it from two other donors" if check is JoinCheck.SPOT
+              else "three such copies, one from each of three donors at once")
     lines.append(f"a joiner's download from one donor: {_mb(d.nbytes)} MB in {d.seconds:.1f} s over this link; cut "
                  f"only when it stalls or falls below the goodput floor (at most {d.bound_s:.0f} s before any goodput "
-                 "is measured: --stall-timeout, --goodput-floor)")
+                 f"is measured: --stall-timeout, --goodput-floor); a catch-up at this size (--join-check auto: "
+                 f"{check}) moves {copies}")
     m = membership(c.peers)
     every = m.read_interval_s(DEFAULT_HEARTBEAT_S)
     lines.append(f"membership: {c.peers} peer records of ~{m.record_bytes} B make a view read of ~{m.read_bytes / 1024:.0f} "

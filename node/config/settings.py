@@ -157,6 +157,7 @@ class TrainingConfig:
     eval_every: int = 25  # steps between validation-loss evaluations of the local model
     checkpoint_every: int = 50  # steps between checkpoints (and one when training stops)
     average_every: int = 0  # steps between writes of the swarm-average model (and one at the end); 0: never
+    join_check: str = "auto"  # auto, median (three copies) or spot (one, spot-checked) when catching up
     # SPES, sparse expert sync of the MoE model (docs/spes.md): the swarm's knobs, and this node's capacity
     spes: bool = False
     spes_sync_every: int = _SPES.sync_every  # S

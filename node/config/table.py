@@ -75,6 +75,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 ADMISSION_MODES = ("open", "key", "allowlist")  # node.swarm.recipe.AdmissionMode
 OPTIMIZERS = ALGORITHMS
 FINAL_MERGE = ("auto", "on", "off")
+JOIN_CHECKS = ("auto", "median", "spot")  # node.swarm.joining.JoinCheck
 DEVICES_HELP = "auto, cpu, cuda or cuda:N"
 PRECISION_NAMES = ("auto", "fp32", "bf16", "fp16")
 
@@ -337,6 +338,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("training.checkpoint_every", Integer(1, noun="steps"), "MURMUR_CHECKPOINT_EVERY",
             "--checkpoint-every", "steps between checkpoints; one is also written when training ends "
             "and when the node stops", NODE),
+    Setting("training.join_check", Choice("join check", JOIN_CHECKS, metavar="HOW"), "MURMUR_JOIN_CHECK",
+            "--join-check", "how a node that catches up checks what it downloads: median downloads three whole "
+            "copies from three donors and takes their coordinate-wise median; spot downloads one and checks a "
+            "block of each donor's part against two other donors (about 1.1 copies); auto: spot for a model of "
+            "256 MiB (fp32) or more (docs/training.md, \"Joining mid-run\"; this node's own)", NODE),
     Setting("training.average_every", _NONNEG, "MURMUR_AVERAGE_EVERY", "--average-every",
             "steps between writes of the swarm-average model to swarm-average.safetensors in the data directory "
             "(and one when training ends); each pulls every live peer's parameters; 0: only on request "

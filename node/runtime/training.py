@@ -43,7 +43,7 @@ def training_settings(config: NodeConfig) -> TrainingSettings:
     return TrainingSettings(data_dir=config.data_dir, data=t.data, device=t.device, precision=cast(Precision, t.precision),
                             threads=t.threads, eval_every=t.eval_every, checkpoint_every=t.checkpoint_every,
                             average_every=t.average_every, min_peers=config.gossip.min_peers, model=t.model,
-                            text_field=t.text_field, tokenizer=t.tokenizer)
+                            text_field=t.text_field, tokenizer=t.tokenizer, join_check=t.join_check)
 
 
 async def start_training(runtime: NodeRuntime, recipe: TrainingRecipe, settings: SwarmSettings,

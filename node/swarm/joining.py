@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import logging
 import math
+import random
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -18,23 +20,44 @@ from typing import Protocol
 import msgspec
 import numpy as np
 
-from gossip.errors import OutOfRange, Truncated, WireError
+from gossip.errors import ManifestMismatch, OutOfRange, Truncated, WireError
 from gossip.exchange import Delivered, PeerRejected
 from gossip.mixing import coordinate_median
 from gossip.pace import TransferProgress, TransferStalled
 from gossip.robust import ValueBound, check_values
 from node.swarm.peers import SwarmRecord
 from node.swarm.prefixes import one_per_prefix
+from node.swarm.spot_check import DEFAULT_SPOT, SpotRules, choose_block, compare_block
 
 logger = logging.getLogger("murmur.train")
 
 Tensors = Mapping[str, np.ndarray]
 
 
+class JoinCheck(StrEnum):
+    """How a joiner's download is checked (`--join-check`; docs/training.md, "Joining mid-run")."""
+
+    AUTO = "auto"  # SPOT for a model of at least SPOT_CHECK_BYTES in fp32, else MEDIAN
+    MEDIAN = "median"  # three whole copies from three donors, combined coordinate-wise
+    SPOT = "spot"  # one copy, each donor's part checked against a sample of it from two other donors
+
+
+SPOT_CHECK_BYTES = 256 << 20  # from ~67M parameters a copy over a home link takes minutes: one, not three
+
+
+def join_check(choice: JoinCheck, numel: int) -> JoinCheck:
+    """The check a joiner of a model of `numel` parameters runs for `choice`."""
+    if choice is not JoinCheck.AUTO:
+        return choice
+    return JoinCheck.SPOT if 4 * numel >= SPOT_CHECK_BYTES else JoinCheck.MEDIAN
+
+
 @dataclass(frozen=True)
 class JoinRules:
     """The bounds a joiner holds the swarm's claims and downloads to."""
 
+    check: JoinCheck = JoinCheck.MEDIAN  # AUTO is resolved by the caller (join_check)
+    spot: SpotRules = DEFAULT_SPOT
     sources: int = 3  # downloads combined, where the swarm has that many peers ahead
     # a claimed step more than max(step_slack, step_share x reference) above the reference is ignored
     step_slack: int = 20
@@ -82,6 +105,8 @@ class Refused(StrEnum):
     REJECTED = "rejected"
     FAILED = "failed"  # an error of no declared kind: this peer's download failed, not the catch-up
     SAME_PREFIX = "same_prefix"  # another peer ahead on its network already votes and serves (node.swarm.prefixes)
+    # its part of a spot-checked copy was an outlier next to two other donors' copies of a block of it
+    SPOT_CHECK = "spot_check"
 
 
 @dataclass(frozen=True)
@@ -231,6 +256,14 @@ class JoinOutcome:
     own_loss: float | None = None
     combined_loss: float | None = None
     refused: dict[str, str] = field(default_factory=dict)  # peer -> Refused or a wire error's kind
+    check: str = JoinCheck.MEDIAN  # how the adopted download was checked (a spot check that failed: median)
+    checked: dict[str, list[str]] = field(default_factory=dict)  # spot check: donor -> the two peers it was checked against
+
+    def vouchers(self) -> tuple[str, ...]:
+        """The peers whose copies back the adopted parameters: the sources, and under a spot check the
+        peers their parts were checked against (where outer state is taken from several peers: DiLoCo's
+        momentum)."""
+        return tuple(sorted({*self.sources, *(p for d in self.sources for p in self.checked.get(d, ()))}))
 
     def describe(self) -> str:
         """For the status's `started_from`: "peer A at step N" or "peers A, B, C at step N"."""
@@ -240,16 +273,16 @@ class JoinOutcome:
     def as_dict(self) -> dict[str, object]:
         return {"reference_step": self.reference_step, "step": self.step, "sources": list(self.sources),
                 "losses": dict(self.losses), "own_loss": self.own_loss, "combined_loss": self.combined_loss,
-                "refused": dict(self.refused)}
+                "refused": dict(self.refused), "check": str(self.check), "checked": dict(self.checked)}
 
 
 class Fetch(Protocol):
     """A pull of a peer's current tensors, round and step (GossipPeer.fetch: its deadlines follow the
     download's progress and size, gossip.pace), its payload counted in `progress`; from the tensor at
-    manifest index `start` on. When it breaks off, `delivered` holds what arrived whole and the step
+    manifest index `start` on, and before `stop` if given. When it breaks off, `delivered` holds what arrived whole and the step
     the reply claimed."""
 
-    def __call__(self, peer: str, progress: TransferProgress | None = None, *, start: int = 0,
+    def __call__(self, peer: str, progress: TransferProgress | None = None, *, start: int = 0, stop: int | None = None,
                  delivered: Delivered | None = None) -> Awaitable[tuple[dict[str, np.ndarray], int, int]]: ...
 
 
@@ -317,6 +350,9 @@ async def join_swarm(judgement: StepJudgement, fetch: Fetch, evaluate: Evaluate,
     watch = watch or DownloadWatch()
     outcome = JoinOutcome(judgement.reference, refused=judgement.refusals())
     waiting = list(judgement.candidates)
+    spot = rules.check is JoinCheck.SPOT and len(waiting) >= 3
+    if spot and await _adopt_spot_checked(waiting, judgement, fetch, evaluate, own, rules, bound, outcome, watch):
+        return outcome
     evaluated: list[Download] = []
     kept: list[Download] = []
     losses: dict[str, float] = {}  # Download.label -> its validation loss
@@ -357,15 +393,133 @@ async def join_swarm(judgement: StepJudgement, fetch: Fetch, evaluate: Evaluate,
     return outcome
 
 
+async def _adopt_spot_checked(waiting: list[SwarmRecord], judgement: StepJudgement, fetch: Fetch, evaluate: Evaluate,
+                              own: Tensors, rules: JoinRules, bound: ValueBound, outcome: JoinOutcome,
+                              watch: DownloadWatch) -> bool:
+    """`--join-check spot`: one copy, spot-checked (`_spot_checked`), adopted if its validation loss beats
+    the node's own model's (a lone download's rule: nothing else vouches for all of it). False, the copy's
+    donors refused, when it does not or the candidates ran out: the caller goes on to three copies."""
+    outcome.check = JoinCheck.SPOT
+    copy = await _spot_checked(waiting, judgement, fetch, own, rules.spot, bound, outcome, watch)
+    if copy is not None:
+        outcome.own_loss = await evaluate(None)
+        loss = await evaluate(copy.tensors)
+        outcome.losses.update(dict.fromkeys(copy.donors, loss))
+        if loss_verdicts(outcome.own_loss, {copy.label: loss}, rules)[copy.label]:
+            outcome.tensors, outcome.step, outcome.sources = copy.tensors, copy.step, tuple(sorted(copy.donors))
+            return True
+        outcome.refused.update(dict.fromkeys(copy.donors, str(Refused.LOSS)))
+        logger.warning("the spot-checked download from %s evaluates to %.4f, not better than this node's %.4f: "
+                       "downloading three copies instead", copy.label, loss, outcome.own_loss)
+    else:
+        logger.warning("too few donors answered to spot-check a download: downloading three copies instead")
+    outcome.check = JoinCheck.MEDIAN
+    return False
+
+
+async def _spot_checked(waiting: list[SwarmRecord], judgement: StepJudgement, fetch: Fetch, own: Tensors,
+                        rules: SpotRules, bound: ValueBound, outcome: JoinOutcome,
+                        watch: DownloadWatch) -> Download | None:
+    """One whole copy, filled as `_download` fills one (a donor that broke off is resumed by the next),
+    each donor's part checked against a block of it (node.swarm.spot_check) from two other candidates.
+    A part that passes keeps the three-way median of its block; one that is an outlier is dropped with
+    what follows it, its donor refused (`spot_check`), and refilled from the next candidate. None when
+    the candidates run out first (donors or checkers)."""
+    limits = bound.limits(own)
+    names = list(own)
+    nbytes = [int(t.size) * 4 for t in own.values()]  # as the fp32 answer carries them
+    rng = random.SystemRandom()  # where the blocks fall: no donor can know it in advance
+    checkers = [r.peer_id for r in judgement.candidates]
+    copy, checked = _Copy(), 0  # the tensors before `checked` passed
+    while True:
+        while len(copy.tensors) < len(names):
+            if not waiting:
+                for peer, why in copy.breaks.items():
+                    outcome.refused[peer] = why
+                return None
+            if await _fill(copy, waiting.pop(0).peer_id, names, judgement, fetch, limits, outcome, watch):
+                break
+        for i, (donor, start) in enumerate(zip(copy.donors, copy.starts, strict=True)):
+            stop = copy.starts[i + 1] if i + 1 < len(copy.starts) else len(names)
+            if start < checked:
+                continue
+            block = choose_block(nbytes, start, stop, rules.share, rng)
+            against = await _check_copies(block, donor, copy, checkers, names, fetch, limits, outcome, watch, waiting)
+            if against is None:
+                return None
+            (first, a), (second, b) = against
+            part = {name: copy.tensors[name] for name in names[block[0]:block[1]]}
+            verdict = await asyncio.to_thread(compare_block, part, a, b, {n: own[n] for n in part}, rules)
+            outcome.checked[donor] = [first, second]
+            if verdict.outlier:
+                outcome.refused[donor] = Refused.SPOT_CHECK
+                logger.warning("parameter download from %s refused: tensors %d-%d are %.4g from the median of them "
+                               "and %s's and %s's copies, which are %.4g from it (the median moved %.4g from ours)",
+                               donor, block[0], block[1] - 1, verdict.distance, first, second, verdict.spread,
+                               verdict.moved)
+                copy.truncate(i)
+                break
+            copy.tensors.update(verdict.medians)
+            checked = stop
+        else:
+            return Download(tuple(copy.donors), copy.tensors, min(copy.steps))
+
+
+async def _check_copies(block: tuple[int, int], donor: str, copy: _Copy, checkers: list[str], names: Sequence[str],
+                        fetch: Fetch, limits: Mapping[str, float], outcome: JoinOutcome, watch: DownloadWatch,
+                        waiting: list[SwarmRecord]) -> tuple[tuple[str, Tensors], tuple[str, Tensors]] | None:
+    """Two other candidates' copies of `block`, asked in parallel, the next ones standing in for those that
+    fail (unreachable, refused, malformed, out of range: reported, and no longer donors either); None when
+    fewer than two answer."""
+    got: list[tuple[str, Tensors]] = []
+    wanted = [p for p in checkers if p != donor and p not in copy.donors and p not in outcome.refused]
+
+    async def one(peer: str) -> None:
+        try:
+            try:
+                tensors, _, _ = await fetch(peer, watch.start(peer), start=block[0], stop=block[1])
+            finally:
+                watch.end(peer)
+            await asyncio.to_thread(check_values, tensors, limits)
+            if list(tensors) != list(names[block[0]:block[1]]):
+                raise ManifestMismatch(f"asked for tensors {block[0]}-{block[1] - 1}, got {len(tensors)} others")
+        except Exception as exc:  # any failure: this checker's, never the join's
+            outcome.refused.setdefault(peer, exc.kind if isinstance(exc, WireError) else Refused.UNREACHABLE
+                                       if isinstance(exc, ConnectionError) else Refused.FAILED)
+            logger.warning("spot check of %s's download against %s failed: %s: %s", donor, peer, type(exc).__name__,
+                           exc)
+            checkers.remove(peer)
+            waiting[:] = [r for r in waiting if r.peer_id != peer]
+            return
+        got.append((peer, tensors))
+
+    while len(got) < 2 and wanted:
+        batch, wanted = wanted[: 2 - len(got)], wanted[2 - len(got):]
+        async with asyncio.TaskGroup() as group:
+            for peer in batch:
+                group.create_task(one(peer))
+    return (got[0], got[1]) if len(got) == 2 else None
+
+
 @dataclass
 class _Copy:
     """One copy being downloaded: the tensors that arrived whole so far (a prefix of the manifest), from
-    whom, the steps they claimed, and why each donor that gave part of it broke off."""
+    whom and from which tensor on each, the steps they claimed, and why each donor that gave part of it
+    broke off."""
 
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
     donors: list[str] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
     breaks: dict[str, str] = field(default_factory=dict)
+
+    def truncate(self, part: int) -> None:
+        """Drop the `part`-th donor's tensors and everything after them."""
+        self.tensors = dict(itertools.islice(self.tensors.items(), self.starts[part]))
+        dropped = self.donors[part:]
+        del self.donors[part:], self.starts[part:], self.steps[part:]
+        for peer in dropped:
+            self.breaks.pop(peer, None)
 
 
 async def _download(waiting: list[SwarmRecord], wanted: int, judgement: StepJudgement, fetch: Fetch, own: Tensors,
@@ -440,6 +594,7 @@ async def _fill(copy: _Copy, peer: str, names: Sequence[str], judgement: StepJud
                     ", ".join(copy.donors))
     copy.tensors.update(tensors)
     copy.donors.append(peer)
+    copy.starts.append(start)
     copy.steps.append(step)
     if broke is not None:
         copy.breaks[peer] = broke

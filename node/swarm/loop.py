@@ -27,10 +27,13 @@ from node.swarm.algorithm import Algorithm, StepReport
 from node.swarm.contributors import ContributorTable, tokens_per_step
 from node.swarm.joining import (
     DownloadWatch,
+    JoinCheck,
     JoinOutcome,
     JoinProgress,
+    JoinRules,
     Refused,
     StepJudgement,
+    join_check,
     join_swarm,
     judge_steps,
     plausible_steps,
@@ -406,7 +409,7 @@ class SwarmLoop:
         await self.trainer.start_from_download(step)
         self.peer.set_tensors(outcome.tensors, step=step, moved=False)
         self.must_download = False
-        await self.algorithm.adopt_download([r for r in judgement.candidates if r.peer_id in outcome.sources])
+        await self.algorithm.adopt_download([r for r in judgement.candidates if r.peer_id in outcome.vouchers()])
         self.peer.round = last_round_at(self.trainer.step, self.recipe)
         self.status.started_from = outcome.describe()
         self.status.step = self.trainer.step
@@ -444,8 +447,10 @@ class SwarmLoop:
         watch = self.downloads = DownloadWatch()
         reporter = asyncio.create_task(_report_downloads(watch))
         try:
+            numel = sum(int(t.size) for t in self.peer.tensors.values())
+            rules = JoinRules(check=join_check(JoinCheck(self.settings.join_check), numel))
             outcome = await join_swarm(judgement, self.peer.fetch, self.trainer.evaluate, self.peer.tensors,
-                                       watch=watch)
+                                       rules, watch=watch)
         finally:
             self.downloads = None
             reporter.cancel()

@@ -25,3 +25,4 @@ class TrainingSettings:
     model: str = "moe"  # this node's own --model: where a joiner finds pretrained weights the swarm starts from
     text_field: str = "text"  # the jsonl field / parquet column of `data` that holds the text
     tokenizer: Path | None = None  # this node's own --tokenizer file (used when its hash is the swarm's)
+    join_check: str = "auto"  # how a catch-up's download is checked (node.swarm.joining.JoinCheck)
