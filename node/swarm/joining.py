@@ -221,7 +221,8 @@ def combine(downloads: Sequence[Tensors], into: dict[str, np.ndarray] | None = N
     if not downloads:
         raise ValueError("nothing to combine")
     out: dict[str, np.ndarray] = {} if into is None else into
-    for name, first in list(downloads[0].items()):
+    for name in list(downloads[0]):  # names only: a list of the arrays would keep every replaced one alive
+        first = downloads[0][name]
         if len(downloads) == 2:
             out[name] = ((first.astype(np.float64) + downloads[1][name]) / 2).astype(first.dtype)
         else:
