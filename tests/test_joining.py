@@ -216,7 +216,7 @@ class Swarm:
         self.asked: list[str] = []
         self.trained = np.full(16, 1.0, np.float32)
 
-    async def fetch(self, peer: str, progress: object = None, *, start: int = 0,
+    async def fetch(self, peer: str, progress: object = None, *, start: int = 0, stop: int | None = None,
                     delivered: object = None) -> tuple[dict[str, np.ndarray], int, int]:
         self.asked.append(peer)
         value, step = self.answers[peer]
@@ -271,21 +271,22 @@ class PartsSwarm(Swarm):
     it whole and then breaks off with the given error, as a donor that dies or stalls mid-download."""
 
     def __init__(self, answers: dict[str, tuple[np.ndarray | Exception, int]],
-                 breaks: dict[str, tuple[int, Exception]]) -> None:
+                 breaks: dict[str, tuple[int, Exception]], names: tuple[str, ...] = NAMES) -> None:
         super().__init__(answers)
         self.breaks = breaks
+        self.names = names
         self.starts: list[tuple[str, int]] = []
         self.ranges: list[tuple[str, int, int]] = []  # (peer, start, stop) of every fetch
-        self.trained = np.full(3 * 16, 1.0, np.float32)
+        self.trained = np.full(len(names) * 16, 1.0, np.float32)
 
     async def fetch(self, peer: str, progress: object = None, *, start: int = 0, stop: int | None = None,
                     delivered: Delivered | None = None) -> tuple[dict[str, np.ndarray], int, int]:
         self.asked.append(peer)
         self.starts.append((peer, start))
-        self.ranges.append((peer, start, len(NAMES) if stop is None else stop))
+        self.ranges.append((peer, start, len(self.names) if stop is None else stop))
         value, step = self.answers[peer]
         assert isinstance(value, np.ndarray)
-        tensors = {name: value.copy() for name in NAMES[start:stop]}
+        tensors = {name: value.copy() for name in self.names[start:stop]}
         if peer in self.breaks:
             assert delivered is not None
             sent, error = self.breaks[peer]
@@ -296,14 +297,14 @@ class PartsSwarm(Swarm):
     async def evaluate(self, tensors: object) -> float:
         if tensors is None:
             return 1.0 + float(np.linalg.norm(self.trained))
-        joined = np.concatenate([tensors[name] for name in NAMES])  # type: ignore[index]
+        joined = np.concatenate([tensors[name] for name in self.names])  # type: ignore[index]
         return 1.0 + float(np.linalg.norm(joined - self.trained))
 
 
 def run_parts_join(swarm: PartsSwarm, claims: list[tuple[str, int]], rules: JoinRules = JoinRules()) -> JoinOutcome:
     judged = judge_steps([record(p, s) for p, s in claims], ME, step=0, margin=2, budget=0)
     assert judged is not None
-    own = {name: np.zeros(16, np.float32) for name in NAMES}
+    own = {name: np.zeros(16, np.float32) for name in swarm.names}
     return asyncio.run(join_swarm(judged, swarm.fetch, swarm.evaluate, own, rules))
 
 
@@ -318,12 +319,12 @@ def ranked(peers: list[str], step: int = 300) -> list[str]:
 
 
 def test_a_spot_checked_join_downloads_one_copy_and_a_block_of_it_from_two_other_donors() -> None:
-    """With three or more donors, `--join-check spot` downloads one whole copy and one block of it from two
+    """`--join-check spot` with one stripe: one whole copy from the first donor and one block of it from two
     other donors (not three copies); the block keeps the median of the three, the rest is the donor's."""
     first, second, third, fourth = ranked(["a", "b", "c", "d"])
     values = {first: near(0.01), second: near(-0.01), third: near(0.03), fourth: near(0.0)}
     swarm = PartsSwarm({p: (v, 300) for p, v in values.items()}, breaks={})
-    outcome = run_parts_join(swarm, [(p, 300) for p in values], SPOT)
+    outcome = run_parts_join(swarm, [(p, 300) for p in values], JoinRules(check=JoinCheck.SPOT, stripes=1))
     assert outcome.check == JoinCheck.SPOT and outcome.sources == (first,) and outcome.refused == {}
     assert outcome.checked == {first: [second, third]} and outcome.as_dict()["check"] == "spot"
     (block,) = {(a, b) for p, a, b in swarm.ranges if p != first}
@@ -334,21 +335,34 @@ def test_a_spot_checked_join_downloads_one_copy_and_a_block_of_it_from_two_other
         np.testing.assert_allclose(outcome.tensors[name], expected, atol=1e-7)
 
 
-@pytest.mark.parametrize("hostile_at", [0, 1, 2])
-def test_a_spot_check_refuses_a_far_donor_and_a_far_checker_cannot_frame_an_honest_one(hostile_at: int) -> None:
-    """A donor whose copy is far from the swarm's (within the value bound) is refused by the spot check
-    and the copy comes from the next; a far checker, either one, does not get the honest donor refused."""
+def test_a_spot_checked_copy_is_striped_over_several_donors_at_once_each_part_checked_by_two_others() -> None:
+    order = ranked(["a", "b", "c", "d"])
+    swarm = PartsSwarm({p: (near(0.01 * i), 300) for i, p in enumerate(order)}, breaks={})
+    outcome = run_parts_join(swarm, [(p, 300) for p in order], SPOT)
+    # three tensors: three stripes of one tensor each, from the first three donors; the fourth only checks
+    donors = {p: (a, b) for p, a, b in swarm.ranges if b - a == 1 and p in order[:3] and (p, a) in swarm.starts[:3]}
+    assert outcome.sources == tuple(sorted(order[:3])) and outcome.refused == {}
+    assert sorted(donors.values()) == [(0, 1), (1, 2), (2, 3)], swarm.ranges
+    assert all(len(set(c)) == 2 and donor not in c for donor, c in outcome.checked.items()) and len(outcome.checked) == 3
+
+
+@pytest.mark.parametrize("stripes,hostile_at", [(1, 0), (1, 1), (1, 2), (4, 0), (4, 2)])
+def test_a_spot_check_refuses_a_far_donor_and_a_far_checker_cannot_frame_an_honest_one(stripes: int,
+                                                                                        hostile_at: int) -> None:
+    """A donor whose part is far from the swarm's (within the value bound) is refused by the spot check
+    and its range comes from the next candidate; a far checker does not get an honest donor refused."""
     order = ranked(["a", "b", "c", "d", "e"])
     hostile = order[hostile_at]
     swarm = PartsSwarm({p: (near(3.0) if p == hostile else near(0.01 * i), 300) for i, p in enumerate(order)},
                        breaks={})
-    outcome = run_parts_join(swarm, [(p, 300) for p in order], SPOT)
+    outcome = run_parts_join(swarm, [(p, 300) for p in order], JoinRules(check=JoinCheck.SPOT, stripes=stripes))
     assert outcome.check == JoinCheck.SPOT and hostile not in outcome.sources
-    if hostile_at == 0:
-        assert outcome.refused == {hostile: Refused.SPOT_CHECK} and outcome.sources == (order[1],), outcome
-        assert set(outcome.checked) == {hostile, order[1]} and hostile not in outcome.checked[order[1]]
+    serving = order[:min(stripes, 3)]  # the stripes' first donors (3 tensors: at most 3 stripes)
+    if hostile in serving:
+        assert outcome.refused == {hostile: Refused.SPOT_CHECK}, outcome
+        assert set(outcome.sources) == {*serving, order[len(serving)]} - {hostile}
     else:
-        assert outcome.refused == {} and outcome.sources == (order[0],) and hostile in outcome.checked[order[0]]
+        assert outcome.refused == {} and set(outcome.sources) == set(serving)
     assert outcome.tensors is not None and all(np.abs(t - 1.0).max() < 0.05 for t in outcome.tensors.values())
 
 
@@ -358,6 +372,33 @@ def test_a_spot_checked_copy_that_does_not_beat_the_own_model_falls_back_to_thre
     outcome = run_parts_join(swarm, [(p, 300) for p in order], SPOT)
     assert outcome.check == JoinCheck.MEDIAN and outcome.tensors is None
     assert outcome.refused[order[0]] == Refused.LOSS and set(outcome.refused) == set(order)
+
+
+def test_a_stripe_whose_donor_breaks_off_is_finished_by_a_donor_that_finished_its_own() -> None:
+    """With no candidate left, a range whose donor broke off is sent by a donor that completed its own
+    range (each part is checked on its own); a part checked by two of the others keeps its median."""
+    order = ranked(["a", "b", "c", "d"])  # four donors, four ranges of one tensor: no candidate to spare
+    victim = order[1]
+    swarm = PartsSwarm({p: (near(0.01 * i), 300) for i, p in enumerate(order)},
+                       breaks={victim: (0, TransferStalled("no piece for 10 s"))}, names=("w", "x", "y", "z"))
+    outcome = run_parts_join(swarm, [(p, 300) for p in order], SPOT)
+    assert outcome.check == JoinCheck.SPOT and outcome.refused == {victim: Refused.STALLED}
+    # the four ranges, then the victim's again (before any check), from a donor that finished another
+    stripes, (again, start, stop) = swarm.ranges[:4], swarm.ranges[4]
+    assert sorted((a, b) for _, a, b in stripes) == [(0, 1), (1, 2), (2, 3), (3, 4)] and (victim, 1, 2) in stripes
+    assert (start, stop) == (1, 2) and again in set(order) - {victim}, swarm.ranges
+    assert outcome.sources == tuple(sorted(set(order) - {victim})), outcome
+    assert outcome.tensors is not None and all(np.abs(t - 1.0).max() < 0.05 for t in outcome.tensors.values())
+
+
+def test_a_spot_check_that_cannot_find_two_checkers_falls_back_to_whole_copies_from_the_donors_left() -> None:
+    order = ranked(["a", "b", "c"])
+    victim = order[0]
+    swarm = PartsSwarm({p: (near(0.01 * i), 300) for i, p in enumerate(order)},
+                       breaks={victim: (0, ConnectionError("reset"))})
+    outcome = run_parts_join(swarm, [(p, 300) for p in order], SPOT)
+    assert outcome.check == JoinCheck.MEDIAN and outcome.sources == tuple(sorted(order[1:]))
+    assert outcome.refused == {victim: Refused.UNREACHABLE}
 
 
 def test_with_fewer_than_three_donors_a_spot_check_join_takes_the_median_of_what_there_is() -> None:
@@ -505,12 +546,13 @@ def test_over_real_gossip_peers_a_donor_killed_mid_download_leaves_its_whole_ten
             await net.kill("a")
 
         async def fetch(peer: str, progress: TransferProgress | None = None, *, start: int = 0,
-                        delivered: Delivered | None = None) -> tuple[dict[str, np.ndarray], int, int]:
+                        stop: int | None = None, delivered: Delivered | None = None
+                        ) -> tuple[dict[str, np.ndarray], int, int]:
             starts.append((peer, start))
             assert progress is not None
             killer = asyncio.create_task(kill_a_after(progress)) if peer == "a" else None
             try:
-                return await me.fetch(peer, progress, start=start, delivered=delivered)
+                return await me.fetch(peer, progress, start=start, stop=stop, delivered=delivered)
             finally:
                 if killer is not None:
                     await asyncio.wait_for(killer, 10)

@@ -265,7 +265,7 @@ def test_a_round_survives_a_neighbour_whose_dial_raises_a_stray_value_error() ->
 def test_a_join_download_that_raises_a_stray_error_is_that_peers_failure() -> None:
     trained = np.full(4, 1.0, np.float32)
 
-    async def fetch(peer: str, progress: object = None, *, start: int = 0,
+    async def fetch(peer: str, progress: object = None, *, start: int = 0, stop: int | None = None,
                     delivered: object = None) -> tuple[dict[str, np.ndarray], int, int]:
         if peer == "odd":
             raise ValueError("bad multiaddr")

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from node.swarm.spot_check import SpotRules, choose_block, compare_block
+from node.swarm.spot_check import SpotRules, choose_block, compare_block, split_ranges
 
 pytestmark = pytest.mark.unit
 
@@ -29,6 +29,20 @@ def test_a_block_lies_in_its_part_holds_its_share_of_the_bytes_and_moves_with_th
     # ... and the draw decides where it falls
     starts = {choose_block(nbytes, 0, 40, 0.01, random.Random(s))[0] for s in range(50)}
     assert len(starts) > 10
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_stripes_cover_the_manifest_in_order_with_about_equal_bytes(seed: int) -> None:
+    rng = random.Random(seed)
+    nbytes = [rng.choice([4, 400, 4000, 400_000]) for _ in range(rng.randrange(1, 60))]
+    parts = rng.randrange(1, 8)
+    ranges = split_ranges(nbytes, parts)
+    assert ranges[0][0] == 0 and ranges[-1][1] == len(nbytes) and len(ranges) <= min(parts, len(nbytes))
+    assert all(a < b for a, b in ranges) and all(b == c for (_, b), (c, _) in zip(ranges, ranges[1:]))
+    share = sum(nbytes) / parts
+    assert all(sum(nbytes[a:b]) <= share + max(nbytes[a:b]) for a, b in ranges)
+    if all(n == nbytes[0] for n in nbytes) and len(nbytes) >= parts:  # equal tensors: exactly `parts` stripes
+        assert len(ranges) == parts
 
 
 def test_a_block_outside_the_manifest_is_an_error() -> None:

@@ -340,8 +340,9 @@ SETTINGS: tuple[Setting, ...] = (
             "and when the node stops", NODE),
     Setting("training.join_check", Choice("join check", JOIN_CHECKS, metavar="HOW"), "MURMUR_JOIN_CHECK",
             "--join-check", "how a node that catches up checks what it downloads: median downloads three whole "
-            "copies from three donors and takes their coordinate-wise median; spot downloads one and checks a "
-            "block of each donor's part against two other donors (about 1.1 copies); auto: spot for a model of "
+            "copies from three donors and takes their coordinate-wise median; spot downloads one, in parts from up to "
+            "4 donors at once, and checks a block of each part against two other donors (about 1.1 copies); auto: "
+            "spot for a model of "
             "256 MiB (fp32) or more (docs/training.md, \"Joining mid-run\"; this node's own)", NODE),
     Setting("training.average_every", _NONNEG, "MURMUR_AVERAGE_EVERY", "--average-every",
             "steps between writes of the swarm-average model to swarm-average.safetensors in the data directory "

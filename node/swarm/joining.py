@@ -27,7 +27,7 @@ from gossip.pace import TransferProgress, TransferStalled
 from gossip.robust import ValueBound, check_values
 from node.swarm.peers import SwarmRecord
 from node.swarm.prefixes import one_per_prefix
-from node.swarm.spot_check import DEFAULT_SPOT, SpotRules, choose_block, compare_block
+from node.swarm.spot_check import DEFAULT_SPOT, SpotRules, choose_block, compare_block, split_ranges
 
 logger = logging.getLogger("murmur.train")
 
@@ -58,6 +58,7 @@ class JoinRules:
 
     check: JoinCheck = JoinCheck.MEDIAN  # AUTO is resolved by the caller (join_check)
     spot: SpotRules = DEFAULT_SPOT
+    stripes: int = 4  # donors a spot-checked copy is downloaded from at once, each a range of its bytes
     sources: int = 3  # downloads combined, where the swarm has that many peers ahead
     # a claimed step more than max(step_slack, step_share x reference) above the reference is ignored
     step_slack: int = 20
@@ -351,9 +352,10 @@ async def join_swarm(judgement: StepJudgement, fetch: Fetch, evaluate: Evaluate,
     watch = watch or DownloadWatch()
     outcome = JoinOutcome(judgement.reference, refused=judgement.refusals())
     waiting = list(judgement.candidates)
-    spot = rules.check is JoinCheck.SPOT and len(waiting) >= 3
-    if spot and await _adopt_spot_checked(waiting, judgement, fetch, evaluate, own, rules, bound, outcome, watch):
-        return outcome
+    if rules.check is JoinCheck.SPOT and len(waiting) >= 3:
+        if await _adopt_spot_checked(waiting, judgement, fetch, evaluate, own, rules, bound, outcome, watch):
+            return outcome
+        waiting = [r for r in judgement.candidates if r.peer_id not in outcome.refused]  # whole copies from them
     evaluated: list[Download] = []
     kept: list[Download] = []
     losses: dict[str, float] = {}  # Download.label -> its validation loss
@@ -401,7 +403,7 @@ async def _adopt_spot_checked(waiting: list[SwarmRecord], judgement: StepJudgeme
     the node's own model's (a lone download's rule: nothing else vouches for all of it). False, the copy's
     donors refused, when it does not or the candidates ran out: the caller goes on to three copies."""
     outcome.check = JoinCheck.SPOT
-    copy = await _spot_checked(waiting, judgement, fetch, own, rules.spot, bound, outcome, watch)
+    copy = await _spot_checked(waiting, judgement, fetch, own, rules, bound, outcome, watch)
     if copy is not None:
         outcome.own_loss = await evaluate(None)
         loss = await evaluate(copy.tensors)
@@ -419,61 +421,110 @@ async def _adopt_spot_checked(waiting: list[SwarmRecord], judgement: StepJudgeme
 
 
 async def _spot_checked(waiting: list[SwarmRecord], judgement: StepJudgement, fetch: Fetch, own: Tensors,
-                        rules: SpotRules, bound: ValueBound, outcome: JoinOutcome,
+                        rules: JoinRules, bound: ValueBound, outcome: JoinOutcome,
                         watch: DownloadWatch) -> Download | None:
-    """One whole copy, filled as `_download` fills one (a donor that broke off is resumed by the next),
-    each donor's part checked against a block of it (node.swarm.spot_check) from two other candidates.
-    A part that passes keeps the three-way median of its block; one that is an outlier is dropped with
-    what follows it, its donor refused (`spot_check`), and refilled from the next candidate. None when
+    """One whole copy, its manifest split by bytes into up to `rules.stripes` ranges downloaded from as many
+    donors at once (a donor that breaks off is resumed by the next candidate, from the first tensor it
+    did not send). Each donor's part is checked against a block of it (node.swarm.spot_check) from two
+    other candidates: a part that passes keeps the three-way median of its block; an outlier's donor is
+    refused (`spot_check`) and its range downloaded again from the next candidate, and checked. None when
     the candidates run out first (donors or checkers)."""
     limits = bound.limits(own)
     names = list(own)
     nbytes = [int(t.size) * 4 for t in own.values()]  # as the fp32 answer carries them
     rng = random.SystemRandom()  # where the blocks fall: no donor can know it in advance
     checkers = [r.peer_id for r in judgement.candidates]
-    copy, checked = _Copy(), 0  # the tensors before `checked` passed
-    while True:
-        while len(copy.tensors) < len(names):
-            if not waiting:
-                for peer, why in copy.breaks.items():
-                    outcome.refused[peer] = why
-                return None
-            if await _fill(copy, waiting.pop(0).peer_id, names, judgement, fetch, limits, outcome, watch):
-                break
-        for i, (donor, start) in enumerate(zip(copy.donors, copy.starts, strict=True)):
-            stop = copy.starts[i + 1] if i + 1 < len(copy.starts) else len(names)
-            if start < checked:
-                continue
-            block = choose_block(nbytes, start, stop, rules.share, rng)
-            against = await _check_copies(block, donor, copy, checkers, names, fetch, limits, outcome, watch, waiting)
+    pending = split_ranges(nbytes, min(rules.stripes, len(waiting)))
+    passed: list[_Part] = []
+    while pending:
+        parts = await _striped(pending, waiting, names, judgement, fetch, limits, outcome, watch)
+        if parts is None:
+            return None
+        pending = []
+        for part in parts:
+            block = choose_block(nbytes, part.start, part.stop, rules.spot.share, rng)
+            against = await _check_copies(block, part.donor, checkers, names, fetch, limits, outcome, watch, waiting)
             if against is None:
                 return None
             (first, a), (second, b) = against
-            part = {name: copy.tensors[name] for name in names[block[0]:block[1]]}
-            verdict = await asyncio.to_thread(compare_block, part, a, b, {n: own[n] for n in part}, rules)
-            outcome.checked[donor] = [first, second]
+            mine = {name: part.tensors[name] for name in names[block[0]:block[1]]}
+            verdict = await asyncio.to_thread(compare_block, mine, a, b, {n: own[n] for n in mine}, rules.spot)
+            outcome.checked[part.donor] = [first, second]
             if verdict.outlier:
-                outcome.refused[donor] = Refused.SPOT_CHECK
+                outcome.refused[part.donor] = Refused.SPOT_CHECK
                 logger.warning("parameter download from %s refused: tensors %d-%d are %.4g from the median of them "
                                "and %s's and %s's copies, which are %.4g from it (the median moved %.4g from ours)",
-                               donor, block[0], block[1] - 1, verdict.distance, first, second, verdict.spread,
+                               part.donor, block[0], block[1] - 1, verdict.distance, first, second, verdict.spread,
                                verdict.moved)
-                copy.truncate(i)
-                break
-            copy.tensors.update(verdict.medians)
-            checked = stop
-        else:
-            return Download(tuple(copy.donors), copy.tensors, min(copy.steps))
+                pending.append((part.start, part.stop))
+                continue
+            part.tensors.update(verdict.medians)
+            passed.append(part)
+    passed.sort(key=lambda part: part.start)
+    tensors = {name: t for part in passed for name, t in part.tensors.items()}
+    return Download(tuple(dict.fromkeys(part.donor for part in passed)), tensors, min(part.step for part in passed))
 
 
-async def _check_copies(block: tuple[int, int], donor: str, copy: _Copy, checkers: list[str], names: Sequence[str],
-                        fetch: Fetch, limits: Mapping[str, float], outcome: JoinOutcome, watch: DownloadWatch,
+async def _striped(ranges: Sequence[tuple[int, int]], waiting: list[SwarmRecord], names: Sequence[str],
+                   judgement: StepJudgement, fetch: Fetch, limits: Mapping[str, float], outcome: JoinOutcome,
+                   watch: DownloadWatch) -> list[_Part] | None:
+    """Each of `ranges` downloaded from the next candidate of `waiting`, all at once; a donor that fails or
+    breaks off is followed by the next for what it did not send, or, with no candidate left, by a donor
+    that finished its own range (each part is checked on its own, so one donor may serve two). None when
+    no donor is left (the donors that broke off reported with why)."""
+    parts: list[_Part] = []
+    spare: list[str] = []  # donors that sent their whole range
+    fetching = 0  # ranges whose download runs: one may finish and free its donor
+    changed = asyncio.Event()
+    short = False
+
+    async def donor() -> str | None:
+        while not waiting and not spare and fetching:
+            changed.clear()
+            await changed.wait()
+        if waiting:
+            return waiting.pop(0).peer_id
+        return spare.pop(0) if spare else None
+
+    async def stripe(start: int, stop: int) -> None:
+        nonlocal fetching, short
+        while start < stop:
+            peer = await donor()
+            if peer is None:
+                short = True
+                return
+            fetching += 1
+            try:
+                part = await _fetch_part(peer, start, stop, names, judgement, fetch, limits, outcome, watch)
+            finally:
+                fetching -= 1
+                changed.set()
+            if part is not None:
+                parts.append(part)
+                start = part.stop
+                if start == stop:
+                    spare.append(peer)
+                    changed.set()
+
+    async with asyncio.TaskGroup() as group:
+        for start, stop in ranges:
+            group.create_task(stripe(start, stop))
+    if short:
+        for part in parts:
+            if part.broke is not None:
+                outcome.refused[part.donor] = part.broke
+        return None
+    return parts
+
+
+async def _check_copies(block: tuple[int, int], donor: str, checkers: list[str], names: Sequence[str], fetch: Fetch,
+                        limits: Mapping[str, float], outcome: JoinOutcome, watch: DownloadWatch,
                         waiting: list[SwarmRecord]) -> tuple[tuple[str, Tensors], tuple[str, Tensors]] | None:
     """Two other candidates' copies of `block`, asked in parallel, the next ones standing in for those that
     fail (unreachable, refused, malformed, out of range: reported, and no longer donors either); None when
     fewer than two answer."""
     got: list[tuple[str, Tensors]] = []
-    wanted = [p for p in checkers if p != donor and p not in copy.donors and p not in outcome.refused]
+    wanted = [p for p in checkers if p != donor and p not in outcome.refused]
 
     async def one(peer: str) -> None:
         try:
@@ -505,22 +556,12 @@ async def _check_copies(block: tuple[int, int], donor: str, copy: _Copy, checker
 @dataclass
 class _Copy:
     """One copy being downloaded: the tensors that arrived whole so far (a prefix of the manifest), from
-    whom and from which tensor on each, the steps they claimed, and why each donor that gave part of it
-    broke off."""
+    whom, the steps they claimed, and why each donor that gave part of it broke off."""
 
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
     donors: list[str] = field(default_factory=list)
-    starts: list[int] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
     breaks: dict[str, str] = field(default_factory=dict)
-
-    def truncate(self, part: int) -> None:
-        """Drop the `part`-th donor's tensors and everything after them."""
-        self.tensors = dict(itertools.islice(self.tensors.items(), self.starts[part]))
-        dropped = self.donors[part:]
-        del self.donors[part:], self.starts[part:], self.steps[part:]
-        for peer in dropped:
-            self.breaks.pop(peer, None)
 
 
 async def _download(waiting: list[SwarmRecord], wanted: int, judgement: StepJudgement, fetch: Fetch, own: Tensors,
@@ -547,18 +588,32 @@ async def _download(waiting: list[SwarmRecord], wanted: int, judgement: StepJudg
     return sorted(got, key=lambda d: d.label)
 
 
-async def _fill(copy: _Copy, peer: str, names: Sequence[str], judgement: StepJudgement, fetch: Fetch,
-                limits: Mapping[str, float], outcome: JoinOutcome, watch: DownloadWatch) -> bool:
-    """Ask `peer` for the tensors `copy` lacks; whether the copy is whole now. What a donor that broke off
-    (died, stalled, cut, timed out) sent whole is kept, if its values and step pass; a donor that
-    refused, sent something malformed or out of range, or claims an unbelievable step adds nothing."""
-    start = len(copy.tensors)
+@dataclass(frozen=True)
+class _Part:
+    """Tensors [start, stop) of the manifest, as one donor sent them whole, the step it claimed, and why
+    it broke off before the end of what it was asked for (None: it did not)."""
+
+    donor: str
+    start: int
+    stop: int
+    tensors: dict[str, np.ndarray]
+    step: int
+    broke: str | None = None
+
+
+async def _fetch_part(peer: str, start: int, stop: int, names: Sequence[str], judgement: StepJudgement, fetch: Fetch,
+                      limits: Mapping[str, float], outcome: JoinOutcome, watch: DownloadWatch) -> _Part | None:
+    """Ask `peer` for tensors [start, stop); what it sent whole, or None (the reason in `outcome.refused`).
+    What a donor that broke off (died, stalled, cut, timed out) sent whole is kept, if its values and step
+    pass; a donor that refused, sent something malformed or out of range, or claims an unbelievable step
+    adds nothing."""
     delivered = Delivered()
     broke: str | None = None
     step: int | None
     try:
         try:
-            tensors, _, step = await fetch(peer, watch.start(peer), start=start, delivered=delivered)
+            tensors, _, step = await fetch(peer, watch.start(peer), start=start,
+                                           stop=None if stop == len(names) else stop, delivered=delivered)
         finally:
             watch.end(peer)
     except (TimeoutError, ConnectionError, Truncated) as exc:
@@ -566,37 +621,49 @@ async def _fill(copy: _Copy, peer: str, names: Sequence[str], judgement: StepJud
         broke = (Refused.STALLED if isinstance(exc, TransferStalled) else Refused.TIMEOUT
                  if isinstance(exc, TimeoutError) else Truncated.kind if isinstance(exc, Truncated)
                  else Refused.UNREACHABLE)
-        logger.warning("parameter download from %s broke off after %d of %d tensors: %s", peer,
-                       start + len(delivered.tensors), len(names), exc or type(exc).__name__)
+        logger.warning("parameter download from %s broke off after %d of tensors %d-%d: %s", peer,
+                       len(delivered.tensors), start, stop - 1, exc or type(exc).__name__)
     except (WireError, PeerRejected) as exc:
         outcome.refused[peer] = exc.kind if isinstance(exc, WireError) else Refused.REJECTED
         logger.warning("parameter download from %s failed: %s", peer, exc)
-        return False
+        return None
     except Exception as exc:  # the backstop: one peer's failure never ends the catch-up
         outcome.refused[peer] = Refused.FAILED
         logger.warning("parameter download from %s failed: %s: %s", peer, type(exc).__name__, exc)
-        return False
+        return None
+    # what was asked for, in order, as far as it arrived (a peer of an older murmur answers from the first)
+    wanted = list(itertools.takewhile(lambda name: name in tensors, names[start:stop]))
+    tensors = {name: tensors[name] for name in wanted}
     try:
         await asyncio.to_thread(check_values, tensors, limits)
     except OutOfRange as exc:
         outcome.refused[peer] = exc.kind
         logger.warning("parameter download from %s refused: %s", peer, exc)
-        return False
+        return None
     if step is not None and not judgement.believable(step):
         outcome.refused[peer] = Refused.STEP_OUT_OF_BOUNDS
         logger.warning("parameter download from %s refused: it claims step %d, the swarm's is about %d",
                        peer, step, judgement.reference)
-        return False
+        return None
     if not tensors or step is None:
         outcome.refused[peer] = broke or Refused.FAILED
+        return None
+    return _Part(peer, start, start + len(tensors), tensors, step, broke if start + len(tensors) < stop else None)
+
+
+async def _fill(copy: _Copy, peer: str, names: Sequence[str], judgement: StepJudgement, fetch: Fetch,
+                limits: Mapping[str, float], outcome: JoinOutcome, watch: DownloadWatch) -> bool:
+    """Ask `peer` for the tensors `copy` lacks (`_fetch_part`); whether the copy is whole now."""
+    start = len(copy.tensors)
+    part = await _fetch_part(peer, start, len(names), names, judgement, fetch, limits, outcome, watch)
+    if part is None:
         return False
     if start:
         logger.info("resumed a download at tensor %d of %d from %s, after %s broke off", start, len(names), peer,
                     ", ".join(copy.donors))
-    copy.tensors.update(tensors)
+    copy.tensors.update(part.tensors)
     copy.donors.append(peer)
-    copy.starts.append(start)
-    copy.steps.append(step)
-    if broke is not None:
-        copy.breaks[peer] = broke
+    copy.steps.append(part.step)
+    if part.broke is not None:
+        copy.breaks[peer] = part.broke
     return len(copy.tensors) == len(names)

@@ -33,6 +33,23 @@ class SpotRules:
 DEFAULT_SPOT = SpotRules()
 
 
+def split_ranges(nbytes: Sequence[int], parts: int) -> list[tuple[int, int]]:
+    """The manifest cut into up to `parts` consecutive, non-empty ranges [a, b) of about equal bytes (a
+    tensor is never split: one larger than a share makes its range larger)."""
+    total, count = sum(nbytes), len(nbytes)
+    parts = max(1, min(parts, count))
+    ranges: list[tuple[int, int]] = []
+    start, held = 0, 0
+    for i, size in enumerate(nbytes):
+        held += size
+        left = parts - len(ranges) - 1  # ranges still to cut after this one
+        if left and count - (i + 1) >= left and held * parts >= total * (len(ranges) + 1):
+            ranges.append((start, i + 1))
+            start = i + 1
+    ranges.append((start, count))
+    return ranges
+
+
 def choose_block(nbytes: Sequence[int], start: int, stop: int, share: float, rng: random.Random) -> tuple[int, int]:
     """Consecutive tensors [a, b) of [start, stop) holding at least `share` of their bytes (at least one
     tensor), at a position drawn by `rng`: one request per checker, and a donor that cannot know where
