@@ -12,7 +12,7 @@ import pytest
 
 from gossip.codecs import get_codec
 from gossip.errors import WireError
-from gossip.exchange import Delivered, ExchangeSettings, GossipPeer
+from gossip.exchange import Delivered, ExchangeSettings, GossipPeer, PeerRejected
 from gossip.memory import InMemoryNetwork, LinkModel
 from gossip.pace import TransferProgress, TransferStalled
 from gossip.spes import ExpertKey, ExpertRecord, overclaiming_peers, version_bound
@@ -389,6 +389,28 @@ def test_a_stripe_whose_donor_breaks_off_is_finished_by_a_donor_that_finished_it
     assert (start, stop) == (1, 2) and again in set(order) - {victim}, swarm.ranges
     assert outcome.sources == tuple(sorted(set(order) - {victim})), outcome
     assert outcome.tensors is not None and all(np.abs(t - 1.0).max() < 0.05 for t in outcome.tensors.values())
+
+
+def test_a_busy_checker_is_passed_over_not_refused_and_checks_spread_over_the_candidates() -> None:
+    """A checker that refuses a block (busy uploading to others, or rate-limited) is not at fault: the next
+    one checks instead and it stays a candidate. The checks of several parts rotate over the candidates."""
+    order = ranked(["a", "b", "c", "d", "e", "f", "g", "h"])
+    busy = order[1]
+
+    class Busy(PartsSwarm):
+        async def fetch(self, peer, progress=None, *, start=0, stop=None, delivered=None):
+            if peer == busy and len(self.ranges) >= 4:  # after the four ranges: it refuses every block
+                self.ranges.append((peer, start, stop))
+                raise PeerRejected("uploading")
+            return await super().fetch(peer, progress, start=start, stop=stop, delivered=delivered)
+
+    swarm = Busy({p: (near(0.01 * i), 300) for i, p in enumerate(order)}, breaks={}, names=("w", "x", "y", "z"))
+    outcome = run_parts_join(swarm, [(p, 300) for p in order], SPOT)
+    assert outcome.check == JoinCheck.SPOT and outcome.refused == {} and busy in outcome.sources
+    assert all(busy not in checkers for checkers in outcome.checked.values()) and len(outcome.checked) == 4
+    checks = [p for checkers in outcome.checked.values() for p in checkers]
+    # each part's checks start further along the candidates: no peer checks more than two of the four
+    assert max(checks.count(p) for p in checks) <= 2 and len(set(checks)) >= 5, outcome.checked
 
 
 def test_a_spot_check_that_cannot_find_two_checkers_falls_back_to_whole_copies_from_the_donors_left() -> None:

@@ -38,8 +38,9 @@ NODE = {"threads": 1, "eval_every": 1000, "checkpoint_every": 1000, "exchange_ti
 MAX_RATINGS = 12
 # under CHOCO a neighbour's estimate starts at the anchor and catches up with its parameters over the first
 # rounds (each moves it by one compressed difference): the first ratings measure that catching up, which
-# helps whoever the neighbour is, so the exclusion comes a few ratings later
-MAX_RATINGS_CHOCO = 20
+# helps whoever the neighbour is (the hostile's rose to 0.6 around its 11th rating in every run), so the
+# exclusion comes later: after 10 ratings on a quiet machine, 35-45 in a loaded suite run
+MAX_RATINGS_CHOCO = 60
 HOSTILE, HONEST = "n3", ("n0", "n1", "n2", "n4")
 
 

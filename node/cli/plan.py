@@ -243,7 +243,8 @@ def describe(plan: Plan, config: PlanConfig, step: StepTime, model: str) -> list
                  "a neighbour takes to start answering, the payload is paced as a download is")
     d = plan.download
     check = join_check(JoinCheck.AUTO, plan.numel)
-    copies = ("one such copy and two blocks of ~5% of it from two other donors" if check is JoinCheck.SPOT
+    copies = ("one such copy, in parts from up to 4 donors at once, and two blocks of ~5% of each part from two "
+              "other donors" if check is JoinCheck.SPOT
               else "three such copies, one from each of three donors at once")
     lines.append(f"a joiner's download from one donor: {_mb(d.nbytes)} MB in {d.seconds:.1f} s over this link; cut "
                  f"only when it stalls or falls below the goodput floor (at most {d.bound_s:.0f} s before any goodput "

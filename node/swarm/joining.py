@@ -443,7 +443,8 @@ async def _spot_checked(waiting: list[SwarmRecord], judgement: StepJudgement, fe
         pending = []
         for part in parts:
             block = choose_block(nbytes, part.start, part.stop, rules.spot.share, rng)
-            against = await _check_copies(block, part.donor, checkers, names, fetch, limits, outcome, watch, waiting)
+            against = await _check_copies(block, part.donor, checkers, 2 * len(outcome.checked), names, fetch, limits,
+                                          outcome, watch, waiting)
             if against is None:
                 return None
             (first, a), (second, b) = against
@@ -517,14 +518,16 @@ async def _striped(ranges: Sequence[tuple[int, int]], waiting: list[SwarmRecord]
     return parts
 
 
-async def _check_copies(block: tuple[int, int], donor: str, checkers: list[str], names: Sequence[str], fetch: Fetch,
-                        limits: Mapping[str, float], outcome: JoinOutcome, watch: DownloadWatch,
+async def _check_copies(block: tuple[int, int], donor: str, checkers: list[str], turn: int, names: Sequence[str],
+                        fetch: Fetch, limits: Mapping[str, float], outcome: JoinOutcome, watch: DownloadWatch,
                         waiting: list[SwarmRecord]) -> tuple[tuple[str, Tensors], tuple[str, Tensors]] | None:
     """Two other candidates' copies of `block`, asked in parallel, the next ones standing in for those that
-    fail (unreachable, refused, malformed, out of range: reported, and no longer donors either); None when
-    fewer than two answer."""
+    fail (unreachable, malformed, out of range: reported, and no longer donors either; one that refuses,
+    busy or rate-limited, is only passed over); None when fewer than two answer. `checkers` are taken from
+    `turn` on (rotated), so the checks of several parts do not all fall on the same few peers."""
     got: list[tuple[str, Tensors]] = []
-    wanted = [p for p in checkers if p != donor and p not in outcome.refused]
+    turn %= max(1, len(checkers))
+    wanted = [p for p in checkers[turn:] + checkers[:turn] if p != donor and p not in outcome.refused]
 
     async def one(peer: str) -> None:
         try:
@@ -535,6 +538,9 @@ async def _check_copies(block: tuple[int, int], donor: str, checkers: list[str],
             await asyncio.to_thread(check_values, tensors, limits)
             if list(tensors) != list(names[block[0]:block[1]]):
                 raise ManifestMismatch(f"asked for tensors {block[0]}-{block[1] - 1}, got {len(tensors)} others")
+        except PeerRejected as exc:  # busy uploading to others, or its rate limit: not a fault
+            logger.info("spot check of %s's download: %s did not answer (%s)", donor, peer, exc)
+            return
         except Exception as exc:  # any failure: this checker's, never the join's
             outcome.refused.setdefault(peer, exc.kind if isinstance(exc, WireError) else Refused.UNREACHABLE
                                        if isinstance(exc, ConnectionError) else Refused.FAILED)
