@@ -374,6 +374,27 @@ def test_a_spot_checked_copy_that_does_not_beat_the_own_model_falls_back_to_thre
     assert outcome.refused[order[0]] == Refused.LOSS and set(outcome.refused) == set(order)
 
 
+def test_after_a_spot_checked_copy_fails_its_loss_check_its_donors_still_serve_whole_copies() -> None:
+    """Which part of a striped copy let its loss down is not known (a donor may alter tensors outside its
+    block): its donors are not refused for it, and the three whole copies may come from them."""
+    order = ranked(["a", "b", "c", "d"])
+
+    class FirstCopyBad(PartsSwarm):
+        copies = 0
+
+        async def evaluate(self, tensors: object) -> float:
+            if tensors is not None:
+                self.copies += 1
+                if self.copies == 1:  # the spot-checked copy
+                    return 1e9
+            return await super().evaluate(tensors)
+
+    swarm = FirstCopyBad({p: (near(0.001 * i), 300) for i, p in enumerate(order)}, breaks={})
+    outcome = run_parts_join(swarm, [(p, 300) for p in order], SPOT)
+    assert outcome.check == JoinCheck.MEDIAN and outcome.refused == {} and len(outcome.sources) == 3
+    assert set(outcome.sources) <= set(order) and outcome.checked  # the spot check ran first
+
+
 def test_a_stripe_whose_donor_breaks_off_is_finished_by_a_donor_that_finished_its_own() -> None:
     """With no candidate left, a range whose donor broke off is sent by a donor that completed its own
     range (each part is checked on its own); a part checked by two of the others keeps its median."""

@@ -400,18 +400,18 @@ async def _adopt_spot_checked(waiting: list[SwarmRecord], judgement: StepJudgeme
                               own: Tensors, rules: JoinRules, bound: ValueBound, outcome: JoinOutcome,
                               watch: DownloadWatch) -> bool:
     """`--join-check spot`: one copy, spot-checked (`_spot_checked`), adopted if its validation loss beats
-    the node's own model's (a lone download's rule: nothing else vouches for all of it). False, the copy's
-    donors refused, when it does not or the candidates ran out: the caller goes on to three copies."""
+    the node's own model's (a lone download's rule: nothing else vouches for all of it). False when it does
+    not or the candidates ran out: the caller goes on to three copies. The copy's donors stay candidates
+    for them: which of its parts let the loss down is not known, and whole copies tell."""
     outcome.check = JoinCheck.SPOT
     copy = await _spot_checked(waiting, judgement, fetch, own, rules, bound, outcome, watch)
     if copy is not None:
         outcome.own_loss = await evaluate(None)
         loss = await evaluate(copy.tensors)
-        outcome.losses.update(dict.fromkeys(copy.donors, loss))
         if loss_verdicts(outcome.own_loss, {copy.label: loss}, rules)[copy.label]:
+            outcome.losses.update(dict.fromkeys(copy.donors, loss))
             outcome.tensors, outcome.step, outcome.sources = copy.tensors, copy.step, tuple(sorted(copy.donors))
             return True
-        outcome.refused.update(dict.fromkeys(copy.donors, str(Refused.LOSS)))
         logger.warning("the spot-checked download from %s evaluates to %.4f, not better than this node's %.4f: "
                        "downloading three copies instead", copy.label, loss, outcome.own_loss)
     else:
