@@ -348,7 +348,10 @@ async def join_swarm(judgement: StepJudgement, fetch: Fetch, evaluate: Evaluate,
 
     A donor that dies or stalls mid-download leaves what it sent whole; the next candidate sends the rest
     of that copy, from the first tensor missing (`_fill`). A copy's loss is every one of its donors' in
-    the outcome, and a copy refused for its loss refuses them all."""
+    the outcome, and a copy refused for its loss refuses them all.
+
+    With `rules.check` SPOT and three candidates or more, one spot-checked copy comes first
+    (`_adopt_spot_checked`); the three copies only if it is not adopted."""
     watch = watch or DownloadWatch()
     outcome = JoinOutcome(judgement.reference, refused=judgement.refusals())
     waiting = list(judgement.candidates)
