@@ -584,16 +584,22 @@ def _three(value: float, size: int = DIM) -> dict[str, np.ndarray]:
     return {name: np.full(size, value, np.float32) for name in ("a", "b", "c")}
 
 
+async def _started_pair(net: InMemoryNetwork, size: int = DIM, step: int = 0) -> tuple[GossipPeer, GossipPeer]:
+    """Peers "a" (three tensors of zeros) and "b" (of twos, at `step`), both serving."""
+    a = GossipPeer(net.transport("a"), settings(), _three(0.0, size))
+    b = GossipPeer(net.transport("b"), settings(), _three(2.0, size), step=step)
+    for peer in (a, b):
+        await peer.start()
+    return a, b
+
+
 def test_a_fetch_from_a_start_gets_the_tail_and_a_cut_one_keeps_what_arrived_whole():
     """A joiner resumes a download where a dead donor's broke off: `start` asks the next donor for the
     tensors from that index on, and `delivered` keeps the tensors a broken-off reply had completed
     (and its step), while the tensor cut partway is not among them."""
     async def main():
         net = InMemoryNetwork()
-        a = GossipPeer(net.transport("a"), settings(), _three(0.0, 300_000))
-        b = GossipPeer(net.transport("b"), settings(), _three(2.0, 300_000), step=9)
-        for peer in (a, b):
-            await peer.start()
+        a, _ = await _started_pair(net, 300_000, step=9)
         delivered = Delivered()
         tensors, _, step = await asyncio.wait_for(a.fetch("b", start=1, delivered=delivered), 2)
         assert list(tensors) == ["b", "c"] and step == 9 and delivered.step == 9
@@ -627,10 +633,7 @@ def test_a_pull_of_a_range_that_is_no_range_of_our_tensors_is_refused_and_counte
     ints) are a malformed request: refused as such, counted, and nothing is sent."""
     async def main():
         net = InMemoryNetwork()
-        a = GossipPeer(net.transport("a"), settings(), _three(0.0))
-        b = GossipPeer(net.transport("b"), settings(), _three(2.0))
-        for peer in (a, b):
-            await peer.start()
+        a, b = await _started_pair(net)
         frames = a._frames({}, 0, PULL, {CURRENT: True, FROM: start, **({UNTIL: stop} if stop is not None else {})})
         stream = MessageStream(await a._transport.open_stream("b", GOSSIP_PROTOCOL), a._accounting)
         await stream.send(frames)
@@ -659,10 +662,7 @@ def test_a_fetch_of_a_range_gets_those_tensors_only_and_a_donor_answering_more_i
     that ignores `until`) is a manifest mismatch, not a download of the rest of the model."""
     async def main():
         net = InMemoryNetwork()
-        a = GossipPeer(net.transport("a"), settings(), _three(0.0))
-        b = GossipPeer(net.transport("b"), settings(), _three(2.0))
-        for peer in (a, b):
-            await peer.start()
+        a, b = await _started_pair(net)
         tensors, _, _ = await asyncio.wait_for(a.fetch("b", start=1, stop=2), 2)
         assert list(tensors) == ["b"] and b.stats.bytes_sent < 2 * 4 * DIM
         tensors, _, _ = await asyncio.wait_for(a.fetch("b", stop=1), 2)
