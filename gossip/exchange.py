@@ -454,7 +454,7 @@ class GossipPeer:
             if weights and self.judge is not None:
                 # a neighbour's value here is our estimate of its parameters, as this round's difference left it
                 factors = self.judge.weigh(round_index, own_snapshot, base, self._choco.estimates(weights), weights)
-                weights = {p: w * min(1.0, max(0.0, float(factors.get(p, 1.0)))) for p, w in weights.items()}
+                weights = {p: w * _factor(factors, p) for p, w in weights.items()}
                 for peer in [p for p, w in weights.items() if w == 0.0]:  # committed all the same: edges stay in step
                     skip(peer, Skip.EXCLUDED)
                     del received[peer], weights[peer]
@@ -1077,12 +1077,17 @@ async def _both(first: Coroutine[Any, Any, _A], second: Coroutine[Any, Any, _B])
     return a.result(), b.result()
 
 
+def _factor(factors: Mapping[str, float], peer: str) -> float:
+    """A Judge's weight factor for `peer`, clamped to [0, 1]; 1 for a peer it left out."""
+    return min(1.0, max(0.0, float(factors.get(peer, 1.0))))
+
+
 def _weighed(plan: PeerRound, factors: Mapping[str, float],
              running: IncrementalMix | None) -> tuple[PeerRound, IncrementalMix | None]:
     """The round's plan with each neighbour's weight scaled by its factor in [0, 1] (the rest moved onto
     this node's own value; a factor of 0 leaves the neighbour out), and whether the mix that ran as the
     values arrived still holds (only if nothing changed)."""
-    scaled = {p: min(1.0, max(0.0, float(factors.get(p, 1.0)))) for p in plan.in_weights}
+    scaled = {p: _factor(factors, p) for p in plan.in_weights}
     if all(f == 1.0 for f in scaled.values()):
         return plan, running
     plan = plan.without(p for p, f in scaled.items() if f == 0.0)
