@@ -545,8 +545,7 @@ async def _check_copies(block: tuple[int, int], donor: str, checkers: list[str],
             logger.info("spot check of %s's download: %s did not answer (%s)", donor, peer, exc)
             return
         except Exception as exc:  # any failure: this checker's, never the join's
-            outcome.refused.setdefault(peer, exc.kind if isinstance(exc, WireError) else Refused.UNREACHABLE
-                                       if isinstance(exc, ConnectionError) else Refused.FAILED)
+            outcome.refused.setdefault(peer, _why(exc))
             logger.warning("spot check of %s's download against %s failed: %s: %s", donor, peer, type(exc).__name__,
                            exc)
             checkers.remove(peer)
@@ -610,6 +609,20 @@ class _Part:
     broke: str | None = None
 
 
+def _why(exc: Exception) -> str:
+    """Why a peer's download or block failed, as JoinOutcome.refused reports it: the error's own kind
+    where it has one, a break-off's way of ending, else `failed`."""
+    if isinstance(exc, TransferStalled):
+        return Refused.STALLED
+    if isinstance(exc, TimeoutError):
+        return Refused.TIMEOUT
+    if isinstance(exc, WireError):  # truncated, out_of_range, bad_schema, ...
+        return exc.kind
+    if isinstance(exc, PeerRejected):
+        return Refused.REJECTED
+    return Refused.UNREACHABLE if isinstance(exc, ConnectionError) else Refused.FAILED
+
+
 async def _fetch_part(peer: str, start: int, stop: int, names: Sequence[str], judgement: StepJudgement, fetch: Fetch,
                       limits: Mapping[str, float], outcome: JoinOutcome, watch: DownloadWatch) -> _Part | None:
     """Ask `peer` for tensors [start, stop); what it sent whole, or None (the reason in `outcome.refused`).
@@ -621,23 +634,20 @@ async def _fetch_part(peer: str, start: int, stop: int, names: Sequence[str], ju
     step: int | None
     try:
         try:
-            tensors, _, step = await fetch(peer, watch.start(peer), start=start,
-                                           stop=None if stop == len(names) else stop, delivered=delivered)
+            tensors, _, step = await fetch(peer, watch.start(peer), start=start, stop=stop, delivered=delivered)
         finally:
             watch.end(peer)
     except (TimeoutError, ConnectionError, Truncated) as exc:
         tensors, step = delivered.tensors, delivered.step
-        broke = (Refused.STALLED if isinstance(exc, TransferStalled) else Refused.TIMEOUT
-                 if isinstance(exc, TimeoutError) else Truncated.kind if isinstance(exc, Truncated)
-                 else Refused.UNREACHABLE)
+        broke = _why(exc)
         logger.warning("parameter download from %s broke off after %d of tensors %d-%d: %s", peer,
                        len(delivered.tensors), start, stop - 1, exc or type(exc).__name__)
     except (WireError, PeerRejected) as exc:
-        outcome.refused[peer] = exc.kind if isinstance(exc, WireError) else Refused.REJECTED
+        outcome.refused[peer] = _why(exc)
         logger.warning("parameter download from %s failed: %s", peer, exc)
         return None
     except Exception as exc:  # the backstop: one peer's failure never ends the catch-up
-        outcome.refused[peer] = Refused.FAILED
+        outcome.refused[peer] = _why(exc)
         logger.warning("parameter download from %s failed: %s: %s", peer, type(exc).__name__, exc)
         return None
     # what was asked for, in order, as far as it arrived (a peer of an older murmur answers from the first)
