@@ -279,9 +279,11 @@ class Membership:
         return 2 * self.read_bytes * 8 / heartbeat_s / 1e6
 
     def read_interval_s(self, heartbeat_s: float) -> float:
-        """How often a node reads it: every half heartbeat, or as often as the budget allows
-        (node.net.discovery.Discovery.read_interval_s)."""
-        return max(heartbeat_s / 2, self.read_bytes * 8 / (self.budget_mbit_s * 1e6))
+        """How often a node reads it: every half heartbeat, or as often as the budget allows (as
+        node.net.discovery.Discovery.read_interval_s spaces its reads)."""
+        from node.net.discovery import read_interval_s
+
+        return read_interval_s(self.read_bytes, heartbeat_s / 2, self.budget_mbit_s)
 
     def as_json(self) -> dict[str, float]:
         return {"record_bytes": self.record_bytes, "read_bytes": self.read_bytes, "shards": self.shards,

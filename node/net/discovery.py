@@ -126,6 +126,13 @@ class OwnedValues:
     failed: frozenset[int] = frozenset()
 
 
+def read_interval_s(read_bytes: int, refresh_s: float, budget_mbit_s: float) -> float:
+    """How long background reads of a view of `read_bytes` wait between two: `refresh_s`, or longer where
+    reading it every `refresh_s` would cost more than `budget_mbit_s` each way (a read comes in, and
+    hivemind stores it back out once: its size each way)."""
+    return max(refresh_s, read_bytes * 8 / (budget_mbit_s * 1e6))
+
+
 def _entries_bytes(entries: Mapping[Any, Any]) -> int:
     """What a read of one DHT key moved, about: its entries' values and subkeys (owner keys)."""
     return sum(len(item.value) + (len(subkey) if isinstance(subkey, bytes) else 0)
@@ -598,11 +605,9 @@ class Discovery:
             await self._refresh_view()
 
     def read_interval_s(self) -> float:
-        """How long the background reads of the view wait between two: refresh_s, or longer where the last
-        read was big enough that reading it (and its store-back) every refresh_s would exceed the budget."""
-        # a read comes in, and hivemind stores it back out once: its size each way
-        spaced = self._last_read_bytes * 8 / (self._settings.membership_budget_mbit_s * 1e6)
-        return max(self._settings.refresh_s, spaced)
+        """How long the background reads of the view wait between two, by the last read's size
+        (`read_interval_s`)."""
+        return read_interval_s(self._last_read_bytes, self._settings.refresh_s, self._settings.membership_budget_mbit_s)
 
     async def _config_watch_loop(self) -> None:
         current = self._config
