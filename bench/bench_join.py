@@ -5,8 +5,8 @@ same command on the same donors.
 In-process GossipPeers on an in-memory network (gossip.memory): four donors holding N float32 parameters
 near a target, one joiner; each donor's link to the joiner is shaped to --mbit. The validation loss is a
 mock (the distance to the target: no model is computed). Per check it reports the payload bytes the joiner
-received, the peak of the host memory numpy allocated during the catch-up (tracemalloc) beyond what the
-peers held before, the wall time with every donor's link its own, and the time the bytes take through one
+received, the peak of the host memory allocated during the catch-up (tracemalloc, which counts nothing
+allocated before it), the wall time with every donor's link its own, and the time the bytes take through one
 shared downlink of --mbit (a home link: the donors' transfers share it), bytes over that rate.
 
 Run from the repository root: .venv/bin/python -m bench.bench_join [--params 2e7] [--mbit 200] [--repeats 3]
@@ -67,8 +67,7 @@ async def catch_up(params: int, mbit: float, check: JoinCheck) -> dict[str, floa
 
     judged = judge_steps([_record(p) for p in DONORS], JOINER, step=0, margin=2, budget=0)
     assert judged is not None
-    tracemalloc.start()
-    before, _ = tracemalloc.get_traced_memory()
+    tracemalloc.start()  # what is allocated from here on: the peers' parameters made before are not counted
     received = joiner.stats.bytes_received
     started = time.perf_counter()
     outcome: JoinOutcome = await join_swarm(judged, joiner.fetch, evaluate, joiner.tensors, JoinRules(check=check))
@@ -79,7 +78,7 @@ async def catch_up(params: int, mbit: float, check: JoinCheck) -> dict[str, floa
     nbytes = joiner.stats.bytes_received - received
     for peer in (*donors, joiner):
         await net.kill(peer.peer_id)
-    return {"bytes": nbytes, "peak": peak - before, "seconds": seconds, "shared_s": nbytes / (mbit * 1e6 / 8),
+    return {"bytes": nbytes, "peak": peak, "seconds": seconds, "shared_s": nbytes / (mbit * 1e6 / 8),
             "loss": await evaluate(outcome.tensors)}
 
 

@@ -281,8 +281,8 @@ class JoinOutcome:
 class Fetch(Protocol):
     """A pull of a peer's current tensors, round and step (GossipPeer.fetch: its deadlines follow the
     download's progress and size, gossip.pace), its payload counted in `progress`; from the tensor at
-    manifest index `start` on, and before `stop` if given. When it breaks off, `delivered` holds what arrived whole and the step
-    the reply claimed."""
+    manifest index `start` on, and before `stop` if given. When it breaks off, `delivered` holds what
+    arrived whole and the step the reply claimed."""
 
     def __call__(self, peer: str, progress: TransferProgress | None = None, *, start: int = 0, stop: int | None = None,
                  delivered: Delivered | None = None) -> Awaitable[tuple[dict[str, np.ndarray], int, int]]: ...
