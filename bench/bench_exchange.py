@@ -14,8 +14,12 @@
    vector once in-process;
 3b. nodes: the same rounds with one process per node (each a GossipPeer on its own p2pd), against
    the in-process rounds of part 3 measured in the same run.
+4. inputs: the memory a GossipPeer holds for its past round inputs (tracemalloc, after rounds that each
+   began from new values, staleness bound 2) when it keeps them in the round codec's wire bytes, against
+   the same peer keeping them in float32 (the baseline: murmur before it re-kept them), and the time of
+   such a round alone (the re-encoding is all it does), per lossy codec.
 
-Run from the repository root: .venv/bin/python -m bench.bench_exchange [--only goodput,link,duplex,rounds,nodes]
+Run from the repository root: .venv/bin/python -m bench.bench_exchange [--only goodput,link,duplex,rounds,nodes,inputs]
 """
 
 from __future__ import annotations
@@ -90,6 +94,37 @@ async def start_source(peer: GossipPeer) -> None:
     of a round its peer has not begun waits for it, so the pulls (all of round 0) are answered at once."""
     await peer.start()
     await peer.run_round(0, PeerRound(self_weight=1.0, in_weights={}, out_peers=()))
+
+
+class _FloatInputsPeer(GossipPeer):
+    """The baseline of part 4: a peer that keeps its past round inputs in float32, as murmur did."""
+
+    async def _keep_past_inputs_encoded(self, round_index: int) -> None:
+        return None
+
+
+async def kept_inputs(mib: float, codec: str, rounds: int, peer_type: type[GossipPeer]) -> tuple[int, list[float]]:
+    """Bytes traced after `rounds` rounds of a lone peer (each from new values, as a trainer's steps give
+    them), beyond what it held before the first; and each round's duration."""
+    import tracemalloc
+
+    from gossip.memory import InMemoryNetwork
+
+    settings = replace(_settings(codec), max_staleness=2)
+    tracemalloc.start()
+    try:
+        peer = peer_type(InMemoryNetwork().transport("p"), settings, {"w": _vector(_numel(mib), seed=0)})
+        alone, times = PeerRound(1.0, {}, ()), []
+        before = tracemalloc.get_traced_memory()[0]
+        for r in range(rounds):
+            peer.set_tensors({"w": _vector(_numel(mib), seed=r + 1)}, step=r)
+            started = time.perf_counter()
+            await peer.run_round(r, alone)
+            times.append(time.perf_counter() - started)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    return held, times
 
 
 # ---- daemons and transports ------------------------------------------------------------------------
@@ -577,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m bench.bench_exchange", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="goodput,link,duplex,rounds,nodes",
+    parser.add_argument("--only", default="goodput,link,duplex,rounds,nodes,inputs",
                         help="comma-separated parts to run (default: all)")
     parser.add_argument("--mib", type=float, default=100, help="vector size of the loopback pull in MiB (default 100)")
     parser.add_argument("--link-mib", type=float, default=24,
@@ -588,6 +623,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per codec, after a warm-up (default 3)")
     parser.add_argument("--duplex-mib", type=float, default=24,
                         help="vector size of the duplex exchange rounds across the 50 Mbit/s link in MiB (default 24)")
+    parser.add_argument("--inputs-mib", type=float, default=256,
+                        help="model size of the round-inputs benchmark in MiB of float32 (default 256)")
     parser.add_argument("--role", choices=("serve", "pull", "node", "duplex"), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -609,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     _show_exchange_logs()
     parts = {p.strip() for p in args.only.split(",") if p.strip()}
-    unknown = parts - {"goodput", "link", "duplex", "rounds", "nodes"}
+    unknown = parts - {"goodput", "link", "duplex", "rounds", "nodes", "inputs"}
     if unknown:
         parser.error(f"--only: unknown part(s) {', '.join(sorted(unknown))}")
 
@@ -698,6 +735,22 @@ def main(argv: list[str] | None = None) -> int:
                              f"{f'{base.median_s:.2f}' if base else '-'} | {ratio} |")
                 if r.skipped:
                     lines.append(f"{codec}: neighbours skipped in timed rounds: {', '.join(r.skipped)}")
+            print("\n".join(lines), flush=True)
+        if "inputs" in parts:
+            rounds, model = 6, _numel(args.inputs_mib) * 4
+            lines = [f"### 4. Past round inputs: one GossipPeer, {args.inputs_mib:g} MiB of float32, {rounds} rounds "
+                     "each from new values, staleness bound 2 (this round's input and 2 past ones kept); baseline: "
+                     "the same peer keeping the past ones in float32. Held: traced bytes after the rounds beyond "
+                     "those before (the last mix and the round inputs, less the first values)", "",
+                     "| codec | held MiB (baseline) | held MiB | held / baseline | saved / the 2 past float32 "
+                     "copies | round s alone (baseline, median) | round s alone (median) |",
+                     "|---|---:|---:|---:|---:|---:|---:|"]
+            for codec in ("int8", "bf16"):
+                base_held, base_s = _run_async(lambda: kept_inputs(args.inputs_mib, codec, rounds, _FloatInputsPeer))
+                held, times = _run_async(lambda: kept_inputs(args.inputs_mib, codec, rounds, GossipPeer))
+                lines.append(f"| {codec} | {base_held / 2**20:.0f} | {held / 2**20:.0f} | {held / base_held:.2f}x | "
+                             f"{(base_held - held) / (2 * model):.2f} | "
+                             f"{statistics.median(base_s[1:]):.3f} | {statistics.median(times[1:]):.3f} |")
             print("\n".join(lines), flush=True)
     return 0
 

@@ -55,6 +55,7 @@ from gossip.stream import Accounting, Frames, IncomingMessage, MessageStream, Te
 from gossip.transport import GOSSIP_PROTOCOL, Stream, Transport
 from gossip.wire import (
     DEFAULT_LIMITS,
+    EncodedTensors,
     Expectation,
     Header,
     HeaderFields,
@@ -63,6 +64,7 @@ from gossip.wire import (
     TensorSpec,
     ValuesSink,
     WireLimits,
+    encode_tensors,
     iter_message,
     message_nbytes,
     tensor_specs,
@@ -301,8 +303,10 @@ class GossipPeer:
         self.judge: Judge | None = None  # contribution scoring: set by the daemon (dense gossip, DiLoCo fragments)
         self._begun = -1  # the latest round whose run_round has begun
         # round -> our tensors as that round began, for the last max_staleness + 1 rounds (see _pull_answer);
-        # they are the values the rounds replaced, so this holds up to that many extra copies
-        self._round_inputs: dict[int, dict[str, np.ndarray]] = {}
+        # they are the values the rounds replaced, so this holds up to that many extra copies: the
+        # current round's as arrays (the round mixes them), earlier ones in the codec's wire bytes where
+        # those are smaller (_keep_past_inputs_encoded); compressed gossip answers no past round, keeps none
+        self._round_inputs: dict[int, Tensors | EncodedTensors] = {}
         # (partner, round) -> where the round in progress waits for that partner's exchange request
         self._partner_slots: dict[tuple[str, int], _PartnerSlot] = {}
         # sender -> the latest round of its exchange requests: a peer asks for round r only after it
@@ -360,7 +364,7 @@ class GossipPeer:
         started = time.monotonic()
         own_snapshot = self._tensors
         base, self._base = self._base, None
-        oldest_kept = round_index - self._settings.max_staleness
+        oldest_kept = round_index - (0 if self._choco is not None else self._settings.max_staleness)
         awaited = {peer for peer in plan.in_weights if peer in plan.out_peers and self.peer_id > peer}
         async with self._round_began:
             self.round = round_index
@@ -431,6 +435,7 @@ class GossipPeer:
         async with asyncio.TaskGroup() as group:
             for peer in sorted(plan.in_weights):
                 group.create_task(one(peer))
+            group.create_task(self._keep_past_inputs_encoded(round_index))  # while the exchanges wait on the network
 
         # compressed gossip receives differences against estimates, not parameters: _choco_mix screens those
         if received and self._choco is None:
@@ -477,6 +482,27 @@ class GossipPeer:
         self.stats.rounds += 1
         self.stats.last_round_s = duration
         return RoundOutcome(round_index, tuple(sorted(received)), skipped, duration, clipped)
+
+    async def _keep_past_inputs_encoded(self, round_index: int) -> None:
+        """Keep the inputs of the rounds before `round_index`, which only pulls still ask for, as the codec
+        puts them on the wire where that is smaller: int8 keeps a quarter of float32, and a pull of such a
+        round sends those same bytes. One encoding of the model a round (the last one's), off the loop."""
+        codec = self._settings.codec
+        for r, kept in list(self._round_inputs.items()):
+            if r >= round_index or isinstance(kept, EncodedTensors) or \
+                    sum(codec.encoded_nbytes(t.size) for t in kept.values()) >= sum(t.nbytes for t in kept.values()):
+                continue
+            try:
+                encoded = await asyncio.to_thread(encode_tensors, kept, codec)
+            except (WireError, TypeError) as exc:  # unsendable values: a pull of that round fails as before
+                logger.debug("round %d's input stays as it is: %s", r, exc)
+                continue
+            except Exception as exc:  # never the round's end: the input is kept as it was
+                logger.warning("round %d's input could not be re-kept in %s: %s: %s", r, codec.name,
+                               type(exc).__name__, exc)
+                continue
+            if self._round_inputs.get(r) is kept:
+                self._round_inputs[r] = encoded
 
     def _incremental_mix(self, own: dict[str, np.ndarray], plan: PeerRound, awaited: set[str]) -> IncrementalMix | None:
         """A mix that runs as the values arrive, when this round requests from exactly one neighbour
@@ -831,7 +857,7 @@ class GossipPeer:
             logger.debug("pull of round %d from %s refused: %s", header.round, stream.remote_peer, refusal)
             await self._try_reject(stream, str(refusal))
             return wait_s
-        answer: tuple[Tensors, int]
+        answer: tuple[Tensors | EncodedTensors, int]
         codec = self._settings.codec
         if header.meta.get(CURRENT) is True:
             # a whole model outside any round, at once; or its tail, for a download resumed here
@@ -1013,7 +1039,9 @@ class GossipPeer:
                 return Refusal.LATE if self._begun > round_index else Refusal.NOT_PARTNER
             slot.state = _SlotState.CLAIMED
             slot.changed.set()
-            return slot, self._round_inputs[round_index]
+            began = self._round_inputs[round_index]
+            assert not isinstance(began, EncodedTensors), "a partner slot is the current round's: its input is kept whole"
+            return slot, began
 
     def _will_begin(self, round_index: int) -> bool:
         """Whether `round_index` is a round this peer has not begun but will, within the staleness
@@ -1023,7 +1051,7 @@ class GossipPeer:
         last = max(self._begun, self.round - 1)
         return last < round_index <= self.round + max(1, self._settings.max_staleness)
 
-    async def _pull_answer(self, round_index: int) -> tuple[Tensors, int]:
+    async def _pull_answer(self, round_index: int) -> tuple[Tensors | EncodedTensors, int]:
         """The tensors (and their round) that answer a pull of round `round_index`.
 
         Mixing stays doubly stochastic only if a puller gets our input to *its* round: a pull of a
@@ -1040,7 +1068,7 @@ class GossipPeer:
         await stream.try_reject(lambda: self._frames({}, None, REJECT, meta={"error": reason}),
                                 min(1.0, self._settings.exchange_timeout_s))
 
-    def _frames(self, tensors: Tensors, round_index: int | None, kind: str,
+    def _frames(self, tensors: Tensors | EncodedTensors, round_index: int | None, kind: str,
                 meta: Mapping[str, MetaValue] | None = None, codec: Codec | None = None) -> Frames:
         """A message from this peer, encoded as it is written (header problems raise here, before a
         byte is written; see MessageStream.send for the tensors' own)."""

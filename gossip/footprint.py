@@ -11,7 +11,8 @@ unless it says otherwise; the peak of a round is counted, not the average:
   or one SGD momentum buffer when momentum > 0, none for plain SGD. On CUDA, `HostStaging` keeps one
   pinned float32 host buffer per parameter (node/train/staging.py).
 - A gossip peer (gossip/exchange.py GossipPeer) keeps its tensors as each round began for the last
-  max_staleness + 1 rounds (`_round_inputs`, the current values among them), the last mix until the
+  max_staleness + 1 rounds (`_round_inputs`: the current round's in float32, the past ones, which only
+  pulls ask for, as its codec puts them on the wire; none past under CHOCO), the last mix until the
   next round (`_base`, the adaptive radius's reference); during a round the neighbours' decoded
   values (float32 whatever the codec, one per in-neighbour) and the mix it installs. Messages are
   encoded and decoded a chunk at a time (gossip/wire: `iter_message`, `decode_into`), so the wire's
@@ -48,6 +49,8 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from gossip.codecs import get_codec
 
 F32 = 4  # bytes of one float32 copy, per parameter
 BF16 = 2  # bytes of one bfloat16 copy, per parameter
@@ -165,13 +168,22 @@ def _optimizer_floats(m: MemoryInputs) -> int:
     return 1 if m.momentum > 0 else 0
 
 
-def _peer_terms(prefix: str, share: float, m: MemoryInputs, transient: float) -> list[Term]:
-    """A gossip peer over `share` of the model (in model fractions); `transient` scales the buffers that
-    exist only while its round runs (fragments take turns)."""
+def _wire_bytes(codec: str) -> float:
+    """Bytes per element of `codec` on the wire (float32's for a codec that needs options to size it)."""
+    try:
+        return min(F32, get_codec(codec).encoded_nbytes(1 << 20) / (1 << 20))
+    except ValueError:
+        return F32
+
+
+def _peer_terms(prefix: str, share: float, m: MemoryInputs, transient: float, codec: str) -> list[Term]:
+    """A gossip peer over `share` of the model (in model fractions) whose rounds send `codec`; `transient`
+    scales the buffers that exist only while its round runs (fragments take turns)."""
     d = m.in_neighbours
+    past = 0 if m.choco else m.max_staleness  # compressed gossip answers no past round: it keeps none
     return [
-        Term(f"{prefix}round inputs (max_staleness + 1 = {m.max_staleness + 1})", Where.HOST,
-             (m.max_staleness + 1) * F32 * share),
+        Term(f"{prefix}round inputs (this round's, {past} past in {codec})", Where.HOST,
+             (F32 + past * _wire_bytes(codec)) * share),
         Term(f"{prefix}last mix", Where.HOST, F32 * share),
         Term(f"{prefix}neighbours' values ({d}, decoded)", Where.HOST, d * F32 * share * transient),
         Term(f"{prefix}mix result", Where.HOST, F32 * share * transient),
@@ -199,7 +211,7 @@ def footprint(m: MemoryInputs) -> Footprint:
         share = 1.0 / max(1, m.fragments) if m.outer else 1.0
         terms.append(Term(f"contribution scoring ({held} copies while it measures)", Where.HOST, held * F32 * share))
     if not m.outer:
-        terms += _peer_terms("", 1.0, m, 1.0)
+        terms += _peer_terms("", 1.0, m, 1.0, m.codec)
         if m.choco:
             d = m.in_neighbours
             terms += [Term("CHOCO anchor", Where.HOST, F32),
@@ -216,9 +228,9 @@ def footprint(m: MemoryInputs) -> Footprint:
         if m.overlap:
             terms.append(Term("phase start (overlap)", Where.HOST, F32 * t))
         if not (fused and mixes_anchors):
-            terms += _peer_terms("pseudo-gradients: ", t, m, turn)
+            terms += _peer_terms("pseudo-gradients: ", t, m, turn, m.codec)
         if mixes_anchors:
-            terms += _peer_terms("anchors: ", t, m, turn)
+            terms += _peer_terms("anchors: ", t, m, turn, m.anchor_codec)
         if m.outer_momentum > 0:
             terms.append(Term("outer momentum", Where.HOST, F32 * t))
         if m.codec not in LOSSLESS_CODECS and not (fused and mixes_anchors):

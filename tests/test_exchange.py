@@ -823,3 +823,34 @@ def test_a_partner_whose_second_try_is_cut_too_is_skipped_after_a_short_grace():
         np.testing.assert_array_equal(a.tensors["w"], 0.0)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("codec,ratio", [("int8", 0.27), ("bf16", 0.51), ("fp32", 1.0)])
+def test_past_round_inputs_are_kept_in_the_wire_codec_and_a_pull_of_them_gets_that_image(codec, ratio):
+    # b has moved two rounds on; a pulls b's input to round 0. b keeps that input as the codec's wire
+    # bytes (a lossy codec's size, not float32's), and what a mixes is the codec's image of it: the
+    # same as if b had answered in round 0.
+    async def main():
+        net = InMemoryNetwork()
+        rng = np.random.default_rng(3)
+        inputs = [{"w": rng.standard_normal(4096).astype(np.float32)} for _ in range(3)]
+        a = GossipPeer(net.transport("a"), settings(codec=get_codec(codec), max_staleness=2),
+                       {"w": np.zeros(4096, np.float32)})
+        b = GossipPeer(net.transport("b"), settings(codec=get_codec(codec), max_staleness=2), inputs[0])
+        await a.start()
+        await b.start()
+        alone = PeerRound(1.0, {}, ())
+        for r in range(3):
+            b.set_tensors(inputs[r], step=r)
+            await b.run_round(r, alone)
+        kept = b._round_inputs
+        assert sorted(kept) == [0, 1, 2] and kept[2] is not None and isinstance(kept[2]["w"], np.ndarray)
+        past = sum(getattr(kept[r], "nbytes", None) or kept[r]["w"].nbytes for r in (0, 1))
+        assert past <= ratio * 2 * inputs[0]["w"].nbytes
+        outcome = await a.run_round(0, PeerRound(0.5, {"b": 0.5}, ()))
+        assert outcome.mixed_with == ("b",)
+        wire = get_codec(codec)
+        image = wire.decode(wire.encode(inputs[0]["w"]), 4096)
+        np.testing.assert_allclose(a.tensors["w"], 0.5 * image, rtol=0, atol=1e-7)
+
+    asyncio.run(main())

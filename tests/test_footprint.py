@@ -75,8 +75,11 @@ def test_staleness_and_neighbours_scale_the_round_buffers():
     assert footprint(MemoryInputs(1, "dsgd", "cpu", inner="sgd", max_staleness=6)).host_per_parameter == base + 16
     # one more neighbour: its decoded values (float32, whatever the codec)
     assert footprint(MemoryInputs(1, "dsgd", "cpu", inner="sgd", in_neighbours=3)).host_per_parameter == base + 4
+    # a lossy codec keeps the past round inputs in its size: int8's 1 byte (and its scales) for fp32's 4
+    int8 = footprint(MemoryInputs(1, "dsgd", "cpu", inner="sgd", codec="int8")).host_per_parameter
+    assert int8 == pytest.approx(base - 2 * (3 - 4 / 256))
     assert footprint(MemoryInputs(1, "dsgd", "cpu", inner="sgd", codec="int8", in_neighbours=3)).host_per_parameter \
-        == base + 4
+        == pytest.approx(int8 + 4)
 
 
 @pytest.mark.unit
@@ -85,7 +88,9 @@ def test_choco_adds_its_anchor_two_estimates_per_edge_and_the_outgoing_differenc
     host = per(MemoryInputs(1, "dadam", "cuda", choco=True, choco_edges=2), Where.HOST)
     assert host["CHOCO anchor"] == 4 and host["CHOCO estimates (2 per edge, 2 edges)"] == 16
     assert host["CHOCO outgoing differences (2)"] == 16
-    assert sum(host.values()) == plain + 36 == 80
+    # compressed gossip answers no past round: it keeps this round's input only
+    assert host["round inputs (this round's, 0 past in fp32)"] == 4
+    assert sum(host.values()) == plain + 36 - 8 == 72
 
 
 @pytest.mark.unit
@@ -95,10 +100,11 @@ def test_diloco_keeps_anchor_momentum_residuals_and_two_peers():
         assert host[name] == 4, name
     # the peers serving the anchor and the momentum hold those arrays and nothing before them
     assert not any(name.startswith("served") for name in host)
-    assert host["pseudo-gradients: round inputs (max_staleness + 1 = 3)"] == 12
-    assert host["anchors: round inputs (max_staleness + 1 = 3)"] == 12
+    # this round's input in float32, the two past ones as each peer's codec sends them (int8: its scales too)
+    assert host["pseudo-gradients: round inputs (this round's, 2 past in bf16)"] == 4 + 2 * 2
+    assert host["anchors: round inputs (this round's, 2 past in int8)"] == pytest.approx(4 + 2 * (1 + 4 / 256))
     assert host["current values and pseudo-gradient (a sync)"] == 8
-    assert sum(host.values()) == 96
+    assert sum(host.values()) == pytest.approx(96 - 4 - 2 * (3 - 4 / 256))
     # fragments take turns: a round's transient buffers shrink, the kept ones do not
     four = per(MemoryInputs(1, "diloco", "cuda", codec="bf16", fragments=4), Where.HOST)
     assert four["pseudo-gradients: neighbours' values (2, decoded)"] == 2 and four["anchor"] == 4

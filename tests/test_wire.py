@@ -35,6 +35,8 @@ from gossip.wire import (
     WireLimits,
     decode_message,
     encode_message,
+    encode_tensors,
+    iter_message,
     message_nbytes,
     parse_header,
     read_message,
@@ -670,3 +672,21 @@ def test_hostile_headers_that_trip_python_itself_are_refused_as_malformed() -> N
     with pytest.raises(BadSchema, match="malformed header"):
         decode_message(raw_message(header_dict(), PAYLOAD_24),
                        expected=Expectation("tiny-moe", "c0ffee", sender="12D3KooWpeer", admit=trips))
+
+
+@pytest.mark.parametrize("codec", [Fp32Codec(), Bf16Codec(), Int8Codec(block=64), TopKCodec(ratio=0.1)],
+                         ids=lambda c: c.name)
+def test_tensors_kept_encoded_send_the_same_message_in_the_wire_size(codec):
+    rng = np.random.default_rng(5)
+    tensors = {"a": rng.standard_normal((33, 17)).astype(np.float32), "b": rng.standard_normal(3000).astype(np.float32),
+               "empty": np.zeros(0, np.float32)}
+    kept = encode_tensors(tensors, codec, chunk_bytes=1000)  # tensors cut in pieces, as a message encodes them
+    whole = b"".join(bytes(b) for b in encode_message(tensors, codec, chunk_bytes=1000, **FIELDS))
+    assert b"".join(bytes(b) for b in iter_message(kept, codec, chunk_bytes=1000, **FIELDS)) == whole
+    assert message_nbytes(kept, codec, chunk_bytes=1000, **FIELDS) == len(whole)
+    assert kept.nbytes == sum(codec.encoded_nbytes(t.size) for t in tensors.values())
+    with pytest.raises(ValueError, match="cannot be sent"):
+        iter_message(kept, get_codec("fp16"), **FIELDS)
+    tensors["b"][7] = np.nan
+    with pytest.raises(NonFiniteValues):
+        encode_tensors(tensors, codec)

@@ -75,7 +75,7 @@ Validation (receiver), in this order, each failure its own `gossip.errors` excep
     its model's manifest, which fixes every size before any payload is read.
 """
 from gossip.wire.decode import Message, MessageDecoder, ValuesSink, decode_message
-from gossip.wire.encode import encode_message, iter_message, message_nbytes
+from gossip.wire.encode import EncodedTensors, encode_message, encode_tensors, iter_message, message_nbytes
 from gossip.wire.frames import DEFAULT_CHUNK_BYTES, PREFIX_BYTES
 from gossip.wire.header import (
     DEFAULT_LIMITS,
@@ -102,6 +102,7 @@ __all__ = [
     "PREFIX_BYTES",
     "PROTOCOL_VERSION",
     "Admit",
+    "EncodedTensors",
     "Expectation",
     "Header",
     "HeaderFields",
@@ -116,6 +117,7 @@ __all__ = [
     "check_expectation",
     "decode_message",
     "encode_message",
+    "encode_tensors",
     "iter_message",
     "message_nbytes",
     "parse_header",

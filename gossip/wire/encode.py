@@ -4,6 +4,7 @@ and the exact size a message would take on the wire."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, Unpack
 
 import numpy as np
@@ -19,6 +20,7 @@ from gossip.wire.header import (
     TensorSpec,
     WireLimits,
     make_header,
+    manifest_for,
     pack_header,
     parse_header,
     tensor_specs,
@@ -85,8 +87,37 @@ def _encoded_payloads(tensors: Mapping[str, np.ndarray], codec: Codec, manifest:
             raise RuntimeError(f"codec {codec.name} produced {produced} bytes for {name!r}, declared {entry.nbytes}")
 
 
+@dataclass(frozen=True, eq=False)
+class EncodedTensors:
+    """Tensors kept as `codec` puts them on the wire: a message of them sends these bytes, and they take
+    the wire's size in memory, not float32's (a gossip peer's past round inputs under a lossy codec)."""
+
+    codec: Codec
+    specs: tuple[TensorSpec, ...]
+    payloads: tuple[np.ndarray, ...]  # uint8, one per tensor, in `specs` order
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.payloads)
+
+
+def encode_tensors(tensors: Mapping[str, np.ndarray], codec: Codec,
+                   chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> EncodedTensors:
+    """`tensors` as `codec` encodes them, one tensor's bytes at a time (never a whole model's float32
+    beside them); raises what encoding them for a message would (NonFiniteValues, TypeError)."""
+    specs = tensor_specs(tensors)
+    payloads = []
+    for (name, tensor), entry in zip(tensors.items(), manifest_for(specs, codec)):
+        out, at = np.empty(entry.nbytes, dtype=np.uint8), 0
+        for piece in _encoded_payloads({name: tensor}, codec, (entry,), chunk_bytes):
+            out[at : at + len(piece)] = np.frombuffer(piece, dtype=np.uint8)
+            at += len(piece)
+        payloads.append(out)
+    return EncodedTensors(codec, specs, tuple(payloads))
+
+
 def iter_message(
-    tensors: Mapping[str, np.ndarray],
+    tensors: Mapping[str, np.ndarray] | EncodedTensors,
     codec: Codec,
     *,
     meta: Mapping[str, MetaValue] | None = None,
@@ -97,15 +128,24 @@ def iter_message(
     """The message's buffers, in order, encoded as they are asked for: a writer sends the first chunks
     while later ones are still being encoded. The header is checked before the first buffer is
     returned; a tensor's values are checked when its buffers are reached, so NonFiniteValues (or
-    TypeError) can come after earlier buffers were taken. See `encode_message` for the rest."""
+    TypeError) can come after earlier buffers were taken. See `encode_message` for the rest.
+    `EncodedTensors` (kept in this same codec) are sent as they are."""
     _check_chunk_bytes(chunk_bytes, limits)
-    header = make_header(tensor_specs(tensors), codec, meta=meta, **fields)
+    if isinstance(tensors, EncodedTensors):
+        if (tensors.codec.name, tensors.codec.options()) != (codec.name, codec.options()):
+            raise ValueError(f"tensors kept in codec {tensors.codec.name} {tensors.codec.options()} cannot be sent "
+                             f"in {codec.name} {codec.options()}")
+        specs = tensors.specs
+    else:
+        specs = tensor_specs(tensors)
+    header = make_header(specs, codec, meta=meta, **fields)
     body = pack_header(header)
     if len(body) > limits.max_header_bytes:
         raise FrameTooLarge(f"header of {len(body)} bytes exceeds max_header_bytes ({limits.max_header_bytes})")
     parse_header(body, limits)  # refuse to send what a receiver would refuse
-    return _message_buffers(frame_prefix(len(body)) + body,
-                            _chunk_frames(_encoded_payloads(tensors, codec, header.manifest, chunk_bytes), chunk_bytes))
+    payloads = ((p.data for p in tensors.payloads) if isinstance(tensors, EncodedTensors)
+                else _encoded_payloads(tensors, codec, header.manifest, chunk_bytes))
+    return _message_buffers(frame_prefix(len(body)) + body, _chunk_frames(payloads, chunk_bytes))
 
 
 def _message_buffers(head: bytes, frames: Iterator[bytes | memoryview]) -> Iterator[bytes | memoryview]:
@@ -132,7 +172,10 @@ def encode_message(
     return list(iter_message(tensors, codec, meta=meta, chunk_bytes=chunk_bytes, limits=limits, **fields))
 
 
-def _specs_of(tensors: Mapping[str, np.ndarray | tuple[Iterable[int], Any]] | Iterable[TensorSpec]) -> list[TensorSpec]:
+def _specs_of(tensors: Mapping[str, np.ndarray | tuple[Iterable[int], Any]] | Iterable[TensorSpec] | EncodedTensors,
+              ) -> list[TensorSpec]:
+    if isinstance(tensors, EncodedTensors):
+        return list(tensors.specs)
     if not isinstance(tensors, Mapping):
         return [TensorSpec(name, dtype_name(dtype), tuple(int(s) for s in shape)) for name, dtype, shape in tensors]
     specs = []
@@ -146,7 +189,7 @@ def _specs_of(tensors: Mapping[str, np.ndarray | tuple[Iterable[int], Any]] | It
 
 
 def message_nbytes(
-    tensors: Mapping[str, np.ndarray | tuple[Iterable[int], Any]] | Iterable[TensorSpec],
+    tensors: Mapping[str, np.ndarray | tuple[Iterable[int], Any]] | Iterable[TensorSpec] | EncodedTensors,
     codec: Codec,
     *,
     swarm: str = "murmur",

@@ -152,6 +152,15 @@ def tensor_specs(tensors: Mapping[str, np.ndarray]) -> tuple[TensorSpec, ...]:
     return tuple(specs)
 
 
+def manifest_for(specs: Iterable[TensorSpec], codec: Codec) -> tuple[ManifestEntry, ...]:
+    """The manifest entries `codec` gives these tensors: each one's encoded length on the wire."""
+    return tuple(
+        # a spec's dtype comes from dtype_name, which only returns wire dtypes
+        ManifestEntry(name, cast(WireDtype, dtype), tuple(int(s) for s in shape), codec.encoded_nbytes(math.prod(shape)))
+        for name, dtype, shape in specs
+    )
+
+
 def make_header(
     specs: Iterable[TensorSpec],
     codec: Codec,
@@ -160,11 +169,7 @@ def make_header(
     **fields: Unpack[HeaderFields],
 ) -> Header:
     """The header `codec` gives these tensors (not validated: `parse_header(pack_header(...))` does that)."""
-    manifest = tuple(
-        # a spec's dtype comes from dtype_name, which only returns wire dtypes
-        ManifestEntry(name, cast(WireDtype, dtype), tuple(int(s) for s in shape), codec.encoded_nbytes(math.prod(shape)))
-        for name, dtype, shape in specs
-    )
+    manifest = manifest_for(specs, codec)
     return Header(
         version=PROTOCOL_VERSION,
         codec=codec.name,
