@@ -356,6 +356,29 @@ def test_the_membership_a_node_reads_grows_with_the_swarm_and_the_plan_says_what
     assert doc["membership"]["read_bytes"] == big.read_bytes
 
 
+def test_the_plan_gives_a_catch_ups_copies_and_time_through_the_joiners_link_for_the_auto_check():
+    """A catch-up's downloads run at once and share the joiner's link: three copies below the spot-check
+    size, one and the checked blocks above it; the text and the JSON say the same."""
+    from node.cli.plan import catch_up
+    from node.swarm.joining import SPOT_CHECK_BYTES
+
+    link = LinkSpec(50.0)
+    for params, check, copies in ((10_000_000, "median", 3.0), (SPOT_CHECK_BYTES // 4, "spot", 1.1)):
+        config = PlanConfig(specs_for_vectors({"w": params}), 0.5, link, 16, TopologySpec("one-peer-exp"))
+        plan = make_plan(config)
+        up = catch_up(plan, config)
+        assert str(up.check) == check and up.copies == pytest.approx(copies)
+        assert up.nbytes == pytest.approx(copies * plan.download.nbytes)
+        # the copies beyond the first cross the same link after it
+        assert up.seconds == pytest.approx(plan.download.seconds + (copies - 1) * plan.download.nbytes / link.bytes_per_s)
+    out = run_cli("--params", str(params), "--step-time", "0.5", "--bandwidth-mbit", "50")
+    assert "(--join-check auto: spot) moves one such copy" in out.stdout and "1.1 copies" in out.stdout, out.stdout
+    doc = json.loads(run_cli("--params", str(params), "--step-time", "0.5", "--bandwidth-mbit", "50", "--json").stdout)
+    up, download = doc["catch_up"], doc["download"]
+    assert up["check"] == "spot" and up["bytes"] == pytest.approx(1.1 * download["bytes"])
+    assert f"in about {up['seconds']:.0f} s through the joiner's link" in out.stdout
+
+
 def test_plan_text_names_the_winner():
     out = run_cli("--params", "50000000", "--step-time", "0.2", "--peers", "64", "--latency-ms", "80")
     assert out.returncode == 0, out.stderr

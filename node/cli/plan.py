@@ -42,7 +42,7 @@ from node.cli.args import (
     values_checked,
 )
 from node.config import DEFAULTS, Command, setting_value
-from node.swarm.joining import JoinCheck, join_check
+from node.swarm.joining import JoinCheck, JoinRules, join_check
 from node.swarm.recipe import MAX_MEMBERSHIP_SHARDS
 from topology import Topology, build_topology
 
@@ -241,15 +241,15 @@ def describe(plan: Plan, config: PlanConfig, step: StepTime, model: str) -> list
     lines.append(f"a gossip sync: {plan.gossip.sync_s:.1f} s, its messages over this link (a symmetric exchange's request "
                  "and reply at once; compressed gossip's one after the other); --exchange-timeout bounds only how long "
                  "a neighbour takes to start answering, the payload is paced as a download is")
-    d = plan.download
-    check = join_check(JoinCheck.AUTO, plan.numel)
+    d, up = plan.download, catch_up(plan, c)
     copies = ("one such copy, in parts from up to 4 donors at once, and two blocks of ~5% of each part from two "
-              "other donors" if check is JoinCheck.SPOT
+              "other donors" if up.check is JoinCheck.SPOT
               else "three such copies, one from each of three donors at once")
     lines.append(f"a joiner's download from one donor: {_mb(d.nbytes)} MB in {d.seconds:.1f} s over this link; cut "
                  f"only when it stalls or falls below the goodput floor (at most {d.bound_s:.0f} s before any goodput "
                  f"is measured: --stall-timeout, --goodput-floor); a catch-up at this size (--join-check auto: "
-                 f"{check}) moves {copies}")
+                 f"{up.check}) moves {copies}: {up.copies:.1f} copies, {_mb(up.nbytes)} MB in about {up.seconds:.0f} s "
+                 "through the joiner's link, then evaluates them (a few forward passes over the validation batches)")
     m = membership(c.peers)
     every = m.read_interval_s(DEFAULT_HEARTBEAT_S)
     lines.append(f"membership: {c.peers} peer records of ~{m.record_bytes} B make a view read of ~{m.read_bytes / 1024:.0f} "
@@ -304,6 +304,28 @@ def membership(peers: int) -> Membership:
     return Membership(size, read, max(1, math.ceil(read / SHARD_WARN_BYTES)), MEMBERSHIP_BUDGET_MBIT_S)
 
 
+@dataclass(frozen=True)
+class CatchUp:
+    """A joiner's catch-up under `--join-check auto`: the copies it downloads and how long they take."""
+
+    check: JoinCheck
+    copies: float
+    nbytes: float
+    seconds: float
+
+    def as_json(self) -> dict[str, object]:
+        return {"check": str(self.check), "copies": self.copies, "bytes": self.nbytes, "seconds": self.seconds}
+
+
+def catch_up(plan: Plan, config: PlanConfig) -> CatchUp:
+    """The joiner's own link carries every copy (its downloads run at once and share it), after the round
+    trips of one download."""
+    check = join_check(JoinCheck.AUTO, plan.numel)
+    copies = JoinRules().copies_moved(check)
+    d = plan.download
+    return CatchUp(check, copies, copies * d.nbytes, d.seconds + config.link.transfer_s((copies - 1) * d.nbytes))
+
+
 def print_plan(plan: Plan, config: PlanConfig, step: StepTime, model: str, *, as_json: bool) -> None:
     if as_json:
         inputs = {"model": model, "params": plan.numel, "tensors": len(config.specs), "step_time_s": step.seconds,
@@ -316,7 +338,8 @@ def print_plan(plan: Plan, config: PlanConfig, step: StepTime, model: str, *, as
                   "outer_momentum": config.outer_momentum, "anchor_every": config.anchor_every,
                   "anchor_codec": config.anchor_codec.name,
                   "tokens_per_step": config.tokens_per_step, "round_cpu_s": config.round_cpu_s}
-        print(json.dumps({"inputs": inputs, **plan.as_json(), "membership": membership(config.peers).as_json()}))
+        print(json.dumps({"inputs": inputs, **plan.as_json(), "catch_up": catch_up(plan, config).as_json(),
+                          "membership": membership(config.peers).as_json()}))
         return
     print("\n".join(describe(plan, config, step, model)))
 

@@ -76,6 +76,12 @@ class JoinRules:
     def step_tolerance(self, reference: int) -> int:
         return max(self.step_slack, math.ceil(self.step_share * reference))
 
+    def copies_moved(self, check: JoinCheck) -> float:
+        """Whole copies of the model a catch-up downloads, at least: `sources` for the median; one for a spot
+        check, and a block of `spot.share` of each part from two checkers (a block is one tensor at least, so
+        a model of a few large tensors moves more)."""
+        return float(self.sources) if check is JoinCheck.MEDIAN else 1.0 + 2 * self.spot.share
+
     def loss_limit(self, own: float, best: float) -> float:
         """The highest validation loss a download (or the combined model) may have."""
         return min(own * (1.0 + self.worse_than_own),
