@@ -330,6 +330,7 @@ def test_a_spot_checked_join_downloads_one_copy_and_a_block_of_it_from_two_other
     (block,) = {(a, b) for p, a, b in swarm.ranges if p != first}
     assert sorted(swarm.ranges) == sorted([(first, 0, 3), (second, *block), (third, *block)]) and block[1] - block[0] == 1
     assert outcome.tensors is not None
+    assert outcome.loss == outcome.losses[first] and outcome.as_dict()["loss"] == outcome.loss  # the copy's, as checked
     for i, name in enumerate(NAMES):
         expected = near(0.01) if i != block[0] else np.median([values[first], values[second], values[third]], axis=0)
         np.testing.assert_allclose(outcome.tensors[name], expected, atol=1e-7)
@@ -531,6 +532,24 @@ def test_a_combination_that_gives_up_what_the_copies_trained_falls_back_to_the_b
     assert outcome.losses == {"a": 2.0, "b": 2.4} and outcome.combined_loss == 2.16
     assert outcome.sources == ("a",) and np.array_equal(outcome.tensors["w"], np.full(16, 1.0, np.float32))
     assert JoinRules().combined_limit(5.0, 2.0) == 2.1
+    assert outcome.loss == 2.0  # the adopted copy's, as evaluated: the node does not evaluate it again
+
+
+def test_the_outcome_carries_the_loss_of_what_it_adopts_as_the_check_measured_it() -> None:
+    """The node reports it as its validation loss after the download instead of evaluating again."""
+    losses = {1.0: 2.0, 1.1: 2.1, 1.2: 2.2, 9.0: 7.0}  # 9.0: worse than the own model (5.0)
+
+    class Measured(Swarm):
+        async def evaluate(self, tensors: object) -> float:
+            return 5.0 if tensors is None else losses[round(float(tensors["w"][0]), 2)]  # type: ignore[index]
+
+    one = run_join(Measured({"a": (np.full(16, 1.0, np.float32), 300)}), [record("a", 300)])
+    assert one.sources == ("a",) and one.loss == 2.0 and one.combined_loss is None
+    three = Measured({p: (np.full(16, v, np.float32), 300) for p, v in (("a", 1.0), ("b", 1.1), ("c", 1.2))})
+    outcome = run_join(three, [record(p, 300) for p in "abc"])
+    assert outcome.sources == ("a", "b", "c") and outcome.loss == outcome.combined_loss == 2.1  # the median, 1.1
+    nothing = run_join(Measured({"a": (np.full(16, 9.0, np.float32), 300)}), [record("a", 300)])
+    assert nothing.tensors is None and nothing.loss is None
 
 
 def test_a_joiner_of_an_int8_swarm_starts_from_its_donors_exact_parameters() -> None:

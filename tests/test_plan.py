@@ -367,10 +367,15 @@ def test_the_plan_gives_a_catch_ups_copies_and_time_through_the_joiners_link_for
         config = PlanConfig(specs_for_vectors({"w": params}), 0.5, link, 16, TopologySpec("one-peer-exp"))
         plan = make_plan(config)
         up = catch_up(plan, config)
-        assert str(up.check) == check and up.copies == pytest.approx(copies)
+        assert str(up.check) == check and up.copies == pytest.approx(copies) and up.momentum_copies == 0
         assert up.nbytes == pytest.approx(copies * plan.download.nbytes)
         # the copies beyond the first cross the same link after it
         assert up.seconds == pytest.approx(plan.download.seconds + (copies - 1) * plan.download.nbytes / link.bytes_per_s)
+        # gossip DiLoCo with outer momentum then fetches the momentum whole from 3 of the vouchers
+        diloco = dataclasses.replace(config, algorithm=Algorithm.DILOCO, local_steps=100)
+        outer = catch_up(make_plan(diloco), diloco)
+        assert outer.momentum_copies == 3 and outer.nbytes == pytest.approx((copies + 3) * plan.download.nbytes)
+        assert catch_up(make_plan(lean := dataclasses.replace(diloco, outer_momentum=0.0)), lean).momentum_copies == 0
     out = run_cli("--params", str(params), "--step-time", "0.5", "--bandwidth-mbit", "50")
     assert "(--join-check auto: spot) moves one such copy" in out.stdout and "1.1 copies" in out.stdout, out.stdout
     doc = json.loads(run_cli("--params", str(params), "--step-time", "0.5", "--bandwidth-mbit", "50", "--json").stdout)

@@ -248,8 +248,12 @@ def describe(plan: Plan, config: PlanConfig, step: StepTime, model: str) -> list
     lines.append(f"a joiner's download from one donor: {_mb(d.nbytes)} MB in {d.seconds:.1f} s over this link; cut "
                  f"only when it stalls or falls below the goodput floor (at most {d.bound_s:.0f} s before any goodput "
                  f"is measured: --stall-timeout, --goodput-floor); a catch-up at this size (--join-check auto: "
-                 f"{up.check}) moves {copies}: {up.copies:.1f} copies, {_mb(up.nbytes)} MB in about {up.seconds:.0f} s "
-                 "through the joiner's link, then evaluates them (a few forward passes over the validation batches)")
+                 f"{up.check}) moves {copies}"
+                 + (f", then the outer momentum from {up.momentum_copies} of the peers that vouched for them, whole"
+                    if up.momentum_copies else "")
+                 + f": {up.copies + up.momentum_copies:.1f} copies, {_mb(up.nbytes)} MB in about {up.seconds:.0f} s "
+                 "through the joiner's link, and evaluates the parameters (a few forward passes over the validation "
+                 "batches)")
     m = membership(c.peers)
     every = m.read_interval_s(DEFAULT_HEARTBEAT_S)
     lines.append(f"membership: {c.peers} peer records of ~{m.record_bytes} B make a view read of ~{m.read_bytes / 1024:.0f} "
@@ -306,24 +310,32 @@ def membership(peers: int) -> Membership:
 
 @dataclass(frozen=True)
 class CatchUp:
-    """A joiner's catch-up under `--join-check auto`: the copies it downloads and how long they take."""
+    """A joiner's catch-up under `--join-check auto`: the copies of the parameters it downloads, those of
+    gossip DiLoCo's outer momentum after them (whole, in fp32, from up to 3 of the peers that vouched for
+    the parameters), and how long all of them take."""
 
     check: JoinCheck
     copies: float
+    momentum_copies: int
     nbytes: float
     seconds: float
 
     def as_json(self) -> dict[str, object]:
-        return {"check": str(self.check), "copies": self.copies, "bytes": self.nbytes, "seconds": self.seconds}
+        return {"check": str(self.check), "copies": self.copies, "momentum_copies": self.momentum_copies,
+                "bytes": self.nbytes, "seconds": self.seconds}
 
 
 def catch_up(plan: Plan, config: PlanConfig) -> CatchUp:
     """The joiner's own link carries every copy (its downloads run at once and share it), after the round
     trips of one download."""
+    from node.algorithms.diloco.swarm import MOMENTUM_SOURCES
+
     check = join_check(JoinCheck.AUTO, plan.numel)
     copies = JoinRules().copies_moved(check)
+    momentum = MOMENTUM_SOURCES if config.algorithm is Algorithm.DILOCO and config.outer_momentum > 0 else 0
     d = plan.download
-    return CatchUp(check, copies, copies * d.nbytes, d.seconds + config.link.transfer_s((copies - 1) * d.nbytes))
+    moved = (copies + momentum) * d.nbytes
+    return CatchUp(check, copies, momentum, moved, d.seconds + config.link.transfer_s(moved - d.nbytes))
 
 
 def print_plan(plan: Plan, config: PlanConfig, step: StepTime, model: str, *, as_json: bool) -> None:

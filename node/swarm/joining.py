@@ -263,6 +263,7 @@ class JoinOutcome:
     losses: dict[str, float] = field(default_factory=dict)
     own_loss: float | None = None
     combined_loss: float | None = None
+    loss: float | None = None  # the adopted parameters' validation loss, as the check measured it
     refused: dict[str, str] = field(default_factory=dict)  # peer -> Refused or a wire error's kind
     check: str = JoinCheck.MEDIAN  # how the adopted download was checked (a spot check that failed: median)
     checked: dict[str, list[str]] = field(default_factory=dict)  # spot check: donor -> the two peers it was checked against
@@ -281,7 +282,7 @@ class JoinOutcome:
     def as_dict(self) -> dict[str, object]:
         return {"reference_step": self.reference_step, "step": self.step, "sources": list(self.sources),
                 "losses": dict(self.losses), "own_loss": self.own_loss, "combined_loss": self.combined_loss,
-                "refused": dict(self.refused), "check": str(self.check), "checked": dict(self.checked)}
+                "loss": self.loss, "refused": dict(self.refused), "check": str(self.check), "checked": dict(self.checked)}
 
 
 class Fetch(Protocol):
@@ -387,18 +388,18 @@ async def join_swarm(judgement: StepJudgement, fetch: Fetch, evaluate: Evaluate,
         return outcome
     assert outcome.own_loss is not None
     if len(kept) == 1:
-        combined = kept[0].tensors
+        combined, outcome.loss = kept[0].tensors, losses[kept[0].label]
     else:
         # the combination is made in one of the downloads, not the best: that stays whole for the fallback
         best = min(kept, key=lambda d: losses[d.label])
         spent = next(d for d in kept if d is not best)
         combined = await asyncio.to_thread(combine, [d.tensors for d in kept], spent.tensors)  # is spent's now
-        outcome.combined_loss = await evaluate(combined)
+        outcome.combined_loss = outcome.loss = await evaluate(combined)
         limit = rules.combined_limit(outcome.own_loss, min(losses[d.label] for d in kept))
         if not outcome.combined_loss <= limit:
             logger.warning("the combined download evaluates to %.4f, worse than %.4f: taking %s's alone",
                            outcome.combined_loss, limit, best.label)
-            kept, combined = [best], best.tensors
+            kept, combined, outcome.loss = [best], best.tensors, losses[best.label]
     steps = sorted(d.step for d in kept)
     outcome.tensors, outcome.step = combined, steps[(len(steps) - 1) // 2]
     outcome.sources = tuple(sorted(peer for d in kept for peer in d.donors))
@@ -420,6 +421,7 @@ async def _adopt_spot_checked(waiting: list[SwarmRecord], judgement: StepJudgeme
         if loss_verdicts(outcome.own_loss, {copy.label: loss}, rules)[copy.label]:
             outcome.losses.update(dict.fromkeys(copy.donors, loss))
             outcome.tensors, outcome.step, outcome.sources = copy.tensors, copy.step, tuple(sorted(copy.donors))
+            outcome.loss = loss
             return True
         logger.warning("the spot-checked download from %s evaluates to %.4f, not better than this node's %.4f: "
                        "downloading three copies instead", copy.label, loss, outcome.own_loss)

@@ -417,7 +417,12 @@ class SwarmLoop:
         logger.info("downloaded parameters from %s (combined from %d) at step %d%s", ", ".join(outcome.sources),
                     len(outcome.sources), outcome.step,
                     f"; refused {_reasons(outcome.refused)}" if outcome.refused else "")
-        await self.evaluate()
+        # the check evaluated these very parameters: evaluating them again would cost a pass over the
+        # validation batches (minutes for a large model on a CPU) while the swarm trains on
+        if outcome.loss is None:
+            await self.evaluate()
+        else:
+            self._record_loss(outcome.loss)
         logger.info("validation loss after the download: %.4f", self.status.val_loss)
 
     async def _download(self, view: Sequence[SwarmRecord], margin: int, plausible: int | None,
@@ -568,7 +573,11 @@ class SwarmLoop:
                         self.trainer.step, _fmt(self.status.val_loss))
 
     async def evaluate(self) -> None:
-        self.status.val_loss = await self.trainer.evaluate()
+        self._record_loss(await self.trainer.evaluate())
+
+    def _record_loss(self, loss: float) -> None:
+        """The validation loss of the parameters the trainer holds now."""
+        self.status.val_loss = loss
         self.status.val_step = self.trainer.step
         if self._record_sample is not None:
             self._record_sample(step=self.trainer.step, val_loss=self.status.val_loss)
