@@ -45,7 +45,7 @@ import numpy as np
 
 from gossip.admission import OPEN, StreamAdmission
 from gossip.choco import ChocoState, Desync, Outgoing
-from gossip.codecs import Codec, Fp32Codec
+from gossip.codecs import STATE_CODECS, Codec, Fp32Codec, get_codec
 from gossip.errors import BadSchema, ManifestMismatch, Truncated, WireError
 from gossip.limits import DEFAULT_INCOMING, CountPerKey, IncomingLimits, PeerBuckets
 from gossip.mixing import IncrementalMix, MixingKind, MixingRule, effective_weights
@@ -83,6 +83,10 @@ FROM = "from"
 # with FROM (or from the first tensor), the manifest index the answer stops before: a few tensors only (a
 # joiner's spot check of a download against other donors)
 UNTIL = "until"
+# meta of a pull of the current tensors: the codec the asker wants them in, one that carries every element
+# (STATE_CODECS; without it, WHOLE_MODEL_CODEC): a joiner takes outer state that is only a starting point
+# (DiLoCo's momentum) in int8, a quarter of the bytes (an older peer answers fp32, which the asker reads too)
+CODEC = "codec"
 # meta flag of an exchange request whose asker reads the reply while it writes the request: the answering
 # peer replies as it reads the request, so a symmetric exchange takes one transfer's time, not two (an
 # asker without the flag writes its whole request before it reads, and is answered after it)
@@ -588,7 +592,7 @@ class GossipPeer:
 
     async def fetch(self, peer: str, progress: TransferProgress | None = None, *, answer_timeout_s: float | None = None,
                     busy_wait_s: float = 0.0, start: int = 0, stop: int | None = None,
-                    delivered: Delivered | None = None) -> tuple[dict[str, np.ndarray], int, int]:
+                    delivered: Delivered | None = None, codec: str | None = None) -> tuple[dict[str, np.ndarray], int, int]:
         """`_fetch_once`, asked again while `peer` refuses it as busy uploading to others (`uploading`, its
         IncomingLimits.concurrent_uploads) for up to `busy_wait_s`, at growing random intervals, so peers
         that all pull from one donor at once (a final merge) are served in turns rather than left out; a
@@ -598,7 +602,7 @@ class GossipPeer:
         while True:
             try:
                 return await self._fetch_once(peer, progress, answer_timeout_s=answer_timeout_s, start=start,
-                                              stop=stop, delivered=delivered)
+                                              stop=stop, delivered=delivered, codec=codec)
             except PeerRejected as exc:
                 left = until - loop.time()
                 if str(exc) != Refusal.UPLOADING or left <= 0:
@@ -615,7 +619,8 @@ class GossipPeer:
 
     async def _fetch_once(self, peer: str, progress: TransferProgress | None = None, *,
                           answer_timeout_s: float | None = None, start: int = 0, stop: int | None = None,
-                          delivered: Delivered | None = None) -> tuple[dict[str, np.ndarray], int, int]:
+                          delivered: Delivered | None = None, codec: str | None = None,
+                          ) -> tuple[dict[str, np.ndarray], int, int]:
         """`peer`'s current tensors, round and step: a pull outside any round (a joiner's download, the
         swarm-average evaluation, the final merge), answered in WHOLE_MODEL_CODEC (fp32) whatever codec the
         rounds use (an older peer answers in the round codec). Validated like every reply; raises WireError,
@@ -631,16 +636,20 @@ class GossipPeer:
         download resumed from another donor; a peer of an older murmur answers all of them), and with
         `stop` only those before that index (a spot check: a peer that answers others is refused as a
         manifest mismatch). `delivered`, if given, gets the reply's step and round once its header is
-        read, and the tensors that arrived whole, also when the payload breaks off partway."""
+        read, and the tensors that arrived whole, also when the payload breaks off partway. `codec` (one
+        of STATE_CODECS) asks for the answer in that codec instead of fp32: a lossy image of the tensors."""
         count = len(self._specs)
         stop = count if stop is None else stop
         if not 0 <= start < max(1, stop) <= max(1, count):
             raise ValueError(f"tensors {start} to {stop} are not a range of our {count}")
+        if codec is not None and codec not in STATE_CODECS:
+            raise ValueError(f"a pull's answer codec must carry every element ({', '.join(STATE_CODECS)}), got {codec!r}")
         loop = asyncio.get_running_loop()
         pace = self._settings.pace
         answer_s = 4 * self._settings.exchange_timeout_s if answer_timeout_s is None else answer_timeout_s
         meta: dict[str, MetaValue] = {CURRENT: True, **({FROM: start} if start else {}),
-                                      **({UNTIL: stop} if stop < count else {})}
+                                      **({UNTIL: stop} if stop < count else {}),
+                                      **({CODEC: codec} if codec not in (None, WHOLE_MODEL_CODEC.name) else {})}
         incoming: IncomingMessage | None = None
         async with asyncio.timeout(answer_s) as deadline:
             stream = MessageStream(await self._transport.open_stream(peer, self._protocol), self._accounting)
@@ -837,6 +846,9 @@ class GossipPeer:
         if (FROM in header.meta or UNTIL in header.meta) and _tensor_range(header.meta, len(self._specs)) is None:
             raise BadSchema(f"a pull's {FROM!r} and {UNTIL!r} must be a range of our {len(self._specs)} tensors, in a "
                             f"pull of the current ones; got {header.meta.get(FROM)!r} to {header.meta.get(UNTIL)!r}")
+        if CODEC in header.meta and (header.meta.get(CURRENT) is not True or header.meta[CODEC] not in STATE_CODECS):
+            raise BadSchema(f"a pull's {CODEC!r} must name one of {', '.join(STATE_CODECS)}, in a pull of the current "
+                            f"tensors; got {header.meta[CODEC]!r}")
         if header.meta.get(CURRENT) is True:
             if self._uploads >= self._settings.incoming.concurrent_uploads:
                 return Refusal.UPLOADING  # before the bucket: a refused pull costs the asker no token
@@ -864,7 +876,8 @@ class GossipPeer:
             wanted = _tensor_range(header.meta, len(self._specs))  # checked by _pull_refusal
             assert wanted is not None
             answer = dict(itertools.islice(self._tensors.items(), *wanted)), self.round
-            codec = WHOLE_MODEL_CODEC
+            wanted_codec = header.meta.get(CODEC)  # checked by _pull_refusal: a state codec's name
+            codec = get_codec(wanted_codec) if isinstance(wanted_codec, str) else WHOLE_MODEL_CODEC
         else:
             try:
                 async with asyncio.timeout_at(deadline):

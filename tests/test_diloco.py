@@ -39,7 +39,7 @@ from gossip.knobs import SPARSELOCO_OUTER_LR, SPARSELOCO_OUTER_MOMENTUM
 from gossip.lockstep import Lockstep
 from gossip.memory import InMemoryNetwork
 from gossip.optimizers import LRSchedule, OptimizerConfig
-from node.algorithms.diloco.trainer import DilocoTrainer
+from node.algorithms.diloco.trainer import MOMENTUM_CODEC, DilocoTrainer
 from node.algorithms.lockstep import drive
 from node.train.data import Corpus, peer_shard
 from node.train.models import ModelConfig, build_model
@@ -500,10 +500,17 @@ def test_a_joiner_takes_a_peers_momentum_only_within_bounds(corpus: Corpus) -> N
     async def main() -> None:
         nodes = await diloco_swarm(corpus, ids, optimizer, DilocoConfig())
         await run(nodes, 4, Lockstep(ids))
+        peer = nodes[1]._momentum_peer
+        assert peer is not None
+        before = peer.stats.bytes_received
         got = await nodes[1].fetch_momentum("peer-a")
         assert got is not None
+        # asked for in int8: the serving peer's momentum as int8 carries it, in about a quarter of fp32's bytes
+        int8 = get_codec(MOMENTUM_CODEC)
         for n, b in nodes[0].momentum.items():
-            np.testing.assert_array_equal(got[n], b)
+            np.testing.assert_array_equal(got[n], int8.decode(int8.encode(b.reshape(-1)), b.size).reshape(b.shape))
+        fp32_bytes = sum(b.nbytes for b in nodes[0].momentum.values())
+        assert peer.stats.bytes_received - before < 0.3 * fp32_bytes + 4096
         # a peer serving an absurd momentum (a hostile or broken one) is refused, and counted
         nodes[0]._outer.load_state({n: b * 1e6 for n, b in nodes[0].momentum.items()})
         nodes[0]._publish()

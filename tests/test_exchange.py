@@ -8,7 +8,7 @@ import pytest
 
 from gossip.codecs import get_codec
 from gossip.errors import ManifestMismatch, Truncated
-from gossip.exchange import CURRENT, FROM, PULL, UNTIL, Delivered, ExchangeSettings, GossipPeer
+from gossip.exchange import CODEC, CURRENT, FROM, PULL, UNTIL, Delivered, ExchangeSettings, GossipPeer
 from gossip.memory import InMemoryNetwork, LinkModel
 from gossip.stream import MessageStream
 from gossip.transport import GOSSIP_PROTOCOL
@@ -852,5 +852,36 @@ def test_past_round_inputs_are_kept_in_the_wire_codec_and_a_pull_of_them_gets_th
         wire = get_codec(codec)
         image = wire.decode(wire.encode(inputs[0]["w"]), 4096)
         np.testing.assert_allclose(a.tensors["w"], 0.5 * image, rtol=0, atol=1e-7)
+
+    asyncio.run(main())
+
+
+def test_a_fetch_may_ask_for_a_state_codec_and_gets_its_image_in_its_bytes():
+    """A joiner takes outer state that is only a starting point (DiLoCo's momentum) in int8: the donor
+    answers in the codec asked for, a quarter of fp32's bytes; a codec that drops entries, an unknown
+    one, or one named in a round's pull is a malformed request, refused and counted."""
+    async def main():
+        net = InMemoryNetwork()
+        rng = np.random.default_rng(4)
+        a = GossipPeer(net.transport("a"), settings(), {"w": np.zeros(4096, np.float32)})
+        b = GossipPeer(net.transport("b"), settings(), {"w": rng.standard_normal(4096).astype(np.float32)})
+        for peer in (a, b):
+            await peer.start()
+        exact, _, _ = await a.fetch("b")
+        fp32_bytes = a.stats.bytes_received
+        np.testing.assert_array_equal(exact["w"], b.tensors["w"])
+        image, _, _ = await a.fetch("b", codec="int8")
+        int8 = get_codec("int8")
+        np.testing.assert_array_equal(image["w"], int8.decode(int8.encode(b.tensors["w"]), 4096))
+        assert a.stats.bytes_received - fp32_bytes < 0.3 * fp32_bytes
+        with pytest.raises(ValueError, match="carry every element"):
+            await a.fetch("b", codec="topk")
+        for meta in ({CURRENT: True, CODEC: "topk"}, {CURRENT: True, CODEC: "nonsense"}, {CODEC: "int8"}):
+            stream = MessageStream(await a._transport.open_stream("b", GOSSIP_PROTOCOL), a._accounting)
+            await stream.send(a._frames({}, 0, PULL, meta))
+            answer = await asyncio.wait_for(stream.read(a._request_limits, None), 2)
+            await stream.close()
+            assert answer.header.kind == "reject" and answer.header.meta["error"] == "bad_schema", meta
+        assert b.stats.errors == {"bad_schema": 3}
 
     asyncio.run(main())

@@ -40,6 +40,8 @@ Meta keys
                     download resumed where another donor's broke off); not an index of ours: BadSchema
     ``until``       int, with ``current``: ... and only the tensors before this index (a joiner's spot check);
                     ``from`` and ``until`` must make a non-empty range of the answerer's tensors
+    ``codec``       str, with ``current``: answer in this codec, one that carries every element (fp32, fp16,
+                    bf16, int8; default fp32): a DiLoCo joiner's outer momentum, in int8
     ``expert``, ``version``, ``hash``   the SPES fetch protocol's (gossip.spes.fetch)
     ``proof``       str, in a swarm admitting by key: the sender's HMAC-SHA256 (hex) under the swarm key of
                     (swarm, config_hash, sender, round, kind) (node.net.admission)

@@ -29,7 +29,7 @@ from gossip.plan import (
     round_roles,
 )
 from gossip.rules import Knobs, Rule, broken_rules
-from gossip.wire import TensorSpec
+from gossip.wire import TensorSpec, message_nbytes
 from node.cli.args import (
     UsageError,
     add_knob_flag,
@@ -249,9 +249,9 @@ def describe(plan: Plan, config: PlanConfig, step: StepTime, model: str) -> list
                  f"only when it stalls or falls below the goodput floor (at most {d.bound_s:.0f} s before any goodput "
                  f"is measured: --stall-timeout, --goodput-floor); a catch-up at this size (--join-check auto: "
                  f"{up.check}) moves {copies}"
-                 + (f", then the outer momentum from {up.momentum_copies} of the peers that vouched for them, whole"
-                    if up.momentum_copies else "")
-                 + f": {up.copies + up.momentum_copies:.1f} copies, {_mb(up.nbytes)} MB in about {up.seconds:.0f} s "
+                 + (f", then the outer momentum from {up.momentum_copies} of the peers that vouched for them, whole "
+                    "in int8" if up.momentum_copies else "")
+                 + f": {_mb(up.nbytes)} MB ({up.nbytes / d.nbytes:.1f} fp32 copies) in about {up.seconds:.0f} s "
                  "through the joiner's link, and evaluates the parameters (a few forward passes over the validation "
                  "batches)")
     m = membership(c.peers)
@@ -311,7 +311,7 @@ def membership(peers: int) -> Membership:
 @dataclass(frozen=True)
 class CatchUp:
     """A joiner's catch-up under `--join-check auto`: the copies of the parameters it downloads, those of
-    gossip DiLoCo's outer momentum after them (whole, in fp32, from up to 3 of the peers that vouched for
+    gossip DiLoCo's outer momentum after them (whole, in int8, from up to 3 of the peers that vouched for
     the parameters), and how long all of them take."""
 
     check: JoinCheck
@@ -329,12 +329,13 @@ def catch_up(plan: Plan, config: PlanConfig) -> CatchUp:
     """The joiner's own link carries every copy (its downloads run at once and share it), after the round
     trips of one download."""
     from node.algorithms.diloco.swarm import MOMENTUM_SOURCES
+    from node.algorithms.diloco.trainer import MOMENTUM_CODEC
 
     check = join_check(JoinCheck.AUTO, plan.numel)
     copies = JoinRules().copies_moved(check)
     momentum = MOMENTUM_SOURCES if config.algorithm is Algorithm.DILOCO and config.outer_momentum > 0 else 0
     d = plan.download
-    moved = (copies + momentum) * d.nbytes
+    moved = copies * d.nbytes + momentum * message_nbytes(config.specs, get_codec(MOMENTUM_CODEC), kind="reply")
     return CatchUp(check, copies, momentum, moved, d.seconds + config.link.transfer_s(moved - d.nbytes))
 
 

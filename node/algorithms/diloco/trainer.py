@@ -39,6 +39,10 @@ _ANCHOR_RESIDUAL = "diloco/anchor_residual/"
 # sums pseudo-gradients geometrically, and a phase that moved the model by more than its own norm is
 # not training but a hostile or broken peer.
 MOMENTUM_NORM_BOUND = 10.0
+# A joiner asks for the outer momentum in int8 (one float32 scale per 256 values: about 0.4% of a block's
+# largest value): it is a starting point the next outer steps decay (by the momentum factor each), and the
+# joiner fetches it whole from up to 3 peers, so fp32 made a DiLoCo catch-up 3 copies of the model dearer.
+MOMENTUM_CODEC = "int8"
 
 # (fragment, round) -> this node's neighbours and weights for that round, when it may start
 FragmentPlanFor = Callable[[int, int], Awaitable[PeerRound]]
@@ -395,7 +399,7 @@ class DilocoTrainer:
         out of bounds against our anchor (then this node starts with none)."""
         assert self._momentum_peer is not None, "start() first"
         try:
-            tensors, _, _ = await self._momentum_peer.fetch(peer_id)
+            tensors, _, _ = await self._momentum_peer.fetch(peer_id, codec=MOMENTUM_CODEC)
         except (TimeoutError, ConnectionError, WireError, PeerRejected) as exc:
             logger.warning("outer momentum download from %s failed: %s; starting without", peer_id,
                            exc or type(exc).__name__)
@@ -414,6 +418,7 @@ class DilocoTrainer:
 
 
 __all__ = [
+    "MOMENTUM_CODEC",
     "MOMENTUM_PROTOCOL",
     "DilocoStats",
     "DilocoStepReport",
