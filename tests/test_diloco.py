@@ -493,6 +493,23 @@ def test_a_restored_node_continues_with_its_anchor_momentum_and_residuals(corpus
     asyncio.run(main())
 
 
+def test_a_node_whose_step_a_catch_up_moved_on_answers_the_rounds_of_that_step(corpus: Corpus) -> None:
+    """After a catch-up adopted the swarm's later step (the swarm trained on while it fetched the momentum),
+    each fragment's round is its latest sync at that step, and the anchor and momentum are served at it."""
+    optimizer = OptimizerConfig(algorithm="diloco", lr=3e-3, local_steps=2)
+
+    async def main() -> None:
+        (node,) = await diloco_swarm(corpus, ["peer-a"], optimizer, DilocoConfig(fragments=2))
+        before = [p.round for p in node.peers]
+        node.trainer.step = 23
+        node.place_rounds()
+        assert [p.round for p in node.peers] == [node.schedule.last_sync(f, 23) for f in range(2)] != before
+        assert node._momentum_peer is not None and node._momentum_peer.step == 23
+        node.trainer.close()
+
+    asyncio.run(main())
+
+
 def test_a_joiner_takes_a_peers_momentum_only_within_bounds(corpus: Corpus) -> None:
     optimizer = OptimizerConfig(algorithm="diloco", lr=3e-3, local_steps=2)
     ids = ["peer-a", "peer-b"]

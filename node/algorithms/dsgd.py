@@ -117,6 +117,9 @@ class DsgdAlgorithm:
     async def adopt_download(self, sources: Sequence[SwarmRecord]) -> None:
         pass
 
+    async def moved_to(self, step: int) -> None:
+        pass
+
     async def publish_final(self) -> None:
         """DAdam's peer holds the last mix before its update: offer the final parameters instead."""
         self.peer.set_tensors(await self.trainer.tensors(), step=self.trainer.step)

@@ -89,6 +89,11 @@ class Algorithm(Protocol):
         the outer momentum); `sources` are the peers it downloaded from, best first."""
         ...
 
+    async def moved_to(self, step: int) -> None:
+        """The trainer's step was moved on to `step` after adopt_download (the swarm trained on while this
+        node fetched what it adopts): place whatever follows the step (DiLoCo: its fragments' rounds)."""
+        ...
+
     async def publish_final(self) -> None:
         """Offer the final parameters on the main gossip peer, once the step budget is spent."""
         ...

@@ -404,12 +404,18 @@ class SwarmLoop:
             logger.warning("no download was good enough to join the swarm at step %d (%s); continuing from step %d",
                            judgement.reference, _reasons(outcome.refused), self.trainer.step)
             return
-        step = self._step_now(outcome.step, epoch, refused)
+        step = self._step_now(outcome.step, epoch, refused, "the downloads were checked")
         await self.trainer.load_tensors(outcome.tensors)
         await self.trainer.start_from_download(step)
         self.peer.set_tensors(outcome.tensors, step=step, moved=False)
         self.must_download = False
         await self.algorithm.adopt_download([r for r in judgement.candidates if r.peer_id in outcome.vouchers()])
+        # what the algorithm fetched there (DiLoCo's momentum) took a while too: the swarm's step again
+        later = self._step_now(step, epoch, refused, "the outer state was fetched")
+        if later > step:
+            await self.trainer.start_from_download(later)
+            self.peer.step = later
+            await self.algorithm.moved_to(later)
         self.peer.round = last_round_at(self.trainer.step, self.recipe)
         self.status.started_from = outcome.describe()
         self.status.step = self.trainer.step
@@ -463,16 +469,19 @@ class SwarmLoop:
                 await reporter
         return judgement, refused, outcome
 
-    def _step_now(self, downloaded: int, epoch: float | None, refused: Mapping[str, str] | None = None) -> int:
+    def _step_now(self, downloaded: int, epoch: float | None, refused: Mapping[str, str] | None = None,
+                  meanwhile: str = "the downloads were checked") -> int:
         """The step to continue from after a download made at step `downloaded`: the swarm trained on
-        while the downloads were checked (several evaluations), and a joiner left that far behind would
-        find its neighbours' rounds stale. The view's claims now, judged as before, move it forward."""
+        while the downloads were checked (several evaluations) and while the algorithm fetched its outer
+        state (DiLoCo's momentum), and a joiner left that far behind would find its neighbours' rounds
+        stale and catch up again, for ever if a catch-up takes longer than the swarm needs to move that
+        far. The view's claims now, judged as before, move it forward."""
         plausible = plausible_steps(epoch, time.time()) if epoch is not None else None
         now = judge_steps(self.discovery.view(), self.peer.peer_id, downloaded, 0, self.recipe.steps, plausible,
                           refused=refused)
         if now is None or not now.candidates or now.reference <= downloaded:
             return downloaded
-        logger.info("the swarm moved on from step %d to %d while the downloads were checked", downloaded, now.reference)
+        logger.info("the swarm moved on from step %d to %d while %s", downloaded, now.reference, meanwhile)
         return now.reference
 
     async def _rejoin_if_left_behind(self) -> None:

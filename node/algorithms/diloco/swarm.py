@@ -130,6 +130,9 @@ class DilocoAlgorithm:
         logger.info("continuing from the downloaded anchor with %s", f"the outer momentum of {len(momenta)} of "
                     f"{min(len(sources), MOMENTUM_SOURCES)} sources" if momenta else "no outer momentum")
 
+    async def moved_to(self, step: int) -> None:
+        self.diloco.place_rounds()
+
     async def step(self, plan_for: PlanFor) -> StepReport:
         async def plan_fragment(fragment: int, round_index: int) -> PeerRound:
             """A fragment's k-th sync is gossip round k over the current view (every fragment the same graph)."""

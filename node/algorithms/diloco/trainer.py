@@ -163,13 +163,6 @@ class DilocoTrainer:
         if self._start is not None:
             self._start = dict(self._anchor)
 
-    def _place_rounds(self) -> None:
-        """Each fragment's round is its latest sync at the current step, so it answers its neighbours'
-        next round (a fresh, resumed or downloaded node alike)."""
-        count = self.trainer.step
-        for p, group in enumerate(self._groups):
-            group.place(count, self.schedule.last_sync(p, count))
-
     def _momentum_tensors(self) -> dict[str, np.ndarray]:
         return {n: (b if (b := self._outer.buffer(n)) is not None else np.zeros_like(a)) for n, a in self._anchor.items()}
 
@@ -364,7 +357,15 @@ class DilocoTrainer:
         self._outer.load_state(momentum or {})
         for group in self._groups:
             group.reset_residuals()
-        self._place_rounds()
+        self.place_rounds()
+
+    def place_rounds(self) -> None:
+        """Each fragment's round is its latest sync at the trainer's step, so it answers its neighbours'
+        next round (a fresh, resumed or downloaded node alike, and one whose step a catch-up moved on); the
+        anchors and momentum are served at that step."""
+        count = self.trainer.step
+        for p, group in enumerate(self._groups):
+            group.place(count, self.schedule.last_sync(p, count))
         self._publish()
 
     def state(self) -> dict[str, np.ndarray]:

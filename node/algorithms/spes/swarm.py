@@ -208,6 +208,9 @@ class SpesAlgorithm:
     async def adopt_download(self, sources: Sequence[SwarmRecord]) -> None:
         pass
 
+    async def moved_to(self, step: int) -> None:
+        pass
+
     async def publish_final(self) -> None:
         self.peer.set_tensors(await self.trainer.tensors(), step=self.trainer.step)
 
