@@ -26,8 +26,15 @@ MODEL = Path(__file__).parent / "data" / "llama-21m"  # 21,439,872 parameters in
 PARAMETERS = 21_439_872
 RATE_MBIT = 100
 H = 5  # inner steps per outer sync: a sync every few seconds of compute, so the run sees several
+# A node more than max_staleness x H steps behind its neighbours finds their rounds stale and catches up
+# again (DiLoCo's laggard rule). A catch-up here (the download, the checks' evaluations of the own model
+# and the copy, the momentum) takes tens of seconds on loaded cores, over which the pair trains 20-40
+# steps: with the default bound of 2 x 5 steps a joiner on a loaded machine caught up again and again and
+# never synced (a CI run). The README's H=100 gives 200 steps; 6 x 5 = 30 gives the joiner that room here.
+STALENESS = 6
 RECIPE = ["--model", f"hf:{MODEL}", "--optimizer", "diloco", "--local-steps", str(H), "--codec", "int8", "--overlap",
-          "--batch-size", "1", "--context", "32", "--min-peers", "2", "--topology", "one-peer-exp"]
+          "--max-staleness", str(STALENESS), "--batch-size", "1", "--context", "32", "--min-peers", "2",
+          "--topology", "one-peer-exp"]
 NODE = ["--threads", "1", "--heartbeat", "1", "--eval-every", "100000", "--checkpoint-every", "100000",
         "--monitor-port", "0", "--log-level", "info"]
 SYNCS_AFTER_JOIN = 2
