@@ -9,6 +9,7 @@ and the payload's goodput against a raw p2pd stream of the same bytes between th
 in the same command.
 
 Run from the repository root: .venv/bin/python -m bench.bench_scale [--params 1e9] [--codec int8] [--rounds 2]
+[--baseline] (--baseline: the same pair again, keeping past round inputs in float32, in the same command)
 (1e9 parameters need about 2 x (4 GB + 3 payloads) of free memory.)
 """
 
@@ -83,7 +84,11 @@ async def node_role(spec: dict) -> None:
                                     exchange_timeout_s=spec["exchange_timeout_s"])
         tensors = _parameters(spec["params"], seed=index)
         payload = message_nbytes({n: (t.shape, t.dtype) for n, t in tensors.items()}, get_codec(codec))
-        peer = GossipPeer(transport, settings, tensors)
+        peer_type: type[GossipPeer] = GossipPeer
+        if spec.get("float_inputs"):
+            from bench.bench_exchange import _FloatInputsPeer
+            peer_type = _FloatInputsPeer
+        peer = peer_type(transport, settings, tensors)
         await peer.start()
         raw = np.zeros(payload // 4 + 1, np.float32)
         await transport.serve(RAW_PROTOCOL, raw_server(raw))
@@ -115,12 +120,13 @@ async def node_role(spec: dict) -> None:
         await asyncio.to_thread(_wait_for_file, workdir / "stop.json", ROUND_TIMEOUT_S)
 
 
-def run_pair(params: int, codec: str, rounds: int, exchange_timeout_s: float, workdir: Path) -> list[dict]:
+def run_pair(params: int, codec: str, rounds: int, exchange_timeout_s: float, workdir: Path,
+             float_inputs: bool = False) -> list[dict]:
     from node.net.proc import popen
 
     workdir.mkdir(parents=True)
     spec = {"workdir": str(workdir), "codec": codec, "params": params, "rounds": rounds,
-            "exchange_timeout_s": exchange_timeout_s}
+            "exchange_timeout_s": exchange_timeout_s, "float_inputs": float_inputs}
     children: list[subprocess.Popen] = []
     try:
         for i in range(2):
@@ -173,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="symmetric rounds (default 2)")
     parser.add_argument("--exchange-timeout", type=float, default=600.0,
                         help="each node's --exchange-timeout in seconds (default 600)")
+    parser.add_argument("--baseline", action="store_true",
+                        help="run the pair again with each peer keeping its past round inputs in float32 (murmur "
+                             "before it kept them in the wire codec), in the same command")
     parser.add_argument("--role", choices=("node",), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -185,7 +194,14 @@ def main(argv: list[str] | None = None) -> int:
           f"load average {os.getloadavg()[0]:.1f} at start\n", flush=True)
     with tempfile.TemporaryDirectory(prefix="murmur-scale-") as tmp:
         reports = run_pair(params, args.codec, args.rounds, args.exchange_timeout, Path(tmp) / "pair")
-    print("\n".join(report(params, args.codec, reports)))
+        print("\n".join(report(params, args.codec, reports)), flush=True)
+        if args.baseline:
+            base = run_pair(params, args.codec, args.rounds, args.exchange_timeout, Path(tmp) / "baseline", True)
+            print("\nbaseline: past round inputs kept in float32\n\n" + "\n".join(report(params, args.codec, base)))
+            beyond = [max(0, r["peak"] - r["baseline"]) for r in reports]
+            before = [max(0, r["peak"] - r["baseline"]) for r in base]
+            print("\npeak beyond set-up / the baseline's, per node: "
+                  + ", ".join(f"{a / b:.2f}" for a, b in zip(beyond, before, strict=True)))
     return 0
 
 
