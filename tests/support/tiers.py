@@ -21,6 +21,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     rank: dict[str, tuple[int, int]] = {}
     for index, item in enumerate(items):
         heaviest = min((_RANK[m.name] for m in item.iter_markers() if m.name in _RANK), default=len(_RANK))
+        if item.get_closest_marker("run_last") is not None:  # its load would skew the other node files' timing
+            heaviest = len(_RANK) + 1
         was = rank.setdefault(item.path.as_posix(), (heaviest, index))
         rank[item.path.as_posix()] = (min(was[0], heaviest), was[1])
     items.sort(key=lambda item: rank[item.path.as_posix()])
