@@ -96,7 +96,7 @@ async def start_source(peer: GossipPeer) -> None:
     await peer.run_round(0, PeerRound(self_weight=1.0, in_weights={}, out_peers=()))
 
 
-class _FloatInputsPeer(GossipPeer):
+class FloatInputsPeer(GossipPeer):
     """The baseline of part 4: a peer that keeps its past round inputs in float32, as murmur did."""
 
     async def _keep_past_inputs_encoded(self, round_index: int) -> None:
@@ -746,7 +746,7 @@ def main(argv: list[str] | None = None) -> int:
                      "copies | round s alone (baseline, median) | round s alone (median) |",
                      "|---|---:|---:|---:|---:|---:|---:|"]
             for codec in ("int8", "bf16"):
-                base_held, base_s = _run_async(lambda: kept_inputs(args.inputs_mib, codec, rounds, _FloatInputsPeer))
+                base_held, base_s = _run_async(lambda: kept_inputs(args.inputs_mib, codec, rounds, FloatInputsPeer))
                 held, times = _run_async(lambda: kept_inputs(args.inputs_mib, codec, rounds, GossipPeer))
                 lines.append(f"| {codec} | {base_held / 2**20:.0f} | {held / 2**20:.0f} | {held / base_held:.2f}x | "
                              f"{(base_held - held) / (2 * model):.2f} | "

@@ -86,8 +86,8 @@ async def node_role(spec: dict) -> None:
         payload = message_nbytes({n: (t.shape, t.dtype) for n, t in tensors.items()}, get_codec(codec))
         peer_type: type[GossipPeer] = GossipPeer
         if spec.get("float_inputs"):
-            from bench.bench_exchange import _FloatInputsPeer
-            peer_type = _FloatInputsPeer
+            from bench.bench_exchange import FloatInputsPeer
+            peer_type = FloatInputsPeer
         peer = peer_type(transport, settings, tensors)
         await peer.start()
         raw = np.zeros(payload // 4 + 1, np.float32)

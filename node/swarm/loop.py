@@ -469,8 +469,8 @@ class SwarmLoop:
                 await reporter
         return judgement, refused, outcome
 
-    def _step_now(self, downloaded: int, epoch: float | None, refused: Mapping[str, str] | None = None,
-                  meanwhile: str = "the downloads were checked") -> int:
+    def _step_now(self, downloaded: int, epoch: float | None, refused: Mapping[str, str] | None,
+                  meanwhile: str) -> int:
         """The step to continue from after a download made at step `downloaded`: the swarm trained on
         while the downloads were checked (several evaluations) and while the algorithm fetched its outer
         state (DiLoCo's momentum), and a joiner left that far behind would find its neighbours' rounds
