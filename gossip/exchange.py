@@ -48,7 +48,7 @@ from gossip.choco import ChocoState, Desync, Outgoing
 from gossip.codecs import STATE_CODECS, Codec, Fp32Codec, get_codec
 from gossip.errors import BadSchema, ManifestMismatch, Truncated, WireError
 from gossip.limits import DEFAULT_INCOMING, CountPerKey, IncomingLimits, PeerBuckets
-from gossip.mixing import IncrementalMix, MixingKind, MixingRule, effective_weights
+from gossip.mixing import IncrementalMix, MixingKind, MixingRule, effective_weights, token_weights
 from gossip.pace import DEFAULT_PACE, TransferPace, TransferProgress, TransferStalled, measured_goodput
 from gossip.robust import ClipSettings, Mixer, ValueBound
 from gossip.stream import Accounting, Frames, IncomingMessage, MessageStream, TensorsUnsendable
@@ -91,6 +91,11 @@ CODEC = "codec"
 # peer replies as it reads the request, so a symmetric exchange takes one transfer's time, not two (an
 # asker without the flag writes its whole request before it reads, and is answered after it)
 DUPLEX = "duplex"
+# meta of a round's values (an exchange request, its reply, a round pull's answer): the share of a full
+# contribution they cover, in (0, 1] (gossip DiLoCo: the inner steps a node trained in its phase over the
+# phase's steps, when it passed over the rest to keep the swarm's wall-clock cadence). The round then
+# weighs each value by it (gossip.mixing.token_weights); without it, 1 (a full phase, or an older peer).
+SHARE = "share"
 # The codec of that answer, whatever codec the rounds use: a joiner, a node catching up, the swarm
 # average and the final merge take an exact copy of the parameters, not the round codec's lossy image
 # (as DiLoCo's and compressed gossip's main peers, whose settings codec is fp32, always did). Every
@@ -206,6 +211,7 @@ class _Received:
     step: int
     tensors: dict[str, np.ndarray]
     sent: Outgoing | None = None  # compressed gossip: what we sent on this exchange
+    share: float = 1.0  # of a full contribution, as its header's SHARE claimed (checked: in (0, 1])
 
 
 @dataclass
@@ -311,6 +317,9 @@ class GossipPeer:
         # current round's as arrays (the round mixes them), earlier ones in the codec's wire bytes where
         # those are smaller (_keep_past_inputs_encoded); compressed gossip answers no past round, keeps none
         self._round_inputs: dict[int, Tensors | EncodedTensors] = {}
+        # round -> the share of a full contribution our input to it covers (SHARE), where it is not 1
+        self._round_shares: dict[int, float] = {}
+        self._share = 1.0
         # (partner, round) -> where the round in progress waits for that partner's exchange request
         self._partner_slots: dict[tuple[str, int], _PartnerSlot] = {}
         # sender -> the latest round of its exchange requests: a peer asks for round r only after it
@@ -358,6 +367,17 @@ class GossipPeer:
         if step is not None:
             self.step = step
 
+    @property
+    def share(self) -> float:
+        """The share of a full contribution that our input to the next round covers (SHARE)."""
+        return self._share
+
+    @share.setter
+    def share(self, value: float) -> None:
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"a round's share of a full contribution is in (0, 1], got {value!r}")
+        self._share = float(value)
+
     async def start(self) -> None:
         await self._transport.serve(self._protocol, self._serve)
 
@@ -375,6 +395,9 @@ class GossipPeer:
             self._begun = round_index
             self._round_inputs = {r: t for r, t in self._round_inputs.items() if oldest_kept <= r < round_index}
             self._round_inputs[round_index] = own_snapshot
+            self._round_shares = {r: s for r, s in self._round_shares.items() if oldest_kept <= r < round_index}
+            if self._share != 1.0:
+                self._round_shares[round_index] = self._share
             self._partner_slots = {(peer, round_index): _PartnerSlot() for peer in awaited}
             self._latest_request = {p: r for p, r in self._latest_request.items() if r > round_index}
             bound = max(1, self._settings.max_staleness)
@@ -456,6 +479,9 @@ class GossipPeer:
             for peer in [p for p in received if p not in plan.in_weights]:
                 skip(peer, Skip.EXCLUDED)
                 del received[peer]
+        own_share = self._round_shares.get(round_index, 1.0)
+        if self._choco is None and (own_share != 1.0 or any(r.share != 1.0 for r in received.values())):
+            plan, running = _share_weighted(plan, own_share, {p: r.share for p, r in received.items()}), None
         mixed = running.result() if running is not None and received.keys() == set(plan.in_weights) else None
         clipped: tuple[str, ...] = ()
         if self._choco is not None:
@@ -730,7 +756,8 @@ class GossipPeer:
                 sent, codec = outgoing.wire, self._choco.settings.codec
                 frames = self._frames(sent, round_index, kind, self._choco.meta(outgoing.count), codec=codec)
             else:
-                frames = self._frames(sent, round_index, kind, {**(meta or {}), DUPLEX: True} if duplex else meta)
+                shared = {**(meta or {}), **self._share_meta(round_index)} if kind == EXCHANGE else meta
+                frames = self._frames(sent, round_index, kind, {**(shared or {}), DUPLEX: True} if duplex else shared)
 
             async def read_reply(bound: asyncio.Timeout, at_least: float) -> Message:
                 incoming = await self._read_reply_header(stream, pace.stall_timeout_s, None, on_values)
@@ -740,6 +767,7 @@ class GossipPeer:
                 if header.kind != REPLY:
                     raise BadSchema(f"expected a reply, got a {header.kind!r} message")
                 _check_manifest(header, self._specs)
+                _share_of(header)
                 # the size is known: the payload gets as long as it needs at the pace, never less than before
                 paced = loop.time() + pace.whole_s(header.payload_nbytes, self._goodput(peer))
                 bound.reschedule(max(deadline, paced, at_least))
@@ -780,7 +808,7 @@ class GossipPeer:
                 # Closing first could make p2pd reset the stream before the ack has left.
                 await stream.linger(self._settings.exchange_timeout_s)
             self.stats.exchanges_ok += 1
-            return _Received(reply.header.round, reply.header.step, reply.tensors, outgoing)
+            return _Received(reply.header.round, reply.header.step, reply.tensors, outgoing, _share_of(reply.header))
         finally:
             await stream.close()
 
@@ -816,6 +844,7 @@ class GossipPeer:
             kind = header.kind
             if kind == EXCHANGE:
                 _check_manifest(header, self._specs)
+                _share_of(header)
                 refused = await self._answer_exchange(stream, request, deadline)
                 if refused is None:
                     return  # the asker hangs up only after we do (see _request)
@@ -890,7 +919,8 @@ class GossipPeer:
         uploading = header.meta.get(CURRENT) is True
         self._uploads += uploading
         try:
-            replied = await self._send_paced(stream, self._frames(*answer, REPLY, codec=codec), nbytes)
+            meta = {} if uploading else self._share_meta(answer[1])
+            replied = await self._send_paced(stream, self._frames(*answer, REPLY, meta, codec=codec), nbytes)
         finally:
             self._uploads -= uploading
         self.stats.exchanges_ok += 1
@@ -939,7 +969,7 @@ class GossipPeer:
                                       codec=self._choco.settings.codec)
                 reply_nbytes = message_nbytes(outgoing.wire, self._choco.settings.codec)
             else:
-                frames = self._frames(inputs, round_index, REPLY)
+                frames = self._frames(inputs, round_index, REPLY, self._share_meta(round_index))
                 reply_nbytes = message_nbytes(inputs, self._settings.codec)
             # Each phase is paced by its size (gossip.pace), never shorter than the exchange deadline:
             # the request's payload at the goodput measured from the asker, our reply at the floor.
@@ -980,7 +1010,7 @@ class GossipPeer:
             if ack.header.kind != ACK or ack.header.round != round_index or ack.header.manifest:
                 raise BadSchema(f"expected the ack of round {round_index}, got a {ack.header.kind!r} message "
                                 f"of round {ack.header.round}")
-            received = _Received(round_index, message.header.step, message.tensors, outgoing)
+            received = _Received(round_index, message.header.step, message.tensors, outgoing, _share_of(message.header))
             self.stats.exchanges_ok += 1
         except (ConnectionError, Truncated) as exc:
             # The asker hung up without an ack: it does not mix ours either, and may ask again on a new
@@ -1077,6 +1107,11 @@ class GossipPeer:
         began = self._round_inputs.get(round_index)
         return (began, round_index) if began is not None else (self._tensors, self.round)
 
+    def _share_meta(self, round_index: int) -> dict[str, MetaValue]:
+        """SHARE for our input to `round_index`, where it is not a full contribution."""
+        share = self._round_shares.get(round_index)
+        return {SHARE: share} if share is not None else {}
+
     async def _try_reject(self, stream: MessageStream, reason: str) -> None:
         await stream.try_reject(lambda: self._frames({}, None, REJECT, meta={"error": reason}),
                                 min(1.0, self._settings.exchange_timeout_s))
@@ -1135,6 +1170,23 @@ def _weighed(plan: PeerRound, factors: Mapping[str, float],
     moved = sum(w * (1.0 - scaled[p]) for p, w in plan.in_weights.items())
     weights = {p: w * scaled[p] for p, w in plan.in_weights.items()}
     return PeerRound(plan.self_weight + moved, weights, plan.out_peers), None
+
+
+def _share_weighted(plan: PeerRound, own_share: float, shares: Mapping[str, float]) -> PeerRound:
+    """The round's plan over the neighbours whose values arrived (`shares`; the weights of the rest
+    moved onto our own value), each value weighed by the share of a full contribution it covers
+    (gossip.mixing.token_weights)."""
+    self_weight, weights = effective_weights(plan.self_weight, plan.in_weights, shares.keys())
+    self_weight, weights = token_weights(self_weight, weights, shares, own_share)
+    return PeerRound(self_weight, weights, plan.out_peers)
+
+
+def _share_of(header: Header) -> float:
+    """The SHARE a round's message claims (1 without one); BadSchema unless a number in (0, 1]."""
+    share = header.meta.get(SHARE, 1.0)
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 < share <= 1.0:  # NaN fails it too
+        raise BadSchema(f"a message's {SHARE!r} must be a number in (0, 1], got {share!r}")
+    return float(share)
 
 
 def _check_manifest(header: Header, specs: tuple[TensorSpec, ...]) -> None:

@@ -111,6 +111,20 @@ def effective_weights(
     return (float(self_weight) + missing) / total, kept
 
 
+def token_weights(self_weight: float, in_weights: Mapping[str, float], tokens: Mapping[str, float],
+                  own_tokens: float) -> tuple[float, dict[str, float]]:
+    """A round's mixing weights with each pseudo-gradient weighted by the tokens it covers: w'_ij =
+    w_ij t_j / sum_k w_ik t_k over self and the neighbours in `in_weights` (all of whose tokens must be
+    known). Equal tokens give the weights back; with exact averaging (w = 1/n) the mix is the
+    token-weighted mean sum_j t_j Δ_j / sum_j t_j, the data-parallel gradient of the tokens trained."""
+    if own_tokens < 0 or any(not t >= 0 for t in tokens.values()):
+        raise ValueError("tokens covered must be >= 0")
+    total = self_weight * own_tokens + math.fsum(w * tokens[p] for p, w in in_weights.items())
+    if total <= 0.0:  # nobody trained: the plain weights
+        return self_weight, dict(in_weights)
+    return self_weight * own_tokens / total, {p: w * tokens[p] / total for p, w in in_weights.items()}
+
+
 def mix(
     own: np.ndarray,
     received: Mapping[str, np.ndarray],

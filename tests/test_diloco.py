@@ -459,6 +459,82 @@ def test_two_nodes_take_the_outer_step_of_an_independent_computation(corpus: Cor
     asyncio.run(main())
 
 
+class _StepClock:
+    """A node's clock in a test: it moves only when the node trains a step, by that node's step time."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def slow(self, trainer: Trainer, step_s: float) -> Trainer:
+        train = trainer.train_step
+
+        async def train_step():
+            stats = await train()
+            self.now += step_s
+            return stats
+
+        trainer.train_step = train_step  # type: ignore[method-assign]
+        return trainer
+
+
+def test_a_slower_node_passes_over_the_rest_of_its_wall_clock_phase_and_counts_by_what_it_trained(
+        corpus: Corpus) -> None:
+    """Wall-clock phases (phase_seconds 3 s for H = 3): node a takes 1 s a step and trains all 3 of each phase;
+    node b takes 3 s (3x slower), so after its first step the phase's budget is spent and it passes over the
+    other two. Both sync at step 3 and 6, and each mixes the pseudo-gradients weighed by the steps they
+    trained (1 and 1/3 of the phase: 0.75 and 0.25 of the mix on both nodes), against trainers run apart (b
+    trains the steps it trained, at the same step counts) and the outer step recomputed in numpy."""
+    H, phases = 3, 2
+    optimizer = OptimizerConfig(algorithm="diloco", lr=3e-3, local_steps=H)
+    config = DilocoConfig(outer_lr=0.7, outer_momentum=0.9, anchor_codec="fp32", outer_warmup=0,
+                          phase_seconds=3.0)
+    ids, step_s = ["peer-a", "peer-b"], [1.0, 3.0]
+
+    async def main() -> None:
+        net = InMemoryNetwork()
+        settings = ExchangeSettings(swarm="test", config_hash="c0ffee", codec=get_codec("fp32"),
+                                    exchange_timeout_s=30.0)
+        nodes = []
+        for pid, seconds in zip(ids, step_s, strict=True):
+            clock = _StepClock()
+            node = DilocoTrainer(clock.slow(make_trainer(corpus, optimizer, pid), seconds), net.transport(pid),
+                                 settings, config, SyncSchedule(H, 1, optimizer.schedule.lr_at), clock=clock)
+            await node.start()
+            nodes.append(node)
+        reports = await drive(nodes, H * phases, Lockstep(ids))
+        assert [r.passed for r in reports[0]] == [False] * 6
+        assert [r.passed for r in reports[1]] == [False, True, True] * 2
+        assert nodes[1].stats.steps_passed == 4 and nodes[1].stats.last_share == pytest.approx(1 / 3)
+        assert nodes[0].stats.steps_passed == 0 and nodes[0].stats.last_share == 1.0
+        assert [n.trainer.step for n in nodes] == [6, 6] and [n.stats.outer_steps for n in nodes] == [2, 2]
+
+        apart = [make_trainer(corpus, optimizer, pid) for pid in ids]
+        anchor = {n: v.astype(np.float64) for n, v in (await apart[0].tensors()).items()}
+        momentum: dict = {}
+        for _ in range(phases):
+            for _ in range(H):
+                await apart[0].train_step()
+            await apart[1].train_step()
+            for _ in range(H - 1):
+                await apart[1].pass_step()
+            now = [await t.tensors() for t in apart]
+            mixed = {n: 0.75 * (anchor[n] - now[0][n]) + 0.25 * (anchor[n] - now[1][n]) for n in anchor}
+            numpy_outer(anchor, momentum, mixed, 0.7, 0.9)
+            for t in apart:
+                await t.load_tensors({n: v.astype(np.float32) for n, v in anchor.items()})
+        for node in nodes:
+            for n, expected in anchor.items():
+                np.testing.assert_allclose(node.anchor[n], expected, rtol=2e-4, atol=2e-5, err_msg=n)
+                np.testing.assert_allclose(node.momentum[n], momentum[n], rtol=2e-4, atol=2e-5, err_msg=n)
+        for t in [*apart, *(node.trainer for node in nodes)]:
+            t.close()
+
+    asyncio.run(main())
+
+
 def test_a_restored_node_continues_with_its_anchor_momentum_and_residuals(corpus: Corpus) -> None:
     optimizer = OptimizerConfig(algorithm="diloco", lr=3e-3, local_steps=2)
     config = DilocoConfig(fragments=2, overlap=True)

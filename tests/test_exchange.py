@@ -885,3 +885,60 @@ def test_a_fetch_may_ask_for_a_state_codec_and_gets_its_image_in_its_bytes():
         assert b.stats.errors == {"bad_schema": 3}
 
     asyncio.run(main())
+
+
+# ---- values that cover part of a phase (SHARE) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("topology", ["ring", "static-exp"], ids=["exchange", "pulls"])
+def test_values_that_cover_part_of_a_phase_are_weighed_by_their_share(topology):
+    """a's values (0) cover a quarter of a phase, b's (1) all of it: each side weighs them w_ij s_j / sum_k w_ik s_k
+    (gossip.mixing.token_weights), so both land on 0.5 / 0.625 = 0.8 instead of the plain average 0.5; a
+    round whose shares are all 1 mixes as before."""
+    async def main():
+        net = InMemoryNetwork()
+        a = GossipPeer(net.transport("a"), settings(), {"w": np.zeros(DIM, np.float32)})
+        b = GossipPeer(net.transport("b"), settings(), {"w": np.ones(DIM, np.float32)})
+        for p in (a, b):
+            await p.start()
+        view, topo = MembershipView.of(["a", "b"]), build_topology(topology, 2)
+        a.share = 0.25
+        async with asyncio.TaskGroup() as group:
+            for pid, p in (("a", a), ("b", b)):
+                group.create_task(p.run_round(0, peer_round(topo, view, pid, 0)))
+        np.testing.assert_allclose(a.tensors["w"], 0.8, rtol=1e-6)
+        np.testing.assert_allclose(b.tensors["w"], 0.8, rtol=1e-6)
+        a.share = 1.0
+        b.set_tensors({"w": np.ones(DIM, np.float32)})
+        a.set_tensors({"w": np.zeros(DIM, np.float32)})
+        async with asyncio.TaskGroup() as group:
+            for pid, p in (("a", a), ("b", b)):
+                group.create_task(p.run_round(1, peer_round(topo, view, pid, 1)))
+        np.testing.assert_array_equal(a.tensors["w"], 0.5)
+        with pytest.raises(ValueError):
+            a.share = 0.0
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("bad", [0.0, 1.5, float("nan"), "half", True])
+@pytest.mark.parametrize("hostile", ["a", "b"], ids=["asker", "answerer"])
+def test_a_share_that_is_no_share_of_a_phase_is_refused_and_nothing_is_mixed(bad, hostile):
+    """A peer claiming a SHARE outside (0, 1] (to weigh its values above a full phase's, say): its request,
+    or its reply before the ack, is refused as bad_schema and counted, and the honest side mixes nothing."""
+    from gossip.exchange import SHARE
+
+    async def main():
+        net = InMemoryNetwork()
+        a, b, plan = _two(net, 0.0, 1.0, a_timeout_s=1.0, b_timeout_s=1.0)
+        for p in (a, b):
+            await p.start()
+        liar, honest = (a, b) if hostile == "a" else (b, a)
+        liar._share_meta = lambda round_index: {SHARE: bad}
+        async with asyncio.TaskGroup() as group:
+            group.create_task(a.run_round(0, plan["a"](0)))
+            group.create_task(b.run_round(0, plan["b"](0)))
+        assert honest.stats.errors == {"bad_schema": 1}
+        np.testing.assert_array_equal(honest.tensors["w"], 1.0 if honest is b else 0.0)
+
+    asyncio.run(main())

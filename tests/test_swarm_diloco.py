@@ -2,7 +2,9 @@
 train local SGD with int8 outer exchanges (error feedback) of two fragments;
 their outer exchanges move the bytes the analytic model predicts; a node killed while its outer
 exchange is in flight and a node that joins mid-phase hang no one and corrupt nothing; the final
-merge leaves every node on the same model, within 5% of single-process training at equal tokens."""
+merge leaves every node on the same model, within 5% of single-process training at equal tokens. Two more
+swarms: a volunteer the swarm left behind catches up with it (the laggard rule), and one 3x slower keeps
+the swarm's cadence by wall-clock phases, the swarm beating a node trained alone."""
 
 import asyncio
 import concurrent.futures
@@ -22,7 +24,7 @@ from node.swarm.recipe import optimizer_config
 from node.train.checkpoint import CHECKPOINT_FILE, load_checkpoint
 from node.train.data import load_corpus
 from node.train.trainer import Trainer, TrainerConfig, train_alone
-from support.swarm_harness import Swarm, wait_for
+from support.swarm_harness import MURMUR, Swarm, wait_for
 from support.tiny_model import TINY, build
 from topology import MembershipView, build_topology, peer_round
 
@@ -65,18 +67,19 @@ def final_parameters(data_dir: Path) -> dict[str, np.ndarray]:
     return {k[len("param/"):]: v for k, v in checkpoint.tensors.items() if k.startswith("param/")}
 
 
-def val_loss(data_dir: Path, tensors: dict[str, np.ndarray] | None = None, nodes: int = 1) -> float:
+def val_loss(data_dir: Path, tensors: dict[str, np.ndarray] | None = None, nodes: int = 1, steps: int = STEPS,
+             batch: int = BATCH) -> float:
     """Validation loss of `tensors` as the nodes evaluate it, or without them the baseline's: one process
-    taking STEPS SGD steps of batch nodes * BATCH over the whole corpus with the same schedule."""
+    taking `steps` SGD steps of batch nodes * `batch` over the whole corpus with the same schedule."""
     corpus = load_corpus(None, data_dir)
-    config = TrainerConfig(optimizer=optimizer_config("dsgd", LR, WARMUP, STEPS, 1, 1), batch_size=nodes * BATCH,
+    config = TrainerConfig(optimizer=optimizer_config("dsgd", LR, WARMUP, steps, 1, 1), batch_size=nodes * batch,
                            context=TINY.context, device="cpu", eval_batch_size=EVAL_BATCH_SIZE, eval_batches=EVAL_BATCHES)
 
     async def run() -> float:
         async with Trainer(build(), config, peer_id="baseline", train_tokens=corpus.train, val_tokens=corpus.val) as t:
             if tensors is not None:
                 return await t.evaluate(tensors)
-            await train_alone(t, STEPS)
+            await train_alone(t, steps)
             return await t.evaluate()
 
     return asyncio.run(run())
@@ -264,3 +267,58 @@ def test_a_volunteer_the_swarm_left_behind_skips_ahead_to_the_swarms_phase(swarm
     assert after["step"] >= others - margin - 4 * H, (after["step"], others)
     log = late.stderr()
     assert "catching up with it" in log and "Traceback" not in log, log[-3000:]
+
+
+@pytest.mark.timeout(480)
+def test_a_volunteer_three_times_slower_keeps_the_swarms_cadence_and_the_swarm_beats_training_alone(swarm, tmp_path):
+    """Wall-clock phases (--phase-seconds): four nodes, one of them 3x slower a step (the paced model at 0.3 s
+    a forward pass, the others at 0.1 s). The slow node passes over the rest of each phase once its budget is
+    spent, so it syncs with the swarm every phase with what it trained: every node completes the same outer
+    steps, no round leaves a neighbour out (no timeout: no round waited beyond its grace window; no stale
+    round), its pseudo-gradients count by their share; and the merged model beats one node trained alone
+    for the same steps (the control, in this process with the same recipe). The complete graph (each round
+    the exact average) and H = 5: at 200 steps of this model, what the swarm gains over training alone is
+    the gradient noise the four nodes average away, and sparser mixing keeps too little of it to tell."""
+    torch.set_num_threads(1)
+    # 4 sequences a step: at this size a node's gradient noise is what four nodes together average away
+    # (one process: 2.27 alone, 2.19 with the four nodes' batch, at 200 steps)
+    steps, h, batch = 200, 5, 4
+    alone_run = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    alone_loss = alone_run.submit(val_loss, tmp_path, None, 1, steps, batch)
+    # 0.15 s a step's budget: the fast nodes' steps at 0.1 s a forward pass fit it (with room for a loaded
+    # machine), the slow node's 0.3 s do not: it trains about half of each phase
+    recipe = {**RECIPE, "steps": steps, "local_steps": h, "fragments": 1, "phase_seconds": 0.15 * h,
+              "topology": "complete", "outer_warmup": 0, "batch_size": batch}
+    node = {**NODE, "eval_every": 50, "checkpoint_every": 50}
+    founder = swarm.found(**recipe, **node, min_peers=4)
+    slow_launcher = ("env", "TINY_PACE_S=0.3", str(MURMUR))
+    others = [swarm.spawn(f"n{i}", seed=i, join=founder, **node, **JOINER, min_peers=4,
+                          launcher=slow_launcher if i == 3 else (str(MURMUR),)) for i in range(1, 4)]
+    swarm.wait_ready(others)
+    everyone, slow = [founder, *others], others[2]
+    wait_for(lambda: all(training(n)["done"] for n in everyone), 360, "every node to finish and merge")
+    statuses = {n.name: training(n) for n in everyone}
+    phases = steps // h
+    for name, t in statuses.items():
+        d = t["diloco"]
+        # every phase synced (the last one in the foreground), none cut short for a neighbour
+        assert t["step"] == steps and d["outer_step"] == phases and d["exchanges_failed"] == 0, (name, d)
+        assert not {"timeout", "stale"} & set(d["skipped"]), (name, d["skipped"])
+        assert len(t["final_merge"]["peers"]) == 4, (name, t["final_merge"])
+    slow_diloco = statuses[slow.name]["diloco"]
+    # the slow node trained about half of each phase (0.75 s of 1.5 s): it passed at least a fifth of its
+    # steps on any machine, and trained at least one step of each phase
+    assert steps * 0.2 <= slow_diloco["steps_passed"] <= steps * (1 - 1 / h), slow_diloco
+    assert slow_diloco["last_share"] < 1.0, slow_diloco
+    fast_passed = [statuses[n.name]["diloco"]["steps_passed"] for n in everyone if n is not slow]
+    assert max(fast_passed) < slow_diloco["steps_passed"], (fast_passed, slow_diloco)
+    assert swarm.stop_all(everyone) == [0] * len(everyone)
+    finals = [final_parameters(n.data_dir) for n in everyone]
+    for other in finals[1:]:
+        for name, values in finals[0].items():
+            np.testing.assert_allclose(other[name], values, rtol=1e-5, atol=1e-6, err_msg=name)
+    swarm_loss, alone = val_loss(tmp_path, finals[0]), alone_loss.result(timeout=300)
+    alone_run.shutdown()
+    assert swarm_loss < alone, f"swarm {swarm_loss:.4f} vs one node alone {alone:.4f}"
+    print(f"swarm {swarm_loss:.4f}, alone {alone:.4f}, slow node passed {slow_diloco['steps_passed']} of {steps}, "
+          f"fast nodes {fast_passed}", file=sys.stderr)

@@ -3,7 +3,7 @@
 The shared knobs (`config`), the outer Nesterov step (`outer`), the split of the model into streamed
 fragments (`fragments`), when each fragment syncs (`schedule`, with the outer warm-up and the quadratic
 synchronisation rule), the analytic traffic (`traffic`) and volunteers of unequal speed (`unequal`: the
-learned grace window, token weights).
+learned grace window; the token weights are the mix's, gossip.mixing.token_weights).
 
 `node/algorithms/diloco/trainer.py` runs these over a trainer and one gossip peer per fragment;
 docs/training.md ("Gossip DiLoCo") explains the scheme.
@@ -22,8 +22,9 @@ from gossip.diloco.fragments import fragment_partition
 from gossip.diloco.outer import OuterNesterov
 from gossip.diloco.schedule import MAX_PHASE, SyncSchedule, qsr_period, warmup_period
 from gossip.diloco.traffic import RoundMessages, Traffic, round_bytes, run_bytes
-from gossip.diloco.unequal import ArrivalWindow, grace_window, token_weights
+from gossip.diloco.unequal import ArrivalWindow, grace_window
 from gossip.knobs import DILOCO_LOCAL_STEPS, MAX_OUTER_LR
+from gossip.mixing import token_weights
 
 __all__ = [
     "ANCHOR_CODECS",

@@ -23,6 +23,7 @@ MAX_FRAGMENTS = 64
 MAX_QSR_ALPHA = 1e3
 MAX_ANCHOR_EVERY = 10**6
 MAX_OUTER_WARMUP = 1000
+MAX_PHASE_SECONDS = 7 * 86400.0
 
 
 class DilocoSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -72,6 +73,13 @@ class DilocoSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
         "ceil(H (k + 1) / (W + 1)) steps (at least --fragments), as DiLoCo's papers sync often early; 0: "
         "every phase H (the swarm's)",
     )] = 4
+    phase_seconds: Annotated[float, msgspec.Meta(
+        ge=0.0, le=MAX_PHASE_SECONDS, extra={"metavar": "SECONDS"},
+        description="diloco: wall-clock phases - a node that has not reached a sync point within SECONDS x "
+        "(its steps since the last one) / --local-steps passes over the inner steps left before it, so "
+        "volunteers of unequal speed keep one cadence, and each pseudo-gradient is weighed by the inner steps "
+        "it trained; about H times the fastest nodes' step time; 0: every node trains every step (the swarm's)",
+    )] = 0.0
     # the document caps the period (MAX_ANCHOR_EVERY); a node's own setting does not
     anchor_every: Annotated[int, msgspec.Meta(
         ge=0, le=MAX_ANCHOR_EVERY, extra={"setting_bounds": {"le": None}},
@@ -112,6 +120,10 @@ class DilocoConfig:
       synchronisation rule H = max(H_base, floor((alpha / lr)^2)) (after the warm-up).
     - `outer_warmup`: W; phase k < W lasts ceil(H (k + 1) / (W + 1)) steps (at least P), so the
       swarm syncs often while the models move fast, then every H (gossip.diloco.schedule).
+    - `phase_seconds`: S > 0 makes phases wall-clock: a node whose inner steps since its last sync point
+      took S x (steps to the next one) / H passes over the steps left before it (they advance the step
+      count without training), so a slower volunteer syncs when the swarm does with what it trained,
+      its pseudo-gradient weighed by its share of the phase's steps; 0: every step is trained.
     - `anchor_every`: every this many syncs of a fragment its anchors are mixed with the same
       neighbours too (a state, in `anchor_codec`, never top-k): mixing pseudo-gradients alone keeps
       the swarm's mean on DiLoCo's path but lets each node's anchor drift with its own data; 0: never.
@@ -126,6 +138,7 @@ class DilocoConfig:
     overlap: bool = _SETTINGS.overlap
     qsr_alpha: float = _SETTINGS.qsr_alpha
     outer_warmup: int = _SETTINGS.outer_warmup
+    phase_seconds: float = _SETTINGS.phase_seconds
     anchor_every: int = _SETTINGS.anchor_every
     anchor_codec: str = _SETTINGS.anchor_codec
     inner: str = _SETTINGS.inner  # the inner optimizer: "adam" (AdamW, DiLoCo's) or "sgd" (local SGD)

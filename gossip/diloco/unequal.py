@@ -1,11 +1,12 @@
 """Volunteers of unequal speed in gossip DiLoCo: how long a round waits for its neighbours (a grace window
-learned from arrival times) and how pseudo-gradients covering unequal numbers of tokens are weighted."""
+learned from arrival times). How pseudo-gradients covering unequal numbers of tokens are weighted is the
+mix's (gossip.mixing.token_weights)."""
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -62,18 +63,4 @@ class ArrivalWindow:
         return grace_window(self._delays, k=self.k, lo=self.lo, hi=self.hi)
 
 
-def token_weights(self_weight: float, in_weights: Mapping[str, float], tokens: Mapping[str, float],
-                  own_tokens: float) -> tuple[float, dict[str, float]]:
-    """A round's mixing weights with each pseudo-gradient weighted by the tokens it covers: w'_ij =
-    w_ij t_j / sum_k w_ik t_k over self and the neighbours in `in_weights` (all of whose tokens must be
-    known). Equal tokens give the weights back; with exact averaging (w = 1/n) the mix is the
-    token-weighted mean sum_j t_j Δ_j / sum_j t_j, the data-parallel gradient of the tokens trained."""
-    if own_tokens < 0 or any(not t >= 0 for t in tokens.values()):
-        raise ValueError("tokens covered must be >= 0")
-    total = self_weight * own_tokens + math.fsum(w * tokens[p] for p, w in in_weights.items())
-    if total <= 0.0:  # nobody trained: the plain weights
-        return self_weight, dict(in_weights)
-    return self_weight * own_tokens / total, {p: w * tokens[p] / total for p, w in in_weights.items()}
-
-
-__all__ = ["GRACE_K", "GRACE_MIN_SAMPLES", "GRACE_SAMPLES", "ArrivalWindow", "grace_window", "token_weights"]
+__all__ = ["GRACE_K", "GRACE_MIN_SAMPLES", "GRACE_SAMPLES", "ArrivalWindow", "grace_window"]

@@ -85,11 +85,14 @@ class OuterGroup:
         return self._anchor_every > 0 and (round_index + 1) % self._anchor_every == 0
 
     async def exchange(self, round_index: int, delta: Mapping[str, np.ndarray], step: int,
-                       plan_for: Callable[[], Awaitable[PeerRound]]) -> GroupSync:
+                       plan_for: Callable[[], Awaitable[PeerRound]], *, share: float = 1.0) -> GroupSync:
         """Compress and offer this round's values, run the round(s) with the plan `plan_for()` awaits;
-        the peers then hold the mixes (see `land`)."""
+        the peers then hold the mixes (see `land`). `share`: of a full phase's inner steps, those `delta`
+        covers; the round weighs each pseudo-gradient by its own (gossip.exchange.SHARE), not the anchors."""
         assert self.peer is not None and self.anchor_peer is not None, "start() first"
         anchors = self.mixes_anchors(round_index)
+        # a fused sync mixes A - Δ: with one anchor, weighing those is weighing the Δ
+        self.peer.share, self.anchor_peer.share = share, share if anchors and self.fused else 1.0
         if self.arrivals is not None:
             window = self.arrivals.window()
             for peer in self.peers:

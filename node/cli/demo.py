@@ -408,8 +408,8 @@ DEMO_FLAG_TEXT = {
 # recipe settings `murmur demo` passes through to its founder
 DEMO_RECIPE_KEYS = ("gossip.codec", "gossip.topk_ratio", "gossip.topk_packed", "gossip.topk_elias_fano",
                     "training.local_steps", "training.fragments", "training.overlap", "training.outer_lr", "training.outer_momentum",
-                    "training.qsr_alpha", "training.anchor_every", "training.anchor_codec",
-                    "training.inner_optimizer", "training.final_merge", "training.spes_sync_every")
+                    "training.qsr_alpha", "training.phase_seconds", "training.anchor_every",
+                    "training.anchor_codec", "training.inner_optimizer", "training.final_merge", "training.spes_sync_every")
 
 
 def _run_demo(args: argparse.Namespace) -> int:

@@ -222,8 +222,8 @@ def _check_compression(current: Callable[[str], object], source: Callable[[str],
 
 
 DILOCO_ONLY = ("training.outer_lr", "training.outer_momentum", "training.fragments", "training.overlap",
-               "training.qsr_alpha", "training.outer_warmup", "training.anchor_every", "training.anchor_codec",
-               "training.inner_optimizer")
+               "training.qsr_alpha", "training.outer_warmup", "training.phase_seconds", "training.anchor_every",
+               "training.anchor_codec", "training.inner_optimizer")
 
 
 def _check_codec(current: Callable[[str], object], source: Callable[[str], str], broken: Collection[Rule]) -> None:

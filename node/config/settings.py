@@ -142,6 +142,7 @@ class TrainingConfig:
     overlap: bool = _DILOCO.overlap
     qsr_alpha: float = _DILOCO.qsr_alpha  # 0: constant H
     outer_warmup: int = _DILOCO.outer_warmup  # W: the first W phases ramp up to H
+    phase_seconds: float = _DILOCO.phase_seconds  # S: wall-clock phases; 0: every step trained
     anchor_every: int = _DILOCO.anchor_every  # mix anchors at every this-many-th sync; 0: never
     anchor_codec: str = _DILOCO.anchor_codec
     inner_optimizer: str = _DILOCO.inner  # adam (AdamW, DiLoCo's) or sgd

@@ -48,7 +48,8 @@ def training_recipe(config: NodeConfig) -> TrainingRecipe | None:
                       shared_codec=t.spes_shared_codec, delta_refresh=t.spes_delta_refresh, outer_lr=t.spes_outer_lr,
                       outer_momentum=t.spes_outer_momentum, anchor_every=t.spes_anchor_every) if t.spes else None
     diloco = DilocoConfig(outer_lr=t.outer_lr, outer_momentum=t.outer_momentum, fragments=t.fragments,
-                          overlap=t.overlap, qsr_alpha=t.qsr_alpha, outer_warmup=t.outer_warmup, anchor_every=t.anchor_every,
+                          overlap=t.overlap, qsr_alpha=t.qsr_alpha, outer_warmup=t.outer_warmup, phase_seconds=t.phase_seconds,
+                          anchor_every=t.anchor_every,
                           anchor_codec=t.anchor_codec, inner=t.inner_optimizer) if t.optimizer == "diloco" else None
     final_merge = t.final_merge == "on" or (t.final_merge == "auto" and diloco is not None)
     try:  # refuses --adam-accumulate above 1 outside dadam, for one
@@ -145,6 +146,7 @@ SETTING_OF_FIELD = {
     "payload.optimizer.diloco.fragments": "training.fragments", "payload.optimizer.diloco.overlap": "training.overlap",
     "payload.optimizer.diloco.qsr_alpha": "training.qsr_alpha",
     "payload.optimizer.diloco.outer_warmup": "training.outer_warmup",
+    "payload.optimizer.diloco.phase_seconds": "training.phase_seconds",
     "payload.optimizer.diloco.anchor_every": "training.anchor_every",
     "payload.optimizer.diloco.anchor_codec": "training.anchor_codec",
     "payload.optimizer.diloco.inner": "training.inner_optimizer", "payload.final_merge": "training.final_merge",

@@ -38,6 +38,8 @@ class StepReport:
     step_s: float  # wall time of the whole step, exchange included
     round: RoundReport | None = None
     val_loss: float | None = None
+    # the step was passed over, not trained (gossip DiLoCo's wall-clock phases): no loss, no tokens
+    passed: bool = False
 
 
 class Algorithm(Protocol):

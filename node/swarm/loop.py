@@ -690,6 +690,12 @@ class SwarmLoop:
     def _record(self, report: StepReport) -> None:
         s = self.status
         s.step = self.trainer.step
+        if report.round is not None:
+            s.consensus_distance = report.round.consensus_distance
+        if report.passed:  # no compute, no tokens, no loss: only the step count moved on (and a sync, maybe)
+            self.discovery.update(step=self.trainer.step, round=self.peer.round)
+            self.algorithm.show(s)
+            return
         s.loss, s.lr = report.stats.loss, report.stats.lr
         tokens = tokens_per_step(self.recipe)
         self._step_times.append(report.step_s)
@@ -699,8 +705,6 @@ class SwarmLoop:
         sent, received = self.extra_traffic()
         moved = sent + received + self.peer.stats.bytes_sent + self.peer.stats.bytes_received
         s.bytes_per_token = moved / self._tokens
-        if report.round is not None:
-            s.consensus_distance = report.round.consensus_distance
         self.discovery.update(step=self.trainer.step, round=self.peer.round, loss=s.loss,
                               tokens=self.tokens_processed, tokens_per_s=s.tokens_per_s)
         self.observe_contributors()

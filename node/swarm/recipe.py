@@ -331,7 +331,8 @@ class TrainingRecipe:
             outer_momentum=c.outer_momentum, anchor_every=c.anchor_every)
         diloco = None if d is None else _without_defaults(
             DilocoDoc, outer_lr=d.outer_lr, outer_momentum=d.outer_momentum, fragments=d.fragments, overlap=d.overlap,
-            qsr_alpha=d.qsr_alpha, outer_warmup=d.outer_warmup, anchor_every=d.anchor_every, anchor_codec=cast(StateCodecName, d.anchor_codec),
+            qsr_alpha=d.qsr_alpha, outer_warmup=d.outer_warmup, phase_seconds=d.phase_seconds,
+            anchor_every=d.anchor_every, anchor_codec=cast(StateCodecName, d.anchor_codec),
             inner=cast(Literal["adam", "sgd"], d.inner))
         return ModelPayload(
             model=self.model, seed=self.seed, batch_size=self.batch_size, context=self.context, steps=self.steps,
@@ -404,7 +405,7 @@ def _spes_from_doc(doc: SpesDoc, sync: SpesSyncDoc) -> SpesConfig:
 def _diloco_from_doc(doc: DilocoDoc) -> DilocoConfig:
     return DilocoConfig(outer_lr=doc.outer_lr, outer_momentum=doc.outer_momentum, fragments=doc.fragments,
                         overlap=doc.overlap, qsr_alpha=doc.qsr_alpha, outer_warmup=doc.outer_warmup,
-                        anchor_every=doc.anchor_every,
+                        phase_seconds=doc.phase_seconds, anchor_every=doc.anchor_every,
                         anchor_codec=doc.anchor_codec, inner=doc.inner)
 
 

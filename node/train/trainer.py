@@ -277,6 +277,18 @@ class Trainer:
         await self.apply_update()
         return stats
 
+    async def pass_step(self) -> StepStats:
+        """Advance the step count without training (a step gossip DiLoCo's wall-clock phase passes over:
+        node.algorithms.diloco.trainer); its stats say so (`skipped`, no loss: NaN)."""
+        return await self._on_worker(self._pass_step_now)
+
+    def _pass_step_now(self) -> StepStats:
+        if self._pending is not None:
+            raise RuntimeError("pass_step called between compute_update and apply_update")
+        stats = StepStats(self.step, self.lr_at(self.step), math.nan, 0.0, True, 0.0)
+        self.step += 1
+        return stats
+
     async def compute_update(self) -> StepStats:
         """Compute g(x) for the current parameters and the local direction from it (kept for
         `apply_update`); the parameters do not change yet."""

@@ -146,7 +146,7 @@ class DilocoAlgorithm:
             if sync.outcome is not None:
                 distance = sync.anchor_distance if sync.anchors is not None else sync.consensus_distance
                 round_report = self._last_report = RoundReport(sync.round, sync.outcome, distance)
-        return StepReport(report.stats, report.step_s, round_report)
+        return StepReport(report.stats, report.step_s, round_report, passed=report.passed)
 
     async def publish_final(self) -> None:
         """The last step ends on the anchor, which the main peer already serves."""
@@ -190,7 +190,8 @@ class DilocoAlgorithm:
                 "exchanges_failed": d.stats.exchanges_failed, "grace_window_s": d.grace_window_s, "skipped": d.skipped(),
                 "rounds_run": d.rounds_run, "fragment_rounds": d.fragment_rounds,
                 "resumed_outer_state": self.resumed_outer_state, "skipped_ahead": self.skipped_ahead,
-                "rejoins_unbacked": self.rejoins_unbacked}
+                "rejoins_unbacked": self.rejoins_unbacked, "phase_seconds": c.phase_seconds,
+                "steps_passed": d.stats.steps_passed, "last_share": d.stats.last_share}
 
 
 __all__ = ["MIN_OUTER_TIMEOUT_S", "DilocoAlgorithm", "grace_bounds", "outer_exchange", "sync_schedule"]

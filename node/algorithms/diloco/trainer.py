@@ -77,6 +77,7 @@ class DilocoStepReport:
     step_s: float
     launched: tuple[tuple[int, int], ...] = ()  # (fragment, round) exchanges started in this step
     synced: tuple[OuterSync, ...] = ()  # exchanges whose outer step was applied in this step
+    passed: bool = False  # the wall-clock phase was spent: the step count moved on without training
 
 
 @dataclass
@@ -88,6 +89,8 @@ class DilocoStats:
     exchanges_failed: int = 0
     last_sync_s: float = 0.0
     errors: dict[str, int] = field(default_factory=dict)
+    steps_passed: int = 0  # inner steps passed over, not trained (wall-clock phases)
+    last_share: float = 1.0  # of its phase's inner steps, those the last sync's pseudo-gradient covered
 
 
 class DilocoTrainer:
@@ -99,7 +102,8 @@ class DilocoTrainer:
 
     def __init__(self, trainer: Trainer, transport: Transport, settings: ExchangeSettings, config: DilocoConfig,
                  schedule: SyncSchedule, *, state_peer: GossipPeer | None = None,
-                 state_settings: ExchangeSettings | None = None, grace: tuple[float, float] | None = None) -> None:
+                 state_settings: ExchangeSettings | None = None, grace: tuple[float, float] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.trainer = trainer
         self.config = config
         self.schedule = schedule
@@ -128,6 +132,14 @@ class DilocoTrainer:
         self._residuals: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None  # from restore()
         self._scorer: ContributionScorer | None = None  # rates the neighbours' messages (score_with)
         self.stats = DilocoStats()
+        # wall-clock phases (config.phase_seconds): inner steps trained so far; per fragment, the step count
+        # and that number where its phase began (its last sync, or where the node was placed); and the
+        # step count, time and that number where the stretch up to the next sync point began (None: at the
+        # next step)
+        self._clock = clock
+        self._trained = 0
+        self._phase_from: list[tuple[int, int]] = [(0, 0)] * len(self.fragments)
+        self._stretch: tuple[int, float, int] | None = None
 
     # ---- set-up ------------------------------------------------------------------------------------
 
@@ -140,6 +152,7 @@ class DilocoTrainer:
         count = self.trainer.step
         for p, group in enumerate(self._groups):
             await group.start(self._anchor, count, self.schedule.last_sync(p, count))
+            self._phase_from[p] = (count, self._trained)
             if self._residuals is not None:
                 group.load_residuals(*self._residuals)
             if self._scorer is not None:
@@ -262,7 +275,13 @@ class DilocoTrainer:
         the budget): every pending exchange is awaited and every fragment syncs once more, in the
         foreground, so the trainer ends on the anchor."""
         started = time.perf_counter()
-        stats = await self.trainer.train_step()
+        passed = self._phase_spent(self.trainer.step)
+        if passed:
+            stats = await self.trainer.pass_step()
+            self.stats.steps_passed += 1
+        else:
+            stats = await self.trainer.train_step()
+            self._trained += 1
         count = self.trainer.step
         if final:
             due = [(p, self.schedule.last_sync(p, count - 1) + 1) for p in range(len(self.fragments))]
@@ -270,10 +289,45 @@ class DilocoTrainer:
             due = list(self.schedule.syncs_at(count))
         synced: list[OuterSync] = []
         for p, k in due:
-            synced.extend(await self._sync(p, k, plan_for, overlap=self.config.overlap and not final))
-        return DilocoStepReport(stats, time.perf_counter() - started, tuple(due), tuple(synced))
+            share = self._share(p, count)
+            if p == 0:
+                self.stats.last_share = share
+            synced.extend(await self._sync(p, k, plan_for, overlap=self.config.overlap and not final, share=share))
+            self._phase_from[p] = (count, self._trained)
+        if due:
+            self._stretch = None
+        return DilocoStepReport(stats, time.perf_counter() - started, tuple(due), tuple(synced), passed)
 
-    async def _sync(self, p: int, k: int, plan_for: FragmentPlanFor, *, overlap: bool) -> list[OuterSync]:
+    def _phase_spent(self, count: int) -> bool:
+        """Wall-clock phases (config.phase_seconds = S): whether this step is passed over because the
+        stretch since the last sync point (or since the node was placed) has taken its budget, S x (its
+        steps) / H, with at least one step of it trained. The budget is the founder's: no peer's claim
+        moves it. The first step after a sync point begins the next stretch."""
+        seconds = self.config.phase_seconds
+        if seconds <= 0.0:
+            return False
+        now = self._clock()
+        if self._stretch is None:
+            self._stretch = (count, now, self._trained)
+            return False
+        begun, at, trained = self._stretch
+        if self._trained == trained:
+            return False
+        return now - at >= seconds * (self._next_sync_point(count) - begun) / self.schedule.base
+
+    def _next_sync_point(self, count: int) -> int:
+        """The first step count after `count` at which a fragment syncs."""
+        k, _, _ = self.schedule.phase_of(count + 1)
+        return min(point for p in range(len(self.fragments)) if (point := self.schedule.sync_point(p, k)) > count)
+
+    def _share(self, p: int, count: int) -> float:
+        """Of the steps since fragment p's phase began, the share trained (at least one step's)."""
+        begun, trained = self._phase_from[p]
+        steps = count - begun
+        return 1.0 if steps <= 0 else min(1.0, max(1, self._trained - trained) / steps)
+
+    async def _sync(self, p: int, k: int, plan_for: FragmentPlanFor, *, overlap: bool,
+                    share: float = 1.0) -> list[OuterSync]:
         names = self.fragments[p]
         synced = []
         if p in self._pending:
@@ -282,7 +336,7 @@ class DilocoTrainer:
         start = self._start if self._start is not None else self._anchor
         delta = {n: start[n] - x[n] for n in names}
         self._pending_delta[p] = delta
-        self._pending[p] = asyncio.create_task(self._exchange(p, k, delta, plan_for),
+        self._pending[p] = asyncio.create_task(self._exchange(p, k, delta, plan_for, share),
                                                name=f"diloco fragment {p} round {k}")
         if overlap:
             assert self._start is not None
@@ -302,8 +356,9 @@ class DilocoTrainer:
         await self.trainer.load_tensors(restart, partial=True)
         return synced
 
-    async def _exchange(self, p: int, k: int, delta: dict[str, np.ndarray], plan_for: FragmentPlanFor) -> OuterSync:
-        sync = await self._groups[p].exchange(k, delta, self.trainer.step, lambda: plan_for(p, k))
+    async def _exchange(self, p: int, k: int, delta: dict[str, np.ndarray], plan_for: FragmentPlanFor,
+                        share: float) -> OuterSync:
+        sync = await self._groups[p].exchange(k, delta, self.trainer.step, lambda: plan_for(p, k), share=share)
         return OuterSync(p, k, sync.outcome, sync.consensus_distance, sync.anchors, sync.anchor_distance)
 
     async def _land(self, p: int) -> OuterSync:
@@ -366,6 +421,8 @@ class DilocoTrainer:
         count = self.trainer.step
         for p, group in enumerate(self._groups):
             group.place(count, self.schedule.last_sync(p, count))
+            self._phase_from[p] = (count, self._trained)
+        self._stretch = None
         self._publish()
 
     def state(self) -> dict[str, np.ndarray]:
