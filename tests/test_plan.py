@@ -437,3 +437,15 @@ def test_bad_plan_flags_exit_2_with_one_line(args, needle, capsys):
     assert status == 2, out.out
     lines = out.err.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], out.err
+
+
+def test_a_diloco_plan_suggests_the_wall_clock_phase_that_fits_h_steps_of_its_compute():
+    """`--phase-seconds` for volunteers of unequal speed: H steps of the planned step time with PHASE_ROOM, in
+    the text and the JSON; a per-step algorithm has no phases to suggest."""
+    from gossip.diloco import PHASE_ROOM
+
+    args = ("--params", "1000000", "--step-time", "0.4", "--optimizer", "diloco", "--local-steps", "50")
+    doc = json.loads(run_cli(*args, "--json").stdout)
+    assert doc["phase_seconds"] == pytest.approx(PHASE_ROOM * 50 * 0.4)
+    assert f"--phase-seconds {PHASE_ROOM * 50 * 0.4:.3g} fits H = 50 steps" in run_cli(*args).stdout
+    assert "phase_seconds" not in json.loads(run_cli("--params", "1000000", "--step-time", "0.4", "--json").stdout)

@@ -22,7 +22,7 @@ from gossip.diloco.fragments import fragment_partition
 from gossip.diloco.outer import OuterNesterov
 from gossip.diloco.schedule import MAX_PHASE, SyncSchedule, qsr_period, warmup_period
 from gossip.diloco.traffic import RoundMessages, Traffic, round_bytes, run_bytes
-from gossip.diloco.unequal import ArrivalWindow, grace_window
+from gossip.diloco.unequal import PHASE_ROOM, ArrivalWindow, grace_window, phase_seconds_for
 from gossip.knobs import DILOCO_LOCAL_STEPS, MAX_OUTER_LR
 from gossip.mixing import token_weights
 
@@ -35,6 +35,7 @@ __all__ = [
     "MAX_OUTER_LR",
     "MAX_PHASE",
     "MAX_QSR_ALPHA",
+    "PHASE_ROOM",
     "ArrivalWindow",
     "DilocoConfig",
     "DilocoSettings",
@@ -44,6 +45,7 @@ __all__ = [
     "Traffic",
     "fragment_partition",
     "grace_window",
+    "phase_seconds_for",
     "qsr_period",
     "round_bytes",
     "run_bytes",

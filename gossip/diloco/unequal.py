@@ -17,6 +17,17 @@ GRACE_SAMPLES = 16  # the recent rounds the window is learned from (a volunteer'
 GRACE_MIN_SAMPLES = 4  # fewer: nothing learned yet, wait the upper bound
 
 
+# Wall-clock phases (DilocoConfig.phase_seconds): the budget a founder gives H steps of the swarm's fast
+# nodes, over their compute alone: room for a step that runs slow (an evaluation's cache, a loaded host)
+# without passing over the fast nodes' own steps.
+PHASE_ROOM = 1.25
+
+
+def phase_seconds_for(step_time_s: float, local_steps: int) -> float:
+    """The --phase-seconds that fits `local_steps` steps of `step_time_s` each (a fast node's), with room."""
+    return PHASE_ROOM * local_steps * step_time_s
+
+
 def grace_window(delays: Iterable[float], *, k: float = GRACE_K, lo: float, hi: float) -> float:
     """median + k * MAD of `delays` (seconds), within [lo, hi]; hi without any delay. MAD is the median
     absolute deviation from the median, robust to the one straggler the window is there to cut."""
@@ -63,4 +74,5 @@ class ArrivalWindow:
         return grace_window(self._delays, k=self.k, lo=self.lo, hi=self.hi)
 
 
-__all__ = ["GRACE_K", "GRACE_MIN_SAMPLES", "GRACE_SAMPLES", "ArrivalWindow", "grace_window"]
+__all__ = ["GRACE_K", "GRACE_MIN_SAMPLES", "GRACE_SAMPLES", "PHASE_ROOM", "ArrivalWindow", "grace_window",
+           "phase_seconds_for"]

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 
 from gossip.codecs import Codec, TopKCodec, get_codec
-from gossip.diloco import DILOCO_DEFAULTS, DILOCO_LOCAL_STEPS
+from gossip.diloco import DILOCO_DEFAULTS, DILOCO_LOCAL_STEPS, PHASE_ROOM, phase_seconds_for
 from gossip.knobs import codec_outer_step
 from gossip.plan import (
     DEFAULT_LINK_EFFICIENCY,
@@ -254,6 +254,11 @@ def describe(plan: Plan, config: PlanConfig, step: StepTime, model: str) -> list
                  + f": {_mb(up.nbytes)} MB ({up.nbytes / d.nbytes:.1f} fp32 copies) in about {up.seconds:.0f} s "
                  "through the joiner's link, and evaluates the parameters (a few forward passes over the validation "
                  "batches)")
+    if c.algorithm is Algorithm.DILOCO:
+        lines.append(f"volunteers of unequal speed: --phase-seconds {phase_seconds_for(c.step_time_s, c.local_steps):.3g} "
+                     f"fits H = {c.local_steps} steps of this compute with {PHASE_ROOM - 1:.0%} room; a node slower "
+                     "than that trains what fits each phase, passes over the rest and syncs with the swarm, its "
+                     "pseudo-gradient weighed by the steps it trained (docs/training.md)")
     m = membership(c.peers)
     every = m.read_interval_s(DEFAULT_HEARTBEAT_S)
     lines.append(f"membership: {c.peers} peer records of ~{m.record_bytes} B make a view read of ~{m.read_bytes / 1024:.0f} "
@@ -351,8 +356,10 @@ def print_plan(plan: Plan, config: PlanConfig, step: StepTime, model: str, *, as
                   "outer_momentum": config.outer_momentum, "anchor_every": config.anchor_every,
                   "anchor_codec": config.anchor_codec.name,
                   "tokens_per_step": config.tokens_per_step, "round_cpu_s": config.round_cpu_s}
+        phase = ({"phase_seconds": phase_seconds_for(config.step_time_s, config.local_steps)}
+                 if config.algorithm is Algorithm.DILOCO else {})
         print(json.dumps({"inputs": inputs, **plan.as_json(), "catch_up": catch_up(plan, config).as_json(),
-                          "membership": membership(config.peers).as_json()}))
+                          "membership": membership(config.peers).as_json(), **phase}))
         return
     print("\n".join(describe(plan, config, step, model)))
 
