@@ -486,7 +486,8 @@ def test_a_slower_node_passes_over_the_rest_of_its_wall_clock_phase_and_counts_b
     node b takes 3 s (3x slower), so after its first step the phase's budget is spent and it passes over the
     other two. Both sync at step 3 and 6, and each mixes the pseudo-gradients weighed by the steps they
     trained (1 and 1/3 of the phase: 0.75 and 0.25 of the mix on both nodes), against trainers run apart (b
-    trains the steps it trained, at the same step counts) and the outer step recomputed in numpy."""
+    trains the steps it trained, at the same step counts) and the outer step recomputed in numpy. Node a spends
+    100 s between its steps (an evaluation, a checkpoint): only the steps' own time counts, so it passes none."""
     H, phases = 3, 2
     optimizer = OptimizerConfig(algorithm="diloco", lr=3e-3, local_steps=H)
     config = DilocoConfig(outer_lr=0.7, outer_momentum=0.9, anchor_codec="fp32", outer_warmup=0,
@@ -497,13 +498,21 @@ def test_a_slower_node_passes_over_the_rest_of_its_wall_clock_phase_and_counts_b
         net = InMemoryNetwork()
         settings = ExchangeSettings(swarm="test", config_hash="c0ffee", codec=get_codec("fp32"),
                                     exchange_timeout_s=30.0)
-        nodes = []
+        nodes, clocks = [], []
         for pid, seconds in zip(ids, step_s, strict=True):
             clock = _StepClock()
             node = DilocoTrainer(clock.slow(make_trainer(corpus, optimizer, pid), seconds), net.transport(pid),
                                  settings, config, SyncSchedule(H, 1, optimizer.schedule.lr_at), clock=clock)
             await node.start()
             nodes.append(node)
+            clocks.append(clock)
+        step = nodes[0].step
+
+        async def step_after_an_evaluation(*args, **kwargs):
+            clocks[0].now += 100.0
+            return await step(*args, **kwargs)
+
+        nodes[0].step = step_after_an_evaluation  # type: ignore[method-assign]
         reports = await drive(nodes, H * phases, Lockstep(ids))
         assert [r.passed for r in reports[0]] == [False] * 6
         assert [r.passed for r in reports[1]] == [False, True, True] * 2

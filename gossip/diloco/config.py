@@ -75,8 +75,8 @@ class DilocoSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     )] = 4
     phase_seconds: Annotated[float, msgspec.Meta(
         ge=0.0, le=MAX_PHASE_SECONDS, extra={"metavar": "SECONDS"},
-        description="diloco: wall-clock phases - a node that has not reached a sync point within SECONDS x "
-        "(its steps since the last one) / --local-steps passes over the inner steps left before it, so "
+        description="diloco: wall-clock phases - a node whose inner steps since the last sync point took SECONDS x "
+        "(the steps between the two) / --local-steps passes over the inner steps left before the next, so "
         "volunteers of unequal speed keep one cadence, and each pseudo-gradient is weighed by the inner steps "
         "it trained; about H times the fastest nodes' step time; 0: every node trains every step (the swarm's)",
     )] = 0.0
@@ -121,7 +121,8 @@ class DilocoConfig:
     - `outer_warmup`: W; phase k < W lasts ceil(H (k + 1) / (W + 1)) steps (at least P), so the
       swarm syncs often while the models move fast, then every H (gossip.diloco.schedule).
     - `phase_seconds`: S > 0 makes phases wall-clock: a node whose inner steps since its last sync point
-      took S x (steps to the next one) / H passes over the steps left before it (they advance the step
+      took S x (steps to the next one) / H (their own time: not what the node does between them) passes
+      over the steps left before it (they advance the step
       count without training), so a slower volunteer syncs when the swarm does with what it trained,
       its pseudo-gradient weighed by its share of the phase's steps; 0: every step is trained.
     - `anchor_every`: every this many syncs of a fragment its anchors are mixed with the same

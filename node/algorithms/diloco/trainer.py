@@ -133,13 +133,13 @@ class DilocoTrainer:
         self._scorer: ContributionScorer | None = None  # rates the neighbours' messages (score_with)
         self.stats = DilocoStats()
         # wall-clock phases (config.phase_seconds): inner steps trained so far; per fragment, the step count
-        # and that number where its phase began (its last sync, or where the node was placed); and the
-        # step count, time and that number where the stretch up to the next sync point began (None: at the
-        # next step)
+        # and that number where its phase began (its last sync, or where the node was placed); and, for the
+        # stretch up to the next sync point, the step count and that number where it began and the seconds
+        # its steps took so far (None: it begins at the next step)
         self._clock = clock
         self._trained = 0
         self._phase_from: list[tuple[int, int]] = [(0, 0)] * len(self.fragments)
-        self._stretch: tuple[int, float, int] | None = None
+        self._stretch: tuple[int, int, float] | None = None
 
     # ---- set-up ------------------------------------------------------------------------------------
 
@@ -274,7 +274,7 @@ class DilocoTrainer:
         """One inner step, then the outer syncs the schedule puts after it. `final` (the last step of
         the budget): every pending exchange is awaited and every fragment syncs once more, in the
         foreground, so the trainer ends on the anchor."""
-        started = time.perf_counter()
+        started, clock_started = time.perf_counter(), self._clock()
         passed = self._phase_spent(self.trainer.step)
         if passed:
             stats = await self.trainer.pass_step()
@@ -296,24 +296,28 @@ class DilocoTrainer:
             self._phase_from[p] = (count, self._trained)
         if due:
             self._stretch = None
+        elif self._stretch is not None:
+            begun, trained, busy_s = self._stretch
+            self._stretch = (begun, trained, busy_s + self._clock() - clock_started)
         return DilocoStepReport(stats, time.perf_counter() - started, tuple(due), tuple(synced), passed)
 
     def _phase_spent(self, count: int) -> bool:
-        """Wall-clock phases (config.phase_seconds = S): whether this step is passed over because the
-        stretch since the last sync point (or since the node was placed) has taken its budget, S x (its
-        steps) / H, with at least one step of it trained. The budget is the founder's: no peer's claim
-        moves it. The first step after a sync point begins the next stretch."""
+        """Wall-clock phases (config.phase_seconds = S): whether this step is passed over because the steps
+        of the stretch since the last sync point (or since the node was placed) have taken its budget, S x
+        (its steps) / H, with at least one of them trained. Only the steps' own time counts: what the node
+        does between them (an evaluation, a checkpoint, at its own settings) does not make a fast node pass
+        its steps. The budget is the founder's: no peer's claim moves it. The first step after a sync point
+        begins the next stretch."""
         seconds = self.config.phase_seconds
         if seconds <= 0.0:
             return False
-        now = self._clock()
         if self._stretch is None:
-            self._stretch = (count, now, self._trained)
+            self._stretch = (count, self._trained, 0.0)
             return False
-        begun, at, trained = self._stretch
+        begun, trained, busy_s = self._stretch
         if self._trained == trained:
             return False
-        return now - at >= seconds * (self._next_sync_point(count) - begun) / self.schedule.base
+        return busy_s >= seconds * (self._next_sync_point(count) - begun) / self.schedule.base
 
     def _next_sync_point(self, count: int) -> int:
         """The first step count after `count` at which a fragment syncs."""
