@@ -331,7 +331,7 @@ class DilocoTrainer:
         return 1.0 if steps <= 0 else min(1.0, max(1, self._trained - trained) / steps)
 
     async def _sync(self, p: int, k: int, plan_for: FragmentPlanFor, *, overlap: bool,
-                    share: float = 1.0) -> list[OuterSync]:
+                    share: float) -> list[OuterSync]:
         names = self.fragments[p]
         synced = []
         if p in self._pending:
